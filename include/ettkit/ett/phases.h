@@ -1,0 +1,49 @@
+#pragma once
+// The phase taxonomy (Meta's ETT phases) shared by the recorder and the report.
+//
+// A phase name is either a top-level phase ("compile"), a known sub-stage that rolls up into its parent
+// ("process_group_init" -> "launcher_init"), an explicit "parent/child" path, or a user-named phase
+// ("eval"), which the report counts as idle time (a phase outside training that consumes no new data).
+
+#include <string>
+#include <string_view>
+
+#include "ettkit/common/export.h"
+
+namespace ettkit::ett {
+
+namespace phase {
+// Before the process exists (recorded from launcher-provided timestamps).
+inline constexpr std::string_view kScheduling = "scheduling";
+inline constexpr std::string_view kHardwareSetup = "hardware_setup";
+// In-process start-up.
+inline constexpr std::string_view kLauncherInit = "launcher_init";
+inline constexpr std::string_view kCompile = "compile";
+inline constexpr std::string_view kCheckpointRestore = "checkpoint_restore";
+// The training loop.
+inline constexpr std::string_view kTraining = "training";
+inline constexpr std::string_view kWastedTraining = "wasted_training";
+inline constexpr std::string_view kCheckpointBlocking = "checkpoint_blocking";
+inline constexpr std::string_view kShutdown = "shutdown";
+// Background track (does not block training; drawn on its own trace track).
+inline constexpr std::string_view kCheckpointPersist = "checkpoint_persist";
+// Sub-stage the recorder writes for [process start, recorder start): interpreter start, imports.
+inline constexpr std::string_view kProcessBootstrap = "process_bootstrap";
+// Report-only names for time no record covers.
+inline constexpr std::string_view kLostInFlight = "lost_in_flight";          // alive after its last record, then killed
+inline constexpr std::string_view kDetectAndTeardown = "detect_and_teardown";  // between a failed attempt and the next
+inline constexpr std::string_view kRestartGap = "restart_gap";                // between a clean attempt and the next
+inline constexpr std::string_view kUnattributed = "unattributed";
+}  // namespace phase
+
+/// The top-level phase a name rolls up into: "process_group_init" -> "launcher_init",
+/// "launcher_init/foo" -> "launcher_init", "compile" -> "compile", "eval" -> "eval".
+ETTKIT_API std::string top_level_phase(std::string_view name);
+
+/// Whether a name is one of the built-in top-level phases or sub-stages (not user-named).
+ETTKIT_API bool is_known_phase(std::string_view name);
+
+/// Validates a phase name (non-empty, at most 128 bytes, [A-Za-z0-9_./-] only) or throws InvalidArgument.
+ETTKIT_API void validate_phase_name(std::string_view name);
+
+}  // namespace ettkit::ett

@@ -1,0 +1,52 @@
+#pragma once
+// The ETT report: a pure function of a run directory's ledger files (RUN_DIR/ett/rank-*.jsonl).
+//
+// Every instant of the job's end-to-end wall time is put in exactly one bucket — effective, idle,
+// failure or unattributed — so the buckets sum to E2E (integer microseconds) and the percentages to 100.
+// docs/ett.md defines each quantity; the JSON keys are a stable contract (format_version).
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ettkit/common/export.h"
+#include "ettkit/ett/interval.h"
+
+namespace ettkit::ett {
+
+struct ETTKIT_API ReportOptions {
+  /// Count attempt 0's scheduling (queue) phase in E2E. Off by default: Meta's E2E starts at allocation.
+  bool include_initial_queue = false;
+  /// Mean time between failures to assume when the ledger shows no failure (seconds; <= 0: use the
+  /// observed training time as a lower bound).
+  double mtbf_prior_s = 0.0;
+  /// The method the headline recommendation uses.
+  IntervalMethod method = IntervalMethod::kYoung;
+  /// Include the per-rank and job timelines (needed by the trace and plot exporters).
+  bool include_timeline = true;
+};
+
+/// The headline numbers, for C++ trainers; the full report is the JSON.
+struct ETTKIT_API ReportSummary {
+  double e2e_s = 0;
+  double ett_pct = 0;
+  double idle_pct = 0;
+  double failure_pct = 0;
+  double unattributed_pct = 0;
+  int attempts = 0;
+  int failures = 0;
+  std::vector<double> time_to_start_s;    ///< one per attempt that reached training
+  std::vector<double> time_to_recover_s;  ///< one per failure
+  std::optional<double> recommended_interval_s;
+};
+
+/// Builds the report and returns it as a JSON document (one object). Throws InvalidArgument when the run
+/// directory is missing or holds no ledger, Unsupported for a ledger of a newer format version. Corrupt
+/// or torn lines are skipped and counted under "ledger".
+ETTKIT_API std::string build_report_json(const std::string& run_dir, const ReportOptions& options = {});
+
+/// Builds the report and returns its headline numbers.
+ETTKIT_API ReportSummary build_report(const std::string& run_dir, const ReportOptions& options = {});
+
+}  // namespace ettkit::ett

@@ -1,0 +1,12 @@
+#include "bindings.h"
+
+#include "ettkit/common/config.h"
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "ettkit's C++ core (use the pure-Python API in the ettkit package)";
+  m.attr("__version__") = ETTKIT_VERSION_STRING;
+  m.attr("WITH_CUDA") = static_cast<bool>(ETTKIT_WITH_CUDA);
+  ettkit::python::bind_common(m);
+  auto ett = m.def_submodule("ett", "ETT phase timers, ledger, report, interval advisor");
+  ettkit::python::bind_ett(ett);
+}

@@ -1,0 +1,41 @@
+"""ettkit: raise a training job's Effective Training Time (ETT%).
+
+Components: :mod:`ettkit.ett` (phase timers, ledger, report, interval advisor). The C++ core is
+``libettkit.so``; C++ trainers use it through ``find_package(ettkit)`` with
+``CMAKE_PREFIX_PATH=ettkit.cmake_prefix_path``.
+"""
+
+import os as _os
+
+# torch must be imported first: libettkit.so links libtorch, and importing torch loads it (and the CUDA
+# runtime libraries from its wheels) so the dynamic loader reuses them for ettkit._C.
+import torch as _torch  # noqa: F401
+
+from . import errors
+from ._C import WITH_CUDA, __version__
+from .errors import (
+    CorruptCheckpointError,
+    CorruptDataError,
+    Error,
+    InvalidArgumentError,
+    IoError,
+    TimeoutError,
+    UnsupportedError,
+)
+
+#: Directory to add to CMAKE_PREFIX_PATH so that ``find_package(ettkit)`` finds the installed package.
+cmake_prefix_path = _os.path.dirname(__file__)
+
+__all__ = [
+    "WITH_CUDA",
+    "__version__",
+    "cmake_prefix_path",
+    "errors",
+    "Error",
+    "InvalidArgumentError",
+    "CorruptDataError",
+    "CorruptCheckpointError",
+    "IoError",
+    "TimeoutError",
+    "UnsupportedError",
+]

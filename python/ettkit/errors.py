@@ -1,0 +1,33 @@
+"""ettkit's exception classes. C++ errors are translated into these by the ``ettkit._C`` module.
+
+Each subclasses the builtin a Python user would catch for that kind of problem, so
+``except ValueError`` still works for bad arguments.
+"""
+
+
+class Error(RuntimeError):
+    """Base class of every error ettkit raises."""
+
+
+class InvalidArgumentError(Error, ValueError):
+    """A value passed to ettkit is outside what is valid; the message names the field."""
+
+
+class CorruptDataError(Error, ValueError):
+    """Data read from disk is malformed; the message names the file and record."""
+
+
+class CorruptCheckpointError(CorruptDataError):
+    """No committed checkpoint passes verification."""
+
+
+class IoError(Error, OSError):
+    """A file-system call failed; the message names the path."""
+
+
+class TimeoutError(Error, TimeoutError):  # noqa: A001 - deliberately shadows the builtin inside ettkit
+    """A bounded wait ran out."""
+
+
+class UnsupportedError(Error):
+    """The input needs a newer ettkit (e.g. a ledger written by a newer format version)."""

@@ -1,0 +1,45 @@
+"""ETT phase timers: measure every phase of a job across restarts and report its Effective Training Time.
+
+Record (one :class:`Recorder` per process, ledger ``RUN_DIR/ett/rank-<r>.jsonl``)::
+
+    from ettkit import ett
+    with ett.Recorder(run_dir) as rec:               # the attempt record; end status on exit
+        with rec.phase("process_group_init"): ...
+        with rec.phase("compile"): ...
+        for step in range(start, steps):
+            train_step()
+            if step % k == 0:
+                with rec.phase("checkpoint_blocking", step=step): save()
+            rec.step(step)                           # marks the completion of global step `step`
+
+Report (a pure function of the ledger directory)::
+
+    report = ett.build_report(run_dir)               # dict, see docs/ett.md
+    print(ett.format_report(report))
+
+or ``python -m ettkit report RUN_DIR [--json] [--trace F] [--prometheus F] [--plot F.png] [--tensorboard DIR]``.
+"""
+
+from __future__ import annotations
+
+from .advisor import recommend_interval
+from .recorder import Recorder, current, init, phase, step
+from .report import build_report
+
+__all__ = [
+    "Recorder",
+    "build_report",
+    "current",
+    "format_report",
+    "init",
+    "phase",
+    "recommend_interval",
+    "step",
+]
+
+
+def format_report(report: dict) -> str:
+    """The report as a readable plain-text table (see :mod:`ettkit.ett.table`)."""
+    from .table import format_report as _format
+
+    return _format(report)

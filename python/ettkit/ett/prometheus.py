@@ -1,0 +1,125 @@
+"""The ETT report as a Prometheus text-exposition file.
+
+The file is meant for node_exporter's textfile collector (name it `*.prom` and put it in the collector's
+directory) or for any scraper that reads the text format. Names follow the Prometheus conventions: the
+`ettkit_` prefix, base units (seconds), ratios from 0 to 1 with `_ratio`, and a counter for failures so
+that the exposition shows `ettkit_failures_total`.
+
+The values are a snapshot computed from the ledger, not live instruments, so they are yielded by a
+collector (the prometheus_client way to proxy another system's numbers) instead of being set on
+Gauge/Counter objects: that way no `_created` timestamp of the export itself leaks into the file.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterator
+
+from prometheus_client import CollectorRegistry, write_to_textfile
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+
+class ReportCollector(Collector):
+    """Yields the metrics of one report dict; values the report lacks (None) are left out."""
+
+    def __init__(self, report: dict, job: str | None = None) -> None:
+        self._report = report
+        self._job = job
+
+    def _family(self, cls, name: str, doc: str, labels: tuple[str, ...] = ()) -> Metric:
+        extra = ("job",) if self._job is not None else ()
+        return cls(name, doc, labels=[*labels, *extra])
+
+    def _add(self, family: Metric, value: float | None, *labels: str) -> None:
+        if value is None:
+            return
+        extra = (self._job,) if self._job is not None else ()
+        family.add_metric([*labels, *extra], float(value))
+
+    def _scalar(self, name: str, doc: str, value: float | None) -> Iterator[Metric]:
+        family = self._family(GaugeMetricFamily, name, doc)
+        self._add(family, value)
+        yield family
+
+    def collect(self) -> Iterator[Metric]:
+        # A family without samples would only add HELP/TYPE noise to the file.
+        return (family for family in self._families() if family.samples)
+
+    def _families(self) -> Iterator[Metric]:
+        r = self._report
+
+        def ratio(pct: float | None) -> float | None:
+            return None if pct is None else pct / 100.0
+
+        yield from self._scalar("ettkit_e2e_seconds", "End-to-end wall time of the job.", r.get("e2e_s"))
+        yield from self._scalar("ettkit_effective_training_ratio",
+                                "Share of end-to-end time spent training on new data (ETT%/100).",
+                                ratio(r.get("ett_pct")))
+        yield from self._scalar("ettkit_idle_ratio", "Share of end-to-end time that was idle (Idleness%/100).",
+                                ratio(r.get("idle_pct")))
+        yield from self._scalar("ettkit_failure_ratio", "Share of end-to-end time lost to failures.",
+                                ratio(r.get("failure_pct")))
+        yield from self._scalar("ettkit_unattributed_ratio", "Share of end-to-end time no phase accounts for.",
+                                ratio(r.get("unattributed_pct")))
+        yield from self._scalar("ettkit_attempts", "Number of attempts (launches) of the job.",
+                                len(r["attempts"]) if "attempts" in r else None)
+
+        phases = self._family(GaugeMetricFamily, "ettkit_phase_seconds",
+                              "Job-level wall time per top-level phase.", ("phase",))
+        for name, seconds in (r.get("phases") or {}).items():
+            self._add(phases, seconds, name)
+        yield phases
+
+        failures = self._family(CounterMetricFamily, "ettkit_failures",
+                                "Failures of the job since it was first launched.", ("category",))
+        by_category = dict(r.get("failures_by_category") or {})
+        if not by_category and r.get("failures"):
+            by_category = {"unknown": r["failures"]}
+        for category, count in by_category.items():
+            self._add(failures, count, category)
+        yield failures
+
+        start = self._family(GaugeMetricFamily, "ettkit_time_to_start_seconds",
+                             "Time from an attempt's launch to its first training step.", ("attempt",))
+        for attempt in r.get("attempts") or []:
+            self._add(start, attempt.get("time_to_start_s"), str(attempt.get("attempt")))
+        yield start
+
+        recover = self._family(GaugeMetricFamily, "ettkit_time_to_recover_seconds",
+                               "Time from a failure until training resumed, by failure index.", ("failure",))
+        for i, seconds in enumerate(r.get("time_to_recover_s") or []):
+            self._add(recover, seconds, str(i))
+        yield recover
+
+        for name, key, doc in (
+            ("ettkit_checkpoint_blocking_seconds", "checkpoint_blocking_s",
+             "Training time blocked by checkpoint saves, measured and as estimated from the interval."),
+            ("ettkit_unsaved_training_seconds", "unsaved_training_s",
+             "Training lost to failures since the last checkpoint, measured and estimated (failures x interval / 2)."),
+        ):
+            family = self._family(GaugeMetricFamily, name, doc, ("kind",))
+            for kind, seconds in (r.get(key) or {}).items():
+                self._add(family, seconds, kind)
+            yield family
+
+        skew = self._family(GaugeMetricFamily, "ettkit_phase_skew_seconds",
+                            "Spread (max - min) of a phase's duration across ranks.", ("phase",))
+        for name, stats in ((r.get("rank_skew") or {}).get("phases") or {}).items():
+            self._add(skew, stats.get("skew_s"), name)
+        yield skew
+
+        yield from self._scalar("ettkit_checkpoint_interval_seconds", "Checkpoint interval in use.",
+                                (r.get("checkpoints") or {}).get("interval_s"))
+        yield from self._scalar("ettkit_recommended_checkpoint_interval_seconds",
+                                "Checkpoint interval that minimises expected waste.",
+                                r.get("recommended_interval_s"))
+        yield from self._scalar("ettkit_mtbf_seconds", "Mean time between failures used by the advisor.",
+                                r.get("mtbf_s"))
+
+
+def write_prometheus(report: dict, path: str | os.PathLike, job: str | None = None) -> None:
+    """Writes the report's metrics to `path` atomically; `job` adds a `job` label to every metric."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ReportCollector(report, job))
+    write_to_textfile(os.fspath(path), registry)

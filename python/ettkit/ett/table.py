@@ -1,0 +1,188 @@
+"""The ETT report as a plain-text table for a terminal.
+
+`format_report` is what `python -m ettkit report RUN_DIR` prints. It takes the report dict (the parsed JSON
+report) and returns text only: no colours, because the output often ends up in CI logs and ticket
+comments, and no I/O, so callers decide where it goes. Every value the report may lack prints as "-".
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any, Iterable, Sequence
+
+MISSING = "-"
+
+
+def _num(value: Any, decimals: int = 1, suffix: str = "") -> str:
+    if value is None:
+        return MISSING
+    return f"{value:.{decimals}f}{suffix}"
+
+
+def _text(value: Any) -> str:
+    return MISSING if value is None or value == "" else str(value)
+
+
+def _hms(seconds: float | None) -> str:
+    if seconds is None:
+        return MISSING
+    whole = int(round(seconds))
+    return f"{whole // 3600}:{whole % 3600 // 60:02d}:{whole % 60:02d}"
+
+
+def _utc(us: int | None) -> str:
+    if us is None:
+        return MISSING
+    return datetime.fromtimestamp(us / 1e6, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _grid(headers: Sequence[str], rows: Iterable[Sequence[str]], right: Sequence[bool]) -> list[str]:
+    """Aligns columns; `right` marks numeric columns, which read best right-aligned."""
+    rows = [list(r) for r in rows]
+    if not rows:
+        return ["  (none)"]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        parts = [c.rjust(w) if r else c.ljust(w) for c, w, r in zip(cells, widths, right)]
+        return ("  " + "  ".join(parts)).rstrip()
+
+    return [line(headers), "  " + "  ".join("-" * w for w in widths), *(line(r) for r in rows)]
+
+
+def _header(report: dict) -> list[str]:
+    e2e = report.get("e2e_s")
+    return [
+        f"ETT report: {_text(report.get('run_dir'))}",
+        f"  E2E           {_hms(e2e)} ({_num(e2e)} s)",
+        f"  ETT%          {_num(report.get('ett_pct'), 2, '%')}",
+        f"  Idle%         {_num(report.get('idle_pct'), 2, '%')}",
+        f"  Failure%      {_num(report.get('failure_pct'), 2, '%')}",
+        f"  Unattributed% {_num(report.get('unattributed_pct'), 2, '%')}",
+        f"  Failures      {_text(report.get('failures'))}",
+    ]
+
+
+def _phases(report: dict) -> list[str]:
+    e2e = report.get("e2e_s") or 0.0
+    buckets = report.get("phase_buckets") or {}
+    # Sub-stages are part of their phase's time; they are listed indented under it, never summed again.
+    substages: dict[str, list[tuple[str, float]]] = {}
+    for key, seconds in (report.get("substages") or {}).items():
+        parent, _, child = key.partition("/")
+        substages.setdefault(parent, []).append((child or key, seconds))
+
+    def share(seconds: float | None) -> str:
+        return _num(100.0 * seconds / e2e, 2, "%") if seconds is not None and e2e > 0 else MISSING
+
+    rows = []
+    phases = report.get("phases") or {}
+    for name, seconds in sorted(phases.items(), key=lambda kv: -(kv[1] or 0.0)):
+        rows.append([name, _num(seconds), share(seconds), _text(buckets.get(name))])
+        for child, child_s in sorted(substages.get(name, []), key=lambda kv: -(kv[1] or 0.0)):
+            rows.append([f"  {child}", _num(child_s), share(child_s), ""])
+    return ["Phases", *_grid(["phase", "seconds", "% of E2E", "bucket"], rows, [False, True, True, False])]
+
+
+def _attempts(report: dict) -> list[str]:
+    rows = []
+    for a in report.get("attempts") or []:
+        first, last = a.get("first_step"), a.get("last_step")
+        steps = MISSING if first is None and last is None else f"{_text(first)}..{_text(last)}"
+        rows.append([
+            _text(a.get("attempt")), _text(a.get("status")), _text(a.get("exception_type")),
+            _num(a.get("time_to_start_s")), steps, _utc(a.get("begin_us")), _utc(a.get("end_us")),
+        ])
+    headers = ["attempt", "status", "exception", "time to start s", "steps", "begin (UTC)", "end (UTC)"]
+    return ["Attempts", *_grid(headers, rows, [True, False, False, True, False, False, False])]
+
+
+def _recoveries(report: dict) -> list[str]:
+    rows = []
+    for i, r in enumerate(report.get("recoveries") or []):
+        resumed = r.get("resumed_attempt") if r.get("recovered", True) else None
+        breakdown = " ".join(f"{k}={_num(v)}" for k, v in (r.get("breakdown") or {}).items())
+        rows.append([
+            str(i), f"{_text(r.get('failed_attempt'))} -> {_text(resumed)}", _text(r.get("category")),
+            _num(r.get("total_s")), _num(r.get("retraining_s")), breakdown or MISSING,
+        ])
+    headers = ["failure", "attempts", "category", "total s", "retraining s", "breakdown (s)"]
+    return ["Failures / Time to Recover",
+            *_grid(headers, rows, [True, False, False, True, True, False])]
+
+
+def _checkpointing(report: dict) -> list[str]:
+    blocking = report.get("checkpoint_blocking_s") or {}
+    unsaved = report.get("unsaved_training_s") or {}
+    ckpt = report.get("checkpoints") or {}
+    source = ckpt.get("interval_source")
+    return [
+        "Checkpointing",
+        f"  blocking          measured {_num(blocking.get('measured'))} s, "
+        f"estimated {_num(blocking.get('estimated'))} s",
+        f"  unsaved training  measured {_num(unsaved.get('measured'))} s, "
+        f"estimated {_num(unsaved.get('estimated'))} s",
+        f"  checkpoints       {_text(ckpt.get('count'))}, mean blocking {_num(ckpt.get('blocking_mean_s'), 2)} s, "
+        f"median durable latency {_num(ckpt.get('durable_latency_median_s'), 2)} s",
+        f"  interval in use   {_num(ckpt.get('interval_s'))} s" + (f" ({source})" if source else ""),
+    ]
+
+
+def _recommendation(report: dict) -> list[str]:
+    rec = report.get("recommendation")
+    mtbf = f"  MTBF              {_num(report.get('mtbf_s'))} s"
+    if report.get("mtbf_source"):
+        mtbf += f" ({report['mtbf_source']})"
+    if not rec:
+        return ["Recommendation", f"  interval          {_num(report.get('recommended_interval_s'))} s", mtbf]
+    steps = rec.get("interval_steps")
+    variants = " ".join(f"{k}={_num(v)}" for k, v in (rec.get("variants") or {}).items())
+    lines = [
+        "Recommendation",
+        f"  interval          {_num(rec.get('interval_s'))} s"
+        + (f" ({steps} steps)" if steps is not None else "") + f", method {_text(rec.get('method'))}",
+        f"  current interval  {_num(rec.get('current_interval_s'))} s",
+        f"  waste             at current {_num(rec.get('waste_at_current_s'))} s, "
+        f"at recommended {_num(rec.get('waste_at_recommended_s'))} s",
+        f"  expected saving   {_num(rec.get('expected_saving_s'))} s",
+        f"  variants (s)      {variants or MISSING}",
+        f"  floor             {_num(rec.get('floor_s'))} s",
+        mtbf,
+    ]
+    if rec.get("note"):
+        lines.append(f"  note              {rec['note']}")
+    return lines
+
+
+def _skew(report: dict) -> list[str]:
+    skew = report.get("rank_skew") or {}
+    rows = [
+        [name, _num(s.get("min"), 3), _num(s.get("median"), 3), _num(s.get("max"), 3), _num(s.get("skew_s"), 3)]
+        for name, s in (skew.get("phases") or {}).items()
+    ]
+    lines = ["Per-rank skew", *_grid(["phase", "min s", "median s", "max s", "skew s"], rows,
+                                     [False, True, True, True, True])]
+    starts = skew.get("attempt_start_skew_s")
+    if starts:
+        lines.append("  attempt start skew (s): " + ", ".join(_num(s, 3) for s in starts))
+    return lines
+
+
+def _ledger(report: dict) -> list[str]:
+    ledger = report.get("ledger") or {}
+    lines = [
+        "Ledger",
+        f"  files {_text(ledger.get('files'))}, records {_text(ledger.get('records'))}, "
+        f"corrupt lines {_text(ledger.get('corrupt_lines'))}, torn lines {_text(ledger.get('torn_lines'))}, "
+        f"dropped events {_text(ledger.get('dropped_events'))}",
+    ]
+    warnings = ledger.get("warnings") or []
+    lines.append(f"  warnings: {len(warnings)}")
+    lines.extend(f"    - {w}" for w in warnings)
+    return lines
+
+
+def format_report(report: dict) -> str:
+    """Returns the report as aligned plain text, one section per part of the report."""
+    sections = [_header, _phases, _attempts, _recoveries, _checkpointing, _recommendation, _skew, _ledger]
+    return "\n\n".join("\n".join(section(report)) for section in sections) + "\n"

@@ -1,0 +1,55 @@
+#include "ett/process_info.h"
+
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+namespace ettkit::ett::detail {
+
+std::optional<int64_t> process_start_epoch_us() {
+  // /proc/self/stat field 22 is the start time in clock ticks after boot; /proc/stat's btime is the boot
+  // time in epoch seconds. The command name (field 2) may contain spaces, so parse after its ')'.
+  std::ifstream stat("/proc/self/stat");
+  std::string line;
+  if (!stat || !std::getline(stat, line)) return std::nullopt;
+  auto close = line.rfind(')');
+  if (close == std::string::npos) return std::nullopt;
+  std::istringstream fields(line.substr(close + 2));
+  std::string field;
+  // Fields after ')' start at field 3 (state); starttime is field 22.
+  for (int i = 3; i <= 22; ++i) {
+    if (!(fields >> field)) return std::nullopt;
+  }
+  long long start_ticks = std::strtoll(field.c_str(), nullptr, 10);
+  std::ifstream proc_stat("/proc/stat");
+  long long btime = -1;
+  while (std::getline(proc_stat, line)) {
+    if (line.rfind("btime ", 0) == 0) {
+      btime = std::strtoll(line.c_str() + 6, nullptr, 10);
+      break;
+    }
+  }
+  long ticks_per_s = sysconf(_SC_CLK_TCK);
+  if (btime < 0 || ticks_per_s <= 0) return std::nullopt;
+  return static_cast<int64_t>(btime) * 1000000 + static_cast<int64_t>(start_ticks) * 1000000 / ticks_per_s;
+}
+
+std::string host_name() {
+  char buf[256] = {0};
+  if (gethostname(buf, sizeof(buf) - 1) != 0) return {};
+  return buf;
+}
+
+std::optional<int64_t> env_int(const char* name) {
+  const char* value = std::getenv(name);
+  if (value == nullptr || *value == '\0') return std::nullopt;
+  char* end = nullptr;
+  long long v = std::strtoll(value, &end, 10);
+  if (end == value || *end != '\0') return std::nullopt;
+  return v;
+}
+
+}  // namespace ettkit::ett::detail

@@ -1,0 +1,812 @@
+// The ETT report: ledger records -> per-rank timelines -> one job timeline -> buckets and metrics.
+//
+// 1. Per rank and attempt, the recorded intervals (phases, steps) are flattened into non-overlapping
+//    segments: where intervals nest, the one that began last wins (a checkpoint_blocking phase inside a
+//    step is checkpoint time, not training). Uncovered time is "unattributed", or "lost_in_flight" after
+//    the last record of an attempt that failed.
+// 2. Steps at or below the step high-water mark of the rank's earlier attempts are wasted_training.
+// 3. Each segment gets a bucket. Time in a recovery attempt (one that follows a failed attempt) before the
+//    job trains again is failure time (Time to Recover), whatever the phase; otherwise phases are idle.
+// 4. The job timeline takes, at each instant, the most severe segment across ranks (failure > idle >
+//    unattributed > effective): a synchronous job trains only when every rank trains. Time no rank covers
+//    is detect_and_teardown after a failed attempt, restart_gap after a clean one.
+// Every instant of E2E falls in exactly one job segment, so the buckets sum to E2E in integer µs.
+#include "ettkit/ett/report.h"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <queue>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "ett/ledger_reader.h"
+#include "ettkit/common/error.h"
+#include "ettkit/ett/interval.h"
+#include "ettkit/ett/phases.h"
+
+using nlohmann::json;
+
+namespace ettkit::ett {
+
+namespace {
+
+using detail::AttemptLedger;
+using detail::LedgerSet;
+
+enum class Bucket : uint8_t { kEffective = 0, kUnattributed = 1, kIdle = 2, kFailure = 3 };
+
+const char* bucket_name(Bucket b) {
+  switch (b) {
+    case Bucket::kEffective: return "effective";
+    case Bucket::kUnattributed: return "unattributed";
+    case Bucket::kIdle: return "idle";
+    case Bucket::kFailure: return "failure";
+  }
+  return "?";
+}
+
+// What a flattened segment is, before buckets are assigned.
+enum class Kind : uint8_t { kPhase, kTraining, kWasted, kUnattributed, kLostInFlight, kBetween };
+
+struct Segment {
+  int64_t b;
+  int64_t e;
+  std::string name;  // full phase name (sub-stages kept; top_level_phase() rolls up)
+  Kind kind;
+  Bucket bucket = Bucket::kUnattributed;
+  int attempt = 0;
+  int rank = -1;
+  int severity() const {
+    // Job-level precedence: failure (except re-training) > re-training > idle > unattributed > effective.
+    if (bucket == Bucket::kFailure) return kind == Kind::kWasted ? 4 : 5;
+    if (bucket == Bucket::kIdle) return 3;
+    if (bucket == Bucket::kUnattributed) return 2;
+    return 1;
+  }
+};
+
+struct RankAttempt {
+  const AttemptLedger* ledger = nullptr;
+  int64_t begin = 0;        // earliest record (scheduling included)
+  int64_t alloc_begin = 0;  // earliest record excluding scheduling
+  int64_t end = 0;
+  bool failed = false;
+  int64_t failure_point = 0;  // last activity (failed attempts)
+  std::optional<int64_t> first_training;
+  std::vector<Segment> segments;
+};
+
+struct JobAttempt {
+  int attempt = 0;
+  int64_t begin = INT64_MAX;
+  int64_t alloc_begin = INT64_MAX;
+  int64_t end = INT64_MIN;
+  bool failed = false;
+  std::string status = "clean";
+  std::string exception_type;
+  std::string detail;
+  std::optional<int64_t> failure_point;
+  std::optional<int64_t> first_training;  // max over ranks (all must train)
+  bool all_ranks_trained = true;
+  std::vector<int> ranks;
+  std::optional<int64_t> restart_count;
+  std::optional<int64_t> first_step, last_step;
+};
+
+double seconds(int64_t us) { return static_cast<double>(us) / 1e6; }
+
+double median(std::vector<double> v) {
+  if (v.empty()) return std::nan("");
+  std::sort(v.begin(), v.end());
+  size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+json opt(const std::optional<double>& v) { return v ? json(*v) : json(nullptr); }
+json opt_i(const std::optional<int64_t>& v) { return v ? json(*v) : json(nullptr); }
+json num_or_null(double v) { return std::isfinite(v) ? json(v) : json(nullptr); }
+
+std::string exception_type_of(const std::string& detail) {
+  auto colon = detail.find(':');
+  return colon == std::string::npos ? detail : detail.substr(0, colon);
+}
+
+// Flattens labelled intervals into non-overlapping segments within [lo, hi]; uncovered time gets
+// `gap_name`/`gap_kind`. Among intervals covering a point, the latest begin wins (ties: earliest end).
+struct Labelled {
+  int64_t b, e;
+  std::string name;
+  Kind kind;
+};
+
+std::vector<Segment> flatten(std::vector<Labelled> items, int64_t lo, int64_t hi) {
+  std::vector<Segment> out;
+  if (hi <= lo) return out;
+  for (auto& it : items) {
+    it.b = std::clamp(it.b, lo, hi);
+    it.e = std::clamp(it.e, lo, hi);
+  }
+  std::erase_if(items, [](const Labelled& l) { return l.e <= l.b; });
+  std::sort(items.begin(), items.end(), [](const Labelled& x, const Labelled& y) { return x.b < y.b; });
+  std::vector<int64_t> points;
+  points.reserve(items.size() * 2 + 2);
+  points.push_back(lo);
+  points.push_back(hi);
+  for (const auto& it : items) {
+    points.push_back(it.b);
+    points.push_back(it.e);
+  }
+  std::sort(points.begin(), points.end());
+  points.erase(std::unique(points.begin(), points.end()), points.end());
+  auto cmp = [&](size_t x, size_t y) {
+    if (items[x].b != items[y].b) return items[x].b < items[y].b;  // max-heap: latest begin on top
+    return items[x].e > items[y].e;                                // then the innermost (earliest end)
+  };
+  std::priority_queue<size_t, std::vector<size_t>, decltype(cmp)> active(cmp);
+  size_t next = 0;
+  for (size_t i = 0; i + 1 < points.size(); ++i) {
+    int64_t p = points[i];
+    int64_t q = points[i + 1];
+    while (next < items.size() && items[next].b <= p) active.push(next++);
+    while (!active.empty() && items[active.top()].e <= p) active.pop();
+    Segment seg{p, q, "", Kind::kUnattributed};
+    if (!active.empty()) {
+      const auto& top = items[active.top()];
+      seg.name = top.name;
+      seg.kind = top.kind;
+    } else {
+      seg.name = std::string(phase::kUnattributed);
+    }
+    if (!out.empty() && out.back().e == p && out.back().name == seg.name && out.back().kind == seg.kind) {
+      out.back().e = q;
+    } else {
+      out.push_back(std::move(seg));
+    }
+  }
+  return out;
+}
+
+// A coalescing appender for segments with buckets.
+void append_coalesced(std::vector<Segment>& out, Segment seg) {
+  if (!out.empty() && out.back().e == seg.b && out.back().name == seg.name && out.back().kind == seg.kind &&
+      out.back().bucket == seg.bucket && out.back().attempt == seg.attempt && out.back().rank == seg.rank) {
+    out.back().e = seg.e;
+  } else {
+    out.push_back(std::move(seg));
+  }
+}
+
+struct Analysis {
+  json doc;
+  ReportSummary summary;
+};
+
+Analysis analyse(const LedgerSet& set, const std::string& run_dir, const ReportOptions& options) {
+  const auto& names = set.names;
+  const std::string kScheduling(phase::kScheduling);
+
+  // ---- 1. per-rank attempts and their raw extents -------------------------------------------------------
+  std::map<int, std::vector<RankAttempt>> per_rank;  // rank -> attempts in order
+  std::map<int, JobAttempt> jobs;                     // attempt number -> job view
+  for (const auto& rl : set.ranks) {
+    auto& vec = per_rank[rl.rank];
+    for (const auto& a : rl.attempts) {
+      RankAttempt ra;
+      ra.ledger = &a;
+      int64_t begin = a.ts;
+      int64_t alloc = a.ts;
+      if (a.proc_start) {
+        begin = std::min(begin, *a.proc_start);
+        alloc = std::min(alloc, *a.proc_start);
+      }
+      for (const auto& p : a.phases) {
+        begin = std::min(begin, p.b);
+        if (names[p.name] != kScheduling) alloc = std::min(alloc, p.b);
+      }
+      for (const auto& s : a.steps) begin = std::min(begin, s.b);
+      ra.begin = begin;
+      ra.alloc_begin = alloc;
+      ra.end = a.has_end ? std::max(a.end_ts, a.last_ts) : a.last_ts;
+      ra.failed = !a.has_end || a.status != "clean";
+      ra.failure_point = a.activity_end > 0 ? a.activity_end : ra.begin;
+      vec.push_back(std::move(ra));
+      JobAttempt& job = jobs[a.attempt];
+      job.attempt = a.attempt;
+      job.begin = std::min(job.begin, begin);
+      job.alloc_begin = std::min(job.alloc_begin, alloc);
+      job.end = std::max(job.end, vec.back().end);
+      job.ranks.push_back(rl.rank);
+      if (!job.restart_count && a.restart_count) job.restart_count = a.restart_count;
+    }
+  }
+  // Job failure status: the first rank to stop making progress names the failure.
+  for (auto& [rank, vec] : per_rank) {
+    for (auto& ra : vec) {
+      JobAttempt& job = jobs[ra.ledger->attempt];
+      if (!ra.failed) continue;
+      if (!job.failed || ra.failure_point < *job.failure_point) {
+        job.failed = true;
+        job.failure_point = ra.failure_point;
+        const auto& a = *ra.ledger;
+        job.status = !a.has_end ? "killed" : a.status;
+        job.detail = a.detail;
+        job.exception_type = a.status == "exception" ? exception_type_of(a.detail) : "";
+      }
+    }
+  }
+  std::vector<int> attempt_numbers;
+  for (const auto& [n, job] : jobs) attempt_numbers.push_back(n);
+  auto previous_failed = [&](int attempt) {
+    auto it = jobs.find(attempt);
+    if (it == jobs.begin() || it == jobs.end()) return false;
+    return std::prev(it)->second.failed;
+  };
+
+  // ---- 2. per-rank flattened timelines --------------------------------------------------------------------
+  for (auto& [rank, vec] : per_rank) {
+    int64_t high_water = INT64_MIN;  // highest step of the rank's earlier attempts
+    for (auto& ra : vec) {
+      const auto& a = *ra.ledger;
+      std::vector<Labelled> items;
+      items.reserve(a.phases.size() + a.steps.size());
+      for (const auto& p : a.phases) {
+        const std::string& n = names[p.name];
+        Kind kind = n == phase::kTraining ? Kind::kTraining
+                    : n == phase::kWastedTraining ? Kind::kWasted
+                                                  : Kind::kPhase;
+        items.push_back({p.b, p.e, n, kind});
+      }
+      if (a.proc_start && *a.proc_start < a.ts) {
+        bool has_bootstrap = false;
+        for (const auto& p : a.phases) has_bootstrap = has_bootstrap || names[p.name] == phase::kProcessBootstrap;
+        if (!has_bootstrap) items.push_back({*a.proc_start, a.ts, std::string(phase::kProcessBootstrap), Kind::kPhase});
+      }
+      int64_t attempt_max = INT64_MIN;
+      for (const auto& s : a.steps) {
+        bool wasted = s.n <= high_water;
+        items.push_back({s.b, s.e, std::string(wasted ? phase::kWastedTraining : phase::kTraining),
+                         wasted ? Kind::kWasted : Kind::kTraining});
+        attempt_max = std::max(attempt_max, s.n);
+      }
+      auto flat = flatten(std::move(items), ra.begin, ra.end);
+      for (auto& seg : flat) {
+        seg.attempt = a.attempt;
+        seg.rank = rank;
+        if (seg.kind == Kind::kUnattributed && ra.failed && seg.b >= ra.failure_point) {
+          seg.kind = Kind::kLostInFlight;
+          seg.name = std::string(phase::kLostInFlight);
+        }
+        if ((seg.kind == Kind::kTraining || seg.kind == Kind::kWasted) && !ra.first_training) {
+          ra.first_training = seg.b;
+        }
+      }
+      ra.segments = std::move(flat);
+      high_water = std::max(high_water, attempt_max);
+      JobAttempt& job = jobs[a.attempt];
+      if (!ra.first_training) {
+        job.all_ranks_trained = false;
+      } else if (!job.first_training || *ra.first_training > *job.first_training) {
+        job.first_training = ra.first_training;
+      }
+      for (const auto& s : a.steps) {
+        if (!job.first_step || s.n < *job.first_step) job.first_step = s.n;
+        if (!job.last_step || s.n > *job.last_step) job.last_step = s.n;
+      }
+    }
+  }
+  for (auto& [n, job] : jobs) {
+    if (!job.all_ranks_trained) job.first_training.reset();
+  }
+
+  // ---- 3. buckets -----------------------------------------------------------------------------------------
+  for (auto& [rank, vec] : per_rank) {
+    for (auto& ra : vec) {
+      const JobAttempt& job = jobs[ra.ledger->attempt];
+      bool recovery = previous_failed(job.attempt);
+      for (auto& seg : ra.segments) {
+        bool in_recovery_window = recovery && (!job.first_training || seg.b < *job.first_training);
+        switch (seg.kind) {
+          case Kind::kTraining: seg.bucket = Bucket::kEffective; break;
+          case Kind::kWasted:
+          case Kind::kLostInFlight: seg.bucket = Bucket::kFailure; break;
+          case Kind::kUnattributed:
+            seg.bucket = in_recovery_window ? Bucket::kFailure : Bucket::kUnattributed;
+            break;
+          case Kind::kPhase:
+          case Kind::kBetween: seg.bucket = in_recovery_window ? Bucket::kFailure : Bucket::kIdle; break;
+        }
+        if (in_recovery_window && seg.kind == Kind::kTraining) seg.bucket = Bucket::kFailure;
+      }
+    }
+  }
+
+  // ---- 4. E2E and the job timeline -----------------------------------------------------------------------
+  const JobAttempt& first_job = jobs.begin()->second;
+  int64_t e2e_begin = options.include_initial_queue ? first_job.begin : first_job.alloc_begin;
+  int64_t e2e_end = INT64_MIN;
+  for (const auto& [n, job] : jobs) e2e_end = std::max(e2e_end, job.end);
+  e2e_end = std::max(e2e_end, e2e_begin);
+
+  std::vector<const Segment*> all;
+  std::vector<int64_t> points{e2e_begin, e2e_end};
+  for (const auto& [rank, vec] : per_rank) {
+    for (const auto& ra : vec) {
+      for (const auto& seg : ra.segments) {
+        if (seg.e <= e2e_begin || seg.b >= e2e_end) continue;
+        all.push_back(&seg);
+        points.push_back(std::clamp(seg.b, e2e_begin, e2e_end));
+        points.push_back(std::clamp(seg.e, e2e_begin, e2e_end));
+      }
+    }
+  }
+  std::sort(points.begin(), points.end());
+  points.erase(std::unique(points.begin(), points.end()), points.end());
+  std::sort(all.begin(), all.end(), [](const Segment* x, const Segment* y) { return x->b < y->b; });
+  // Active segments ordered by severity, then lowest rank (deterministic).
+  auto cmp = [](const Segment* x, const Segment* y) {
+    if (x->severity() != y->severity()) return x->severity() < y->severity();
+    return x->rank > y->rank;
+  };
+  std::priority_queue<const Segment*, std::vector<const Segment*>, decltype(cmp)> active(cmp);
+  std::vector<Segment> job_timeline;
+  size_t next = 0;
+  for (size_t i = 0; i + 1 < points.size(); ++i) {
+    int64_t p = points[i], q = points[i + 1];
+    while (next < all.size() && all[next]->b <= p) {
+      active.push(all[next++]);
+    }
+    // Lazy deletion: a segment that ended may sit below the top; pop only ended tops.
+    while (!active.empty() && active.top()->e <= p) active.pop();
+    // The top may be stale only if a more severe ended segment hides a live one; handled by the loop.
+    Segment seg{p, q, "", Kind::kBetween};
+    if (!active.empty()) {
+      const Segment* top = active.top();
+      seg.name = top->name;
+      seg.kind = top->kind;
+      seg.bucket = top->bucket;
+      seg.attempt = top->attempt;
+    } else {
+      // Between attempts: which attempt ended last before p?
+      int prev_attempt = -1;
+      for (const auto& [n, job] : jobs) {
+        if (job.end <= p) prev_attempt = n;
+      }
+      bool after_failure = prev_attempt >= 0 && jobs[prev_attempt].failed;
+      seg.name = std::string(after_failure ? phase::kDetectAndTeardown : phase::kRestartGap);
+      seg.bucket = after_failure ? Bucket::kFailure : Bucket::kIdle;
+      seg.attempt = std::max(prev_attempt, 0);
+    }
+    append_coalesced(job_timeline, std::move(seg));
+  }
+
+  // ---- 5. sums --------------------------------------------------------------------------------------------
+  int64_t bucket_us[4] = {0, 0, 0, 0};
+  std::map<std::string, int64_t> phase_us;
+  std::map<std::string, std::set<Bucket>> phase_bucket_set;
+  std::map<std::string, int64_t> substage_us;
+  for (const auto& seg : job_timeline) {
+    int64_t d = seg.e - seg.b;
+    bucket_us[static_cast<int>(seg.bucket)] += d;
+    std::string top = top_level_phase(seg.name);
+    phase_us[top] += d;
+    phase_bucket_set[top].insert(seg.bucket);
+    if (top != seg.name) substage_us[top + "/" + seg.name.substr(seg.name.find('/') == std::string::npos
+                                                                       ? 0
+                                                                       : seg.name.find('/') + 1)] += d;
+  }
+  const int64_t e2e_us = e2e_end - e2e_begin;
+  auto pct = [&](int64_t us) { return e2e_us > 0 ? 100.0 * static_cast<double>(us) / static_cast<double>(e2e_us) : 0.0; };
+  const int64_t effective_us = bucket_us[static_cast<int>(Bucket::kEffective)];
+  const double effective_s = seconds(effective_us);
+
+  // ---- 6. attempts, TTS, failures, TTR -------------------------------------------------------------------
+  json attempts = json::array();
+  json tts = json::array();
+  std::vector<double> tts_values;
+  for (const auto& [n, job] : jobs) {
+    std::optional<double> t;
+    if (job.first_training) t = seconds(*job.first_training - job.alloc_begin);
+    if (t) {
+      tts.push_back(*t);
+      tts_values.push_back(*t);
+    }
+    attempts.push_back({{"attempt", n},
+                        {"begin_us", job.begin},
+                        {"end_us", job.end},
+                        {"status", job.status},
+                        {"exception_type", job.exception_type.empty() ? json(nullptr) : json(job.exception_type)},
+                        {"detail", job.detail.empty() ? json(nullptr) : json(job.detail)},
+                        {"time_to_start_s", opt(t)},
+                        {"first_training_us", opt_i(job.first_training)},
+                        {"failure_us", opt_i(job.failure_point)},
+                        {"restart_count", opt_i(job.restart_count)},
+                        {"ranks", job.ranks},
+                        {"first_step", opt_i(job.first_step)},
+                        {"last_step", opt_i(job.last_step)}});
+  }
+
+  json recoveries = json::array();
+  json ttr = json::array();
+  std::vector<double> ttr_values;
+  std::map<std::string, int> failures_by_category;
+  int failures = 0;
+  std::vector<std::pair<int64_t, int>> failure_points;  // (time, attempt)
+  for (const auto& [n, job] : jobs) {
+    if (job.failed) failure_points.emplace_back(*job.failure_point, n);
+  }
+  std::sort(failure_points.begin(), failure_points.end());
+  for (size_t k = 0; k < failure_points.size(); ++k) {
+    auto [f, attempt] = failure_points[k];
+    const JobAttempt& job = jobs[attempt];
+    ++failures;
+    std::string category = job.status == "exception" ? "exception:" + job.exception_type : job.status;
+    failures_by_category[category]++;
+    std::optional<int64_t> resumed;
+    int resumed_attempt = -1;
+    for (const auto& [m, later] : jobs) {
+      if (m > attempt && later.first_training && *later.first_training > f) {
+        resumed = later.first_training;
+        resumed_attempt = m;
+        break;
+      }
+    }
+    int64_t stop = resumed ? *resumed : e2e_end;
+    bool recovered = resumed.has_value();
+    if (k + 1 < failure_points.size() && failure_points[k + 1].first < stop) {
+      stop = failure_points[k + 1].first;
+      recovered = false;
+    }
+    std::map<std::string, int64_t> breakdown_us;
+    for (const auto& seg : job_timeline) {
+      int64_t b = std::max(seg.b, f), e = std::min(seg.e, stop);
+      if (e > b) breakdown_us[top_level_phase(seg.name)] += e - b;
+    }
+    int64_t retrain_us = 0;
+    if (recovered) {
+      for (const auto& seg : job_timeline) {
+        if (seg.attempt == resumed_attempt && seg.kind == Kind::kWasted) retrain_us += seg.e - seg.b;
+      }
+    }
+    json breakdown = json::object();
+    for (const auto& [name, us] : breakdown_us) breakdown[name] = seconds(us);
+    double total = seconds(std::max<int64_t>(stop - f, 0));
+    ttr.push_back(total);
+    if (recovered) ttr_values.push_back(total);
+    recoveries.push_back({{"failed_attempt", attempt},
+                          {"resumed_attempt", recovered ? json(resumed_attempt) : json(nullptr)},
+                          {"failure_us", f},
+                          {"resumed_us", recovered ? json(*resumed) : json(nullptr)},
+                          {"recovered", recovered},
+                          {"total_s", total},
+                          {"breakdown", breakdown},
+                          {"retraining_s", seconds(retrain_us)},
+                          {"category", category}});
+  }
+
+  // ---- 7. checkpoints, steps, MTBF, recommendation -------------------------------------------------------
+  // Per-rank figures come from the lowest rank (every rank runs the same loop in data-parallel jobs).
+  const auto& ref_attempts = per_rank.begin()->second;
+  int ckpt_count = 0;
+  std::vector<double> between_ckpt_training;  // training seconds between consecutive checkpoints
+  std::vector<double> durable_latency;
+  std::vector<double> step_seconds;
+  int64_t steps_recorded = 0, steps_effective = 0, steps_retrained = 0;
+  std::optional<int64_t> max_step;
+  std::optional<double> cfg_interval_s, cfg_interval_steps;
+  for (const auto& ra : ref_attempts) {
+    const auto& a = *ra.ledger;
+    if (auto it = a.config.find("checkpoint_interval_s"); it != a.config.end()) cfg_interval_s = it->second;
+    if (auto it = a.config.find("checkpoint_interval_steps"); it != a.config.end()) cfg_interval_steps = it->second;
+    for (const auto& p : a.background) {
+      if (names[p.name] == phase::kCheckpointPersist) durable_latency.push_back(seconds(p.e - p.b));
+    }
+    std::vector<std::pair<int64_t, int64_t>> blocks;
+    for (const auto& p : a.phases) {
+      if (names[p.name] == phase::kCheckpointBlocking) blocks.emplace_back(p.b, p.e);
+    }
+    std::sort(blocks.begin(), blocks.end());
+    ckpt_count += static_cast<int>(blocks.size());
+    // Training time accumulated since the previous checkpoint (or attempt start), sampled at each one.
+    size_t bi = 0;
+    int64_t acc = 0;
+    for (const auto& seg : ra.segments) {
+      while (bi < blocks.size() && blocks[bi].first <= seg.b) {
+        if (acc > 0) between_ckpt_training.push_back(seconds(acc));
+        acc = 0;
+        ++bi;
+      }
+      if (seg.kind == Kind::kTraining || seg.kind == Kind::kWasted) acc += seg.e - seg.b;
+    }
+    while (bi < blocks.size()) {
+      if (acc > 0) between_ckpt_training.push_back(seconds(acc));
+      acc = 0;
+      ++bi;
+    }
+  }
+  {
+    int64_t high_water = INT64_MIN;
+    for (const auto& ra : ref_attempts) {
+      int64_t attempt_max = INT64_MIN;
+      for (const auto& s : ra.ledger->steps) {
+        ++steps_recorded;
+        if (s.n <= high_water) {
+          ++steps_retrained;
+        } else {
+          ++steps_effective;
+          step_seconds.push_back(seconds(s.e - s.b));
+        }
+        attempt_max = std::max(attempt_max, s.n);
+        if (!max_step || s.n > *max_step) max_step = s.n;
+      }
+      high_water = std::max(high_water, attempt_max);
+    }
+  }
+  const double median_step_s = median(step_seconds);
+  const double blocking_measured_s = seconds(phase_us.count(std::string(phase::kCheckpointBlocking))
+                                                 ? phase_us[std::string(phase::kCheckpointBlocking)]
+                                                 : 0);
+  const double wasted_s = seconds(phase_us.count(std::string(phase::kWastedTraining))
+                                      ? phase_us[std::string(phase::kWastedTraining)]
+                                      : 0);
+  std::optional<double> interval_s;
+  json interval_source = nullptr;
+  if (cfg_interval_s) {
+    interval_s = cfg_interval_s;
+    interval_source = "configured";
+  } else if (cfg_interval_steps && std::isfinite(median_step_s)) {
+    interval_s = *cfg_interval_steps * median_step_s;
+    interval_source = "configured_steps";
+  } else if (!between_ckpt_training.empty()) {
+    interval_s = median(between_ckpt_training);
+    interval_source = "inferred";
+  }
+  std::optional<double> blocking_mean;
+  if (ckpt_count > 0) blocking_mean = blocking_measured_s / ckpt_count;
+  std::optional<double> blocking_est, unsaved_est;
+  if (interval_s && *interval_s > 0 && blocking_mean) blocking_est = effective_s / *interval_s * *blocking_mean;
+  if (interval_s) unsaved_est = failures * *interval_s / 2.0;
+  const double durable_median = median(durable_latency);
+
+  std::optional<double> mtbf;
+  json mtbf_source = nullptr;
+  if (failures > 0 && effective_s > 0) {
+    mtbf = effective_s / failures;
+    mtbf_source = "measured";
+  } else if (options.mtbf_prior_s > 0) {
+    mtbf = options.mtbf_prior_s;
+    mtbf_source = "prior";
+  } else if (effective_s > 0) {
+    mtbf = effective_s;
+    mtbf_source = "lower_bound_no_failures";
+  }
+  double restart_s = ttr_values.empty() ? 0.0 : [&] {
+    double s = 0;
+    for (double v : ttr_values) s += v;
+    return s / static_cast<double>(ttr_values.size());
+  }();
+
+  json recommendation = nullptr;
+  std::optional<double> recommended;
+  if (blocking_mean && *blocking_mean > 0 && mtbf) {
+    json variants = json::object();
+    variants["young"] = recommend_interval(*blocking_mean, *mtbf, restart_s, IntervalMethod::kYoung);
+    variants["daly"] = recommend_interval(*blocking_mean, *mtbf, restart_s, IntervalMethod::kDaly);
+    variants["daly_series"] = recommend_interval(*blocking_mean, *mtbf, restart_s, IntervalMethod::kDalySeries);
+    variants["daly_exact"] = recommend_interval(*blocking_mean, *mtbf, restart_s, IntervalMethod::kDalyExact);
+    double optimum = recommend_interval(*blocking_mean, *mtbf, restart_s, options.method);
+    double chosen = optimum;
+    std::string note;
+    if (std::isfinite(durable_median) && durable_median > chosen) {
+      chosen = durable_median;
+      note = "the optimum is shorter than the time a save takes to become durable; saving as often as "
+             "persistence allows (continuous checkpointing)";
+    }
+    recommended = chosen;
+    const double t = effective_s;
+    const char* method_names[] = {"young", "daly", "daly_series", "daly_exact"};
+    json waste_cur = nullptr, saving = nullptr;
+    double waste_rec = t * waste_fraction(chosen, *blocking_mean, *mtbf);
+    if (interval_s && *interval_s > 0) {
+      double wc = t * waste_fraction(*interval_s, *blocking_mean, *mtbf);
+      waste_cur = wc;
+      saving = wc - waste_rec;
+      if (note.empty()) {
+        double excess = waste_rec > 0 ? 100.0 * (wc - waste_rec) / waste_rec : 0.0;
+        note = "the current interval wastes " + std::to_string(static_cast<int>(std::round(excess))) +
+               "% more than the optimum" +
+               (excess < 10.0 ? "; the waste curve is flat near the optimum, change only if it is cheap"
+                              : "; consider the recommended interval");
+      }
+    }
+    if (mtbf_source == "lower_bound_no_failures") {
+      note += note.empty() ? "" : "; ";
+      note += "no failure observed: MTBF taken as the observed training time (a lower bound); pass a "
+              "fleet MTBF prior for a better estimate";
+    }
+    json steps_json = nullptr;
+    if (std::isfinite(median_step_s) && median_step_s > 0) {
+      steps_json = std::max<int64_t>(1, std::llround(chosen / median_step_s));
+    }
+    recommendation = {{"method", method_names[static_cast<int>(options.method)]},
+                      {"interval_s", chosen},
+                      {"interval_steps", steps_json},
+                      {"optimum_s", optimum},
+                      {"blocking_s", *blocking_mean},
+                      {"mtbf_s", *mtbf},
+                      {"restart_s", restart_s},
+                      {"current_interval_s", opt(interval_s)},
+                      {"waste_at_current_s", waste_cur},
+                      {"waste_at_recommended_s", waste_rec},
+                      {"expected_saving_s", saving},
+                      {"variants", variants},
+                      {"floor_s", num_or_null(durable_median)},
+                      {"note", note}};
+  } else {
+    recommendation = nullptr;
+  }
+
+  // ---- 8. per-rank skew -------------------------------------------------------------------------------------
+  std::map<std::string, std::map<int, double>> rank_phase_s;
+  for (const auto& [rank, vec] : per_rank) {
+    for (const auto& ra : vec) {
+      for (const auto& seg : ra.segments) {
+        rank_phase_s[top_level_phase(seg.name)][rank] += seconds(seg.e - seg.b);
+      }
+    }
+  }
+  json skew_phases = json::object();
+  for (auto& [name, by_rank] : rank_phase_s) {
+    std::vector<double> v;
+    for (const auto& [rank, s] : per_rank) v.push_back(by_rank.count(rank) ? by_rank[rank] : 0.0);
+    auto [mn, mx] = std::minmax_element(v.begin(), v.end());
+    skew_phases[name] = {{"min", *mn}, {"median", median(v)}, {"max", *mx}, {"skew_s", *mx - *mn}};
+  }
+  json start_skew = json::array();
+  for (const auto& n : attempt_numbers) {
+    int64_t lo = INT64_MAX, hi = INT64_MIN;
+    for (const auto& [rank, vec] : per_rank) {
+      for (const auto& ra : vec) {
+        if (ra.ledger->attempt != n) continue;
+        lo = std::min(lo, ra.ledger->ts);
+        hi = std::max(hi, ra.ledger->ts);
+      }
+    }
+    start_skew.push_back(seconds(hi - lo));
+  }
+
+  // ---- 9. the document -----------------------------------------------------------------------------------
+  json phases = json::object(), phase_buckets = json::object(), substages = json::object();
+  for (const auto& [name, us] : phase_us) {
+    phases[name] = seconds(us);
+    const auto& bs = phase_bucket_set[name];
+    phase_buckets[name] = bs.size() == 1 ? bucket_name(*bs.begin()) : "mixed";
+  }
+  for (const auto& [name, us] : substage_us) substages[name] = seconds(us);
+  json fb = json::object();
+  for (const auto& [k, v] : failures_by_category) fb[k] = v;
+  json ranks = json::array();
+  for (const auto& [rank, vec] : per_rank) ranks.push_back(rank);
+  uint64_t dropped = 0;
+  for (const auto& rl : set.ranks) {
+    for (const auto& a : rl.attempts) dropped += a.dropped;
+  }
+
+  json doc;
+  doc["format_version"] = 1;
+  doc["run_dir"] = run_dir;
+  doc["world_size"] = std::max<int>(set.world_size, static_cast<int>(per_rank.size()));
+  doc["ranks"] = ranks;
+  doc["e2e_s"] = seconds(e2e_us);
+  doc["e2e_begin_us"] = e2e_begin;
+  doc["e2e_end_us"] = e2e_end;
+  doc["include_initial_queue"] = options.include_initial_queue;
+  doc["effective_s"] = effective_s;
+  doc["idle_s"] = seconds(bucket_us[static_cast<int>(Bucket::kIdle)]);
+  doc["failure_s"] = seconds(bucket_us[static_cast<int>(Bucket::kFailure)]);
+  doc["unattributed_s"] = seconds(bucket_us[static_cast<int>(Bucket::kUnattributed)]);
+  doc["ett_pct"] = pct(effective_us);
+  doc["idle_pct"] = pct(bucket_us[static_cast<int>(Bucket::kIdle)]);
+  doc["failure_pct"] = pct(bucket_us[static_cast<int>(Bucket::kFailure)]);
+  doc["unattributed_pct"] = pct(bucket_us[static_cast<int>(Bucket::kUnattributed)]);
+  doc["phases"] = phases;
+  doc["phase_buckets"] = phase_buckets;
+  doc["substages"] = substages;
+  doc["attempts"] = attempts;
+  doc["time_to_start_s"] = tts;
+  doc["time_to_recover_s"] = ttr;
+  doc["recoveries"] = recoveries;
+  doc["failures"] = failures;
+  doc["failures_by_category"] = fb;
+  doc["unsaved_training_s"] = {{"measured", wasted_s}, {"estimated", opt(unsaved_est)}};
+  doc["checkpoint_blocking_s"] = {{"measured", blocking_measured_s}, {"estimated", opt(blocking_est)}};
+  doc["checkpoints"] = {{"count", ckpt_count},
+                        {"blocking_mean_s", opt(blocking_mean)},
+                        {"interval_s", opt(interval_s)},
+                        {"interval_source", interval_source},
+                        {"durable_latency_median_s", num_or_null(durable_median)}};
+  doc["steps"] = {{"recorded", steps_recorded},
+                  {"effective", steps_effective},
+                  {"retrained", steps_retrained},
+                  {"max_step", opt_i(max_step)},
+                  {"median_step_s", num_or_null(median_step_s)}};
+  doc["mtbf_s"] = opt(mtbf);
+  doc["mtbf_source"] = mtbf_source;
+  doc["recommended_interval_s"] = opt(recommended);
+  doc["recommendation"] = recommendation;
+  doc["rank_skew"] = {{"phases", skew_phases}, {"attempt_start_skew_s", start_skew}};
+  doc["ledger"] = {{"files", set.files},
+                   {"records", set.records},
+                   {"corrupt_lines", set.corrupt_lines},
+                   {"torn_lines", set.torn_lines},
+                   {"orphan_records", set.orphan_records},
+                   {"dropped_events", dropped},
+                   {"warnings", set.warnings}};
+  if (options.include_timeline) {
+    json timeline = json::array();
+    json background = json::array();
+    for (const auto& [rank, vec] : per_rank) {
+      for (const auto& ra : vec) {
+        for (const auto& seg : ra.segments) {
+          timeline.push_back({{"rank", rank},
+                              {"attempt", seg.attempt},
+                              {"name", seg.name},
+                              {"bucket", bucket_name(seg.bucket)},
+                              {"begin_us", seg.b},
+                              {"end_us", seg.e}});
+        }
+        for (const auto& p : ra.ledger->background) {
+          background.push_back({{"rank", rank},
+                                {"attempt", ra.ledger->attempt},
+                                {"name", names[p.name]},
+                                {"step", p.step >= 0 ? json(p.step) : json(nullptr)},
+                                {"begin_us", p.b},
+                                {"end_us", p.e}});
+        }
+      }
+    }
+    json job = json::array();
+    for (const auto& seg : job_timeline) {
+      job.push_back({{"attempt", seg.attempt},
+                     {"name", seg.name},
+                     {"bucket", bucket_name(seg.bucket)},
+                     {"begin_us", seg.b},
+                     {"end_us", seg.e}});
+    }
+    doc["timeline"] = std::move(timeline);
+    doc["job_timeline"] = std::move(job);
+    doc["background"] = std::move(background);
+  }
+
+  Analysis out;
+  out.summary.e2e_s = seconds(e2e_us);
+  out.summary.ett_pct = doc["ett_pct"];
+  out.summary.idle_pct = doc["idle_pct"];
+  out.summary.failure_pct = doc["failure_pct"];
+  out.summary.unattributed_pct = doc["unattributed_pct"];
+  out.summary.attempts = static_cast<int>(jobs.size());
+  out.summary.failures = failures;
+  out.summary.time_to_start_s = tts_values;
+  for (const auto& v : ttr) out.summary.time_to_recover_s.push_back(v.get<double>());
+  out.summary.recommended_interval_s = recommended;
+  out.doc = std::move(doc);
+  return out;
+}
+
+}  // namespace
+
+std::string build_report_json(const std::string& run_dir, const ReportOptions& options) {
+  auto set = detail::read_ledger_dir(run_dir);
+  return analyse(set, run_dir, options).doc.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+ReportSummary build_report(const std::string& run_dir, const ReportOptions& options) {
+  ReportOptions lean = options;
+  lean.include_timeline = false;
+  auto set = detail::read_ledger_dir(run_dir);
+  return analyse(set, run_dir, lean).summary;
+}
+
+}  // namespace ettkit::ett
