@@ -48,10 +48,10 @@ def _draw_timeline(ax, report: dict) -> None:
                 ax.broken_barh(spans, (y - 0.35, 0.7), facecolors=COLORS[bucket])
     background = report.get("background") or []
     for y, rank in enumerate(ranks):
-        # A thin strip at the foot of the rank's row: persistence overlaps training, so it cannot share the bar.
+        # A thin strip just under the rank's bar: persistence overlaps training, so it cannot share the bar.
         spans = [span(s) for s in background if s["rank"] == rank]
         if spans:
-            ax.broken_barh(spans, (y + 0.2, 0.15), facecolors=BACKGROUND_COLOR)
+            ax.broken_barh(spans, (y + 0.37, 0.1), facecolors=BACKGROUND_COLOR)
 
     for attempt in report.get("attempts") or []:
         if attempt.get("begin_us") is not None:

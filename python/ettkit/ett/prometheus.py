@@ -13,7 +13,7 @@ Gauge/Counter objects: that way no `_created` timestamp of the export itself lea
 from __future__ import annotations
 
 import os
-from typing import Iterator
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, write_to_textfile
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric

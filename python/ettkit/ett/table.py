@@ -7,8 +7,9 @@ comments, and no I/O, so callers decide where it goes. Every value the report ma
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 MISSING = "-"
 

@@ -1,0 +1,229 @@
+#include "ettkit/ett/recorder.h"
+
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "ett/test_dir.h"
+#include "ettkit/common/clock.h"
+#include "ettkit/common/error.h"
+
+namespace ettkit::ett {
+namespace {
+
+using nlohmann::json;
+using testing::read_lines;
+using testing::TempDir;
+
+std::vector<json> records(const std::string& path, const std::string& type = "") {
+  std::vector<json> out;
+  for (const auto& line : read_lines(path)) {
+    auto j = json::parse(line, nullptr, false);
+    if (j.is_object() && (type.empty() || j["t"] == type)) out.push_back(j);
+  }
+  return out;
+}
+
+RecorderOptions opts(const TempDir& dir) {
+  RecorderOptions o;
+  o.run_dir = dir.str();
+  o.rank = 0;
+  o.world_size = 1;
+  o.launcher_phases_from_env = false;
+  return o;
+}
+
+TEST(Recorder, WritesAttemptPhasesStepsAndEnd) {
+  TempDir dir;
+  std::string path;
+  {
+    Recorder rec(opts(dir));
+    path = rec.ledger_path();
+    EXPECT_EQ(rec.attempt(), 0);
+    { auto p = rec.phase("compile"); }
+    rec.step(1);
+    rec.step(2);
+    rec.set_config("checkpoint_interval_s", 60);
+    rec.flush();
+    auto steps = records(path, "step");
+    ASSERT_EQ(steps.size(), 2u);
+    EXPECT_EQ(steps[0]["n"], 1);
+    // The first step starts where the last phase ended; the second where the first step ended.
+    auto compile = records(path, "phase");
+    ASSERT_FALSE(compile.empty());
+    EXPECT_EQ(compile.back()["name"], "compile");
+    EXPECT_EQ(steps[0]["b"], compile.back()["e"]);
+    EXPECT_EQ(steps[1]["b"], steps[0]["e"]);
+    EXPECT_LE(steps[1]["b"].get<int64_t>(), steps[1]["e"].get<int64_t>());
+    EXPECT_EQ(records(path, "config").at(0)["value"], 60.0);
+  }
+  auto ends = records(path, "end");
+  ASSERT_EQ(ends.size(), 1u);
+  EXPECT_EQ(ends[0]["status"], "clean");
+  auto attempts = records(path, "attempt");
+  ASSERT_EQ(attempts.size(), 1u);
+  EXPECT_EQ(attempts[0]["rank"], 0);
+  EXPECT_TRUE(attempts[0]["proc_start"].is_number_integer()) << "process start read from /proc";
+}
+
+TEST(Recorder, AttemptsAreNumberedByTheLedgerAndSurviveATornLine) {
+  TempDir dir;
+  std::string path;
+  {
+    Recorder first(opts(dir));
+    path = first.ledger_path();
+    first.step(1);
+  }
+  {
+    // A process killed mid-write leaves a line without its newline.
+    std::ofstream(path, std::ios::app) << "{\"v\":1,\"t\":\"step\",\"n\":2,\"b\":1";
+  }
+  Recorder second(opts(dir));
+  EXPECT_EQ(second.attempt(), 1);
+  second.close(EndStatus::kException, "RuntimeError: boom");
+  auto attempts = records(path, "attempt");
+  ASSERT_EQ(attempts.size(), 2u);
+  EXPECT_EQ(attempts[1]["attempt"], 1);
+  auto ends = records(path, "end");
+  EXPECT_EQ(ends.back()["status"], "exception");
+  EXPECT_EQ(ends.back()["detail"], "RuntimeError: boom");
+  Recorder third(opts(dir));
+  EXPECT_EQ(third.attempt(), 2);
+}
+
+TEST(Recorder, HeartbeatsArriveWithoutActivity) {
+  TempDir dir;
+  auto o = opts(dir);
+  o.heartbeat_s = 0.01;
+  o.flush_interval_s = 0.005;
+  Recorder rec(o);
+  rec.wait_for_writer_iterations_for_testing(6);
+  rec.flush();
+  EXPECT_GE(records(rec.ledger_path(), "hb").size(), 2u);
+}
+
+TEST(Recorder, LauncherPhasesAreParsedValidatedAndNotRepeatedOnRestart) {
+  TempDir dir;
+  double now = static_cast<double>(epoch_us()) / 1e6;
+  std::string json_text = "{\"scheduling\": [" + std::to_string(now - 100) + ", " + std::to_string(now - 40) +
+                          "], \"hardware_setup\": [" + std::to_string(now - 40) + ", " + std::to_string(now - 1) +
+                          "]}";
+  std::string path;
+  {
+    Recorder rec(opts(dir));
+    path = rec.ledger_path();
+    rec.record_launcher_phases_json(json_text, "ETTKIT_LAUNCHER_PHASES");
+  }
+  auto phases = records(path, "phase");
+  int launcher = 0;
+  for (const auto& p : phases) launcher += (p["name"] == "scheduling" || p["name"] == "hardware_setup");
+  EXPECT_EQ(launcher, 2);
+  {
+    Recorder restart(opts(dir));
+    restart.record_launcher_phases_json(json_text, "ETTKIT_LAUNCHER_PHASES");  // stale: skipped
+  }
+  launcher = 0;
+  for (const auto& p : records(path, "phase")) launcher += (p["name"] == "scheduling");
+  EXPECT_EQ(launcher, 1);
+
+  Recorder rec(opts(dir));
+  EXPECT_THROW(rec.record_launcher_phases_json("[1,2]", "ETTKIT_LAUNCHER_PHASES"), InvalidArgument);
+  EXPECT_THROW(rec.record_launcher_phases_json("{\"scheduling\": [5]}", "X"), InvalidArgument);
+  try {
+    rec.record_launcher_phases_json("{\"scheduling\": [20, 10]}", "ETTKIT_LAUNCHER_PHASES");
+    FAIL();
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("ETTKIT_LAUNCHER_PHASES[\"scheduling\"]"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Recorder, LauncherPhasesFromTheEnvironment) {
+  TempDir dir;
+  double now = static_cast<double>(epoch_us()) / 1e6;
+  std::string v = "{\"hardware_setup\": [" + std::to_string(now - 5) + ", " + std::to_string(now - 1) + "]}";
+  setenv("ETTKIT_LAUNCHER_PHASES", v.c_str(), 1);
+  auto o = opts(dir);
+  o.launcher_phases_from_env = true;
+  std::string path;
+  {
+    Recorder rec(o);
+    path = rec.ledger_path();
+  }
+  unsetenv("ETTKIT_LAUNCHER_PHASES");
+  bool found = false;
+  for (const auto& p : records(path, "phase")) found = found || p["name"] == "hardware_setup";
+  EXPECT_TRUE(found);
+}
+
+TEST(Recorder, RejectsBadOptionsAndNames) {
+  TempDir dir;
+  auto o = opts(dir);
+  o.run_dir = "";
+  EXPECT_THROW(Recorder{o}, InvalidArgument);
+  o = opts(dir);
+  o.heartbeat_s = 0;
+  EXPECT_THROW(Recorder{o}, InvalidArgument);
+  o = opts(dir);
+  o.rank = 3;
+  o.world_size = 2;
+  EXPECT_THROW(Recorder{o}, InvalidArgument);
+  Recorder rec(opts(dir));
+  EXPECT_THROW(rec.phase_id("bad name"), InvalidArgument);
+  EXPECT_THROW(rec.phase_id(""), InvalidArgument);
+  EXPECT_THROW(rec.record_phase(rec.phase_id("x"), 10, 5), InvalidArgument);
+  EXPECT_EQ(rec.phase_id("eval"), rec.phase_id("eval"));
+}
+
+TEST(Recorder, UnwritableRunDirIsAnIoErrorNamingThePath) {
+  TempDir dir;
+  std::ofstream(dir.path() / "file") << "x";
+  auto o = opts(dir);
+  o.run_dir = (dir.path() / "file").string();  // a file, not a directory
+  try {
+    Recorder rec(o);
+    FAIL();
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find("file"), std::string::npos);
+  }
+}
+
+TEST(Recorder, FullQueueDropsAndCountsInsteadOfBlocking) {
+  TempDir dir;
+  auto o = opts(dir);
+  o.queue_capacity = 1024;
+  o.flush_interval_s = 10;  // the writer sleeps: the queue fills
+  o.heartbeat_s = 10;
+  Recorder rec(o);
+  for (int i = 0; i < 5000; ++i) rec.step(i);
+  EXPECT_GE(rec.dropped(), 5000u - 1024u);
+  rec.flush();
+  auto dropped = records(rec.ledger_path(), "dropped");
+  ASSERT_FALSE(dropped.empty());
+  EXPECT_EQ(dropped.back()["n"].get<uint64_t>(), rec.dropped());
+  // Everything that was accepted reached the ledger: the queue's 1024 slots (steps, and the
+  // process_bootstrap phase the recorder enqueues at start).
+  EXPECT_EQ(records(rec.ledger_path(), "step").size() + records(rec.ledger_path(), "phase").size(), 1024u);
+}
+
+TEST(Recorder, ConcurrentThreadsRecordEverything) {
+  TempDir dir;
+  Recorder rec(opts(dir));
+  uint32_t id = rec.phase_id("worker");
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&] {
+      for (int i = 0; i < 1000; ++i) auto p = rec.phase(id);
+    });
+  }
+  for (auto& t : threads) t.join();
+  rec.flush();
+  EXPECT_EQ(rec.dropped(), 0u);
+  size_t n = 0;
+  for (const auto& p : records(rec.ledger_path(), "phase")) n += p["name"] == "worker";
+  EXPECT_EQ(n, 4000u);
+}
+
+}  // namespace
+}  // namespace ettkit::ett

@@ -1,0 +1,169 @@
+#include "ettkit/ett/report.h"
+
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "ett/test_dir.h"
+#include "ettkit/common/error.h"
+
+namespace ettkit::ett {
+namespace {
+
+using nlohmann::json;
+using testing::TempDir;
+
+constexpr int64_t kT0 = 1'700'000'000'000'000;
+int64_t s(double seconds) { return kT0 + static_cast<int64_t>(seconds * 1e6); }
+
+class LedgerFile {
+ public:
+  LedgerFile(const TempDir& dir, int rank) {
+    std::filesystem::create_directories(dir.path() / "ett");
+    out_.open(dir.path() / "ett" / ("rank-" + std::to_string(rank) + ".jsonl"));
+    rank_ = rank;
+  }
+  LedgerFile& attempt(int n, double ts) {
+    return line({{"t", "attempt"}, {"attempt", n}, {"rank", rank_}, {"world", 2}, {"ts", s(ts)}});
+  }
+  LedgerFile& phase(const std::string& name, double b, double e) {
+    return line({{"t", "phase"}, {"name", name}, {"b", s(b)}, {"e", s(e)}});
+  }
+  LedgerFile& step(int n, double b, double e) { return line({{"t", "step"}, {"n", n}, {"b", s(b)}, {"e", s(e)}}); }
+  LedgerFile& hb(double ts) { return line({{"t", "hb"}, {"ts", s(ts)}}); }
+  LedgerFile& end(double ts, const std::string& status = "clean", const std::string& detail = "") {
+    return line({{"t", "end"}, {"ts", s(ts)}, {"status", status}, {"detail", detail}});
+  }
+  LedgerFile& raw(const std::string& text) {
+    out_ << text;
+    out_.flush();
+    return *this;
+  }
+
+ private:
+  LedgerFile& line(json j) {
+    j["v"] = 1;
+    out_ << j.dump() << "\n";
+    out_.flush();
+    return *this;
+  }
+  std::ofstream out_;
+  int rank_;
+};
+
+json report(const TempDir& dir, ReportOptions o = {}) { return json::parse(build_report_json(dir.str(), o)); }
+
+double bucket_sum(const json& r) {
+  return r["ett_pct"].get<double>() + r["idle_pct"].get<double>() + r["failure_pct"].get<double>() +
+         r["unattributed_pct"].get<double>();
+}
+
+TEST(Report, JobViewTakesTheSlowestRankAndBucketsSumTo100) {
+  TempDir dir;
+  // Rank 0 compiles 10 s, rank 1 compiles 12 s: the job trains only once both do (t = 12).
+  LedgerFile r0(dir, 0), r1(dir, 1);
+  r0.attempt(0, 0).phase("compile", 0, 10).step(1, 10, 20).step(2, 20, 30).end(30);
+  r1.attempt(0, 0).phase("compile", 0, 12).step(1, 12, 20).step(2, 20, 30).end(30);
+  auto r = report(dir);
+  EXPECT_DOUBLE_EQ(r["e2e_s"], 30.0);
+  EXPECT_DOUBLE_EQ(r["phases"]["compile"], 12.0);
+  EXPECT_DOUBLE_EQ(r["phases"]["training"], 18.0);
+  EXPECT_DOUBLE_EQ(r["time_to_start_s"][0], 12.0);
+  EXPECT_NEAR(bucket_sum(r), 100.0, 1e-9);
+  EXPECT_DOUBLE_EQ(r["rank_skew"]["phases"]["compile"]["skew_s"], 2.0);
+  EXPECT_EQ(r["failures"], 0);
+  EXPECT_EQ(r["mtbf_source"], "lower_bound_no_failures");
+}
+
+TEST(Report, NestedPhaseWinsOverTheStepAroundIt) {
+  TempDir dir;
+  LedgerFile f(dir, 0);
+  f.attempt(0, 0).step(1, 0, 10).phase("checkpoint_blocking", 8, 10).step(2, 10, 20).end(20);
+  auto r = report(dir);
+  EXPECT_DOUBLE_EQ(r["phases"]["checkpoint_blocking"], 2.0);
+  EXPECT_DOUBLE_EQ(r["phases"]["training"], 18.0);
+  EXPECT_EQ(r["checkpoints"]["count"], 1);
+}
+
+TEST(Report, KilledAttemptLostWorkAndExceptionCategories) {
+  TempDir dir;
+  LedgerFile f(dir, 0);
+  // Attempt 0: steps 1..3, last record at 30, heartbeat at 34 (alive but its work after 30 is lost).
+  f.attempt(0, 0).step(1, 0, 10).step(2, 10, 20).step(3, 20, 30).hb(34);
+  // Attempt 1 starts at 40, re-trains step 3, then raises.
+  f.attempt(1, 40).phase("checkpoint_restore", 40, 45).step(3, 45, 55).step(4, 55, 65).end(66, "exception",
+                                                                                         "ValueError: bad batch");
+  // Attempt 2 resumes and finishes.
+  f.attempt(2, 70).step(5, 70, 80).end(80);
+  auto r = report(dir);
+  EXPECT_EQ(r["failures"], 2);
+  EXPECT_EQ(r["failures_by_category"]["killed"], 1);
+  EXPECT_EQ(r["failures_by_category"]["exception:ValueError"], 1);
+  EXPECT_DOUBLE_EQ(r["phases"]["lost_in_flight"], 4.0 + 1.0);  // 30..34 and 65..66
+  EXPECT_DOUBLE_EQ(r["phases"]["wasted_training"], 10.0);
+  EXPECT_DOUBLE_EQ(r["unsaved_training_s"]["measured"], 10.0);
+  ASSERT_EQ(r["time_to_recover_s"].size(), 2u);
+  EXPECT_DOUBLE_EQ(r["time_to_recover_s"][0], 15.0);  // 30 -> first training at 45
+  EXPECT_DOUBLE_EQ(r["recoveries"][0]["breakdown"]["detect_and_teardown"], 6.0);
+  EXPECT_DOUBLE_EQ(r["recoveries"][0]["retraining_s"], 10.0);
+  EXPECT_DOUBLE_EQ(r["time_to_recover_s"][1], 5.0);  // 65 -> 70
+  EXPECT_EQ(r["attempts"][1]["exception_type"], "ValueError");
+  EXPECT_NEAR(bucket_sum(r), 100.0, 1e-9);
+  EXPECT_DOUBLE_EQ(r["effective_s"], 50.0);  // steps 1-5 once each, 10 s
+}
+
+TEST(Report, CorruptAndTornLinesAreSkippedAndCounted) {
+  TempDir dir;
+  LedgerFile f(dir, 0);
+  f.attempt(0, 0).step(1, 0, 10).raw("this is not json\n").raw("{\"v\":1,\"t\":\"step\"}\n").step(2, 10, 20);
+  f.raw("{\"v\":1,\"t\":\"step\",\"n\":3,\"b\":17");  // torn: no newline
+  auto r = report(dir);
+  EXPECT_EQ(r["ledger"]["corrupt_lines"], 2);
+  EXPECT_EQ(r["ledger"]["torn_lines"], 1);
+  EXPECT_EQ(r["steps"]["recorded"], 2);
+}
+
+TEST(Report, BadRunDirectoriesGiveClearErrors) {
+  TempDir dir;
+  try {
+    build_report_json((dir.path() / "missing").string());
+    FAIL();
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("does not exist"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(build_report_json(dir.str()), InvalidArgument);  // no ett/ folder
+  std::filesystem::create_directories(dir.path() / "ett");
+  try {
+    build_report_json(dir.str());
+    FAIL();
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("no ledger files"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Report, NewerFormatVersionIsUnsupported) {
+  TempDir dir;
+  LedgerFile f(dir, 0);
+  f.attempt(0, 0).raw("{\"v\":2,\"t\":\"step\",\"n\":1,\"b\":1,\"e\":2}\n");
+  try {
+    build_report_json(dir.str());
+    FAIL();
+  } catch (const Unsupported& e) {
+    EXPECT_NE(std::string(e.what()).find("format version 2"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Report, SummaryMatchesTheJson) {
+  TempDir dir;
+  LedgerFile f(dir, 0);
+  f.attempt(0, 0).phase("compile", 0, 5).step(1, 5, 10).end(10);
+  auto summary = build_report(dir.str());
+  EXPECT_DOUBLE_EQ(summary.e2e_s, 10.0);
+  EXPECT_DOUBLE_EQ(summary.ett_pct, 50.0);
+  EXPECT_EQ(summary.attempts, 1);
+  ASSERT_EQ(summary.time_to_start_s.size(), 1u);
+  EXPECT_DOUBLE_EQ(summary.time_to_start_s[0], 5.0);
+}
+
+}  // namespace
+}  // namespace ettkit::ett

@@ -1,0 +1,355 @@
+"""Exporters of the ETT report, each read back with the reader its users have.
+
+The report is built here by hand: a 2-rank job whose attempt 0 is killed after ~2.7 h and whose attempt 1
+restores the last checkpoint, re-trains the lost 1200 s and finishes cleanly. Bucket totals, phase
+seconds and percentages are computed from the job timeline, so they agree the way the real report does.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import matplotlib
+import numpy as np
+import pytest
+from matplotlib.image import imread
+from prometheus_client.parser import text_string_to_metric_families
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from ettkit.ett import plot, prometheus, table, tensorboard, trace
+
+T0_US = 1_700_000_000_000_000  # 2023-11-14T22:13:20Z
+S = 1_000_000
+
+# (attempt, phase, bucket, begin_s, end_s) on the job clock; rank 1 differs only where noted below.
+JOB_SEGMENTS = [
+    (0, "scheduling", "idle", 0, 600),
+    (0, "hardware_setup", "idle", 600, 880),
+    (0, "unattributed", "unattributed", 880, 900),
+    (0, "launcher_init", "idle", 900, 1080),
+    (0, "compile", "idle", 1080, 1380),
+    (0, "training", "effective", 1380, 5000),
+    (0, "checkpoint_blocking", "idle", 5000, 5060),
+    (0, "training", "effective", 5060, 8660),
+    (0, "checkpoint_blocking", "idle", 8660, 8720),
+    (0, "lost_in_flight", "failure", 8720, 9920),
+    (0, "detect_and_teardown", "failure", 9920, 10040),
+    (1, "scheduling", "failure", 10040, 10940),
+    (1, "hardware_setup", "failure", 10940, 11240),
+    (1, "launcher_init", "failure", 11240, 11420),
+    (1, "checkpoint_restore", "failure", 11420, 11660),
+    (1, "compile", "failure", 11660, 11960),
+    (1, "wasted_training", "failure", 11960, 13160),
+    (1, "training", "effective", 13160, 16760),
+    (1, "checkpoint_blocking", "idle", 16760, 16820),
+    (1, "training", "effective", 16820, 20000),
+    (1, "shutdown", "idle", 20000, 20060),
+]
+E2E_S = 20060
+PERSISTS = [(0, 362, 5060, 5150), (0, 722, 8720, 8815), (1, 1530, 16820, 16900)]  # attempt, step, begin, end
+RANK1_COMPILE_EXTRA_S = 2  # rank 1 compiles 2 s longer in attempt 0: the skew the report shows
+
+
+def _us(seconds: float) -> int:
+    return T0_US + int(seconds * S)
+
+
+def _rank_segments(rank: int) -> list[dict]:
+    segments = []
+    for attempt, name, bucket, begin, end in JOB_SEGMENTS:
+        if rank == 1 and attempt == 0 and name == "compile":
+            end += RANK1_COMPILE_EXTRA_S
+        if rank == 1 and attempt == 0 and name == "training" and begin == 1380:
+            begin += RANK1_COMPILE_EXTRA_S
+        segments.append({"rank": rank, "attempt": attempt, "name": name, "bucket": bucket,
+                         "begin_us": _us(begin), "end_us": _us(end)})
+    return segments
+
+
+def make_report(with_timeline: bool = True) -> dict:
+    phases: dict[str, float] = {}
+    phase_buckets: dict[str, str] = {}
+    bucket_s = dict.fromkeys(("effective", "idle", "failure", "unattributed"), 0.0)
+    for _, name, bucket, begin, end in JOB_SEGMENTS:
+        phases[name] = phases.get(name, 0.0) + (end - begin)
+        phase_buckets[name] = bucket if phase_buckets.get(name, bucket) == bucket else "mixed"
+        bucket_s[bucket] += end - begin
+    assert sum(phases.values()) == E2E_S
+
+    delta, mtbf, restart = 60.0, float(E2E_S), 2040.0
+    young = math.sqrt(2 * delta * mtbf)
+    daly = math.sqrt(2 * delta * (mtbf + restart))
+    report = {
+        "format_version": 1, "run_dir": "/runs/dlrm-42", "world_size": 2, "ranks": [0, 1],
+        "e2e_s": float(E2E_S), "e2e_begin_us": T0_US, "e2e_end_us": _us(E2E_S),
+        "effective_s": bucket_s["effective"], "idle_s": bucket_s["idle"],
+        "failure_s": bucket_s["failure"], "unattributed_s": bucket_s["unattributed"],
+        "ett_pct": 100 * bucket_s["effective"] / E2E_S, "idle_pct": 100 * bucket_s["idle"] / E2E_S,
+        "failure_pct": 100 * bucket_s["failure"] / E2E_S,
+        "unattributed_pct": 100 * bucket_s["unattributed"] / E2E_S,
+        "phases": phases, "phase_buckets": phase_buckets,
+        "substages": {"launcher_init/process_group_init": 42.0, "launcher_init/device_init": 18.0},
+        "attempts": [
+            {"attempt": 0, "begin_us": _us(0), "end_us": _us(9920), "status": "killed", "exception_type": None,
+             "detail": "SIGKILL from scheduler", "time_to_start_s": 1380.0, "first_training_us": _us(1380),
+             "failure_us": _us(9920), "restart_count": 0, "ranks": [0, 1], "first_step": 0, "last_step": 842},
+            {"attempt": 1, "begin_us": _us(10040), "end_us": _us(E2E_S), "status": "clean",
+             "exception_type": None, "detail": None, "time_to_start_s": 1920.0,
+             "first_training_us": _us(11960), "failure_us": None, "restart_count": 1, "ranks": [0, 1],
+             "first_step": 722, "last_step": 1860},
+        ],
+        "time_to_start_s": [1380.0, 1920.0],
+        "time_to_recover_s": [2040.0],
+        "recoveries": [{
+            "failed_attempt": 0, "resumed_attempt": 1, "failure_us": _us(9920), "resumed_us": _us(11960),
+            "recovered": True, "total_s": 2040.0,
+            "breakdown": {"detect_and_teardown": 120.0, "scheduling": 900.0, "hardware_setup": 300.0,
+                          "launcher_init": 180.0, "checkpoint_restore": 240.0, "compile": 300.0},
+            "retraining_s": 1200.0, "category": "killed",
+        }],
+        "failures": 1, "failures_by_category": {"killed": 1},
+        "unsaved_training_s": {"measured": 1200.0, "estimated": 1800.0},
+        "checkpoint_blocking_s": {"measured": 180.0, "estimated": 192.0},
+        "checkpoints": {"count": 3, "blocking_mean_s": 60.0, "interval_s": 3600.0,
+                        "interval_source": "configured", "durable_latency_median_s": 90.0},
+        "steps": {"recorded": 2980, "effective": 1860, "retrained": 120, "max_step": 1860,
+                  "median_step_s": 10.0},
+        "mtbf_s": mtbf, "mtbf_source": "measured",
+        "recommended_interval_s": young,
+        "recommendation": {
+            "method": "young", "interval_s": young, "interval_steps": int(young // 10),
+            "current_interval_s": 3600.0, "waste_at_current_s": 2100.0, "waste_at_recommended_s": 1640.0,
+            "expected_saving_s": 460.0,
+            "variants": {"young": young, "daly": daly, "daly_series": daly - 40.0, "daly_exact": daly - 38.0},
+            "floor_s": 90.0, "note": "one failure observed; MTBF is uncertain",
+        },
+        "rank_skew": {"phases": {"compile": {"min": 600.0, "median": 601.0, "max": 602.0, "skew_s": 2.0},
+                                 "training": {"min": 13998.0, "median": 13999.0, "max": 14000.0,
+                                              "skew_s": 2.0}},
+                      "attempt_start_skew_s": [0.01, 0.02]},
+        "ledger": {"files": 2, "records": 5964, "corrupt_lines": 0, "torn_lines": 1, "dropped_events": 0,
+                   "warnings": ["rank-1.jsonl: torn last line skipped"]},
+    }
+    if with_timeline:
+        report["timeline"] = _rank_segments(0) + _rank_segments(1)
+        report["job_timeline"] = [{k: v for k, v in s.items() if k != "rank"} for s in _rank_segments(0)]
+        report["background"] = [
+            {"rank": r, "attempt": a, "name": "checkpoint_persist", "step": step,
+             "begin_us": _us(b), "end_us": _us(e)}
+            for r in (0, 1) for a, step, b, e in PERSISTS
+        ]
+    return report
+
+
+@pytest.fixture
+def report() -> dict:
+    return make_report()
+
+
+# ---------------------------------------------------------------- Chrome trace
+
+
+def test_trace_has_a_process_per_rank_and_one_for_the_job(report, tmp_path):
+    path = tmp_path / "ett.trace.json"
+    trace.write_chrome_trace(report, path)
+    doc = json.loads(path.read_text())
+
+    assert doc["displayTimeUnit"] == "ms"
+    names = {e["pid"]: e["args"]["name"] for e in doc["traceEvents"]
+             if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {0: "rank 0", 1: "rank 1", 2: "job"}
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in doc["traceEvents"]
+               if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert threads[(0, 0)] == "phases" and threads[(1, 1)] == "background"
+    assert not list(tmp_path.glob(".*.tmp")), "the temporary file must be renamed away"
+
+
+def test_trace_phase_events_have_microsecond_times_relative_to_start(report, tmp_path):
+    path = tmp_path / "ett.trace.json"
+    trace.write_chrome_trace(report, path)
+    events = json.loads(path.read_text())["traceEvents"]
+
+    def complete(pid, name):
+        return [e for e in events if e["ph"] == "X" and e["pid"] == pid and e["tid"] == 0 and e["name"] == name]
+
+    compile0 = complete(0, "compile")
+    assert [(e["ts"], e["dur"], e["args"]["attempt"]) for e in compile0] == [
+        (1080 * S, 300 * S, 0), (11660 * S, 300 * S, 1)]
+    assert compile0[0]["cat"] == "idle" and compile0[1]["cat"] == "failure"
+    assert complete(1, "compile")[0]["dur"] == (300 + RANK1_COMPILE_EXTRA_S) * S
+    # The job track covers E2E exactly, and no two events on one track overlap (Perfetto cannot nest them).
+    for pid in (0, 1, 2):
+        track = sorted((e for e in events if e["ph"] == "X" and e["pid"] == pid and e["tid"] == 0),
+                       key=lambda e: e["ts"])
+        assert all(a["ts"] + a["dur"] <= b["ts"] for a, b in zip(track, track[1:]))
+    job = [e for e in events if e["ph"] == "X" and e["pid"] == 2]
+    assert sum(e["dur"] for e in job) == E2E_S * S
+    assert len(job) == len(JOB_SEGMENTS)
+
+
+def test_trace_background_attempt_markers_and_ett_counter(report, tmp_path):
+    path = tmp_path / "ett.trace.json"
+    trace.write_chrome_trace(report, path)
+    events = json.loads(path.read_text())["traceEvents"]
+
+    persists = [e for e in events if e["ph"] == "X" and e["tid"] == 1 and e["pid"] == 0]
+    assert [(e["name"], e["ts"], e["dur"], e["args"]["step"]) for e in persists] == [
+        ("checkpoint_persist", b * S, (e - b) * S, step) for _, step, b, e in PERSISTS]
+
+    begins = {e["pid"]: e["ts"] for e in events if e["ph"] == "i" and e["name"] == "attempt 1 begin"}
+    assert begins == {0: 10040 * S, 1: 10040 * S, 2: 10040 * S}
+    end0 = [e for e in events if e["ph"] == "i" and e["name"] == "attempt 0 end (killed)" and e["pid"] == 0]
+    assert end0[0]["ts"] == 9920 * S and end0[0]["s"] == "p"
+
+    (counter,) = [e for e in events if e["ph"] == "C"]
+    assert counter["name"] == "ETT%" and counter["pid"] == 2
+    assert counter["ts"] == E2E_S * S
+    assert counter["args"]["value"] == pytest.approx(report["ett_pct"])
+
+
+def test_trace_of_a_queue_before_the_run_starts_has_negative_ts(report, tmp_path):
+    report["timeline"][0] = dict(report["timeline"][0], begin_us=T0_US - 30 * S)
+    trace.write_chrome_trace(report, tmp_path / "t.json")
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    first = [e for e in events if e["ph"] == "X" and e["pid"] == 0 and e["name"] == "scheduling"][0]
+    assert first["ts"] == -30 * S and first["dur"] == 630 * S
+
+
+def test_trace_and_plot_need_the_timeline(tmp_path):
+    bare = make_report(with_timeline=False)
+    with pytest.raises(ValueError, match="include_timeline=True"):
+        trace.write_chrome_trace(bare, tmp_path / "t.json")
+    with pytest.raises(ValueError, match="include_timeline=True"):
+        plot.write_plot(bare, tmp_path / "p.png")
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------- Prometheus
+
+
+def _samples(path) -> dict[tuple[str, tuple], float]:
+    out = {}
+    for family in text_string_to_metric_families(path.read_text()):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def test_prometheus_values(report, tmp_path):
+    path = tmp_path / "ett.prom"
+    prometheus.write_prometheus(report, path)
+    samples = _samples(path)
+
+    assert samples[("ettkit_e2e_seconds", ())] == E2E_S
+    assert samples[("ettkit_effective_training_ratio", ())] == pytest.approx(report["ett_pct"] / 100)
+    assert samples[("ettkit_effective_training_ratio", ())] == pytest.approx(14000 / E2E_S)
+    assert samples[("ettkit_idle_ratio", ())] == pytest.approx(1600 / E2E_S)
+    assert samples[("ettkit_failure_ratio", ())] == pytest.approx(4440 / E2E_S)
+    assert samples[("ettkit_unattributed_ratio", ())] == pytest.approx(20 / E2E_S)
+    assert samples[("ettkit_failures_total", (("category", "killed"),))] == 1
+    assert samples[("ettkit_phase_seconds", (("phase", "compile"),))] == 600
+    assert samples[("ettkit_phase_seconds", (("phase", "training"),))] == 14000
+    assert samples[("ettkit_time_to_start_seconds", (("attempt", "0"),))] == 1380
+    assert samples[("ettkit_time_to_start_seconds", (("attempt", "1"),))] == 1920
+    assert samples[("ettkit_time_to_recover_seconds", (("failure", "0"),))] == 2040
+    assert samples[("ettkit_checkpoint_blocking_seconds", (("kind", "measured"),))] == 180
+    assert samples[("ettkit_checkpoint_blocking_seconds", (("kind", "estimated"),))] == 192
+    assert samples[("ettkit_unsaved_training_seconds", (("kind", "estimated"),))] == 1800
+    assert samples[("ettkit_recommended_checkpoint_interval_seconds", ())] == pytest.approx(
+        math.sqrt(2 * 60 * E2E_S))
+    assert samples[("ettkit_attempts", ())] == 2
+    assert not any(name.endswith("_created") for name, _ in samples)
+
+
+def test_prometheus_job_label_and_missing_values(report, tmp_path):
+    report["recommended_interval_s"] = None
+    report["attempts"][1]["time_to_start_s"] = None
+    path = tmp_path / "ett.prom"
+    prometheus.write_prometheus(report, path, job="dlrm-42")
+    samples = _samples(path)
+
+    assert all(dict(labels).get("job") == "dlrm-42" for _, labels in samples)
+    assert samples[("ettkit_failures_total", (("category", "killed"), ("job", "dlrm-42")))] == 1
+    assert not any(name == "ettkit_recommended_checkpoint_interval_seconds" for name, _ in samples)
+    starts = {labels: v for (name, labels), v in samples.items() if name == "ettkit_time_to_start_seconds"}
+    assert starts == {(("attempt", "0"), ("job", "dlrm-42")): 1380}
+
+
+# ---------------------------------------------------------------- TensorBoard
+
+
+def test_tensorboard_scalars(report, tmp_path):
+    log_dir = tensorboard.write_tensorboard(report, tmp_path / "tb")
+    assert log_dir == str(tmp_path / "tb")
+    acc = EventAccumulator(log_dir)
+    acc.Reload()
+
+    (ett,) = acc.Scalars("ett/ett_pct")
+    assert ett.value == pytest.approx(report["ett_pct"], rel=1e-6)  # stored as float32
+    assert ett.step == 1860 and ett.wall_time == pytest.approx(report["e2e_end_us"] / 1e6)
+    assert acc.Scalars("ett/phase/compile")[0].value == 600
+    assert acc.Scalars("ett/failures")[0].value == 1
+    assert acc.Scalars("ett/e2e_s")[0].value == E2E_S
+    assert [(s.step, s.value) for s in acc.Scalars("ett/time_to_start_s")] == [(0, 1380), (1, 1920)]
+    assert [(s.step, s.value) for s in acc.Scalars("ett/time_to_recover_s")] == [(0, 2040)]
+    assert acc.Scalars("ett/recommended_interval_s")[0].value == pytest.approx(
+        report["recommended_interval_s"], rel=1e-6)
+
+
+def test_tensorboard_explicit_step_and_no_recommendation(report, tmp_path):
+    report["recommended_interval_s"] = None
+    acc = EventAccumulator(tensorboard.write_tensorboard(report, tmp_path / "tb", step=7))
+    acc.Reload()
+    assert acc.Scalars("ett/idle_pct")[0].step == 7
+    assert "ett/recommended_interval_s" not in acc.Tags()["scalars"]
+
+
+# ---------------------------------------------------------------- plot
+
+
+def test_plot_png(report, tmp_path):
+    backend = matplotlib.get_backend()
+    path = tmp_path / "ett.png"
+    plot.write_plot(report, path)
+    assert matplotlib.get_backend() == backend
+
+    image = imread(path)
+    height, width = image.shape[:2]
+    assert width > 400 and height > 200
+    rgb = image[..., :3]
+
+    def share_of(hex_color: str, rows: slice) -> float:
+        target = np.array([int(hex_color[i:i + 2], 16) / 255 for i in (1, 3, 5)])
+        return float(np.mean(np.all(np.abs(rgb[rows] - target) < 0.02, axis=-1)))
+
+    # Effective time dominates the run, so its green must cover more pixels than failure red, both in the
+    # timeline (upper part of the figure) and in the breakdown bar (lower part).
+    timeline, breakdown = slice(0, int(0.55 * height)), slice(int(0.7 * height), height)
+    for rows in (timeline, breakdown):
+        assert share_of(plot.COLORS["effective"], rows) > share_of(plot.COLORS["failure"], rows) > 0.01
+    assert share_of(plot.BACKGROUND_COLOR, timeline) > 0
+
+
+# ---------------------------------------------------------------- table
+
+
+def test_table_shows_the_key_numbers(report):
+    text = table.format_report(report)
+    assert "/runs/dlrm-42" in text
+    assert "5:34:20 (20060.0 s)" in text
+    assert f"{report['ett_pct']:.2f}%" in text and "69.79%" in text
+    assert "detect_and_teardown=120.0" in text and "2040.0" in text
+    assert "killed" in text and "2023-11-14T22:13:20Z" in text
+    assert f"{report['recommended_interval_s']:.1f} s (155 steps)" in text
+    assert "rank-1.jsonl: torn last line skipped" in text
+    # Phases are listed longest first.
+    assert text.index("\n  training ") < text.index("\n  scheduling ") < text.index("\n  compile ")
+
+
+def test_table_survives_a_sparse_report():
+    text = table.format_report({"run_dir": "/runs/empty", "e2e_s": None, "recommendation": None,
+                                "attempts": [{"attempt": 0, "status": "exception", "begin_us": None}]})
+    assert "/runs/empty" in text
+    assert "ETT%          -" in text
+    assert "(none)" in text
