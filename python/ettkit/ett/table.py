@@ -14,10 +14,17 @@ from typing import Any
 MISSING = "-"
 
 
-def _num(value: Any, decimals: int = 1, suffix: str = "") -> str:
+def _num(value: Any, decimals: int, suffix: str = "") -> str:
     if value is None:
         return MISSING
     return f"{value:.{decimals}f}{suffix}"
+
+
+def _sec(value: float | None) -> str:
+    """Seconds: tenths are enough for hour-long jobs, but a short run or a blocking save needs milliseconds."""
+    if value is None:
+        return MISSING
+    return f"{value:.1f}" if abs(value) >= 10 else f"{value:.3f}"
 
 
 def _text(value: Any) -> str:
@@ -55,7 +62,7 @@ def _header(report: dict) -> list[str]:
     e2e = report.get("e2e_s")
     return [
         f"ETT report: {_text(report.get('run_dir'))}",
-        f"  E2E           {_hms(e2e)} ({_num(e2e)} s)",
+        f"  E2E           {_hms(e2e)} ({_sec(e2e)} s)",
         f"  ETT%          {_num(report.get('ett_pct'), 2, '%')}",
         f"  Idle%         {_num(report.get('idle_pct'), 2, '%')}",
         f"  Failure%      {_num(report.get('failure_pct'), 2, '%')}",
@@ -79,9 +86,9 @@ def _phases(report: dict) -> list[str]:
     rows = []
     phases = report.get("phases") or {}
     for name, seconds in sorted(phases.items(), key=lambda kv: -(kv[1] or 0.0)):
-        rows.append([name, _num(seconds), share(seconds), _text(buckets.get(name))])
+        rows.append([name, _sec(seconds), share(seconds), _text(buckets.get(name))])
         for child, child_s in sorted(substages.get(name, []), key=lambda kv: -(kv[1] or 0.0)):
-            rows.append([f"  {child}", _num(child_s), share(child_s), ""])
+            rows.append([f"  {child}", _sec(child_s), share(child_s), ""])
     return ["Phases", *_grid(["phase", "seconds", "% of E2E", "bucket"], rows, [False, True, True, False])]
 
 
@@ -92,7 +99,7 @@ def _attempts(report: dict) -> list[str]:
         steps = MISSING if first is None and last is None else f"{_text(first)}..{_text(last)}"
         rows.append([
             _text(a.get("attempt")), _text(a.get("status")), _text(a.get("exception_type")),
-            _num(a.get("time_to_start_s")), steps, _utc(a.get("begin_us")), _utc(a.get("end_us")),
+            _sec(a.get("time_to_start_s")), steps, _utc(a.get("begin_us")), _utc(a.get("end_us")),
         ])
     headers = ["attempt", "status", "exception", "time to start s", "steps", "begin (UTC)", "end (UTC)"]
     return ["Attempts", *_grid(headers, rows, [True, False, False, True, False, False, False])]
@@ -102,10 +109,10 @@ def _recoveries(report: dict) -> list[str]:
     rows = []
     for i, r in enumerate(report.get("recoveries") or []):
         resumed = r.get("resumed_attempt") if r.get("recovered", True) else None
-        breakdown = " ".join(f"{k}={_num(v)}" for k, v in (r.get("breakdown") or {}).items())
+        breakdown = " ".join(f"{k}={_sec(v)}" for k, v in (r.get("breakdown") or {}).items())
         rows.append([
             str(i), f"{_text(r.get('failed_attempt'))} -> {_text(resumed)}", _text(r.get("category")),
-            _num(r.get("total_s")), _num(r.get("retraining_s")), breakdown or MISSING,
+            _sec(r.get("total_s")), _sec(r.get("retraining_s")), breakdown or MISSING,
         ])
     headers = ["failure", "attempts", "category", "total s", "retraining s", "breakdown (s)"]
     return ["Failures / Time to Recover",
@@ -119,35 +126,35 @@ def _checkpointing(report: dict) -> list[str]:
     source = ckpt.get("interval_source")
     return [
         "Checkpointing",
-        f"  blocking          measured {_num(blocking.get('measured'))} s, "
-        f"estimated {_num(blocking.get('estimated'))} s",
-        f"  unsaved training  measured {_num(unsaved.get('measured'))} s, "
-        f"estimated {_num(unsaved.get('estimated'))} s",
-        f"  checkpoints       {_text(ckpt.get('count'))}, mean blocking {_num(ckpt.get('blocking_mean_s'), 2)} s, "
-        f"median durable latency {_num(ckpt.get('durable_latency_median_s'), 2)} s",
-        f"  interval in use   {_num(ckpt.get('interval_s'))} s" + (f" ({source})" if source else ""),
+        f"  blocking          measured {_sec(blocking.get('measured'))} s, "
+        f"estimated {_sec(blocking.get('estimated'))} s",
+        f"  unsaved training  measured {_sec(unsaved.get('measured'))} s, "
+        f"estimated {_sec(unsaved.get('estimated'))} s",
+        f"  checkpoints       {_text(ckpt.get('count'))}, mean blocking {_sec(ckpt.get('blocking_mean_s'))} s, "
+        f"median durable latency {_sec(ckpt.get('durable_latency_median_s'))} s",
+        f"  interval in use   {_sec(ckpt.get('interval_s'))} s" + (f" ({source})" if source else ""),
     ]
 
 
 def _recommendation(report: dict) -> list[str]:
     rec = report.get("recommendation")
-    mtbf = f"  MTBF              {_num(report.get('mtbf_s'))} s"
+    mtbf = f"  MTBF              {_sec(report.get('mtbf_s'))} s"
     if report.get("mtbf_source"):
         mtbf += f" ({report['mtbf_source']})"
     if not rec:
-        return ["Recommendation", f"  interval          {_num(report.get('recommended_interval_s'))} s", mtbf]
+        return ["Recommendation", f"  interval          {_sec(report.get('recommended_interval_s'))} s", mtbf]
     steps = rec.get("interval_steps")
-    variants = " ".join(f"{k}={_num(v)}" for k, v in (rec.get("variants") or {}).items())
+    variants = " ".join(f"{k}={_sec(v)}" for k, v in (rec.get("variants") or {}).items())
     lines = [
         "Recommendation",
-        f"  interval          {_num(rec.get('interval_s'))} s"
+        f"  interval          {_sec(rec.get('interval_s'))} s"
         + (f" ({steps} steps)" if steps is not None else "") + f", method {_text(rec.get('method'))}",
-        f"  current interval  {_num(rec.get('current_interval_s'))} s",
-        f"  waste             at current {_num(rec.get('waste_at_current_s'))} s, "
-        f"at recommended {_num(rec.get('waste_at_recommended_s'))} s",
-        f"  expected saving   {_num(rec.get('expected_saving_s'))} s",
+        f"  current interval  {_sec(rec.get('current_interval_s'))} s",
+        f"  waste             at current {_sec(rec.get('waste_at_current_s'))} s, "
+        f"at recommended {_sec(rec.get('waste_at_recommended_s'))} s",
+        f"  expected saving   {_sec(rec.get('expected_saving_s'))} s",
         f"  variants (s)      {variants or MISSING}",
-        f"  floor             {_num(rec.get('floor_s'))} s",
+        f"  floor             {_sec(rec.get('floor_s'))} s",
         mtbf,
     ]
     if rec.get("note"):
