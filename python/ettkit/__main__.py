@@ -1,0 +1,72 @@
+"""Command line: ``python -m ettkit report RUN_DIR [options]`` (also installed as ``ettkit``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _report(args: argparse.Namespace) -> int:
+    from . import errors
+    from .ett import build_report, format_report
+
+    needs_timeline = bool(args.trace or args.plot)
+    try:
+        report = build_report(args.run_dir, include_initial_queue=args.include_initial_queue,
+                              mtbf_prior_s=args.mtbf_prior, method=args.method, include_timeline=needs_timeline)
+    except (errors.Error, OSError) as e:
+        print(f"ettkit report: error: {e}", file=sys.stderr)
+        return 2
+    if args.trace:
+        from .ett.trace import write_chrome_trace
+
+        write_chrome_trace(report, args.trace)
+    if args.prometheus:
+        from .ett.prometheus import write_prometheus
+
+        write_prometheus(report, args.prometheus, job=args.job)
+    if args.plot:
+        from .ett.plot import write_plot
+
+        write_plot(report, args.plot)
+    if args.tensorboard:
+        from .ett.tensorboard import write_tensorboard
+
+        write_tensorboard(report, args.tensorboard)
+    if args.json:
+        report.pop("timeline", None)
+        report.pop("job_timeline", None)
+        report.pop("background", None)
+        json.dump(report, sys.stdout, indent=2, sort_keys=True)
+        sys.stdout.write("\n")
+    else:
+        print(format_report(report))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ettkit", description="ettkit command line")
+    sub = parser.add_subparsers(dest="command", required=True)
+    rep = sub.add_parser("report", help="the ETT report of a run directory (a pure function of its ledger)")
+    rep.add_argument("run_dir", help="the directory given to ettkit.ett.Recorder (holds ett/rank-<r>.jsonl)")
+    rep.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    rep.add_argument("--trace", metavar="FILE", help="write a Chrome trace (open in Perfetto / chrome://tracing)")
+    rep.add_argument("--prometheus", metavar="FILE", help="write the Prometheus text exposition format")
+    rep.add_argument("--job", help="job label for the Prometheus metrics")
+    rep.add_argument("--plot", metavar="FILE.png", help="write a per-rank timeline with the ETT breakdown")
+    rep.add_argument("--tensorboard", metavar="DIR", help="write TensorBoard scalars into DIR")
+    rep.add_argument("--include-initial-queue", action="store_true",
+                     help="count attempt 0's scheduling (queue) time in E2E")
+    rep.add_argument("--mtbf-prior", type=float, default=0.0, metavar="SECONDS",
+                     help="MTBF to assume when the ledger shows no failure")
+    rep.add_argument("--method", default="young", choices=["young", "daly", "daly_series", "daly_exact"],
+                     help="checkpoint-interval formula of the recommendation")
+    args = parser.parse_args(argv)
+    if args.command == "report":
+        return _report(args)
+    return 2  # unreachable: argparse requires a command
+
+
+if __name__ == "__main__":
+    sys.exit(main())

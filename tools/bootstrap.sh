@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Installs what ettkit needs on a fresh Debian 12 machine, idempotently: a second run installs nothing.
+#   1. Debian packages (only the missing ones; `apt-get update` only when something is missing)
+#   2. .venv at the repository root with torch (TORCH_VERSION, default the CUDA 13 build 2.14.1 so the
+#      CUDA code paths compile) and requirements-dev.txt (re-run only when that file changes)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+TORCH_VERSION="${TORCH_VERSION:-2.14.1}"
+VENV="${VENV:-.venv}"
+APT_PACKAGES=(build-essential pkg-config python3-venv python3-dev libspdlog-dev libgtest-dev libgmock-dev
+              libbenchmark-dev nlohmann-json3-dev libxxhash-dev)
+
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+if ((${#missing[@]})); then
+  echo "bootstrap: installing Debian packages: ${missing[*]}"
+  SUDO=""
+  if [[ $(id -u) -ne 0 ]]; then SUDO="sudo"; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+PYTHON="${PYTHON:-python3}"
+if [[ ! -x "$VENV/bin/python" ]]; then
+  echo "bootstrap: creating $VENV"
+  "$PYTHON" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip -q --disable-pip-version-check)
+
+if ! "$VENV/bin/python" -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
+  echo "bootstrap: installing torch==$TORCH_VERSION (several GB for the CUDA build; from local disk here)"
+  "${PIP[@]}" install "torch==$TORCH_VERSION" 2>&1 | grep -v "is ignored: it is neither" || true
+  "$VENV/bin/python" -c "import torch; print('bootstrap: torch', torch.__version__)"
+fi
+
+stamp="$VENV/.ettkit-deps-$(sha256sum requirements-dev.txt | cut -c1-16)"
+if [[ ! -f "$stamp" ]]; then
+  echo "bootstrap: installing requirements-dev.txt"
+  "${PIP[@]}" install -r requirements-dev.txt 2>&1 | grep -v "is ignored: it is neither" || true
+  rm -f "$VENV"/.ettkit-deps-*
+  touch "$stamp"
+fi
