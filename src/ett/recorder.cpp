@@ -150,6 +150,32 @@ ExistingLedger scan_existing(const std::string& path) {
   return info;
 }
 
+struct LauncherPhase {
+  std::string name;
+  int64_t begin_us;
+  int64_t end_us;
+};
+
+// Parses {"<phase>": [begin_epoch_s, end_epoch_s], ...}; throws InvalidArgument naming `source`.
+std::vector<LauncherPhase> parse_launcher_phases(std::string_view json, std::string_view source) {
+  auto doc = nlohmann::json::parse(json, nullptr, /*allow_exceptions=*/false);
+  ETTKIT_EXPECTS(doc.is_object(), source,
+                 " is not a JSON object; expected {\"scheduling\": [begin_epoch_s, end_epoch_s], ...}");
+  std::vector<LauncherPhase> out;
+  for (const auto& [name, value] : doc.items()) {
+    ETTKIT_EXPECTS(value.is_array() && value.size() == 2 && value[0].is_number() && value[1].is_number(),
+                   source, "[\"", name, "\"] must be [begin_epoch_s, end_epoch_s] (two numbers), got ",
+                   value.dump());
+    double b = value[0].get<double>();
+    double e = value[1].get<double>();
+    ETTKIT_EXPECTS(std::isfinite(b) && std::isfinite(e) && b > 0 && e >= b, source, "[\"", name,
+                   "\"] = [", b, ", ", e, "] must satisfy 0 < begin <= end (epoch seconds)");
+    validate_phase_name(name);
+    out.push_back({name, static_cast<int64_t>(std::llround(b * 1e6)), static_cast<int64_t>(std::llround(e * 1e6))});
+  }
+  return out;
+}
+
 }  // namespace
 
 // ------------------------------------------------------------------------------------------------------
@@ -316,6 +342,19 @@ class Recorder::Impl {
   std::atomic<int64_t> last_step_mark{-1};
   std::atomic<int64_t> last_phase_end{0};
   std::atomic<bool> closed{false};
+
+  // Only reached with a joinable writer if the constructor throws after starting it: stop the thread
+  // (destroying a joinable std::thread terminates the process).
+  ~Impl() {
+    if (writer.joinable()) {
+      {
+        std::lock_guard lock(state->mutex);
+        state->stop = true;
+      }
+      state->wake.notify_one();
+      writer.join();
+    }
+  }
 };
 
 // ------------------------------------------------------------------------------------------------------
@@ -341,6 +380,13 @@ Recorder::Recorder(RecorderOptions options) : impl_(std::make_unique<Impl>()) {
   im.ledger_path =
       (dir / (std::string(ledger::kFilePrefix) + std::to_string(im.rank) + std::string(ledger::kFileSuffix)))
           .string();
+
+  // Validated before anything is written: a bad variable fails construction and leaves the ledger alone.
+  std::vector<LauncherPhase> launcher_phases;
+  if (const char* env = std::getenv("ETTKIT_LAUNCHER_PHASES");
+      options.launcher_phases_from_env && env != nullptr && *env != '\0') {
+    launcher_phases = parse_launcher_phases(env, "ETTKIT_LAUNCHER_PHASES");
+  }
 
   ExistingLedger existing = scan_existing(im.ledger_path);
   im.attempt = existing.attempts;
@@ -393,10 +439,8 @@ Recorder::Recorder(RecorderOptions options) : impl_(std::make_unique<Impl>()) {
   if (proc_start && *proc_start < start_us) {
     record_phase(phase_id(phase::kProcessBootstrap), *proc_start, start_us);
   }
-  if (im.options.launcher_phases_from_env) {
-    if (const char* env = std::getenv("ETTKIT_LAUNCHER_PHASES"); env != nullptr && *env != '\0') {
-      record_launcher_phases_json(env, "ETTKIT_LAUNCHER_PHASES");
-    }
+  for (const auto& p : launcher_phases) {
+    if (p.end_us > im.last_ledger_ts_us) record_phase(phase_id(p.name), p.begin_us, p.end_us);
   }
 }
 
@@ -475,24 +519,11 @@ void Recorder::set_config(std::string_view key, double value) {
 }
 
 void Recorder::record_launcher_phases_json(std::string_view json, std::string_view source) {
-  auto doc = nlohmann::json::parse(json, nullptr, /*allow_exceptions=*/false);
-  ETTKIT_EXPECTS(doc.is_object(), source,
-                 " is not a JSON object; expected {\"scheduling\": [begin_epoch_s, end_epoch_s], ...}");
-  for (const auto& [name, value] : doc.items()) {
-    ETTKIT_EXPECTS(value.is_array() && value.size() == 2 && value[0].is_number() && value[1].is_number(),
-                   source, "[\"", name, "\"] must be [begin_epoch_s, end_epoch_s] (two numbers), got ",
-                   value.dump());
-    double b = value[0].get<double>();
-    double e = value[1].get<double>();
-    ETTKIT_EXPECTS(std::isfinite(b) && std::isfinite(e) && b > 0 && e >= b, source, "[\"", name,
-                   "\"] = [", b, ", ", e, "] must satisfy 0 < begin <= end (epoch seconds)");
-    auto begin_us = static_cast<int64_t>(std::llround(b * 1e6));
-    auto end_us = static_cast<int64_t>(std::llround(e * 1e6));
+  for (const auto& p : parse_launcher_phases(json, source)) {
     // A restart reuses its launcher's environment: phases already behind the ledger's last record belong
     // to an earlier attempt.
-    if (end_us <= impl_->last_ledger_ts_us) continue;
-    uint32_t id = phase_id(name);
-    record_phase(id, begin_us, end_us);
+    if (p.end_us <= impl_->last_ledger_ts_us) continue;
+    record_phase(phase_id(p.name), p.begin_us, p.end_us);
   }
 }
 

@@ -1,0 +1,79 @@
+"""`python -m ettkit report`: the table, --json keys, the exporters read back by real readers, errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ledger_script import worked_example
+
+REQUIRED_KEYS = {"e2e_s", "ett_pct", "idle_pct", "failure_pct", "time_to_start_s", "time_to_recover_s", "failures",
+                 "phases", "unsaved_training_s", "checkpoint_blocking_s", "recommended_interval_s"}
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "ettkit", *map(str, args)], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_json_output(tmp_path):
+    worked_example(tmp_path).save()
+    p = cli("report", tmp_path, "--json")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert REQUIRED_KEYS <= r.keys()
+    assert r["ett_pct"] == pytest.approx(90.46, abs=0.005)
+    assert set(r["unsaved_training_s"]) == {"measured", "estimated"}
+    assert "timeline" not in r
+
+
+def test_table_and_exporters(tmp_path):
+    run = tmp_path / "run"
+    worked_example(run).save()
+    out = tmp_path / "out"
+    out.mkdir()
+    p = cli("report", run, "--trace", out / "trace.json", "--prometheus", out / "ett.prom", "--plot",
+            out / "ett.png", "--tensorboard", out / "tb", "--job", "demo")
+    assert p.returncode == 0, p.stderr
+    assert "90.46" in p.stdout and "2040" in p.stdout and "Recommendation" in p.stdout
+
+    trace = json.loads((out / "trace.json").read_text())
+    compile_events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["name"] == "compile" and e["pid"] == 0]
+    assert sorted(e["dur"] for e in compile_events) == [300e6, 900e6]
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = {f.name: f for f in text_string_to_metric_families((out / "ett.prom").read_text())}
+    ratio = families["ettkit_effective_training_ratio"].samples[0]
+    assert ratio.value == pytest.approx(0.9046, abs=5e-5) and ratio.labels["job"] == "demo"
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(out / "tb"))
+    acc.Reload()
+    assert acc.Scalars("ett/ett_pct")[0].value == pytest.approx(90.46, abs=0.005)
+
+    from PIL import Image
+
+    with Image.open(out / "ett.png") as im:
+        assert im.format == "PNG" and im.size[0] > 400
+
+
+@pytest.mark.parametrize("setup,message", [
+    ("missing", "does not exist"),
+    ("empty", "no 'ett/' ledger folder"),
+    ("newer", "format version 2"),
+])
+def test_errors_are_clear(tmp_path, setup, message):
+    run = tmp_path / "run"
+    if setup != "missing":
+        run.mkdir()
+    if setup == "newer":
+        (run / "ett").mkdir()
+        (run / "ett" / "rank-0.jsonl").write_text('{"v":2,"t":"attempt","attempt":0,"ts":1}\n')
+    p = cli("report", run)
+    assert p.returncode == 2
+    assert message in p.stderr and "Traceback" not in p.stderr
