@@ -55,7 +55,12 @@ def main(argv=None) -> None:
         rec.set_config("checkpoint_interval_steps", args.ckpt_every)
         if world > 1:
             with rec.phase("process_group_init"):
-                dist.init_process_group("gloo")
+                # torchrun reuses one store across restarts; a per-attempt prefix keeps the restarted
+                # gloo group from reading the dead attempt's addresses.
+                store, _, _ = next(dist.rendezvous("env://"))
+                restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+                dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt-{restart}", store), rank=rank,
+                                        world_size=world)
         with rec.phase("train_module_creation"):
             torch.manual_seed(0)
             model = torch.nn.Sequential(torch.nn.Linear(32, args.hidden), torch.nn.ReLU(),

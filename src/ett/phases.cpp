@@ -10,9 +10,10 @@ namespace ettkit::ett {
 namespace {
 // Meta's launcher_init sub-stages (and ours): recorded under their own names, rolled up into
 // launcher_init in the report's top-level phases.
-constexpr std::array<std::string_view, 8> kLauncherInitSubstages = {
-    "device_init",  "process_group_init", "preproc_creation",      "train_module_creation",
-    "init_plugins", "pre_train",          "get_first_batch_data", phase::kProcessBootstrap};
+constexpr std::array<std::string_view, 9> kLauncherInitSubstages = {
+    "device_init",          "process_group_init",      "preproc_creation",   "train_module_creation",
+    "init_plugins",         "pre_train",               "get_first_batch_data", phase::kProcessBootstrap,
+    phase::kWorkerSpawn};
 
 constexpr std::array<std::string_view, 10> kTopLevel = {
     phase::kScheduling,         phase::kHardwareSetup, phase::kLauncherInit,       phase::kCompile,

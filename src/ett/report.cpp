@@ -259,6 +259,11 @@ Analysis analyse(const LedgerSet& set, const std::string& run_dir, const ReportO
                                                   : Kind::kPhase;
         items.push_back({p.b, p.e, n, kind});
       }
+      // Time between the launcher's phases (allocation) and this process's exec is the launcher's own
+      // start-up (torchrun agent, rendezvous, spawning workers); launcher phases override where they lie.
+      if (a.proc_start && *a.proc_start > ra.begin) {
+        items.push_back({ra.begin, *a.proc_start, std::string(phase::kWorkerSpawn), Kind::kPhase});
+      }
       if (a.proc_start && *a.proc_start < a.ts) {
         bool has_bootstrap = false;
         for (const auto& p : a.phases) has_bootstrap = has_bootstrap || names[p.name] == phase::kProcessBootstrap;
@@ -302,6 +307,37 @@ Analysis analyse(const LedgerSet& set, const std::string& run_dir, const ReportO
   }
 
   // ---- 3. buckets -----------------------------------------------------------------------------------------
+  // Once the first rank of a failed attempt stops, whatever the others still do in that attempt is lost
+  // (it is re-done after the restore): split their segments at the job's failure point.
+  for (auto& [rank, vec] : per_rank) {
+    for (auto& ra : vec) {
+      const JobAttempt& job = jobs[ra.ledger->attempt];
+      if (!job.failed) continue;
+      const int64_t f = *job.failure_point;
+      std::vector<Segment> split;
+      split.reserve(ra.segments.size() + 1);
+      for (auto& seg : ra.segments) {
+        if (seg.e <= f || seg.kind == Kind::kLostInFlight) {
+          split.push_back(std::move(seg));
+          continue;
+        }
+        if (seg.b < f) {
+          Segment head = seg;
+          head.e = f;
+          split.push_back(std::move(head));
+          seg.b = f;
+        }
+        seg.kind = Kind::kLostInFlight;
+        seg.name = std::string(phase::kLostInFlight);
+        if (!split.empty() && split.back().kind == Kind::kLostInFlight && split.back().e == seg.b) {
+          split.back().e = seg.e;
+        } else {
+          split.push_back(std::move(seg));
+        }
+      }
+      ra.segments = std::move(split);
+    }
+  }
   for (auto& [rank, vec] : per_rank) {
     for (auto& ra : vec) {
       const JobAttempt& job = jobs[ra.ledger->attempt];

@@ -29,6 +29,9 @@ inline constexpr std::string_view kShutdown = "shutdown";
 inline constexpr std::string_view kCheckpointPersist = "checkpoint_persist";
 // Sub-stage the recorder writes for [process start, recorder start): interpreter start, imports.
 inline constexpr std::string_view kProcessBootstrap = "process_bootstrap";
+// Sub-stage the report derives for [allocation, process start): the launcher's own start-up (torchrun
+// agent, rendezvous, spawning the workers).
+inline constexpr std::string_view kWorkerSpawn = "worker_spawn";
 // Report-only names for time no record covers.
 inline constexpr std::string_view kLostInFlight = "lost_in_flight";          // alive after its last record, then killed
 inline constexpr std::string_view kDetectAndTeardown = "detect_and_teardown";  // between a failed attempt and the next
