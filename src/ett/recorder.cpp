@@ -12,6 +12,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <exception>
 #include <filesystem>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -43,6 +44,7 @@ constexpr uint32_t kMaxPhases = 4096;
 enum class EventKind : uint8_t {
   kPhaseSteady,       // a, b: steady ns
   kPhaseEpoch,        // a, b: epoch us
+  kLauncherEpoch,     // a, b: epoch us; a phase the launcher reported (before this process existed)
   kBackgroundEpoch,   // a, b: epoch us
   kStepSteady,        // a, b: steady ns; value: step index
 };
@@ -150,12 +152,6 @@ ExistingLedger scan_existing(const std::string& path) {
   return info;
 }
 
-struct LauncherPhase {
-  std::string name;
-  int64_t begin_us;
-  int64_t end_us;
-};
-
 // Parses {"<phase>": [begin_epoch_s, end_epoch_s], ...}; throws InvalidArgument naming `source`.
 std::vector<LauncherPhase> parse_launcher_phases(std::string_view json, std::string_view source) {
   auto doc = nlohmann::json::parse(json, nullptr, /*allow_exceptions=*/false);
@@ -229,13 +225,15 @@ struct WriterState {
   void format(const Event& ev, std::string& out) {
     switch (ev.kind) {
       case EventKind::kPhaseSteady:
-      case EventKind::kPhaseEpoch: {
+      case EventKind::kPhaseEpoch:
+      case EventKind::kLauncherEpoch: {
         bool steady = ev.kind == EventKind::kPhaseSteady;
         open_record(out, "phase");
         append_name(out, name_of(ev.id));
         append_int(out, "b", steady ? anchor.to_epoch_us(ev.a) : ev.a);
         append_int(out, "e", steady ? anchor.to_epoch_us(ev.b) : ev.b);
         if (ev.value >= 0) append_int(out, "step", ev.value);
+        if (ev.kind == EventKind::kLauncherEpoch) out += ",\"src\":\"launcher\"";
         break;
       }
       case EventKind::kBackgroundEpoch:
@@ -439,14 +437,17 @@ Recorder::Recorder(RecorderOptions options) : impl_(std::make_unique<Impl>()) {
   if (proc_start && *proc_start < start_us) {
     record_phase(phase_id(phase::kProcessBootstrap), *proc_start, start_us);
   }
-  for (const auto& p : launcher_phases) {
-    if (p.end_us > im.last_ledger_ts_us) record_phase(phase_id(p.name), p.begin_us, p.end_us);
-  }
+  record_launcher_phases(launcher_phases);
 }
 
 Recorder::~Recorder() {
   try {
-    close(EndStatus::kClean);
+    // Destroyed while an exception unwinds the stack: the attempt did not end cleanly.
+    if (std::uncaught_exceptions() > 0) {
+      close(EndStatus::kException, "C++ exception (destroyed during stack unwinding)");
+    } else {
+      close(EndStatus::kClean);
+    }
   } catch (...) {
     // Destructors never throw; close() already logged the problem.
   }
@@ -519,11 +520,17 @@ void Recorder::set_config(std::string_view key, double value) {
 }
 
 void Recorder::record_launcher_phases_json(std::string_view json, std::string_view source) {
-  for (const auto& p : parse_launcher_phases(json, source)) {
+  record_launcher_phases(parse_launcher_phases(json, source));
+}
+
+void Recorder::record_launcher_phases(const std::vector<LauncherPhase>& phases) {
+  for (const auto& p : phases) {
     // A restart reuses its launcher's environment: phases already behind the ledger's last record belong
     // to an earlier attempt.
     if (p.end_us <= impl_->last_ledger_ts_us) continue;
-    record_phase(phase_id(p.name), p.begin_us, p.end_us);
+    if (!impl_->state->queue.try_push(Event{p.begin_us, p.end_us, -1, phase_id(p.name), EventKind::kLauncherEpoch})) {
+      impl_->state->dropped.fetch_add(1, std::memory_order_relaxed);
+    }
   }
 }
 

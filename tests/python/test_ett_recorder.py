@@ -86,6 +86,8 @@ def test_launcher_phases_from_env(tmp_path):
     env = dict(os.environ, ETTKIT_LAUNCHER_PHASES=json.dumps(
         {"scheduling": [now - 30, now - 10], "hardware_setup": [now - 10, now - 1]}))
     subprocess.run([sys.executable, "-c", code], env=env, check=True)
+    launcher = [x for x in records(tmp_path, t="phase") if x.get("src") == "launcher"]
+    assert sorted(x["name"] for x in launcher) == ["hardware_setup", "scheduling"]
     r = ett.build_report(tmp_path)
     assert r["phases"]["hardware_setup"] == pytest.approx(9, abs=0.01)
     assert r["attempts"][0]["begin_us"] == pytest.approx((now - 30) * 1e6, abs=2e4)

@@ -23,6 +23,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "ettkit/common/export.h"
 
@@ -62,6 +63,13 @@ struct ETTKIT_API RecorderOptions {
 
 class Recorder;
 
+/// A phase reported by the launcher (UTC epoch microseconds).
+struct LauncherPhase {
+  std::string name;
+  int64_t begin_us;
+  int64_t end_us;
+};
+
 /// RAII phase timer: the interval [construction, destruction) is recorded under `name`. Movable, not
 /// copyable. Obtained from Recorder::phase(); must not outlive the Recorder.
 class ETTKIT_API ScopedPhase {
@@ -89,7 +97,8 @@ class ETTKIT_API Recorder {
   /// the launcher phases, and starts the writer thread. Throws InvalidArgument for bad options and
   /// IoError when the ledger cannot be opened (naming the path).
   explicit Recorder(RecorderOptions options);
-  /// Equivalent to close(EndStatus::kClean) if close() was not called.
+  /// Equivalent to close(EndStatus::kClean) if close() was not called, or to close(kException) when the
+  /// Recorder is destroyed while an exception unwinds the stack.
   ~Recorder();
   Recorder(const Recorder&) = delete;
   Recorder& operator=(const Recorder&) = delete;
@@ -120,6 +129,8 @@ class ETTKIT_API Recorder {
   /// Phases that end before this ledger's previous records are skipped (a restart reuses the same
   /// environment). Throws InvalidArgument naming `source` and the bad field.
   void record_launcher_phases_json(std::string_view json, std::string_view source);
+  /// The same, for phases already parsed.
+  void record_launcher_phases(const std::vector<LauncherPhase>& phases);
 
   /// Blocks until every event recorded before the call is written (and synced per policy), or throws
   /// Timeout after `timeout_s`.

@@ -93,6 +93,20 @@ TEST(Recorder, AttemptsAreNumberedByTheLedgerAndSurviveATornLine) {
   EXPECT_EQ(third.attempt(), 2);
 }
 
+TEST(Recorder, DestroyedDuringUnwindingRecordsAnException) {
+  TempDir dir;
+  std::string path;
+  try {
+    Recorder rec(opts(dir));
+    path = rec.ledger_path();
+    throw std::runtime_error("boom");
+  } catch (const std::runtime_error&) {
+  }
+  auto ends = records(path, "end");
+  ASSERT_EQ(ends.size(), 1u);
+  EXPECT_EQ(ends[0]["status"], "exception");
+}
+
 TEST(Recorder, HeartbeatsArriveWithoutActivity) {
   TempDir dir;
   auto o = opts(dir);
