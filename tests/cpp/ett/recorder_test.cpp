@@ -210,6 +210,9 @@ TEST(Recorder, FullQueueDropsAndCountsInsteadOfBlocking) {
   o.flush_interval_s = 10;  // the writer sleeps: the queue fills
   o.heartbeat_s = 10;
   Recorder rec(o);
+  // The writer's first iteration runs at once (its first heartbeat is due); let it pass, after which it
+  // sleeps for 10 s and the burst below must fill the queue.
+  rec.wait_for_writer_iterations_for_testing(1);
   for (int i = 0; i < 5000; ++i) rec.step(i);
   EXPECT_GE(rec.dropped(), 5000u - 1024u);
   rec.flush();
