@@ -62,6 +62,18 @@ bool is_range(const std::vector<int32_t>& r) {
   return true;
 }
 
+// Whole hosts, host after host (grid_shard ranks; ranks_per_host > 1): stored as host indexes.
+bool is_host_groups(const std::vector<int32_t>& r, int32_t L) {
+  if (L < 2 || r.empty() || r.size() % static_cast<size_t>(L) != 0) return false;
+  for (size_t g = 0; g < r.size(); g += static_cast<size_t>(L)) {
+    if (r[g] % L != 0) return false;
+    for (size_t j = 1; j < static_cast<size_t>(L); ++j) {
+      if (r[g + j] != r[g] + static_cast<int32_t>(j)) return false;
+    }
+  }
+  return true;
+}
+
 void seal(std::vector<uint8_t>& out) {
   const uint64_t body = out.size() - kPlanHeaderBytes;
   std::memcpy(out.data(), codec::kPlanMagic, 4);
@@ -192,7 +204,9 @@ std::vector<uint8_t> encode(const ShardingPlan& plan) {
     if (t.column_block > 0) flags |= codec::kHasColumnBlock;
     if (t.num_buckets > 0) flags |= codec::kHasBuckets;
     if (!t.shards.empty()) flags |= codec::kHasShards;
-    const uint8_t ranks_mode = t.ranks.empty() ? 0 : (is_range(t.ranks) ? 1 : 2);
+    const int32_t L = plan.ranks_per_host();
+    const uint8_t ranks_mode =
+        t.ranks.empty() ? 0 : (is_range(t.ranks) ? 1 : (is_host_groups(t.ranks, L) ? 3 : 2));
     flags |= static_cast<uint8_t>(ranks_mode << codec::kRanksShift);
     w.u8(flags);
     w.u8(static_cast<uint8_t>(t.type));
@@ -204,6 +218,9 @@ std::vector<uint8_t> encode(const ShardingPlan& plan) {
     if (ranks_mode == 1) {
       w.varint(static_cast<uint64_t>(t.ranks[0]));
       w.varint(t.ranks.size());
+    } else if (ranks_mode == 3) {
+      w.varint(t.ranks.size() / static_cast<size_t>(L));
+      for (size_t g = 0; g < t.ranks.size(); g += static_cast<size_t>(L)) w.varint(static_cast<uint64_t>(t.ranks[g] / L));
     } else if (ranks_mode == 2) {
       w.varint(t.ranks.size());
       int64_t last = 0;
@@ -331,7 +348,16 @@ ShardingPlan decode(std::span<const uint8_t> bytes) {
         last = v;
       }
     } else if (mode == 3) {
-      r.fail("ranks encoding 3 is unknown");
+      const uint64_t hosts = r.varint();
+      if (L < 1 || hosts == 0 || hosts > r.left()) r.fail(detail::concat(hosts, " hosts cannot fit in the ", r.left(), " bytes left"));
+      rank_entries += hosts * static_cast<uint64_t>(L);
+      if (rank_entries > kMaxDecodedRankEntries) r.fail("too many ranks in total");
+      t.ranks.reserve(static_cast<size_t>(hosts) * static_cast<size_t>(L));
+      for (uint64_t h = 0; h < hosts; ++h) {
+        const int64_t host = r.nonneg(static_cast<uint64_t>(ws / L));
+        if (host >= ws / L) r.fail(detail::concat("host ", host, " is outside the ", ws / L, " hosts"));
+        for (int32_t j = 0; j < L; ++j) t.ranks.push_back(static_cast<int32_t>(host * L + j));
+      }
     }
     if (flags & codec::kHasShards) {
       r.at("shards");

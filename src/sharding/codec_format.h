@@ -16,7 +16,7 @@ inline constexpr uint64_t kMaxEncodedBytes = uint64_t{1} << 32;
 inline constexpr uint8_t kHasColumnBlock = 1u << 0;
 inline constexpr uint8_t kHasBuckets = 1u << 1;
 inline constexpr uint8_t kHasShards = 1u << 2;
-inline constexpr uint8_t kRanksShift = 3;  // 2 bits: 0 none, 1 range (start, count), 2 delta list
+inline constexpr uint8_t kRanksShift = 3;  // 2 bits: 0 none, 1 range (start, count), 2 delta list, 3 hosts
 inline constexpr uint8_t kRanksMask = 3u << kRanksShift;
 inline constexpr uint8_t kKnownFlags = kHasColumnBlock | kHasBuckets | kHasShards | kRanksMask;
 

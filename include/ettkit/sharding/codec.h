@@ -6,7 +6,7 @@
 //   header (24 bytes): "ETSP" | u16 version | u16 flags (0) | u64 body length | u64 XXH3-64(body)
 //   body: varint world_size, ranks_per_host, u8 device, varint table count, then per table: the name as
 //         (bytes shared with the previous name, suffix), u8 flags, u8 type, u8 dtype, varint rows, cols,
-//         [column_block], [num_buckets], ranks (none | range | delta list), [explicit shards].
+//         [column_block], [num_buckets], ranks (none | range | delta list | host indexes), [explicit shards].
 // encode() is deterministic: equal plans give equal bytes, so plan_hash() can be compared across ranks.
 //
 // decode() never trusts its input: every read is bounds-checked, every count is checked against the
