@@ -9,6 +9,7 @@
 
 #include "ettkit/common/error.h"
 #include "sharding/codec_format.h"
+#include "sharding/text.h"
 
 namespace ettkit::sharding {
 
@@ -103,7 +104,7 @@ class Reader {
     std::string where = "plan bytes";
     if (table_ != kNoTable) {
       where += detail::concat(": table ", table_);
-      if (name_ && !name_->empty()) where += detail::concat(" ('", *name_, "')");
+      if (name_ && !name_->empty()) where += detail::concat(" ('", text::escaped(*name_), "')");
     }
     ETTKIT_THROW(CorruptData, where, ": ", what, " (field ", field_, ", body byte ", pos(), " of ",
                  static_cast<size_t>(end_ - begin_), ")");

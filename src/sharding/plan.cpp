@@ -6,6 +6,7 @@
 
 #include "ettkit/common/error.h"
 #include "ettkit/sharding/split.h"
+#include "sharding/text.h"
 
 namespace ettkit::sharding {
 
@@ -41,9 +42,11 @@ bool is_column_split(ShardingType t) {
 void validate_table(const TableSpec& t, int32_t ws, int32_t L) {
   const std::string& n = t.name;
   ETTKIT_EXPECTS(!n.empty(), "a table has an empty name; every table needs a unique, non-empty name");
-  ETTKIT_EXPECTS(n.size() <= kMaxTableNameBytes, "table '", n.substr(0, 64), "...': name is ", n.size(),
+  ETTKIT_EXPECTS(n.size() <= kMaxTableNameBytes, "table '", text::escaped(n, 64), "': name is ", n.size(),
                  " bytes; at most ", kMaxTableNameBytes, " are allowed");
-  ETTKIT_EXPECTS(n.find('\0') == std::string::npos, "table '", n.c_str(), "...': name contains a NUL byte");
+  // Names end up in Python str, JSON and error messages: they must be UTF-8 text without NUL.
+  ETTKIT_EXPECTS(text::valid_utf8(n) && n.find('\0') == std::string::npos, "table '", text::escaped(n),
+                 "': name is not UTF-8 text without NUL bytes");
   ETTKIT_EXPECTS(static_cast<int>(t.type) < kNumShardingTypes, "table '", n, "': sharding_type ",
                  static_cast<int>(t.type), " is not a sharding type");
   ETTKIT_EXPECTS(static_cast<int>(t.dtype) < kNumDTypes, "table '", n, "': dtype ", static_cast<int>(t.dtype),

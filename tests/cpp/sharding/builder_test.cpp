@@ -305,6 +305,9 @@ TEST(Builder, PlanFieldErrorsNameTableAndField) {
   expect_error({make_table("emb", 10, 256, ShardingType::kGridShard, iota_ranks(0, 4))}, 4, 4, "makes 2 column blocks");
   expect_error({make_table("emb", 10, 4, ShardingType::kRowWise, {}, 2)}, 2, 2, "column_block=2 is only meaningful");
   expect_error({make_table("", 10, 4, ShardingType::kRowWise)}, 2, 2, "empty name");
+  expect_error({make_table("bad\xff\xfe", 10, 4, ShardingType::kRowWise)}, 2, 2,
+               "table 'bad\\xff\\xfe': name is not UTF-8 text");
+  EXPECT_NO_THROW(ShardingPlan({make_table("\xe8\xa1\xa8", 10, 4, ShardingType::kRowWise)}, 2, 2));  // U+8868
   expect_error({}, 6, 4, "ranks_per_host=4 does not divide world_size=6");
   expect_error({make_table("emb", int64_t{1} << 40, int64_t{1} << 30, ShardingType::kRowWise)}, 2, 2, "overflows int64");
   try {
