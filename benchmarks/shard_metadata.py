@@ -22,6 +22,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import pickle
@@ -44,6 +45,7 @@ def _ranks_per_host(world: int) -> int:
 def _worker(rank: int, world: int, init_file: str, tables_list: list[int], repeats: int, baseline_repeats: int,
             warm_baseline: bool, out_file: str) -> None:
     os.environ.setdefault("ETTKIT_LOG_LEVEL", "error")
+    faulthandler.enable()  # a rank that dies (e.g. a gloo abort) prints where it was
     from ettkit import sharding as S
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)

@@ -94,3 +94,22 @@ def scenarios(rank: int, world_size: int, init_file: str) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def nccl_scenario(rank: int, world_size: int, init_file: str) -> None:
+    """broadcast_plan and check_consistent over NCCL: the byte tensor and the hash travel on the GPU."""
+    from ettkit import sharding as S
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        expected = S.mixed_plan(300, world_size, 1, seed=3, device="cuda")
+        plan = S.broadcast_plan(expected if rank == 0 else None, verify=True)
+        assert plan == expected
+        again = S.broadcast_plan(expected if rank == 0 else None, first_chunk_bytes=100)  # two broadcasts
+        assert again == expected
+        md = S.build_global_metadata(plan)
+        assert S.check_consistent(md) == md.hash()
+        assert all(s.placement.endswith("/cuda:0") for t in md.tables.values() for s in t.shards)
+    finally:
+        dist.destroy_process_group()

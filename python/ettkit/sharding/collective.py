@@ -2,8 +2,9 @@
 
 ettkit's way: rank ``src`` encodes the compact plan and sends it in one byte-tensor broadcast over a c10d
 process group (gloo: a CPU tensor, NCCL: a CUDA tensor); every rank decodes it and builds the global
-metadata locally. A plan larger than ``first_chunk_bytes`` (64 KiB by default, ~4,000 tables) takes a
-second broadcast for the rest, because receivers learn the size from the header of the first.
+metadata locally. A plan larger than ``first_chunk_bytes`` (64 KiB by default: about 5,000 tables at ~13
+bytes each) takes a second broadcast for the rest, because receivers learn the size from the header of the
+first.
 
 The baseline (:func:`allgather_baseline`) is what TorchRec did before Nov 2024 and what
 ``ShardedTensor._init_from_local_shards`` still does: broadcast the pickled, fully expanded plan, then for
