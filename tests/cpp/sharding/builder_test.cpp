@@ -2,10 +2,13 @@
 // and the metadata hash.
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
+#include "ett/test_dir.h"
 #include "ettkit/common/error.h"
+#include "ettkit/ett/recorder.h"
 #include "ettkit/sharding/metadata.h"
 #include "sharding_test_util.h"
 
@@ -331,6 +334,35 @@ TEST(Builder, ExplicitShardsAreUsedVerbatimAndValidated) {
   EXPECT_EQ(md.shards(0)[2].rows, 334);
   t.shards[2].rows = 300;  // a gap
   EXPECT_THROW(build({t}, 3, 3), InvalidArgument);
+}
+
+TEST(Builder, RecordsItsTimeAsALauncherInitSubstage) {
+  ettkit::testing::TempDir dir;
+  ett::RecorderOptions o;
+  o.run_dir = dir.str();
+  o.rank = 0;
+  o.world_size = 1;
+  o.launcher_phases_from_env = false;
+  std::string ledger;
+  {
+    ett::Recorder rec(o);
+    BuildOptions b;
+    b.recorder = &rec;
+    build_global_metadata(std::make_shared<const ShardingPlan>(
+                              std::vector<TableSpec>{make_table("t", 100, 8, ShardingType::kRowWise)}, 4, 2),
+                          b);
+    ledger = rec.ledger_path();
+    rec.close();
+  }
+  int found = 0;
+  for (const auto& line : ettkit::testing::read_lines(ledger)) {
+    auto j = nlohmann::json::parse(line);
+    if (j["t"] == "phase" && j["name"] == "launcher_init/sharding") {
+      ++found;
+      EXPECT_LE(j["b"].get<int64_t>(), j["e"].get<int64_t>());
+    }
+  }
+  EXPECT_EQ(found, 1);
 }
 
 }  // namespace
