@@ -42,8 +42,16 @@ def _ranks_per_host(world: int) -> int:
     return max(1, world // 2)  # two hosts per world, so host-based types (TWRW, TWCW, grid) vary
 
 
-def _worker(rank: int, world: int, init_file: str, tables_list: list[int], repeats: int, baseline_repeats: int,
-            warm_baseline: bool, out_file: str) -> None:
+def _worker(
+    rank: int,
+    world: int,
+    init_file: str,
+    tables_list: list[int],
+    repeats: int,
+    baseline_repeats: int,
+    warm_baseline: bool,
+    out_file: str,
+) -> None:
     os.environ.setdefault("ETTKIT_LOG_LEVEL", "error")
     faulthandler.enable()  # a rank that dies (e.g. a gloo abort) prints where it was
     from ettkit import sharding as S
@@ -64,11 +72,11 @@ def _worker(rank: int, world: int, init_file: str, tables_list: list[int], repea
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # ready on every rank = the slowest rank
                 return float(elapsed)
 
-            def ettkit_init():
+            def ettkit_init(plan0=plan0):
                 plan = S.broadcast_plan(plan0)
                 S.build_global_metadata(plan)
 
-            def allgather_init():
+            def allgather_init(expanded0=expanded0):
                 S.allgather_baseline(expanded0)
 
             timed(ettkit_init)  # warm-up: first collectives, allocator, imports
@@ -84,12 +92,25 @@ def _worker(rank: int, world: int, init_file: str, tables_list: list[int], repea
             json.dump(results, f)
 
 
-def measure_init(world: int, tables_list: list[int], repeats: int, baseline_repeats: int, warm_baseline: bool) -> dict:
+def measure_init(
+    world: int, tables_list: list[int], repeats: int, baseline_repeats: int, warm_baseline: bool
+) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), tables_list, repeats, baseline_repeats, warm_baseline,
-                                out),
-                 nprocs=world, join=True)
+        mp.spawn(
+            _worker,
+            args=(
+                world,
+                os.path.join(tmp, "init"),
+                tables_list,
+                repeats,
+                baseline_repeats,
+                warm_baseline,
+                out,
+            ),
+            nprocs=world,
+            join=True,
+        )
         with open(out) as f:
             return {int(k): v for k, v in json.load(f).items()}
 
@@ -122,8 +143,11 @@ def measure_bytes(tables: int, world: int) -> dict:
     from ettkit import sharding as S
 
     plan = S.mixed_plan(tables, world, _ranks_per_host(world) if world <= 8 else 8, seed=tables)
-    return {"ettkit": len(S.encode(plan)), "pickle": len(pickle.dumps(S.torchrec_style_plan(plan))),
-            "pickle_compact": len(pickle.dumps(plan))}
+    return {
+        "ettkit": len(S.encode(plan)),
+        "pickle": len(pickle.dumps(S.torchrec_style_plan(plan))),
+        "pickle_compact": len(pickle.dumps(plan)),
+    }
 
 
 def machine() -> dict:
@@ -136,9 +160,15 @@ def machine() -> dict:
         pass
     import ettkit
 
-    return {"cpu": model, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "ettkit": ettkit.__version__, "platform": platform.platform(),
-            "loadavg_1m_at_start": round(os.getloadavg()[0], 2)}
+    return {
+        "cpu": model,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "ettkit": ettkit.__version__,
+        "platform": platform.platform(),
+        "loadavg_1m_at_start": round(os.getloadavg()[0], 2),
+    }
 
 
 def main(argv=None) -> int:
@@ -153,10 +183,18 @@ def main(argv=None) -> int:
     else:
         worlds, tables_list, repeats, baseline_repeats, build_repeats = [2, 4, 8], [200, 1000], 11, 3, 50
         byte_cases = [(w, t) for w in (2, 4, 8, 128) for t in (200, 1000)]
-    config = {"backend": "gloo", "worlds": worlds, "tables": tables_list, "ranks_per_host": "world/2",
-              "repeats": repeats, "baseline_repeats": baseline_repeats, "build_repeats": build_repeats,
-              "baseline_warmup": not args.quick,
-              "plan": "ettkit.sharding.mixed_plan(tables, world, ranks_per_host, seed=tables)", "quick": args.quick}
+    config = {
+        "backend": "gloo",
+        "worlds": worlds,
+        "tables": tables_list,
+        "ranks_per_host": "world/2",
+        "repeats": repeats,
+        "baseline_repeats": baseline_repeats,
+        "build_repeats": build_repeats,
+        "baseline_warmup": not args.quick,
+        "plan": "ettkit.sharding.mixed_plan(tables, world, ranks_per_host, seed=tables)",
+        "quick": args.quick,
+    }
 
     t_start = time.perf_counter()
     host = machine()  # before the run: records the load the machine had when it started
@@ -166,22 +204,58 @@ def main(argv=None) -> int:
         for tables, r in measure_init(world, tables_list, repeats, baseline_repeats, not args.quick).items():
             ours, base = statistics.median(r["ettkit"]), statistics.median(r["allgather"])
             results[f"init_s[world={world},tables={tables}]"] = {"ettkit": ours, "allgather": base}
-            rows.append(("init_s", f"world={world},tables={tables}", f"{ours * 1e3:.2f} ms", f"{base * 1e3:.1f} ms",
-                         "allgather", f"{base / ours:.0f}x faster"))
+            rows.append(
+                (
+                    "init_s",
+                    f"world={world},tables={tables}",
+                    f"{ours * 1e3:.2f} ms",
+                    f"{base * 1e3:.1f} ms",
+                    "allgather",
+                    f"{base / ours:.0f}x faster",
+                )
+            )
     b = measure_build(1000, 128, build_repeats)
-    ours, expand, dec = statistics.median(b["ettkit"]), statistics.median(b["python_expand"]), statistics.median(b["decode_ms"])
+    ours, expand, dec = (
+        statistics.median(b["ettkit"]),
+        statistics.median(b["python_expand"]),
+        statistics.median(b["decode_ms"]),
+    )
     results["build_ms[tables=1000,world=128]"] = {"ettkit": ours, "python_expand": expand}
     results["decode_ms[tables=1000,world=128]"] = {"ettkit": dec}
-    rows.append(("build_ms", f"tables=1000,world=128 ({b['shards']} shards)", f"{ours:.2f} ms", f"{expand:.0f} ms",
-                 "python_expand", f"{expand / ours:.0f}x faster"))
+    rows.append(
+        (
+            "build_ms",
+            f"tables=1000,world=128 ({b['shards']} shards)",
+            f"{ours:.2f} ms",
+            f"{expand:.0f} ms",
+            "python_expand",
+            f"{expand / ours:.0f}x faster",
+        )
+    )
     rows.append(("decode_ms", "tables=1000,world=128", f"{dec:.3f} ms", "-", "-", "-"))
     for world, tables in byte_cases:
         r = measure_bytes(tables, world)
         results[f"plan_bytes[world={world},tables={tables}]"] = r
-        rows.append(("plan_bytes", f"world={world},tables={tables}", f"{r['ettkit']:,} B", f"{r['pickle']:,} B",
-                     "pickle", f"{r['pickle'] / r['ettkit']:.0f}x smaller"))
-        rows.append(("plan_bytes", f"world={world},tables={tables}", f"{r['ettkit']:,} B", f"{r['pickle_compact']:,} B",
-                     "pickle_compact", f"{r['pickle_compact'] / r['ettkit']:.1f}x smaller"))
+        rows.append(
+            (
+                "plan_bytes",
+                f"world={world},tables={tables}",
+                f"{r['ettkit']:,} B",
+                f"{r['pickle']:,} B",
+                "pickle",
+                f"{r['pickle'] / r['ettkit']:.0f}x smaller",
+            )
+        )
+        rows.append(
+            (
+                "plan_bytes",
+                f"world={world},tables={tables}",
+                f"{r['ettkit']:,} B",
+                f"{r['pickle_compact']:,} B",
+                "pickle_compact",
+                f"{r['pickle_compact'] / r['ettkit']:.1f}x smaller",
+            )
+        )
 
     header = ("metric", "case", "ettkit", "baseline", "baseline is", "ettkit vs baseline")
     widths = [max(len(str(x[i])) for x in rows + [header]) for i in range(len(header))]
@@ -194,8 +268,11 @@ def main(argv=None) -> int:
 
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"benchmark": "shard_metadata", "machine": host, "config": config, "results": results}, f,
-                      indent=2)
+            json.dump(
+                {"benchmark": "shard_metadata", "machine": host, "config": config, "results": results},
+                f,
+                indent=2,
+            )
     return 0
 
 

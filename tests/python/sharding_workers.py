@@ -49,23 +49,29 @@ def scenarios(rank: int, world_size: int, init_file: str) -> None:
         assert sorted(gathered) == sorted(sharded)
         for name in sharded:
             stm = gathered[name]
-            assert [(s.shard_offsets, s.shard_sizes, str(s.placement)) for s in stm.shards_metadata] \
-                == _sorted_by_rank(md, name), name
+            assert [
+                (s.shard_offsets, s.shard_sizes, str(s.placement)) for s in stm.shards_metadata
+            ] == _sorted_by_rank(md, name), name
             assert stm.size == md.tables[name].size
             assert stm.tensor_properties.dtype == md.tables[name].dtype
-        assert sum(len(gathered[n].shards_metadata) for n in sharded) \
-            == sum(len(md.tables[n].shards) for n in sharded)
+        assert sum(len(gathered[n].shards_metadata) for n in sharded) == sum(
+            len(md.tables[n].shards) for n in sharded
+        )
 
         # 4. ShardedTensor accepts the metadata with no collective, for a row-wise and a grid table.
         from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 
-        for name in [next(t.name for t in plan.tables if t.sharding_type == kind)
-                     for kind in ("row_wise", "grid_shard", "column_wise")]:
+        for name in [
+            next(t.name for t in plan.tables if t.sharding_type == kind)
+            for kind in ("row_wise", "grid_shard", "column_wise")
+        ]:
             stm = md.to_sharded_tensor_metadata(name)
             locals_ = [ls for ls in md.local_shards(rank) if ls.table == name]
             shard_metadata = md.to_shard_metadata(name)
-            local = [Shard(torch.zeros(ls.shard.sizes, dtype=md.tables[name].dtype), shard_metadata[ls.index])
-                     for ls in locals_]
+            local = [
+                Shard(torch.zeros(ls.shard.sizes, dtype=md.tables[name].dtype), shard_metadata[ls.index])
+                for ls in locals_
+            ]
             st = ShardedTensor._init_from_local_shards_and_global_metadata(local, stm)
             assert tuple(st.size()) == tuple(md.tables[name].size)
             assert len(st.local_shards()) == len(locals_)

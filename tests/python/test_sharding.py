@@ -8,16 +8,15 @@ import json
 import pickle
 import random
 
+import ettkit
 import pytest
 import torch
+from ettkit import sharding as S
+from ettkit.sharding import reference
 from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
 from torch.distributed._shard.sharding_spec._internals import check_tensor
 from torch.distributed.tensor import Shard as DTensorShard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-
-import ettkit
-from ettkit import sharding as S
-from ettkit.sharding import reference
 
 # ---- helpers ----------------------------------------------------------------------------------------------
 
@@ -42,7 +41,10 @@ def torchrec_32_rank_plan(dtype="float16"):
             S.Table("table_4", 1024, 256, dtype, "table_row_wise", S.host_ranks(3, 8)),
             S.Table("table_5", 1024, 256, dtype, "grid_shard", S.host_ranks([0, 1], 8)),
         ],
-        world_size=32, ranks_per_host=8, device="cuda")
+        world_size=32,
+        ranks_per_host=8,
+        device="cuda",
+    )
 
 
 # TorchRec's expected shards for that plan, written out as its test lists them.
@@ -90,27 +92,45 @@ def test_row_wise_ceil_rule(rows, n, sizes, offsets):
 
 
 def test_column_wise_and_enumerator_cases():
-    md = build_one(S.Table("table_0", 4096, 64, "float32", "column_wise", [0, 1]), 2, device="cuda", strict=True)
-    assert shards_of(md, "table_0") == [((0, 0), (4096, 32), 0, "rank:0/cuda:0"),
-                                        ((0, 32), (4096, 32), 1, "rank:1/cuda:1")]
+    md = build_one(
+        S.Table("table_0", 4096, 64, "float32", "column_wise", [0, 1]), 2, device="cuda", strict=True
+    )
+    assert shards_of(md, "table_0") == [
+        ((0, 0), (4096, 32), 0, "rank:0/cuda:0"),
+        ((0, 32), (4096, 32), 1, "rank:1/cuda:1"),
+    ]
     # test_enumerators.py EXPECTED_CW_SHARD_SIZES with min_partition 20/20/20/40.
     for (rows, cols, min_partition), expected in zip(
-            [(100, 20, 20), (110, 40, 20), (120, 60, 20), (130, 80, 40)],
-            [[[100, 20]], [[110, 20]] * 2, [[120, 20]] * 3, [[130, 40]] * 2]):
+        [(100, 20, 20), (110, 40, 20), (120, 60, 20), (130, 80, 40)],
+        [[[100, 20]], [[110, 20]] * 2, [[120, 20]] * 3, [[130, 40]] * 2],
+    ):
         block = S.torchrec_column_block(cols, min_partition)
         k = cols // block
-        md = build_one(S.Table("t", rows, cols, "float32", "table_column_wise", [0] * k, block), 8, 4, strict=True)
+        md = build_one(
+            S.Table("t", rows, cols, "float32", "table_column_wise", [0] * k, block), 8, 4, strict=True
+        )
         assert [list(s.sizes) for s in md.tables["t"].shards] == expected
 
 
 def test_table_row_wise_and_grid_examples():
     md = build_one(S.Table("t", 1000, 64, "float32", "table_row_wise", [4]), 8, 4)
     assert [(s.offsets[0], s.sizes[0], s.rank) for s in md.tables["t"].shards] == [
-        (0, 250, 4), (250, 250, 5), (500, 250, 6), (750, 250, 7)]
+        (0, 250, 4),
+        (250, 250, 5),
+        (500, 250, 6),
+        (750, 250, 7),
+    ]
     md = build_one(S.Table("g", 1000, 64, "float32", "grid_shard", S.host_ranks([0, 1], 4), 32), 8, 4)
     assert [(s.offsets, s.rank) for s in md.tables["g"].shards] == [
-        ((0, 0), 0), ((250, 0), 1), ((500, 0), 2), ((750, 0), 3),
-        ((0, 32), 4), ((250, 32), 5), ((500, 32), 6), ((750, 32), 7)]
+        ((0, 0), 0),
+        ((250, 0), 1),
+        ((500, 0), 2),
+        ((750, 0), 3),
+        ((0, 32), 4),
+        ((250, 32), 5),
+        ((500, 32), 6),
+        ((750, 32), 7),
+    ]
     md = build_one(S.Table("g", 1000, 64, "float32", "grid_shard", S.host_ranks([1, 0], 3), 32), 6, 3)
     assert [s.sizes[0] for s in md.tables["g"].shards] == [334, 334, 332] * 2
     assert md.tables["g"].size == torch.Size([1000, 64])  # never L * first shard's rows (1002)
@@ -173,7 +193,9 @@ def test_builder_matches_python_restatement_on_random_plans():
         plan = S.ShardingPlan([_random_table(rng, i, world_size, L) for i in range(25)], world_size, L)
         md = S.build_global_metadata(plan)
         for t in plan.tables:
-            got = [(s.offsets[0], s.offsets[1], s.sizes[0], s.sizes[1], s.rank) for s in md.tables[t.name].shards]
+            got = [
+                (s.offsets[0], s.offsets[1], s.sizes[0], s.sizes[1], s.rank) for s in md.tables[t.name].shards
+            ]
             assert got == reference.expand_table(t, world_size, L), (trial, t)
 
 
@@ -195,38 +217,52 @@ def test_local_shards_index():
 
 
 def explicit(rows, cols, shards, world_size=4, strict=False):
-    return build_one(S.Table("emb", rows, cols, "float32", "row_wise", shards=shards), world_size, strict=strict)
+    return build_one(
+        S.Table("emb", rows, cols, "float32", "row_wise", shards=shards), world_size, strict=strict
+    )
 
 
 def test_overlapping_shards():
-    with pytest.raises(ettkit.InvalidArgumentError, match=r"table 'emb': shards\[0\] .* and shards\[1\] .* overlap"):
+    with pytest.raises(
+        ettkit.InvalidArgumentError, match=r"table 'emb': shards\[0\] .* and shards\[1\] .* overlap"
+    ):
         explicit(1000, 64, [(0, 0, 600, 64, 0), (500, 0, 500, 64, 1)])
 
 
 def test_shards_out_of_bounds():
-    with pytest.raises(ettkit.InvalidArgumentError,
-                       match=r"table 'emb': shards\[1\] starts at row 500 with 600 rows, beyond the table's 1000 rows"):
+    with pytest.raises(
+        ettkit.InvalidArgumentError,
+        match=r"table 'emb': shards\[1\] starts at row 500 with 600 rows, beyond the table's 1000 rows",
+    ):
         explicit(1000, 64, [(0, 0, 500, 64, 0), (500, 0, 600, 64, 1)])
 
 
 def test_gaps():
-    with pytest.raises(ettkit.InvalidArgumentError,
-                       match=r"table 'emb': rows \[400, 500\) x cols \[0, 64\) are not covered by any shard"):
+    with pytest.raises(
+        ettkit.InvalidArgumentError,
+        match=r"table 'emb': rows \[400, 500\) x cols \[0, 64\) are not covered by any shard",
+    ):
         explicit(1000, 64, [(0, 0, 400, 64, 0), (500, 0, 500, 64, 1)])
 
 
 def test_rank_outside_world():
-    with pytest.raises(ettkit.InvalidArgumentError,
-                       match=r"table 'emb': ranks\[0\] = 4 is outside the world of 4 ranks \(valid: 0..3\)"):
+    with pytest.raises(
+        ettkit.InvalidArgumentError,
+        match=r"table 'emb': ranks\[0\] = 4 is outside the world of 4 ranks \(valid: 0..3\)",
+    ):
         build_one(S.Table("emb", 10, 8, "float32", "table_wise", [4]), 4)
-    with pytest.raises(ettkit.InvalidArgumentError, match=r"table 'emb': shards\[1\] is on rank 7, outside the world"):
+    with pytest.raises(
+        ettkit.InvalidArgumentError, match=r"table 'emb': shards\[1\] is on rank 7, outside the world"
+    ):
         explicit(10, 8, [(0, 0, 5, 8, 0), (5, 0, 5, 8, 7)])
 
 
 def test_zero_rows_in_strict_mode():
     table = S.Table("user_id", 0, 64, "float32", "row_wise")
-    with pytest.raises(ettkit.InvalidArgumentError,
-                       match="row_wise plan for table 'user_id' has 0 rows; a row_wise table needs at least 1 row"):
+    with pytest.raises(
+        ettkit.InvalidArgumentError,
+        match="row_wise plan for table 'user_id' has 0 rows; a row_wise table needs at least 1 row",
+    ):
         build_one(table, 4, strict=True)
     md = build_one(table, 4)  # compat: TorchRec would divide by zero; ettkit gives empty shards and says so
     assert all(s.sizes == (0, 64) for s in md.tables["user_id"].shards)
@@ -234,18 +270,24 @@ def test_zero_rows_in_strict_mode():
 
 
 def test_unknown_sharding_type():
-    with pytest.raises(ettkit.InvalidArgumentError,
-                       match="table 'emb': sharding_type 'diagonal' is not a sharding type; use one of data_parallel"):
+    with pytest.raises(
+        ettkit.InvalidArgumentError,
+        match="table 'emb': sharding_type 'diagonal' is not a sharding type; use one of data_parallel",
+    ):
         S.Table("emb", 10, 8, "float32", "diagonal")
     with pytest.raises(ValueError, match="table 'emb': dtype 'complex32' is not supported"):
         S.Table("emb", 10, 8, "complex32", "row_wise")
 
 
 def test_column_block_that_does_not_divide_columns():
-    with pytest.raises(ettkit.InvalidArgumentError,
-                       match="table 'emb': column_block=20 does not divide cols=64; use a divisor of 64"):
+    with pytest.raises(
+        ettkit.InvalidArgumentError,
+        match="table 'emb': column_block=20 does not divide cols=64; use a divisor of 64",
+    ):
         build_one(S.Table("emb", 10, 64, "float32", "column_wise", [0, 1], 20), 2)
-    with pytest.raises(ettkit.InvalidArgumentError, match="column dim of 65 cannot be evenly divided across 2 ranks"):
+    with pytest.raises(
+        ettkit.InvalidArgumentError, match="column dim of 65 cannot be evenly divided across 2 ranks"
+    ):
         build_one(S.Table("emb", 10, 65, "float32", "column_wise", [0, 1]), 2)
 
 
@@ -306,7 +348,10 @@ def test_codec_corrupt_truncated_and_wrong_version():
     resealed = bytearray(one)
     at = one.index(b"user_id") + len(b"user_id") + 1  # flags, then the sharding type
     resealed[at] = 42
-    with pytest.raises(ettkit.CorruptDataError, match=r"table 0 \('user_id'\): sharding type 42 is unknown \(field sharding_type"):
+    with pytest.raises(
+        ettkit.CorruptDataError,
+        match=r"table 0 \('user_id'\): sharding type 42 is unknown \(field sharding_type",
+    ):
         S.decode(ettkit._C.sharding._reseal_for_testing(bytes(resealed)))
 
 

@@ -9,9 +9,8 @@ import os
 import random
 import time
 
-import pytest
-
 import ettkit
+import pytest
 from ettkit import sharding as S
 
 _reseal = ettkit._C.sharding._reseal_for_testing
@@ -19,9 +18,16 @@ _reseal = ettkit._C.sharding._reseal_for_testing
 
 def _corpus() -> list[bytes]:
     plans = [S.mixed_plan(n, ws, L, seed=n) for n, ws, L in [(3, 2, 2), (8, 8, 4), (20, 16, 4)]]
-    plans.append(S.ShardingPlan([S.Table("uneven", 10, 4, "float16", "row_wise",
-                                         shards=[(0, 0, 3, 4, 0), (3, 0, 7, 4, 1)]),
-                                 S.Table("zch", 100, 8, "float32", "row_wise", num_buckets=10)], 2, 1))
+    plans.append(
+        S.ShardingPlan(
+            [
+                S.Table("uneven", 10, 4, "float16", "row_wise", shards=[(0, 0, 3, 4, 0), (3, 0, 7, 4, 1)]),
+                S.Table("zch", 100, 8, "float32", "row_wise", num_buckets=10),
+            ],
+            2,
+            1,
+        )
+    )
     return [S.encode(p) for p in plans]
 
 
@@ -39,12 +45,12 @@ def _mutate(rng: random.Random, data: bytes, corpus: list[bytes]) -> bytes:
         elif op == 3 and at < len(b):
             del b[at]
         elif op == 4:
-            del b[max(24, at):]
+            del b[max(24, at) :]
         else:
             other = rng.choice(corpus)
             start = rng.randrange(len(other))
-            chunk = other[start:start + rng.randint(1, 16)]
-            b[at:at + len(chunk)] = chunk
+            chunk = other[start : start + rng.randint(1, 16)]
+            b[at : at + len(chunk)] = chunk
     return _reseal(bytes(b)) if rng.random() < 0.9 else bytes(b)
 
 
@@ -73,5 +79,9 @@ def test_decoder_fuzz_bounded():
 @pytest.mark.slow
 def test_decoder_fuzz_long():
     seconds = float(os.environ.get("ETTKIT_FUZZ_SECONDS", "300"))
-    decoded, rejected = _fuzz(seconds, seed=int(time.time()))
+    seed = int(time.time())
+    decoded, rejected = _fuzz(seconds, seed=seed)
+    print(
+        f"decoder fuzz (seed {seed}, {seconds:.0f} s): {decoded} decoded, {rejected} rejected as CorruptData"
+    )
     assert rejected > 0

@@ -35,9 +35,9 @@ from .torchrec_interop import from_torchrec, to_torchrec_dict
 
 __all__ = [
     "DEFAULT_FIRST_CHUNK_BYTES",
+    "SHARDING_TYPES",
     "GlobalMetadata",
     "LocalShard",
-    "SHARDING_TYPES",
     "Shard",
     "ShardingPlan",
     "Table",

@@ -14,7 +14,7 @@ every table all-gather each rank's local shard metadata and assemble it with tor
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -45,7 +45,8 @@ def _dist():
 
     if not dist.is_available() or not dist.is_initialized():
         raise InvalidArgumentError(
-            "this needs an initialized default process group; call torch.distributed.init_process_group first")
+            "this needs an initialized default process group; call torch.distributed.init_process_group first"
+        )
     return dist
 
 
@@ -68,8 +69,14 @@ def _bytes_of(t: torch.Tensor) -> bytes:
     return t.cpu().numpy().tobytes()
 
 
-def broadcast_plan(plan: Optional[ShardingPlan], group: Any = None, src: int = 0, *, verify: bool = False,
-                   first_chunk_bytes: int = DEFAULT_FIRST_CHUNK_BYTES) -> ShardingPlan:
+def broadcast_plan(
+    plan: ShardingPlan | None,
+    group: Any = None,
+    src: int = 0,
+    *,
+    verify: bool = False,
+    first_chunk_bytes: int = DEFAULT_FIRST_CHUNK_BYTES,
+) -> ShardingPlan:
     """Sends ``plan`` from global rank ``src`` to every rank of ``group``; returns the plan on every rank.
 
     Other ranks pass ``None``. One broadcast of a byte tensor carries the encoded plan (a second one the
@@ -87,7 +94,8 @@ def broadcast_plan(plan: Optional[ShardingPlan], group: Any = None, src: int = 0
             if not isinstance(plan, ShardingPlan):
                 dist.broadcast(_byte_tensor(_ABORT, cap, device), src=src, group=group)
                 raise InvalidArgumentError(
-                    f"broadcast_plan: rank {src} is the source but was given {type(plan).__name__}, not a ShardingPlan")
+                    f"broadcast_plan: rank {src} is the source but was given {type(plan).__name__}, not a ShardingPlan"
+                )
             data = encode(plan)
             dist.broadcast(_byte_tensor(data[:cap], cap, device), src=src, group=group)
             if len(data) > cap:
@@ -98,7 +106,9 @@ def broadcast_plan(plan: Optional[ShardingPlan], group: Any = None, src: int = 0
             dist.broadcast(first, src=src, group=group)
             head = _bytes_of(first)
             if head[:4] == _ABORT:
-                raise InvalidArgumentError(f"broadcast_plan: the source rank {src} had no ShardingPlan to send")
+                raise InvalidArgumentError(
+                    f"broadcast_plan: the source rank {src} had no ShardingPlan to send"
+                )
             total = _C.sharding.encoded_size(head[: _C.sharding.HEADER_BYTES])
             if total > cap:
                 rest = torch.empty(total - cap, dtype=torch.uint8, device=device)
@@ -120,7 +130,9 @@ def check_consistent(obj: ShardingPlan | GlobalMetadata, group: Any = None) -> i
     instead of gathering the metadata.
     """
     if not isinstance(obj, (ShardingPlan, GlobalMetadata)):
-        raise InvalidArgumentError(f"check_consistent takes a ShardingPlan or GlobalMetadata, got {type(obj).__name__}")
+        raise InvalidArgumentError(
+            f"check_consistent takes a ShardingPlan or GlobalMetadata, got {type(obj).__name__}"
+        )
     dist = _dist()
     h = obj.hash()
     signed = h - (1 << 64) if h >= (1 << 63) else h
@@ -132,11 +144,13 @@ def check_consistent(obj: ShardingPlan | GlobalMetadata, group: Any = None) -> i
         what = "plan" if isinstance(obj, ShardingPlan) else "shard metadata"
         raise CorruptDataError(
             f"the {what} differs across ranks: hashes range from {lo & (2**64 - 1):#018x} to {hi & (2**64 - 1):#018x} "
-            f"(this rank: {h:#018x}); every rank must build from the same plan (broadcast_plan) and the same ettkit")
+            f"(this rank: {h:#018x}); every rank must build from the same plan (broadcast_plan) and the same ettkit"
+        )
     return h
 
 
 # ---- the baseline: the old way -------------------------------------------------------------------------------
+
 
 def torchrec_style_plan(plan: ShardingPlan) -> dict[str, dict]:
     """The fully expanded plan a TorchRec planner hands out (what ``collective_plan`` pickles and broadcasts).
@@ -153,11 +167,21 @@ def torchrec_style_plan(plan: ShardingPlan) -> dict[str, dict]:
         shards = expand_table(t, plan.world_size, L)
         specs = None
         if t.sharding_type != "data_parallel":
-            specs = [ShardMetadata([ro, co], [r, c],
-                                   f"rank:{rank}/cuda:{rank % L}" if plan.device == "cuda" else f"rank:{rank}/cpu")
-                     for ro, co, r, c, rank in shards]
-        out[t.name] = {"sharding_type": t.sharding_type, "ranks": [s[4] for s in shards], "size": (t.rows, t.cols),
-                       "dtype": t.torch_dtype, "shards": specs}
+            specs = [
+                ShardMetadata(
+                    [ro, co],
+                    [r, c],
+                    f"rank:{rank}/cuda:{rank % L}" if plan.device == "cuda" else f"rank:{rank}/cpu",
+                )
+                for ro, co, r, c, rank in shards
+            ]
+        out[t.name] = {
+            "sharding_type": t.sharding_type,
+            "ranks": [s[4] for s in shards],
+            "size": (t.rows, t.cols),
+            "dtype": t.torch_dtype,
+            "shards": specs,
+        }
     return out
 
 
@@ -189,7 +213,7 @@ def allgather_metadata(expanded: dict[str, dict], group: Any = None) -> dict:
     return out
 
 
-def allgather_baseline(expanded: Optional[dict[str, dict]], group: Any = None, src: int = 0) -> dict:
+def allgather_baseline(expanded: dict[str, dict] | None, group: Any = None, src: int = 0) -> dict:
     """The old way end to end: ``broadcast_object_list`` of the expanded plan, then :func:`allgather_metadata`."""
     dist = _dist()
     holder = [expanded]

@@ -8,8 +8,8 @@ tables you look at. Views: ``torch.distributed._shard`` :class:`ShardedTensorMet
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Iterator, NamedTuple
+from collections.abc import Iterator, Mapping
+from typing import NamedTuple
 
 import torch
 
@@ -54,7 +54,7 @@ def _placement(rank: int, device: str, ranks_per_host: int) -> str:
 class TableMetadata:
     """The global metadata of one table: shape, dtype, sharding type and every shard in TorchRec's plan order."""
 
-    __slots__ = ("table", "shards")
+    __slots__ = ("shards", "table")
 
     def __init__(self, table: Table, shards: list[Shard]):
         self.table = table
@@ -77,14 +77,16 @@ class TableMetadata:
         return self.table.sharding_type
 
     def __repr__(self) -> str:
-        return (f"TableMetadata({self.name!r}, {self.table.rows}x{self.table.cols}, {self.table.dtype}, "
-                f"{self.sharding_type}, {len(self.shards)} shards)")
+        return (
+            f"TableMetadata({self.name!r}, {self.table.rows}x{self.table.cols}, {self.table.dtype}, "
+            f"{self.sharding_type}, {len(self.shards)} shards)"
+        )
 
 
 class _Tables(Mapping):
     """name -> TableMetadata, built per table on first access and cached."""
 
-    def __init__(self, md: "GlobalMetadata"):
+    def __init__(self, md: GlobalMetadata):
         self._md = md
         self._cache: dict[int, TableMetadata] = {}
 
@@ -93,8 +95,10 @@ class _Tables(Mapping):
         if cached is None:
             plan = self._md.plan
             device, per_host = plan.device, plan.ranks_per_host
-            shards = [Shard((ro, co), (r, c), rank, _placement(rank, device, per_host))
-                      for ro, co, r, c, rank in self._md._c.shards(index)]
+            shards = [
+                Shard((ro, co), (r, c), rank, _placement(rank, device, per_host))
+                for ro, co, r, c, rank in self._md._c.shards(index)
+            ]
             cached = self._cache[index] = TableMetadata(plan.tables[index], shards)
         return cached
 
@@ -118,9 +122,9 @@ class GlobalMetadata:
     owns its C++ arrays and shares the plan.
     """
 
-    __slots__ = ("plan", "_c", "tables")
+    __slots__ = ("_c", "plan", "tables")
 
-    def __init__(self, plan: ShardingPlan, c_metadata: "_C.sharding.Metadata"):
+    def __init__(self, plan: ShardingPlan, c_metadata: _C.sharding.Metadata):
         self.plan = plan
         self._c = c_metadata
         self.tables: Mapping[str, TableMetadata] = _Tables(self)
@@ -148,8 +152,10 @@ class GlobalMetadata:
         tables = plan.tables
         device, per_host = plan.device, plan.ranks_per_host
         placement = _placement(rank, device, per_host)
-        return [LocalShard(tables[t].name, i, Shard((ro, co), (r, c), rank, placement))
-                for t, i, ro, co, r, c in self._c.local_shards(rank)]
+        return [
+            LocalShard(tables[t].name, i, Shard((ro, co), (r, c), rank, placement))
+            for t, i, ro, co, r, c in self._c.local_shards(rank)
+        ]
 
     # ---- views in PyTorch's metadata types -----------------------------------------------------------------
 
@@ -158,14 +164,17 @@ class GlobalMetadata:
         if md.sharding_type == "data_parallel":
             raise InvalidArgumentError(
                 f"table '{name}' is data_parallel: it is replicated, not sharded, so it has no sharded-tensor "
-                "metadata (TorchRec keeps such tables as plain tensors under DDP)")
+                "metadata (TorchRec keeps such tables as plain tensors under DDP)"
+            )
         return md
 
     def to_shard_metadata(self, name: str) -> list:
         """``torch.distributed._shard.metadata.ShardMetadata`` of every shard of ``name``, in plan order."""
         from torch.distributed._shard.metadata import ShardMetadata
 
-        return [ShardMetadata(list(s.offsets), list(s.sizes), s.placement) for s in self._sharded(name).shards]
+        return [
+            ShardMetadata(list(s.offsets), list(s.sizes), s.placement) for s in self._sharded(name).shards
+        ]
 
     def to_sharded_tensor_metadata(self, name: str, requires_grad: bool = False):
         """``ShardedTensorMetadata`` of table ``name`` for ``ShardedTensor._init_from_local_shards_and_global_metadata``.
@@ -179,8 +188,13 @@ class GlobalMetadata:
         return ShardedTensorMetadata(
             shards_metadata=self.to_shard_metadata(name),
             size=md.size,
-            tensor_properties=TensorProperties(dtype=md.dtype, layout=torch.strided, requires_grad=requires_grad,
-                                               memory_format=torch.contiguous_format, pin_memory=False),
+            tensor_properties=TensorProperties(
+                dtype=md.dtype,
+                layout=torch.strided,
+                requires_grad=requires_grad,
+                memory_format=torch.contiguous_format,
+                pin_memory=False,
+            ),
         )
 
     def to_dcp_chunks(self, name: str, include_empty: bool = False) -> list:
@@ -193,16 +207,20 @@ class GlobalMetadata:
 
         md = self.tables[name]
         shards = md.shards[:1] if md.sharding_type == "data_parallel" else md.shards
-        return [ChunkStorageMetadata(offsets=torch.Size(s.offsets), sizes=torch.Size(s.sizes))
-                for s in shards if include_empty or s.numel > 0]
+        return [
+            ChunkStorageMetadata(offsets=torch.Size(s.offsets), sizes=torch.Size(s.sizes))
+            for s in shards
+            if include_empty or s.numel > 0
+        ]
 
     def to_tensor_storage_metadata(self, name: str):
         """DCP ``TensorStorageMetadata`` (properties, size, chunks) of table ``name``."""
         from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
 
         md = self.tables[name]
-        return TensorStorageMetadata(properties=TensorProperties(dtype=md.dtype), size=md.size,
-                                     chunks=self.to_dcp_chunks(name))
+        return TensorStorageMetadata(
+            properties=TensorProperties(dtype=md.dtype), size=md.size, chunks=self.to_dcp_chunks(name)
+        )
 
     def __repr__(self) -> str:
         return f"GlobalMetadata({len(self.tables)} tables, {self.total_shards} shards, world_size={self.world_size})"
@@ -222,4 +240,3 @@ def build_global_metadata(plan: ShardingPlan, strict: bool = False) -> GlobalMet
     with _ett.phase(ETT_PHASE):
         c_metadata = _C.sharding.build(plan._c, bool(strict))
     return GlobalMetadata(plan, c_metadata)
-

@@ -9,8 +9,9 @@ builds the same metadata. The C++ core (``ettkit._C.sharding``) validates it; er
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any
 
 import torch
 
@@ -49,8 +50,14 @@ _TORCHREC_DTYPES = {
     "INT4": "quint4x2",
     "INT2": "quint2x4",
 }
-_DTYPE_ALIASES = {"float": "float32", "half": "float16", "double": "float64", "short": "int16", "int": "int32",
-                  "long": "int64"}
+_DTYPE_ALIASES = {
+    "float": "float32",
+    "half": "float16",
+    "double": "float64",
+    "short": "int16",
+    "int": "int32",
+    "long": "int64",
+}
 
 
 def _dtype_name(value: Any) -> str:
@@ -76,12 +83,20 @@ def _shard_tuple(shard: Any) -> tuple[int, int, int, int, int]:
         values = tuple(shard)
         if len(values) != 5:
             raise InvalidArgumentError(
-                f"an explicit shard must be (row_offset, col_offset, rows, cols, rank), got {shard!r}")
+                f"an explicit shard must be (row_offset, col_offset, rows, cols, rank), got {shard!r}"
+            )
         return tuple(operator.index(v) for v in values)  # type: ignore[return-value]
     if len(offsets) != 2 or len(sizes) != 2:
-        raise InvalidArgumentError(f"an explicit shard of a 2-D table needs 2 offsets and 2 sizes, got {shard!r}")
-    return (operator.index(offsets[0]), operator.index(offsets[1]), operator.index(sizes[0]),
-            operator.index(sizes[1]), operator.index(rank))
+        raise InvalidArgumentError(
+            f"an explicit shard of a 2-D table needs 2 offsets and 2 sizes, got {shard!r}"
+        )
+    return (
+        operator.index(offsets[0]),
+        operator.index(offsets[1]),
+        operator.index(sizes[0]),
+        operator.index(sizes[1]),
+        operator.index(rank),
+    )
 
 
 @dataclass(frozen=True)
@@ -108,9 +123,9 @@ class Table:
     dtype: Any
     sharding_type: str
     ranks: Sequence[int] = ()
-    column_block: Optional[int] = None
-    num_buckets: Optional[int] = field(default=None, kw_only=True)
-    shards: Optional[Sequence[Any]] = field(default=None, kw_only=True)
+    column_block: int | None = None
+    num_buckets: int | None = field(default=None, kw_only=True)
+    shards: Sequence[Any] | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
@@ -133,17 +148,33 @@ class Table:
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
 
-    def _spec(self) -> "_C.sharding.TableSpec":
+    def _spec(self) -> _C.sharding.TableSpec:
         return _C.sharding.TableSpec(
-            self.name, self.rows, self.cols, self.dtype, self.sharding_type, list(self.ranks),
-            self.column_block or 0, self.num_buckets or 0, list(self.shards or ()))
+            self.name,
+            self.rows,
+            self.cols,
+            self.dtype,
+            self.sharding_type,
+            list(self.ranks),
+            self.column_block or 0,
+            self.num_buckets or 0,
+            list(self.shards or ()),
+        )
 
     @classmethod
-    def _from_spec(cls, spec: "_C.sharding.TableSpec") -> "Table":
+    def _from_spec(cls, spec: _C.sharding.TableSpec) -> Table:
         shards = spec.shards
-        return cls(spec.name, spec.rows, spec.cols, spec.dtype, spec.sharding_type, tuple(spec.ranks),
-                   spec.column_block or None, num_buckets=spec.num_buckets or None,
-                   shards=tuple(shards) if shards else None)
+        return cls(
+            spec.name,
+            spec.rows,
+            spec.cols,
+            spec.dtype,
+            spec.sharding_type,
+            tuple(spec.ranks),
+            spec.column_block or None,
+            num_buckets=spec.num_buckets or None,
+            shards=tuple(shards) if shards else None,
+        )
 
 
 def _device_name(device: Any) -> str:
@@ -169,13 +200,18 @@ class ShardingPlan:
         for t in tables:
             if not isinstance(t, Table):
                 raise InvalidArgumentError(
-                    f"ShardingPlan takes ettkit.sharding.Table objects, got {type(t).__name__}")
-        self._c = _C.sharding.Plan([t._spec() for t in tables], operator.index(world_size),
-                                   operator.index(ranks_per_host), _device_name(device))
-        self._tables: Optional[tuple[Table, ...]] = tables
+                    f"ShardingPlan takes ettkit.sharding.Table objects, got {type(t).__name__}"
+                )
+        self._c = _C.sharding.Plan(
+            [t._spec() for t in tables],
+            operator.index(world_size),
+            operator.index(ranks_per_host),
+            _device_name(device),
+        )
+        self._tables: tuple[Table, ...] | None = tables
 
     @classmethod
-    def _wrap(cls, c_plan: "_C.sharding.Plan") -> "ShardingPlan":
+    def _wrap(cls, c_plan: _C.sharding.Plan) -> ShardingPlan:
         plan = cls.__new__(cls)
         plan._c = c_plan
         plan._tables = None  # materialised on first access: a decoded plan is built from C++ directly
@@ -228,8 +264,10 @@ class ShardingPlan:
         self.__init__(tables, world_size, ranks_per_host, device)
 
     def __repr__(self) -> str:
-        return (f"ShardingPlan({len(self)} tables, world_size={self.world_size}, "
-                f"ranks_per_host={self.ranks_per_host}, device={self.device!r})")
+        return (
+            f"ShardingPlan({len(self)} tables, world_size={self.world_size}, "
+            f"ranks_per_host={self.ranks_per_host}, device={self.device!r})"
+        )
 
 
 def encode(plan: ShardingPlan) -> bytes:

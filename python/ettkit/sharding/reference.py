@@ -63,8 +63,11 @@ def expand_table(table: Table, world_size: int, ranks_per_host: int) -> list[tup
         return [(0, 0, rows, cols, ranks[0])]
     if kind == "row_wise":
         ranks = ranks or list(range(world_size))
-        sizes = (bucketed_sizes(rows, len(ranks), table.num_buckets) if table.num_buckets
-                 else row_wise_sizes(rows, len(ranks)))
+        sizes = (
+            bucketed_sizes(rows, len(ranks), table.num_buckets)
+            if table.num_buckets
+            else row_wise_sizes(rows, len(ranks))
+        )
         return [(o, 0, s, cols, r) for o, s, r in zip(_offsets(sizes), sizes, ranks)]
     if kind == "table_row_wise":
         first = ranks[0] // L * L

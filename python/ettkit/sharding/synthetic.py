@@ -21,8 +21,14 @@ _MIX = (
 )
 
 
-def mixed_plan(num_tables: int, world_size: int, ranks_per_host: int, seed: int = 0, device: str = "cpu",
-               prefix: str = "sparse.ebc.embedding_bags.t") -> ShardingPlan:
+def mixed_plan(
+    num_tables: int,
+    world_size: int,
+    ranks_per_host: int,
+    seed: int = 0,
+    device: str = "cpu",
+    prefix: str = "sparse.ebc.embedding_bags.t",
+) -> ShardingPlan:
     """A deterministic plan of ``num_tables`` tables of mixed types, shapes and dtypes."""
     rng = random.Random(seed)
     kinds = [k for k, w in _MIX for _ in range(w)]
@@ -41,8 +47,11 @@ def mixed_plan(num_tables: int, world_size: int, ranks_per_host: int, seed: int 
         elif kind in ("column_wise", "table_column_wise"):
             block = min(cols, rng.choice((16, 32, 64)))
             host = rng.randrange(hosts)
-            pool = range(host * ranks_per_host, (host + 1) * ranks_per_host) if kind == "table_column_wise" \
+            pool = (
+                range(host * ranks_per_host, (host + 1) * ranks_per_host)
+                if kind == "table_column_wise"
                 else range(world_size)
+            )
             ranks = [rng.choice(pool) for _ in range(cols // block)]
         elif kind == "table_row_wise":
             host = rng.randrange(hosts)

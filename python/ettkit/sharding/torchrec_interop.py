@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Iterable, Mapping, Optional
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from .. import _C
 from ..errors import InvalidArgumentError
@@ -36,7 +37,7 @@ __all__ = ["from_torchrec", "to_torchrec_dict"]
 _log = logging.getLogger("ettkit.sharding")
 
 
-def _placement_rank(placement: Any) -> Optional[int]:
+def _placement_rank(placement: Any) -> int | None:
     if placement is None:
         return None
     rank = getattr(placement, "rank", None)  # torch _remote_device
@@ -48,28 +49,38 @@ def _placement_rank(placement: Any) -> Optional[int]:
     return None
 
 
-def _entry(name: str, ps: Any) -> tuple[str, list[int], Optional[list[tuple[list[int], list[int], Optional[int]]]]]:
+def _entry(name: str, ps: Any) -> tuple[str, list[int], list[tuple[list[int], list[int], int | None]] | None]:
     """(sharding_type, ranks, shards as (offsets, sizes, placement rank)) of a ParameterSharding or its JSON."""
     if isinstance(ps, Mapping):
         kind = ps.get("sharding_type")
         ranks = ps.get("ranks")
         raw = ps.get("shards")
-        shards = None if raw is None else [
-            (list(s["shard_offsets"]), list(s["shard_sizes"]), _placement_rank(s.get("placement"))) for s in raw]
+        shards = (
+            None
+            if raw is None
+            else [
+                (list(s["shard_offsets"]), list(s["shard_sizes"]), _placement_rank(s.get("placement")))
+                for s in raw
+            ]
+        )
     else:
         kind = getattr(ps, "sharding_type", None)
         ranks = getattr(ps, "ranks", None)
         spec = getattr(ps, "sharding_spec", None)
         raw = getattr(spec, "shards", None) if spec is not None else None
-        shards = None if raw is None else [
-            (list(s.shard_offsets), list(s.shard_sizes), _placement_rank(s.placement)) for s in raw]
+        shards = (
+            None
+            if raw is None
+            else [(list(s.shard_offsets), list(s.shard_sizes), _placement_rank(s.placement)) for s in raw]
+        )
     kind = getattr(kind, "value", kind)
     if not isinstance(kind, str):
         raise InvalidArgumentError(f"table '{name}': the TorchRec entry has no sharding_type")
     for offsets, sizes, _ in shards or ():
         if len(offsets) != 2 or len(sizes) != 2:
             raise InvalidArgumentError(
-                f"table '{name}': shard offsets {offsets} / sizes {sizes} are not 2-D; ettkit plans hold 2-D tables")
+                f"table '{name}': shard offsets {offsets} / sizes {sizes} are not 2-D; ettkit plans hold 2-D tables"
+            )
     return kind, list(ranks or []), shards
 
 
@@ -79,7 +90,9 @@ def _modules(plan: Any) -> Iterable[tuple[str, Mapping[str, Any]]]:
     if not isinstance(plan, Mapping):
         plan = getattr(plan, "plan", None)
         if not isinstance(plan, Mapping):
-            raise InvalidArgumentError("from_torchrec takes a TorchRec ShardingPlan, its dict or its _serialize() JSON")
+            raise InvalidArgumentError(
+                "from_torchrec takes a TorchRec ShardingPlan, its dict or its _serialize() JSON"
+            )
     if set(plan) == {"plan"} and isinstance(plan["plan"], Mapping):
         plan = plan["plan"]
     # One module's plan ({param: ParameterSharding}) or a model's ({module: {param: ...}}).
@@ -93,12 +106,12 @@ def _looks_like_parameter(v: Any) -> bool:
     return (isinstance(v, Mapping) and "sharding_type" in v) or hasattr(v, "sharding_type")
 
 
-def _config(tables: Any, qualified: str, param: str) -> tuple[Optional[int], Optional[int], Any]:
+def _config(tables: Any, qualified: str, param: str) -> tuple[int | None, int | None, Any]:
     """(rows, cols, dtype) from the user's table configs, looked up by qualified name, then by param name."""
     if tables is None:
         return None, None, None
     if not isinstance(tables, Mapping):
-        tables = {getattr(t, "name"): t for t in tables}
+        tables = {t.name: t for t in tables}
     cfg = tables.get(qualified, tables.get(param))
     if cfg is None:
         return None, None, None
@@ -109,10 +122,14 @@ def _config(tables: Any, qualified: str, param: str) -> tuple[Optional[int], Opt
     if isinstance(cfg, (tuple, list)):
         return (tuple(cfg) + (None, None, None))[:3]
     # TorchRec EmbeddingBagConfig / EmbeddingConfig
-    return getattr(cfg, "num_embeddings", None), getattr(cfg, "embedding_dim", None), getattr(cfg, "data_type", None)
+    return (
+        getattr(cfg, "num_embeddings", None),
+        getattr(cfg, "embedding_dim", None),
+        getattr(cfg, "data_type", None),
+    )
 
 
-def _rule_shards(table: Table, world_size: int, ranks_per_host: int, device: str) -> Optional[list[tuple]]:
+def _rule_shards(table: Table, world_size: int, ranks_per_host: int, device: str) -> list[tuple] | None:
     """The shards ettkit's rule gives ``table``, or None when the compact form is not a valid plan."""
     try:
         c_plan = _C.sharding.Plan([table._spec()], world_size, ranks_per_host, device)
@@ -132,8 +149,16 @@ def _compact_candidate(name, kind, rows, cols, dtype, ranks, shards, world_size)
     return Table(name, rows, cols, dtype, kind, ranks, block)
 
 
-def from_torchrec(plan: Any, *, world_size: int, ranks_per_host: int, tables: Any = None, dtype: Any = None,
-                  device: Optional[str] = None, qualify: bool = True) -> ShardingPlan:
+def from_torchrec(
+    plan: Any,
+    *,
+    world_size: int,
+    ranks_per_host: int,
+    tables: Any = None,
+    dtype: Any = None,
+    device: str | None = None,
+    qualify: bool = True,
+) -> ShardingPlan:
     """An ettkit :class:`ShardingPlan` equal in layout to TorchRec's ``plan``.
 
     ``tables``: the table configs, as a mapping name -> :class:`Table` / ``(rows, cols, dtype)`` /
@@ -165,19 +190,26 @@ def from_torchrec(plan: Any, *, world_size: int, ranks_per_host: int, tables: An
         if table_dtype is None:
             raise InvalidArgumentError(
                 f"table '{name}': a TorchRec plan carries no dtype; pass tables= (the table configs) or dtype=. "
-                "ettkit never takes it from a rank's own tensor")
+                "ettkit never takes it from a rank's own tensor"
+            )
         flat = None
         if shards is not None:
             placement_ranks = [p for _, _, p in shards]
             if ranks and len(ranks) == len(shards):
                 if any(p is not None and p != r for p, r in zip(placement_ranks, ranks)):
                     # TorchRec's inference placement_helper puts every CPU shard on "rank:0/cpu".
-                    _log.warning("table '%s': placement ranks %s disagree with ranks %s; using ranks", name,
-                                 placement_ranks, ranks)
+                    _log.warning(
+                        "table '%s': placement ranks %s disagree with ranks %s; using ranks",
+                        name,
+                        placement_ranks,
+                        ranks,
+                    )
                 shard_ranks = ranks
             else:
                 if any(p is None for p in placement_ranks):
-                    raise InvalidArgumentError(f"table '{name}': shards have no placement and ranks do not match them")
+                    raise InvalidArgumentError(
+                        f"table '{name}': shards have no placement and ranks do not match them"
+                    )
                 shard_ranks = placement_ranks
             flat = [(o[0], o[1], s[0], s[1], r) for (o, s, _), r in zip(shards, shard_ranks)]
             if rows is None:
@@ -186,15 +218,17 @@ def from_torchrec(plan: Any, *, world_size: int, ranks_per_host: int, tables: An
                 cols = max(o + s for _, o, _, s, _ in flat)
         if rows is None or cols is None:
             raise InvalidArgumentError(
-                f"table '{name}': {kind} entries carry no shards to take the shape from; pass tables= with its rows and cols")
+                f"table '{name}': {kind} entries carry no shards to take the shape from; pass tables= with its rows and cols"
+            )
         dtype_name = _dtype_name(table_dtype)
         if flat is None:  # data_parallel: nothing to compare
             out.append(Table(name, rows, cols, dtype_name, kind, []))
             continue
         candidate = None
         try:
-            candidate = _compact_candidate(name, kind, rows, cols, dtype_name, list(ranks or [s[4] for s in flat]),
-                                           flat, world_size)
+            candidate = _compact_candidate(
+                name, kind, rows, cols, dtype_name, list(ranks or [s[4] for s in flat]), flat, world_size
+            )
         except ValueError:
             candidate = None
         if candidate is not None and _rule_shards(candidate, world_size, ranks_per_host, device) == flat:
@@ -213,10 +247,15 @@ def to_torchrec_dict(metadata: GlobalMetadata, compute_kernel: str = "dense") ->
     plan: dict[str, dict] = {}
     for name, md in metadata.tables.items():
         module, _, param = name.rpartition(".")
-        entry: dict[str, Any] = {"sharding_type": md.sharding_type, "compute_kernel": compute_kernel,
-                                 "ranks": [s.rank for s in md.shards]}
+        entry: dict[str, Any] = {
+            "sharding_type": md.sharding_type,
+            "compute_kernel": compute_kernel,
+            "ranks": [s.rank for s in md.shards],
+        }
         if md.sharding_type != "data_parallel":
-            entry["shards"] = [{"shard_offsets": list(s.offsets), "shard_sizes": list(s.sizes),
-                                "placement": s.placement} for s in md.shards]
+            entry["shards"] = [
+                {"shard_offsets": list(s.offsets), "shard_sizes": list(s.sizes), "placement": s.placement}
+                for s in md.shards
+            ]
         plan.setdefault(module, {})[param] = entry
     return {"plan": plan}
