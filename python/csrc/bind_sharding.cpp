@@ -95,7 +95,10 @@ void bind_sharding(py::module_& m) {
       .def("__eq__", [](const ShardingPlan& a, const ShardingPlan& b) { return a == b; });
 
   py::class_<GlobalMetadata, std::shared_ptr<GlobalMetadata>>(m, "Metadata")
-      .def_property_readonly("plan", [](const GlobalMetadata& md) { return std::const_pointer_cast<ShardingPlan>(md.shared_plan()); })
+      .def_property_readonly("plan",
+                             [](const GlobalMetadata& md) {
+                               return std::const_pointer_cast<ShardingPlan>(md.shared_plan());
+                             })
       .def_property_readonly("num_tables", &GlobalMetadata::num_tables)
       .def_property_readonly("total_shards", &GlobalMetadata::total_shards)
       .def("shards", [](const GlobalMetadata& md, size_t table) { return from_shards(md.shards(table)); },

@@ -221,7 +221,9 @@ std::vector<uint8_t> encode(const ShardingPlan& plan) {
       w.varint(t.ranks.size());
     } else if (ranks_mode == 3) {
       w.varint(t.ranks.size() / static_cast<size_t>(L));
-      for (size_t g = 0; g < t.ranks.size(); g += static_cast<size_t>(L)) w.varint(static_cast<uint64_t>(t.ranks[g] / L));
+      for (size_t g = 0; g < t.ranks.size(); g += static_cast<size_t>(L)) {
+        w.varint(static_cast<uint64_t>(t.ranks[g] / L));
+      }
     } else if (ranks_mode == 2) {
       w.varint(t.ranks.size());
       int64_t last = 0;
@@ -350,7 +352,9 @@ ShardingPlan decode(std::span<const uint8_t> bytes) {
       }
     } else if (mode == 3) {
       const uint64_t hosts = r.varint();
-      if (L < 1 || hosts == 0 || hosts > r.left()) r.fail(detail::concat(hosts, " hosts cannot fit in the ", r.left(), " bytes left"));
+      if (L < 1 || hosts == 0 || hosts > r.left()) {
+        r.fail(detail::concat(hosts, " hosts cannot fit in the ", r.left(), " bytes left"));
+      }
       rank_entries += hosts * static_cast<uint64_t>(L);
       if (rank_entries > kMaxDecodedRankEntries) r.fail("too many ranks in total");
       t.ranks.reserve(static_cast<size_t>(hosts) * static_cast<size_t>(L));

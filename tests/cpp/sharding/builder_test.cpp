@@ -54,13 +54,14 @@ TEST(Builder, TorchRec32RankMixedPlan) {
   ASSERT_EQ(md.num_tables(), 6u);
 
   std::vector<Expected> dp;
-  for (int r = 0; r < 32; ++r) dp.push_back({0, 0, 1024, 256, r, "rank:" + std::to_string(r) + "/cuda:" + std::to_string(r % 8)});
+  auto cuda = [](int r) { return "rank:" + std::to_string(r) + "/cuda:" + std::to_string(r % 8); };
+  for (int r = 0; r < 32; ++r) dp.push_back({0, 0, 1024, 256, r, cuda(r)});
   expect_shards(md, 0, dp);
 
   expect_shards(md, 1, {{0, 0, 1024, 256, 1, "rank:1/cuda:1"}});
 
   std::vector<Expected> rw;
-  for (int r = 0; r < 32; ++r) rw.push_back({32 * r, 0, 32, 256, r, "rank:" + std::to_string(r) + "/cuda:" + std::to_string(r % 8)});
+  for (int r = 0; r < 32; ++r) rw.push_back({32 * r, 0, 32, 256, r, cuda(r)});
   expect_shards(md, 2, rw);
   EXPECT_EQ(md.placement(md.shards(2)[8]), "rank:8/cuda:0");
   EXPECT_EQ(md.placement(md.shards(2)[31]), "rank:31/cuda:7");
@@ -126,7 +127,8 @@ TEST(Builder, ColumnBlockExamplesFromReference) {
   expect_shards(md, 0, {{0, 0, 1000, 32, 3, "rank:3/cpu"}, {0, 32, 1000, 32, 3, "rank:3/cpu"}});
   // TorchRec test_twcw_unbalanced_perf_host: 10 column blocks on 8 ranks of host 1.
   std::vector<int32_t> ranks = {8, 9, 10, 11, 12, 13, 14, 15, 8, 9};
-  md = build({make_table("table_0", 100, 320, ShardingType::kTableColumnWise, ranks, 32)}, 16, 8, DeviceType::kCuda, true);
+  md = build({make_table("table_0", 100, 320, ShardingType::kTableColumnWise, ranks, 32)}, 16, 8, DeviceType::kCuda,
+             true);
   ASSERT_EQ(md.shards(0).size(), 10u);
   for (int j = 0; j < 10; ++j) {
     EXPECT_EQ(md.shards(0)[j].col_offset, 32 * j);
@@ -300,8 +302,9 @@ TEST(Builder, PlanFieldErrorsNameTableAndField) {
                "table 'emb': column_block=20 does not divide cols=64");
   expect_error({make_table("emb", 10, 64, ShardingType::kColumnWise, {0, 1, 2}, 32)}, 4, 2,
                "makes 2 column blocks");
-  expect_error({make_table("emb", 10, 4, ShardingType::kTableWise, {0}), make_table("emb", 3, 4, ShardingType::kTableWise, {0})},
-               2, 2, "table 'emb' appears twice");
+  expect_error(
+      {make_table("emb", 10, 4, ShardingType::kTableWise, {0}), make_table("emb", 3, 4, ShardingType::kTableWise, {0})},
+      2, 2, "table 'emb' appears twice");
   expect_error({make_table("emb", -1, 4, ShardingType::kTableWise, {0})}, 2, 2, "rows=-1 is negative");
   expect_error({make_table("emb", 10, 4, ShardingType::kTableRowWise, {5})}, 8, 4, "is not the first rank of a host");
   expect_error({make_table("emb", 10, 4, ShardingType::kRowWise, {1, 1})}, 2, 2, "is listed twice");
@@ -312,13 +315,15 @@ TEST(Builder, PlanFieldErrorsNameTableAndField) {
                "table 'bad\\xff\\xfe': name is not UTF-8 text");
   EXPECT_NO_THROW(ShardingPlan({make_table("\xe8\xa1\xa8", 10, 4, ShardingType::kRowWise)}, 2, 2));  // U+8868
   expect_error({}, 6, 4, "ranks_per_host=4 does not divide world_size=6");
-  expect_error({make_table("emb", int64_t{1} << 40, int64_t{1} << 30, ShardingType::kRowWise)}, 2, 2, "overflows int64");
+  expect_error({make_table("emb", int64_t{1} << 40, int64_t{1} << 30, ShardingType::kRowWise)}, 2, 2,
+               "overflows int64");
   try {
     parse_sharding_type("diagonal", "emb");
     FAIL();
   } catch (const InvalidArgument& e) {
-    EXPECT_NE(e.message().find("table 'emb': sharding_type 'diagonal' is not a sharding type; use one of data_parallel"),
-              std::string::npos)
+    EXPECT_NE(
+        e.message().find("table 'emb': sharding_type 'diagonal' is not a sharding type; use one of data_parallel"),
+        std::string::npos)
         << e.message();
   }
   EXPECT_EQ(parse_dtype("torch.float16"), DType::kFloat16);

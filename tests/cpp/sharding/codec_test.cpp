@@ -40,8 +40,14 @@ ShardingPlan mixed_plan(int tables, int32_t ws, int32_t L, uint64_t seed) {
         t = make_table(name, rows, cols, ShardingType::kColumnWise, ranks, 32);
         break;
       }
-      case 4: t = make_table(name, rows, cols, ShardingType::kTableRowWise, iota_ranks(static_cast<int32_t>(rng() % (ws / L)) * L, L)); break;
-      case 5: t = make_table(name, rows, cols, ShardingType::kTableColumnWise, std::vector<int32_t>(cols / 32, 0), 32); break;
+      case 4: {
+        const auto host = static_cast<int32_t>(rng() % (ws / L));
+        t = make_table(name, rows, cols, ShardingType::kTableRowWise, iota_ranks(host * L, L));
+        break;
+      }
+      case 5:
+        t = make_table(name, rows, cols, ShardingType::kTableColumnWise, std::vector<int32_t>(cols / 32, 0), 32);
+        break;
       default: {
         std::vector<int32_t> ranks;
         for (int64_t b = 0; b < cols / 32; ++b) {
@@ -172,7 +178,9 @@ TEST(Codec, HostileCountsDoNotAllocate) {
 // success or CorruptData fails the test; a crash or hang fails CI.
 TEST(Codec, MutationFuzzDecoder) {
   std::vector<std::vector<uint8_t>> corpus;
-  for (uint64_t seed = 0; seed < 6; ++seed) corpus.push_back(encode(mixed_plan(3 + static_cast<int>(seed) * 2, 8, 4, seed)));
+  for (uint64_t seed = 0; seed < 6; ++seed) {
+    corpus.push_back(encode(mixed_plan(3 + static_cast<int>(seed) * 2, 8, 4, seed)));
+  }
   corpus.push_back(encode(ShardingPlan({}, 1, 1)));
   double seconds = 0;
   if (const char* env = std::getenv("ETTKIT_FUZZ_SECONDS")) seconds = std::atof(env);

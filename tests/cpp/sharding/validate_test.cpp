@@ -112,7 +112,8 @@ bool brute_force_ok(int64_t rows, int64_t cols, const std::vector<Shard>& shards
 }
 
 // A random guillotine partition of [r0, r1) x [c0, c1): always a valid tiling.
-void partition(std::mt19937_64& rng, int64_t r0, int64_t r1, int64_t c0, int64_t c1, int depth, std::vector<Shard>& out) {
+void partition(std::mt19937_64& rng, int64_t r0, int64_t r1, int64_t c0, int64_t c1, int depth,
+               std::vector<Shard>& out) {
   const bool split_rows = rng() % 2 == 0;
   const int64_t extent = split_rows ? r1 - r0 : c1 - c0;
   if (depth == 0 || extent < 2 || rng() % 4 == 0) {
@@ -156,7 +157,8 @@ TEST(Validate, SweepAgreesWithBruteForceOnRandomLayouts) {
     } catch (const InvalidArgument&) {
       got = false;
     }
-    ASSERT_EQ(got, expected) << "iteration " << iter << " (" << rows << " x " << cols << ", " << shards.size() << " shards)";
+    ASSERT_EQ(got, expected) << "iteration " << iter << " (" << rows << " x " << cols << ", " << shards.size()
+                             << " shards)";
     (expected ? valid : invalid)++;
   }
   EXPECT_GT(valid, 1000);
