@@ -90,6 +90,13 @@ void bind_sharding(py::module_& m) {
       .def_property_readonly("ranks_per_host", &ShardingPlan::ranks_per_host)
       .def_property_readonly("device", [](const ShardingPlan& p) { return std::string(to_string(p.device())); })
       .def_property_readonly("num_tables", [](const ShardingPlan& p) { return p.tables().size(); })
+      .def_property_readonly("names",
+                             [](const ShardingPlan& p) {
+                               std::vector<std::string> names;
+                               names.reserve(p.tables().size());
+                               for (const auto& t : p.tables()) names.push_back(t.name);
+                               return names;
+                             })
       .def("table", &ShardingPlan::table, py::arg("index"), py::return_value_policy::copy)
       .def("find", &ShardingPlan::find, py::arg("name"))
       .def("__eq__", [](const ShardingPlan& a, const ShardingPlan& b) { return a == b; });

@@ -99,7 +99,7 @@ class _Tables(Mapping):
                 Shard((ro, co), (r, c), rank, _placement(rank, device, per_host))
                 for ro, co, r, c, rank in self._md._c.shards(index)
             ]
-            cached = self._cache[index] = TableMetadata(plan.tables[index], shards)
+            cached = self._cache[index] = TableMetadata(plan._table_at(index), shards)
         return cached
 
     def __getitem__(self, name: str) -> TableMetadata:
@@ -109,7 +109,7 @@ class _Tables(Mapping):
         return self._at(index)
 
     def __iter__(self) -> Iterator[str]:
-        return (t.name for t in self._md.plan.tables)
+        return iter(self._md.names)
 
     def __len__(self) -> int:
         return len(self._md.plan)
@@ -122,12 +122,20 @@ class GlobalMetadata:
     owns its C++ arrays and shares the plan.
     """
 
-    __slots__ = ("_c", "plan", "tables")
+    __slots__ = ("_c", "_names", "plan", "tables")
 
     def __init__(self, plan: ShardingPlan, c_metadata: _C.sharding.Metadata):
         self.plan = plan
         self._c = c_metadata
+        self._names: list[str] | None = None
         self.tables: Mapping[str, TableMetadata] = _Tables(self)
+
+    @property
+    def names(self) -> list[str]:
+        """Table names in plan order (cached)."""
+        if self._names is None:
+            self._names = self.plan.names
+        return self._names
 
     @property
     def world_size(self) -> int:
@@ -149,11 +157,10 @@ class GlobalMetadata:
     def local_shards(self, rank: int) -> list[LocalShard]:
         """The shards held by ``rank``, ordered by table (plan order), then by position in the table."""
         plan = self.plan
-        tables = plan.tables
-        device, per_host = plan.device, plan.ranks_per_host
-        placement = _placement(rank, device, per_host)
+        names = self.names
+        placement = _placement(rank, plan.device, plan.ranks_per_host)
         return [
-            LocalShard(tables[t].name, i, Shard((ro, co), (r, c), rank, placement))
+            LocalShard(names[t], i, Shard((ro, co), (r, c), rank, placement))
             for t, i, ro, co, r, c in self._c.local_shards(rank)
         ]
 

@@ -223,11 +223,22 @@ class ShardingPlan:
             self._tables = tuple(Table._from_spec(self._c.table(i)) for i in range(self._c.num_tables))
         return self._tables
 
+    def _table_at(self, index: int) -> Table:
+        # One table without materialising all of them (a decoded plan holds only the C++ tables).
+        if self._tables is not None:
+            return self._tables[index]
+        return Table._from_spec(self._c.table(index))
+
+    @property
+    def names(self) -> list[str]:
+        """The table names, in plan order."""
+        return self._c.names
+
     def table(self, name: str) -> Table:
         index = self._c.find(name)
         if index is None:
             raise KeyError(name)
-        return self.tables[index]
+        return self._table_at(index)
 
     @property
     def world_size(self) -> int:
