@@ -9,4 +9,6 @@ PYBIND11_MODULE(_C, m) {
   ettkit::python::bind_common(m);
   auto ett = m.def_submodule("ett", "ETT phase timers, ledger, report, interval advisor");
   ettkit::python::bind_ett(ett);
+  auto sharding = m.def_submodule("sharding", "Local shard-metadata builder, plan codec");
+  ettkit::python::bind_sharding(sharding);
 }

@@ -1,0 +1,249 @@
+"""Global shard metadata built locally from a plan, and its views in PyTorch's types.
+
+:func:`build_global_metadata` is one C++ call (GIL released); shards become Python objects only for the
+tables you look at. Views: ``torch.distributed._shard`` :class:`ShardedTensorMetadata` (for
+``ShardedTensor._init_from_local_shards_and_global_metadata``), DCP :class:`ChunkStorageMetadata` /
+:class:`TensorStorageMetadata`, and TorchRec's plan JSON (:mod:`ettkit.sharding.torchrec_interop`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import NamedTuple
+
+import torch
+
+from .. import _C
+from ..errors import InvalidArgumentError
+from ..ett import recorder as _ett
+from .plan import ShardingPlan, Table
+
+__all__ = ["GlobalMetadata", "LocalShard", "Shard", "TableMetadata", "build_global_metadata"]
+
+#: The ETT phase the sharding work is recorded under (a launcher_init sub-stage).
+ETT_PHASE = "launcher_init/sharding"
+
+
+class Shard(NamedTuple):
+    """One shard: rows ``[offsets[0], offsets[0] + sizes[0])`` x cols ``[offsets[1], ...)`` on ``rank``."""
+
+    offsets: tuple[int, int]
+    sizes: tuple[int, int]
+    rank: int
+    placement: str
+
+    @property
+    def numel(self) -> int:
+        return self.sizes[0] * self.sizes[1]
+
+
+class LocalShard(NamedTuple):
+    """A shard held by one rank: its table, its index in ``tables[table].shards`` and the shard."""
+
+    table: str
+    index: int
+    shard: Shard
+
+
+def _placement(rank: int, device: str, ranks_per_host: int) -> str:
+    # TorchRec's placement(): the local device index is rank % local_world_size (same rule as the C++
+    # GlobalMetadata::placement, which the C++ tests pin).
+    return f"rank:{rank}/cuda:{rank % ranks_per_host}" if device == "cuda" else f"rank:{rank}/cpu"
+
+
+class TableMetadata:
+    """The global metadata of one table: shape, dtype, sharding type and every shard in TorchRec's plan order."""
+
+    __slots__ = ("shards", "table")
+
+    def __init__(self, table: Table, shards: list[Shard]):
+        self.table = table
+        self.shards = shards
+
+    @property
+    def name(self) -> str:
+        return self.table.name
+
+    @property
+    def size(self) -> torch.Size:
+        return torch.Size([self.table.rows, self.table.cols])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.table.torch_dtype
+
+    @property
+    def sharding_type(self) -> str:
+        return self.table.sharding_type
+
+    def __repr__(self) -> str:
+        return (
+            f"TableMetadata({self.name!r}, {self.table.rows}x{self.table.cols}, {self.table.dtype}, "
+            f"{self.sharding_type}, {len(self.shards)} shards)"
+        )
+
+
+class _Tables(Mapping):
+    """name -> TableMetadata, built per table on first access and cached."""
+
+    def __init__(self, md: GlobalMetadata):
+        self._md = md
+        self._cache: dict[int, TableMetadata] = {}
+
+    def _at(self, index: int) -> TableMetadata:
+        cached = self._cache.get(index)
+        if cached is None:
+            plan = self._md.plan
+            device, per_host = plan.device, plan.ranks_per_host
+            shards = [
+                Shard((ro, co), (r, c), rank, _placement(rank, device, per_host))
+                for ro, co, r, c, rank in self._md._c.shards(index)
+            ]
+            cached = self._cache[index] = TableMetadata(plan._table_at(index), shards)
+        return cached
+
+    def __getitem__(self, name: str) -> TableMetadata:
+        index = self._md.plan._c.find(name)
+        if index is None:
+            raise KeyError(name)
+        return self._at(index)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._md.names)
+
+    def __len__(self) -> int:
+        return len(self._md.plan)
+
+
+class GlobalMetadata:
+    """Every table's shards and a per-rank index, built locally (no communication) from a plan.
+
+    Equal plans give equal metadata on every rank (``hash()`` is the same 8-byte fingerprint). Immutable;
+    owns its C++ arrays and shares the plan.
+    """
+
+    __slots__ = ("_c", "_names", "plan", "tables")
+
+    def __init__(self, plan: ShardingPlan, c_metadata: _C.sharding.Metadata):
+        self.plan = plan
+        self._c = c_metadata
+        self._names: list[str] | None = None
+        self.tables: Mapping[str, TableMetadata] = _Tables(self)
+
+    @property
+    def names(self) -> list[str]:
+        """Table names in plan order (cached)."""
+        if self._names is None:
+            self._names = self.plan.names
+        return self._names
+
+    @property
+    def world_size(self) -> int:
+        return self.plan.world_size
+
+    @property
+    def total_shards(self) -> int:
+        return self._c.total_shards
+
+    @property
+    def warnings(self) -> list[str]:
+        """Compat-mode notes about TorchRec sharp edges that were reproduced (empty in strict mode)."""
+        return list(self._c.warnings)
+
+    def hash(self) -> int:
+        """XXH3-64 of the canonical metadata; equal on ranks that built the same metadata."""
+        return self._c.hash()
+
+    def local_shards(self, rank: int) -> list[LocalShard]:
+        """The shards held by ``rank``, ordered by table (plan order), then by position in the table."""
+        plan = self.plan
+        names = self.names
+        placement = _placement(rank, plan.device, plan.ranks_per_host)
+        return [
+            LocalShard(names[t], i, Shard((ro, co), (r, c), rank, placement))
+            for t, i, ro, co, r, c in self._c.local_shards(rank)
+        ]
+
+    # ---- views in PyTorch's metadata types -----------------------------------------------------------------
+
+    def _sharded(self, name: str) -> TableMetadata:
+        md = self.tables[name]
+        if md.sharding_type == "data_parallel":
+            raise InvalidArgumentError(
+                f"table '{name}' is data_parallel: it is replicated, not sharded, so it has no sharded-tensor "
+                "metadata (TorchRec keeps such tables as plain tensors under DDP)"
+            )
+        return md
+
+    def to_shard_metadata(self, name: str) -> list:
+        """``torch.distributed._shard.metadata.ShardMetadata`` of every shard of ``name``, in plan order."""
+        from torch.distributed._shard.metadata import ShardMetadata
+
+        return [
+            ShardMetadata(list(s.offsets), list(s.sizes), s.placement) for s in self._sharded(name).shards
+        ]
+
+    def to_sharded_tensor_metadata(self, name: str, requires_grad: bool = False):
+        """``ShardedTensorMetadata`` of table ``name`` for ``ShardedTensor._init_from_local_shards_and_global_metadata``.
+
+        dtype comes from the plan (the table config), never from a local shard. Empty shards are kept, as
+        TorchRec keeps them.
+        """
+        from torch.distributed._shard.sharded_tensor import ShardedTensorMetadata, TensorProperties
+
+        md = self._sharded(name)
+        return ShardedTensorMetadata(
+            shards_metadata=self.to_shard_metadata(name),
+            size=md.size,
+            tensor_properties=TensorProperties(
+                dtype=md.dtype,
+                layout=torch.strided,
+                requires_grad=requires_grad,
+                memory_format=torch.contiguous_format,
+                pin_memory=False,
+            ),
+        )
+
+    def to_dcp_chunks(self, name: str, include_empty: bool = False) -> list:
+        """DCP ``ChunkStorageMetadata`` of table ``name``, in plan order.
+
+        Replicas (data_parallel) collapse into one chunk, as DCP's save-plan dedup does. Empty shards cover
+        no data and are left out unless ``include_empty``.
+        """
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        md = self.tables[name]
+        shards = md.shards[:1] if md.sharding_type == "data_parallel" else md.shards
+        return [
+            ChunkStorageMetadata(offsets=torch.Size(s.offsets), sizes=torch.Size(s.sizes))
+            for s in shards
+            if include_empty or s.numel > 0
+        ]
+
+    def to_tensor_storage_metadata(self, name: str):
+        """DCP ``TensorStorageMetadata`` (properties, size, chunks) of table ``name``."""
+        from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
+
+        md = self.tables[name]
+        return TensorStorageMetadata(
+            properties=TensorProperties(dtype=md.dtype), size=md.size, chunks=self.to_dcp_chunks(name)
+        )
+
+    def __repr__(self) -> str:
+        return f"GlobalMetadata({len(self.tables)} tables, {self.total_shards} shards, world_size={self.world_size})"
+
+
+def build_global_metadata(plan: ShardingPlan, strict: bool = False) -> GlobalMetadata:
+    """Builds every table's shards and the per-rank index from ``plan``, locally, with no collective.
+
+    Shards follow TorchRec's split rules bit for bit and are validated (bounds, overflow-safe volume, no
+    overlap, full coverage, rank range). ``strict=True`` rejects TorchRec's sharp edges (0 rows or cols, a
+    column split that silently yields fewer shards than ranks, ...) with :class:`~ettkit.InvalidArgumentError`;
+    otherwise they are reproduced and listed in ``warnings``. Recorded as ETT phase
+    ``launcher_init/sharding`` when a default recorder exists.
+    """
+    if not isinstance(plan, ShardingPlan):
+        raise InvalidArgumentError(f"build_global_metadata takes a ShardingPlan, got {type(plan).__name__}")
+    with _ett.phase(ETT_PHASE):
+        c_metadata = _C.sharding.build(plan._c, bool(strict))
+    return GlobalMetadata(plan, c_metadata)
