@@ -31,7 +31,7 @@ build: bootstrap $(STAMP)
 $(STAMP): $(SOURCES) | bootstrap
 	@echo "build: compiling and installing ettkit into $(VENV)"
 	CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(PY) -m pip install -q --disable-pip-version-check --no-build-isolation \
-	  --no-deps -Cbuild-dir=$(BUILD_DIR) -Ccmake.define.ETTKIT_BUILD_TESTS=ON \
+	  --no-deps --force-reinstall -Cbuild-dir=$(BUILD_DIR) -Ccmake.define.ETTKIT_BUILD_TESTS=ON \
 	  -Ccmake.define.ETTKIT_BUILD_BENCHMARKS=ON . 2>&1 | grep -v "is ignored: it is neither" || true
 	@$(PY) -c "import ettkit; print('build: ettkit', ettkit.__version__, 'CUDA code paths:', ettkit.WITH_CUDA)"
 	@touch $@

@@ -219,9 +219,8 @@ TEST(Recorder, FullQueueDropsAndCountsInsteadOfBlocking) {
   auto dropped = records(rec.ledger_path(), "dropped");
   ASSERT_FALSE(dropped.empty());
   EXPECT_EQ(dropped.back()["n"].get<uint64_t>(), rec.dropped());
-  // Everything that was accepted reached the ledger: the queue's 1024 slots (steps, and the
-  // process_bootstrap phase the recorder enqueues at start).
-  EXPECT_EQ(records(rec.ledger_path(), "step").size() + records(rec.ledger_path(), "phase").size(), 1024u);
+  // Every step was either written or counted as dropped: nothing is lost silently.
+  EXPECT_EQ(records(rec.ledger_path(), "step").size() + rec.dropped(), 5000u);
 }
 
 TEST(Recorder, ConcurrentThreadsRecordEverything) {
