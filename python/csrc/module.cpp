@@ -9,4 +9,6 @@ PYBIND11_MODULE(_C, m) {
   ettkit::python::bind_common(m);
   auto ett = m.def_submodule("ett", "ETT phase timers, ledger, report, interval advisor");
   ettkit::python::bind_ett(ett);
+  auto startup = m.def_submodule("startup", "Start-up stage graph (compile overlapped with data warm-up)");
+  ettkit::python::bind_startup(startup);
 }
