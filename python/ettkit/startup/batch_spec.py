@@ -282,7 +282,7 @@ class BatchSpec:
                 )
             if t.layout != torch.strided:
                 raise InvalidArgumentError(f"{_show(path)} has layout {t.layout}; only strided tensors are supported")
-            if t.numel() > 0:
+            if t.numel() > 0 and t.device.type != "meta":
                 key = t.untyped_storage().data_ptr()
                 if key in seen_storage:
                     raise InvalidArgumentError(
@@ -327,7 +327,7 @@ class BatchSpec:
                         )
                     stride = strides
             fill = None
-            if t.numel() > 0 and t.dtype != torch.bool and not t.is_complex():
+            if t.numel() > 0 and t.dtype != torch.bool and not t.is_complex() and t.device.type != "meta":
                 lo_v, hi_v = torch.aminmax(t.detach().reshape(-1))
                 lo_v, hi_v = lo_v.item(), hi_v.item()
                 if math.isfinite(lo_v) and math.isfinite(hi_v):
@@ -491,7 +491,7 @@ class BatchSpec:
                         if sorted(map(str, keys)) == sorted(map(str, want)):
                             problems.append(
                                 f"{_show(path)} has keys {keys} in this order; the spec expects {want}: Dynamo guards "
-                                "on dict key order (build the dict in the same order)"
+                                "on dict key order when the model iterates over the dict (build it in the same order)"
                             )
                         else:
                             missing = [k for k in want if k not in x]
@@ -556,7 +556,7 @@ class BatchSpec:
                         f"{where} has strides {tuple(t.stride())}; the spec expects {layout} strides {tuple(want)}: "
                         "Dynamo guards on strides (call .contiguous() or declare the layout)"
                     )
-            if t.numel() > 0 and t.layout == torch.strided:
+            if t.numel() > 0 and t.layout == torch.strided and t.device.type != "meta":
                 key = t.untyped_storage().data_ptr()
                 if key in storages:
                     problems.append(
@@ -564,7 +564,8 @@ class BatchSpec:
                         "aliasing, which Dynamo guards on"
                     )
                 storages.setdefault(key, path)
-            if spec.value_range is not None and t.numel() > 0 and t.dtype != torch.bool and not t.is_complex():
+            if (spec.value_range is not None and t.numel() > 0 and t.dtype != torch.bool and not t.is_complex()
+                    and t.device.type != "meta"):
                 lo, hi = torch.aminmax(t.detach().reshape(-1))
                 lo, hi = lo.item(), hi.item()
                 if lo < spec.value_range[0] or hi > spec.value_range[1]:

@@ -12,7 +12,13 @@ finds them. :class:`CompileCache` adds what a training job needs around those tw
   cache, and concurrent writers (ranks) leave one complete file;
 - a header with a checksum: a stale, foreign or corrupt file is ignored with a
   :class:`CompileCacheWarning` and reported as a miss — never fatal, the job compiles cold instead;
-- hit/miss reporting, at the file level and from torch's cache counters.
+- hit/miss reporting, at the file level and from torch's cache counters;
+- compiled CPU kernels. MegaCache carries Inductor's generated code but not the shared libraries g++ built
+  from it (torch 2.14), so a "warm" CPU restart still runs g++ for every kernel — most of a small model's
+  warm compile. With ``kernels=True`` (the default) the file also carries the kernel libraries this process
+  loaded (found through Inductor's in-process C++ code caches), and :meth:`CompileCache.load` puts them
+  back under ``TORCHINDUCTOR_CACHE_DIR`` at the paths Inductor derives from their source and compiler
+  flags, so a kernel whose source and flags match is loaded instead of rebuilt.
 
 Use: ``cache.load()`` before compiling, ``cache.save()`` after the first training steps (when forward and
 backward have compiled; later saves add what later recompiles produced).
@@ -27,6 +33,7 @@ import inspect
 import json
 import os
 import platform
+import re
 import struct
 import sys
 import time
@@ -142,6 +149,68 @@ def compile_fingerprint(model: Any = None, spec: Any = None, config: Optional[Ma
     return h.hexdigest()
 
 
+_KERNEL_PATH = re.compile(r"^[A-Za-z0-9_]{2}/[A-Za-z0-9_][A-Za-z0-9_.]*$")
+
+
+def _inductor_cache_dir() -> Path:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir())
+
+
+def _loaded_kernel_files() -> list:
+    """(path relative to the Inductor cache dir, absolute path) of every compiled C++ kernel this process
+    loaded. Uses Inductor internals (its C++ code caches); if they change, kernels are simply not bundled."""
+    try:
+        from torch._inductor import codecache
+
+        keys: set = set()
+        stack = [codecache.CppCodeCache]
+        while stack:
+            cls = stack.pop()
+            stack.extend(cls.__subclasses__())
+            keys.update(k for k in getattr(cls, "cache", {}) if isinstance(k, str))
+        if not keys:
+            return []
+        root = _inductor_cache_dir()
+    except Exception:  # noqa: BLE001 - an optimization; torch internals may move
+        return []
+    files = []
+    for key in sorted(keys):
+        if len(key) < 3:
+            continue
+        for p in sorted((root / key[1:3]).glob(glob_escape(key) + ".*")):
+            rel = f"{key[1:3]}/{p.name}"
+            if p.is_file() and not p.name.endswith((".lock", ".tmp")) and _KERNEL_PATH.match(rel):
+                files.append((rel, p))
+    return files
+
+
+def glob_escape(text: str) -> str:
+    return "".join(f"[{c}]" if c in "*?[" else c for c in text)
+
+
+def _restore_kernels(kernels: list, body: bytes, offset: int) -> int:
+    """Writes bundled kernel files that are not already in the Inductor cache dir; returns how many."""
+    root = _inductor_cache_dir()
+    restored = 0
+    for entry in kernels:
+        rel, size = entry["path"], entry["bytes"]
+        data = body[offset:offset + size]
+        offset += size
+        dest = root / rel
+        if dest.exists():
+            continue
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(f".{dest.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o755 if rel.endswith(".so") else 0o644)
+        os.replace(tmp, dest)  # atomic: a concurrent Inductor never sees half a library
+        restored += 1
+    return restored
+
+
 def _artifact_counts(info: Any) -> dict:
     artifacts = getattr(info, "artifacts", None) or {}
     return {str(kind): len(keys) for kind, keys in artifacts.items()}
@@ -156,7 +225,10 @@ class CompileCache:
     """A MegaCache file in ``path`` (a directory, e.g. next to the checkpoints), keyed by the torch build,
     the machine and a fingerprint. Give ``fingerprint`` yourself, or ``model`` / ``spec`` / ``config`` to
     derive it with :func:`compile_fingerprint`. ``device``: the device the model compiles for (GPU caches
-    are per device index); default: the device of the model's first parameter."""
+    are per device index); default: the device of the model's first parameter. ``kernels``: also carry the
+    compiled CPU kernel libraries (see the module docstring).
+
+    Not thread-safe; call :meth:`load` before compiling and :meth:`save` when no compile is running."""
 
     def __init__(
         self,
@@ -167,6 +239,7 @@ class CompileCache:
         spec: Any = None,
         config: Optional[Mapping] = None,
         device: Optional[torch.device | str] = None,
+        kernels: bool = True,
     ):
         self.dir = Path(path)
         if device is None and isinstance(model, torch.nn.Module):
@@ -179,7 +252,9 @@ class CompileCache:
         )
         self.key = hashlib.sha256(json.dumps(self.key_fields, sort_keys=True).encode()).hexdigest()
         self.path = self.dir / f"megacache-{self.key[:24]}.bin"
+        self.kernels = kernels
         self._loaded_keys: Optional[set] = None
+        self._loaded_kernels: set = set()
         self._counters_at_load: Optional[dict] = None
         self.last_load: Optional[CacheLoadResult] = None
         self.last_save: Optional[CacheSaveResult] = None
@@ -213,25 +288,38 @@ class CompileCache:
         except OSError as exc:
             return self._ignored("corrupt", f"cannot read it ({exc})", t0)
         try:
-            header, payload = self._parse(data)
+            header, body = self._parse(data)
         except ValueError as exc:
             return self._ignored("corrupt", str(exc), t0)
         if header.get("key") != self.key:
+            fields = header.get("key_fields", {}) if isinstance(header.get("key_fields"), dict) else {}
             return self._ignored(
                 "stale",
-                f"it was written for another key (torch {header.get('key_fields', {}).get('torch', '?')}, "
-                f"fingerprint {str(header.get('key_fields', {}).get('fingerprint', '?'))[:12]}...)",
+                f"it was written for another key (torch {fields.get('torch', '?')}, "
+                f"fingerprint {str(fields.get('fingerprint', '?'))[:12]}...)",
                 t0,
             )
+        megacache = body[: header["megacache_bytes"]]
+        kernels = header.get("kernels", [])
+        restored = 0
+        try:
+            restored = _restore_kernels(kernels, body, header["megacache_bytes"]) if self.kernels else 0
+        except OSError as exc:  # a read-only cache dir: the compile is merely slower
+            warnings.warn(f"could not restore compiled kernels from {self.path}: {exc}", CompileCacheWarning,
+                          stacklevel=3)
         import torch._dynamo  # noqa: F401  (torch 2.7 needs it imported before the cache APIs)
 
         try:
-            info = torch.compiler.load_cache_artifacts(payload)
+            info = torch.compiler.load_cache_artifacts(megacache)
         except Exception as exc:  # noqa: BLE001 - torch rejecting a cache must not stop the job
             return self._ignored("rejected", f"torch rejected its artifacts ({type(exc).__name__}: {exc})", t0)
         self._loaded_keys = _artifact_keys(info)
+        self._loaded_kernels = {k["path"] for k in kernels}
+        artifacts = _artifact_counts(info)
+        if kernels:
+            artifacts["cpu_kernel_files"] = restored
         return CacheLoadResult(
-            "hit", str(self.path), "loaded", artifacts=_artifact_counts(info), bytes=len(payload),
+            "hit", str(self.path), "loaded", artifacts=artifacts, bytes=len(body),
             seconds=time.perf_counter() - t0,
         )
 
@@ -251,13 +339,24 @@ class CompileCache:
         if not isinstance(header, dict) or header.get("format") != _FORMAT:
             raise ValueError(f"unsupported header (format {header.get('format') if isinstance(header, dict) else '?'}, "
                              f"this ettkit reads format {_FORMAT})")
-        payload = data[end:]
-        if len(payload) != header.get("payload_bytes"):
-            raise ValueError(f"payload is {len(payload)} bytes, the header says {header.get('payload_bytes')} "
-                             "(truncated write?)")
-        if hashlib.sha256(payload).hexdigest() != header.get("payload_sha256"):
-            raise ValueError("payload checksum mismatch")
-        return header, payload
+        body = data[end:]
+        if len(body) != header.get("body_bytes"):
+            raise ValueError(f"body is {len(body)} bytes, the header says {header.get('body_bytes')} (truncated write?)")
+        if hashlib.sha256(body).hexdigest() != header.get("body_sha256"):
+            raise ValueError("body checksum mismatch")
+        kernels = header.get("kernels", [])
+        mega = header.get("megacache_bytes")
+        if not isinstance(mega, int) or not isinstance(kernels, list) or mega < 0:
+            raise ValueError("header lacks megacache_bytes/kernels")
+        total = mega
+        for k in kernels:
+            if not (isinstance(k, dict) and isinstance(k.get("path"), str) and _KERNEL_PATH.match(k["path"])
+                    and isinstance(k.get("bytes"), int) and k["bytes"] >= 0):
+                raise ValueError(f"bad kernel entry {k!r}")
+            total += k["bytes"]
+        if total != len(body):
+            raise ValueError(f"sections add up to {total} bytes, the body has {len(body)}")
+        return header, body
 
     # ---- save ----------------------------------------------------------------------------------------
 
@@ -272,32 +371,46 @@ class CompileCache:
             result = CacheSaveResult(False, str(self.path), "nothing was compiled in this process")
             self.last_save = result
             return result
-        payload, info = saved
+        megacache, info = saved
         counts = _artifact_counts(info)
         keys = _artifact_keys(info)
-        if self._loaded_keys is not None and keys <= self._loaded_keys and self.path.exists():
-            result = CacheSaveResult(False, str(self.path), "unchanged since load", counts, len(payload))
+        kernel_files = _loaded_kernel_files() if self.kernels else []
+        kernel_paths = {rel for rel, _ in kernel_files}
+        if (self._loaded_keys is not None and keys <= self._loaded_keys and kernel_paths <= self._loaded_kernels
+                and self.path.exists()):
+            result = CacheSaveResult(False, str(self.path), "unchanged since load", counts, len(megacache))
             self.last_save = result
             return result
+        try:
+            blobs = [(rel, p.read_bytes()) for rel, p in kernel_files]
+        except OSError as exc:
+            warnings.warn(f"compiled kernels not bundled into {self.path}: {exc}", CompileCacheWarning, stacklevel=2)
+            blobs = []
+        if blobs:
+            counts["cpu_kernel_files"] = len(blobs)
+        body = megacache + b"".join(data for _, data in blobs)
         header = {
             "format": _FORMAT,
             "key": self.key,
             "key_fields": self.key_fields,
-            "payload_bytes": len(payload),
-            "payload_sha256": hashlib.sha256(payload).hexdigest(),
+            "megacache_bytes": len(megacache),
+            "kernels": [{"path": rel, "bytes": len(data)} for rel, data in blobs],
+            "body_bytes": len(body),
+            "body_sha256": hashlib.sha256(body).hexdigest(),
             "artifacts": counts,
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         header_bytes = json.dumps(header, sort_keys=True).encode()
         try:
-            self._write_atomic(_HEADER.pack(_MAGIC, len(header_bytes)) + header_bytes + payload)
+            self._write_atomic(_HEADER.pack(_MAGIC, len(header_bytes)) + header_bytes + body)
         except OSError as exc:
             warnings.warn(f"could not write compile cache {self.path}: {exc}", CompileCacheWarning, stacklevel=2)
-            result = CacheSaveResult(False, str(self.path), f"write failed: {exc}", counts, len(payload))
+            result = CacheSaveResult(False, str(self.path), f"write failed: {exc}", counts, len(body))
             self.last_save = result
             return result
         self._loaded_keys = keys
-        result = CacheSaveResult(True, str(self.path), "written", counts, len(payload))
+        self._loaded_kernels = {rel for rel, _ in blobs}
+        result = CacheSaveResult(True, str(self.path), "written", counts, len(body))
         self.last_save = result
         return result
 
