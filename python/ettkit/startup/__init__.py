@@ -14,6 +14,7 @@ warm-up, and compile caches that make restarts warm. See docs/startup.md.
             cache.save()                                  # forward and backward have compiled
 """
 
+from ..errors import BatchMismatchError, StageError
 from .batch_spec import BatchSpec, Dim, TensorSpec
 from .cache import CacheLoadResult, CacheSaveResult, CompileCache, CompileCacheWarning, compile_fingerprint
 from .overlap import StartReport, StartResult, overlapped_start
@@ -21,12 +22,14 @@ from .stages import StageGraph, StageRecord, StageReport
 from .warm import WarmCompileReport, compile_counters, compiled_graphs, warm_compile
 
 __all__ = [
+    "BatchMismatchError",
     "BatchSpec",
     "CacheLoadResult",
     "CacheSaveResult",
     "CompileCache",
     "CompileCacheWarning",
     "Dim",
+    "StageError",
     "StageGraph",
     "StageRecord",
     "StageReport",
