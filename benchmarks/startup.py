@@ -53,12 +53,28 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 FULL = {
-    "repeats": 3, "first_batch_s": 15.0, "batch_size": 64, "num_ids": 8, "vocab": 20000, "emb_dim": 32,
-    "dense": 16, "hidden": [256, 128, 64], "steps": 15, "num_workers": 2,
+    "repeats": 3,
+    "first_batch_s": 15.0,
+    "batch_size": 64,
+    "num_ids": 8,
+    "vocab": 20000,
+    "emb_dim": 32,
+    "dense": 16,
+    "hidden": [256, 128, 64],
+    "steps": 15,
+    "num_workers": 2,
 }
 QUICK = {
-    "repeats": 1, "first_batch_s": 2.0, "batch_size": 32, "num_ids": 4, "vocab": 1000, "emb_dim": 8,
-    "dense": 8, "hidden": [16], "steps": 11, "num_workers": 2,
+    "repeats": 1,
+    "first_batch_s": 2.0,
+    "batch_size": 32,
+    "num_ids": 4,
+    "vocab": 1000,
+    "emb_dim": 8,
+    "dense": 8,
+    "hidden": [],
+    "steps": 11,
+    "num_workers": 2,
 }
 VARIANTS = ("sequential", "overlapped", "overlapped_warm")
 
@@ -71,9 +87,8 @@ def _child(variant: str, cfg: dict, data_dir: str, cache_dir: str, out_file: str
     import numpy as np
     import torch
     import torch.nn.functional as F
-    from torch.utils.data import DataLoader, Dataset
-
     from ettkit import startup
+    from torch.utils.data import DataLoader, Dataset
 
     class DiskDataset(Dataset):
         """Samples memory-mapped from .npy files; each worker's first read takes ``delay_s`` longer."""
@@ -89,11 +104,16 @@ def _child(variant: str, cfg: dict, data_dir: str, cache_dir: str, out_file: str
         def __getitem__(self, i):
             if self.arrays is None:  # first read in this worker: open the files, pay the cold start
                 time.sleep(self.delay_s)
-                self.arrays = {k: np.load(os.path.join(self.root, f"{k}.npy"), mmap_mode="r")
-                               for k in ("ids", "dense", "label")}
+                self.arrays = {
+                    k: np.load(os.path.join(self.root, f"{k}.npy"), mmap_mode="r")
+                    for k in ("ids", "dense", "label")
+                }
             a = self.arrays
-            return {"ids": torch.from_numpy(np.array(a["ids"][i])), "dense": torch.from_numpy(np.array(a["dense"][i])),
-                    "label": torch.tensor(float(a["label"][i]))}
+            return {
+                "ids": torch.from_numpy(np.array(a["ids"][i])),
+                "dense": torch.from_numpy(np.array(a["dense"][i])),
+                "label": torch.tensor(float(a["label"][i])),
+            }
 
     class RecModel(torch.nn.Module):
         def __init__(self):
@@ -101,7 +121,12 @@ def _child(variant: str, cfg: dict, data_dir: str, cache_dir: str, out_file: str
             self.emb = torch.nn.Embedding(cfg["vocab"], cfg["emb_dim"])
             layers, width = [], cfg["emb_dim"] + cfg["dense"]
             for h in cfg["hidden"]:
-                layers += [torch.nn.Linear(width, h), torch.nn.BatchNorm1d(h), torch.nn.ReLU(), torch.nn.Dropout(0.1)]
+                layers += [
+                    torch.nn.Linear(width, h),
+                    torch.nn.BatchNorm1d(h),
+                    torch.nn.ReLU(),
+                    torch.nn.Dropout(0.1),
+                ]
                 width = h
             self.mlp = torch.nn.Sequential(*layers)
             self.head = torch.nn.Linear(width, 1)
@@ -116,14 +141,20 @@ def _child(variant: str, cfg: dict, data_dir: str, cache_dir: str, out_file: str
     torch.manual_seed(0)
     model = RecModel()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    loader = DataLoader(DiskDataset(data_dir, cfg["first_batch_s"]), batch_size=cfg["batch_size"],
-                        num_workers=cfg["num_workers"], drop_last=True)
+    loader = DataLoader(
+        DiskDataset(data_dir, cfg["first_batch_s"]),
+        batch_size=cfg["batch_size"],
+        num_workers=cfg["num_workers"],
+        drop_last=True,
+    )
     b = cfg["batch_size"]
-    spec = startup.BatchSpec({
-        "ids": startup.TensorSpec((b, cfg["num_ids"]), torch.int64, value_range=(0, cfg["vocab"] - 1)),
-        "dense": startup.TensorSpec((b, cfg["dense"]), torch.float32),
-        "label": startup.TensorSpec((b,), torch.float32, value_range=(0, 1)),
-    })
+    spec = startup.BatchSpec(
+        {
+            "ids": startup.TensorSpec((b, cfg["num_ids"]), torch.int64, value_range=(0, cfg["vocab"] - 1)),
+            "dense": startup.TensorSpec((b, cfg["dense"]), torch.float32),
+            "label": startup.TensorSpec((b,), torch.float32, value_range=(0, 1)),
+        }
+    )
     out = {"variant": variant, "imports_s": time.perf_counter() - t_enter}
 
     t0 = time.perf_counter()  # model and loader built; nothing iterated, nothing compiled
@@ -133,12 +164,20 @@ def _child(variant: str, cfg: dict, data_dir: str, cache_dir: str, out_file: str
         out["first_batch_s"] = time.perf_counter() - t0
         compiled = torch.compile(model)
     else:
-        cache = startup.CompileCache(cache_dir, model=model, spec=spec, config={"backend": "inductor"},
-                                     kernels=cfg["kernels"])
-        compiled, first, report, it = startup.overlapped_start(model, loader, spec, loss_fn, cache, recorder=None)
-        out.update(first_batch_s=report.first_batch_s, compile_s=report.compile_s, start_s=report.time_to_start_s,
-                   cache=report.cache.status, cache_artifacts=dict(report.cache.artifacts),
-                   stages=report.stages.to_dict()["stages"])
+        cache = startup.CompileCache(
+            cache_dir, model=model, spec=spec, config={"backend": "inductor"}, kernels=cfg["kernels"]
+        )
+        compiled, first, report, it = startup.overlapped_start(
+            model, loader, spec, loss_fn, cache, recorder=None
+        )
+        out.update(
+            first_batch_s=report.first_batch_s,
+            compile_s=report.compile_s,
+            start_s=report.time_to_start_s,
+            cache=report.cache.status,
+            cache_artifacts=dict(report.cache.artifacts),
+            stages=report.stages.to_dict()["stages"],
+        )
 
     graphs_before = startup.compiled_graphs()
     step_ends, durations = [], []
@@ -177,10 +216,16 @@ def _machine() -> dict:
     import importlib.metadata
 
     # Versions from package metadata: importing torch here would add seconds to every run of the driver.
-    info = {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
-            "torch": importlib.metadata.version("torch")}
+    info = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "torch": importlib.metadata.version("torch"),
+    }
     try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout.splitlines():
+        for line in subprocess.run(
+            ["lscpu"], check=False, capture_output=True, text=True, timeout=10
+        ).stdout.splitlines():
             if line.startswith("Model name:"):
                 info["cpu"] = line.split(":", 1)[1].strip()
     except (OSError, subprocess.SubprocessError):
@@ -198,7 +243,9 @@ def _write_dataset(root: str, cfg: dict) -> None:
 
     n = cfg["batch_size"] * (cfg["steps"] + 2 * cfg["num_workers"] + 2)
     rng = np.random.default_rng(0)
-    np.save(os.path.join(root, "ids.npy"), rng.integers(0, cfg["vocab"], size=(n, cfg["num_ids"]), dtype=np.int64))
+    np.save(
+        os.path.join(root, "ids.npy"), rng.integers(0, cfg["vocab"], size=(n, cfg["num_ids"]), dtype=np.int64)
+    )
     np.save(os.path.join(root, "dense.npy"), rng.standard_normal((n, cfg["dense"]), dtype=np.float32))
     np.save(os.path.join(root, "label.npy"), rng.integers(0, 2, size=n).astype(np.float32))
 
@@ -209,9 +256,21 @@ def _run_variant(variant: str, cfg: dict, root: str, data_dir: str, cache_dir: s
     env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, f"{tag}-{variant}-inductor")  # fresh, empty
     env.pop("TORCH_COMPILE_FORCE_DISABLE_CACHES", None)
     env.setdefault("ETTKIT_LOG_LEVEL", "error")
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, "--config", json.dumps(cfg),
-           "--data-dir", data_dir, "--cache-dir", cache_dir, "--out", out_file]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--child",
+        variant,
+        "--config",
+        json.dumps(cfg),
+        "--data-dir",
+        data_dir,
+        "--cache-dir",
+        cache_dir,
+        "--out",
+        out_file,
+    ]
+    proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         raise SystemExit(f"{variant} run failed:\n{proc.stderr[-4000:]}")
     with open(out_file) as f:
@@ -220,12 +279,17 @@ def _run_variant(variant: str, cfg: dict, root: str, data_dir: str, cache_dir: s
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="smaller model and first-batch delay, 1 repeat (< 1 min)")
+    ap.add_argument(
+        "--quick", action="store_true", help="smaller model and first-batch delay, 1 repeat (< 1 min)"
+    )
     ap.add_argument("--json", help="write the results to this file (DESIGN §5 layout)")
     ap.add_argument("--repeats", type=int, help="override the number of repeats")
     ap.add_argument("--first-batch-s", type=float, help="override the first-batch delay")
-    ap.add_argument("--megacache-only", action="store_true",
-                    help="CompileCache(kernels=False): no compiled CPU kernels in the cache file, MegaCache only")
+    ap.add_argument(
+        "--megacache-only",
+        action="store_true",
+        help="CompileCache(kernels=False): no compiled CPU kernels in the cache file, MegaCache only",
+    )
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory")
     ap.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
@@ -252,13 +316,18 @@ def main() -> None:
         os.makedirs(data_dir)
         _write_dataset(data_dir, cfg)
         for r in range(cfg["repeats"]):
-            cache_dir = os.path.join(root, f"r{r}-compile-cache")  # written by overlapped, read by overlapped_warm
+            cache_dir = os.path.join(
+                root, f"r{r}-compile-cache"
+            )  # written by overlapped, read by overlapped_warm
             for variant in VARIANTS:
                 res = _run_variant(variant, cfg, root, data_dir, cache_dir, f"r{r}")
                 runs[variant].append(res)
-                print(f"  repeat {r + 1}/{cfg['repeats']} {variant:<16} time_to_start {res['time_to_start_s']:7.2f} s"
-                      f"  compile {res['compile_s']:6.2f} s  first batch {res['first_batch_s']:6.2f} s"
-                      + (f"  cache {res['cache']}" if "cache" in res else ""), flush=True)
+                print(
+                    f"  repeat {r + 1}/{cfg['repeats']} {variant:<16} time_to_start {res['time_to_start_s']:7.2f} s"
+                    f"  compile {res['compile_s']:6.2f} s  first batch {res['first_batch_s']:6.2f} s"
+                    + (f"  cache {res['cache']}" if "cache" in res else ""),
+                    flush=True,
+                )
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
@@ -271,38 +340,69 @@ def main() -> None:
         "compile_s": {"cold": med("overlapped", "compile_s"), "warm": med("overlapped_warm", "compile_s")},
         "first_batch_s": {"ettkit": med("overlapped", "first_batch_s")},
         "first_step_residual_s": {"ettkit": med("overlapped", "first_step_residual_s")},
-        "recompiles": {"ettkit": max(r["recompiles"] for v in ("overlapped", "overlapped_warm") for r in runs[v])},
+        "recompiles": {
+            "ettkit": max(r["recompiles"] for v in ("overlapped", "overlapped_warm") for r in runs[v])
+        },
     }
     machine["load_average_at_end"] = list(os.getloadavg())
-    config = dict(cfg, quick=args.quick, variants=list(VARIANTS), wall_s=round(time.perf_counter() - t_start, 1),
-                  backend="inductor", device="cpu",
-                  samples={v: {k: [round(r[k], 4) for r in runs[v]]
-                               for k in ("time_to_start_s", "compile_s", "first_batch_s", "first_step_residual_s",
-                                         "steady_step_s")} for v in VARIANTS})
+    config = dict(
+        cfg,
+        quick=args.quick,
+        variants=list(VARIANTS),
+        wall_s=round(time.perf_counter() - t_start, 1),
+        backend="inductor",
+        device="cpu",
+        samples={
+            v: {
+                k: [round(r[k], 4) for r in runs[v]]
+                for k in (
+                    "time_to_start_s",
+                    "compile_s",
+                    "first_batch_s",
+                    "first_step_residual_s",
+                    "steady_step_s",
+                )
+            }
+            for v in VARIANTS
+        },
+    )
 
     tts = results["time_to_start_s"]
     bound = max(results["compile_s"]["cold"], results["first_batch_s"]["ettkit"])
-    print(f"\nstartup benchmark ({'quick' if args.quick else 'full'}; {cfg['repeats']} repeat(s), medians; "
-          f"{machine.get('cpu', '?')}, {machine['cpus']} CPUs, torch {machine['torch']})")
+    print(
+        f"\nstartup benchmark ({'quick' if args.quick else 'full'}; {cfg['repeats']} repeat(s), medians; "
+        f"{machine.get('cpu', '?')}, {machine['cpus']} CPUs, torch {machine['torch']})"
+    )
     print(f"  {'metric':<24} {'variant':<16} {'value':>10}")
     for metric, variants in results.items():
         for variant, value in variants.items():
-            print(f"  {metric:<24} {variant:<16} {value:>10.3f}" if isinstance(value, float)
-                  else f"  {metric:<24} {variant:<16} {value:>10}")
+            print(
+                f"  {metric:<24} {variant:<16} {value:>10.3f}"
+                if isinstance(value, float)
+                else f"  {metric:<24} {variant:<16} {value:>10}"
+            )
     print("\ntargets")
-    print(f"  overlapped / max(compile cold, first batch) = {tts['overlapped']:.2f} / {bound:.2f} = "
-          f"{tts['overlapped'] / bound:.3f}  (target <= 1.10)")
+    print(
+        f"  overlapped / max(compile cold, first batch) = {tts['overlapped']:.2f} / {bound:.2f} = "
+        f"{tts['overlapped'] / bound:.3f}  (target <= 1.10)"
+    )
     per_run = [r["time_to_start_s"] / max(r["compile_s"], r["first_batch_s"]) for r in runs["overlapped"]]
     config["overlap_ratio_per_run"] = [round(x, 4) for x in per_run]
-    print(f"  the same, per run (its own compile and first batch): median {statistics.median(per_run):.3f}, "
-          f"worst {max(per_run):.3f}")
+    print(
+        f"  the same, per run (its own compile and first batch): median {statistics.median(per_run):.3f}, "
+        f"worst {max(per_run):.3f}"
+    )
     print(f"  overlapped / sequential                      = {tts['overlapped'] / tts['sequential']:.3f}")
-    print(f"  overlapped_warm / sequential                 = {tts['overlapped_warm'] / tts['sequential']:.3f}")
+    print(
+        f"  overlapped_warm / sequential                 = {tts['overlapped_warm'] / tts['sequential']:.3f}"
+    )
     warm_gain = 1 - results["compile_s"]["warm"] / results["compile_s"]["cold"]
     print(f"  warm compile faster than cold by              {100 * warm_gain:.1f}%  (target >= 50%)")
     print(f"  recompiles in the first 10 real steps         {results['recompiles']['ettkit']}  (target 0)")
-    print(f"  wall time {config['wall_s']} s; load average at start {machine['load_average_at_start'][0]:.2f}, "
-          f"at end {machine['load_average_at_end'][0]:.2f}")
+    print(
+        f"  wall time {config['wall_s']} s; load average at start {machine['load_average_at_start'][0]:.2f}, "
+        f"at end {machine['load_average_at_end'][0]:.2f}"
+    )
     if args.json:
         doc = {"benchmark": "startup", "machine": machine, "config": config, "results": results}
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

@@ -461,7 +461,8 @@ class StageGraph::Impl {
           if (state_[i] == State::kRunning) time_out_locked(i, now, why);
         }
         std::string msg = "start-up graph exceeded its deadline of " + format_s(options_.timeout_s) + " s (" +
-                          (running.empty() ? std::string("no stage was running") : "still running: " + join_names(running)) +
+                          (running.empty() ? std::string("no stage was running")
+                                           : "still running: " + join_names(running)) +
                           ")";
         set_first_error_locked(culprit, std::make_exception_ptr(Timeout(msg, __FILE__, __LINE__)), true);
         finished_ = true;
@@ -650,7 +651,8 @@ StageReport StageGraph::Impl::run() {
   t0_ = Clock::now();
   anchor_ = ClockAnchor();
   if (options_.timeout_s > 0) {
-    graph_deadline_ = t0_ + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(options_.timeout_s));
+    graph_deadline_ =
+        t0_ + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(options_.timeout_s));
   }
 
   // 1. Forking stages, on this thread, before any worker exists.

@@ -12,7 +12,6 @@ import time
 
 import torch
 import torch.nn.functional as F
-
 from ettkit.startup import BatchSpec, CompileCache, TensorSpec, warm_compile
 
 
@@ -22,7 +21,9 @@ def loss_fn(out, batch):
 
 def main(cache_dir: str) -> None:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1), torch.nn.Flatten(0))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1), torch.nn.Flatten(0)
+    )
     spec = BatchSpec({"x": TensorSpec((4, 6)), "y": TensorSpec((4,))})
     cache = CompileCache(cache_dir, model=model, spec=spec, config={"backend": "inductor"})
     loaded = cache.load()
@@ -36,18 +37,22 @@ def main(cache_dir: str) -> None:
     loss_fn(compiled(batch["x"]), batch).backward()
     opt.step()
     saved = cache.save()
-    print(json.dumps({
-        "load": loaded.status,
-        "load_reason": loaded.reason,
-        "artifacts_loaded": dict(loaded.artifacts),
-        "saved": saved.written,
-        "save_reason": saved.reason,
-        "artifacts_saved": dict(saved.artifacts),
-        "stats": cache.stats(),
-        "compile_s": compile_s,
-        "graphs": warm.graphs,
-        "path": str(cache.path),
-    }))
+    print(
+        json.dumps(
+            {
+                "load": loaded.status,
+                "load_reason": loaded.reason,
+                "artifacts_loaded": dict(loaded.artifacts),
+                "saved": saved.written,
+                "save_reason": saved.reason,
+                "artifacts_saved": dict(saved.artifacts),
+                "stats": cache.stats(),
+                "compile_s": compile_s,
+                "graphs": warm.graphs,
+                "path": str(cache.path),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

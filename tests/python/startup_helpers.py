@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import Dataset
-
 from ettkit.startup import BatchSpec, Dim, TensorSpec
+from torch.utils.data import Dataset
 
 VOCAB = 50
 IDS = 3
@@ -47,11 +46,13 @@ def make_batch(n: int, seed: int = 0) -> dict:
 
 def declared_spec(dynamic: bool = True, batch: int = 8) -> BatchSpec:
     b = Dim("batch", min=2, max=256) if dynamic else batch
-    return BatchSpec({
-        "ids": TensorSpec((b, IDS), torch.int64, value_range=(0, VOCAB - 1)),
-        "dense": TensorSpec((b, DENSE), torch.float32),
-        "label": TensorSpec((b,), torch.float32, value_range=(0, 1)),
-    })
+    return BatchSpec(
+        {
+            "ids": TensorSpec((b, IDS), torch.int64, value_range=(0, VOCAB - 1)),
+            "dense": TensorSpec((b, DENSE), torch.float32),
+            "label": TensorSpec((b,), torch.float32, value_range=(0, 1)),
+        }
+    )
 
 
 def train_steps(model, optimizer, batches):

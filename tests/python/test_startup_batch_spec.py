@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import collections
 
+import ettkit
 import pytest
 import torch
 import torch._dynamo
-
-import ettkit
 from ettkit.startup import BatchSpec, Dim, TensorSpec, compiled_graphs
 from startup_helpers import TinyRec, declared_spec, make_batch
 
@@ -67,13 +66,18 @@ def test_layouts_are_preserved():
 
 def test_declared_nested_spec_with_constants():
     B = Dim("batch", min=2, max=64)
-    spec = BatchSpec({
-        "features": {"ids": TensorSpec((B, 4), torch.int64, value_range=(0, 9)), "mask": TensorSpec((B, 4), torch.bool)},
-        "pair": Pair(TensorSpec((B,)), TensorSpec((3,), torch.float64)),
-        "lengths": [TensorSpec((B,), torch.int32, value_range=(1, 4))],
-        "mode": "train",
-        "scale": 2,
-    })
+    spec = BatchSpec(
+        {
+            "features": {
+                "ids": TensorSpec((B, 4), torch.int64, value_range=(0, 9)),
+                "mask": TensorSpec((B, 4), torch.bool),
+            },
+            "pair": Pair(TensorSpec((B,)), TensorSpec((3,), torch.float64)),
+            "lengths": [TensorSpec((B,), torch.int32, value_range=(1, 4))],
+            "mode": "train",
+            "scale": 2,
+        }
+    )
     fast = spec.fast_batch()
     assert isinstance(fast["pair"], Pair)
     assert fast["mode"] == "train" and fast["scale"] == 2
@@ -87,10 +91,12 @@ def test_declared_nested_spec_with_constants():
 def test_distinct_dynamic_dims_get_distinct_sizes():
     # Equal sizes would be one symbol to Dynamo (duck sizing), and a real batch with different sizes would
     # then recompile.
-    spec = BatchSpec({
-        "tokens": TensorSpec((Dim("batch", hint=8), Dim("seq", hint=8))),
-        "label": TensorSpec((Dim("batch"),)),
-    })
+    spec = BatchSpec(
+        {
+            "tokens": TensorSpec((Dim("batch", hint=8), Dim("seq", hint=8))),
+            "label": TensorSpec((Dim("batch"),)),
+        }
+    )
     fast = spec.fast_batch()
     assert fast["tokens"].shape[0] == fast["label"].shape[0]
     assert fast["tokens"].shape[0] != fast["tokens"].shape[1]
@@ -118,18 +124,33 @@ def test_capture_rejects_what_it_cannot_reproduce():
 @pytest.mark.parametrize(
     "mutate, expected",
     [
-        (lambda b: b.update(dense=b["dense"].double()), "field 'dense' has dtype torch.float64; the spec expects torch.float32"),
+        (
+            lambda b: b.update(dense=b["dense"].double()),
+            "field 'dense' has dtype torch.float64; the spec expects torch.float32",
+        ),
         (lambda b: b.update(dense=b["dense"].t().contiguous().t()), "field 'dense' has strides"),
         (lambda b: b.update(ids=b["ids"][:, :2]), "field 'ids' has size 2 in static dim 1"),
         (lambda b: b.update(dense=b["dense"].requires_grad_()), "field 'dense' has requires_grad=True"),
         (lambda b: b.update(ids=b["ids"] + 100), "values of field 'ids' range over"),
         (lambda b: b.update(extra=torch.ones(1)), "unexpected ['extra']"),
         (lambda b: b.pop("label"), "missing ['label']"),
-        (lambda b: b.update(label=b["label"][:-1]), "field 'label' has size 7 in dim 0 but field 'ids' has 8"),
+        (
+            lambda b: b.update(label=b["label"][:-1]),
+            "field 'label' has size 7 in dim 0 but field 'ids' has 8",
+        ),
         (lambda b: b.update(dense=torch.empty(8, 6, device="meta")), "field 'dense' is on meta"),
     ],
-    ids=["dtype", "stride", "static-shape", "requires-grad", "value-range", "extra-key", "missing-key",
-         "dim-symbol", "device"],
+    ids=[
+        "dtype",
+        "stride",
+        "static-shape",
+        "requires-grad",
+        "value-range",
+        "extra-key",
+        "missing-key",
+        "dim-symbol",
+        "device",
+    ],
 )
 def test_check_names_the_field_that_differs(mutate, expected):
     spec = declared_spec()
@@ -207,7 +228,10 @@ def test_what_check_rejects_dynamo_recompiles(mutate, field, model):
     batch = make_batch(8)
     batch = mutate(batch) or batch
     assert spec.diff(batch), f"spec.check accepted a batch with a different {field}"
-    with torch.compiler.set_stance("fail_on_recompile"), pytest.raises(RuntimeError, match="Detected recompile"):
+    with (
+        torch.compiler.set_stance("fail_on_recompile"),
+        pytest.raises(RuntimeError, match="Detected recompile"),
+    ):
         compiled(batch)
 
 
@@ -218,9 +242,12 @@ def test_grad_mode_is_reported_as_a_recompile():
     compiled = _compiled_on_fast_batch(spec)
     batch = make_batch(8)
     spec.check(batch)
-    with torch.no_grad(), torch.compiler.set_stance("fail_on_recompile"):
-        with pytest.raises(RuntimeError, match="grad_mode"):
-            compiled(batch)
+    with (
+        torch.no_grad(),
+        torch.compiler.set_stance("fail_on_recompile"),
+        pytest.raises(RuntimeError, match="grad_mode"),
+    ):
+        compiled(batch)
     before = compiled_graphs()
     with torch.no_grad():
         compiled(batch)

@@ -14,7 +14,6 @@ from collections import defaultdict
 
 import pytest
 import torch
-
 from ettkit.startup import CompileCache, CompileCacheWarning, compile_fingerprint
 from ettkit.startup import cache as cache_module
 from startup_helpers import TinyRec, declared_spec
@@ -50,13 +49,15 @@ def fake(monkeypatch, tmp_path):
     fake = FakeTorchCache()
     monkeypatch.setattr(torch.compiler, "save_cache_artifacts", fake.save)
     monkeypatch.setattr(torch.compiler, "load_cache_artifacts", fake.load)
-    monkeypatch.setattr(cache_module, "_loaded_kernel_files", lambda: [])
+    monkeypatch.setattr(cache_module, "_loaded_kernel_files", list)
     monkeypatch.setattr(cache_module, "_inductor_cache_dir", lambda: tmp_path / "inductor")
     return fake
 
 
 def _cache(tmp_path, **kw):
-    return CompileCache(tmp_path / "ckpt" / "compile-cache", fingerprint=kw.pop("fingerprint", "model-v1"), **kw)
+    return CompileCache(
+        tmp_path / "ckpt" / "compile-cache", fingerprint=kw.pop("fingerprint", "model-v1"), **kw
+    )
 
 
 def test_save_is_atomic_and_a_new_process_view_loads_it(fake, tmp_path):
@@ -164,10 +165,14 @@ def test_a_kernel_path_outside_the_cache_dir_is_corrupt(fake, tmp_path, monkeypa
 def test_fingerprint_tracks_what_decides_the_graphs():
     torch.manual_seed(0)
     base = compile_fingerprint(TinyRec(), declared_spec(), {"backend": "inductor"})
-    assert base == compile_fingerprint(TinyRec(), declared_spec(), {"backend": "inductor"}), "weights do not matter"
+    assert base == compile_fingerprint(TinyRec(), declared_spec(), {"backend": "inductor"}), (
+        "weights do not matter"
+    )
     assert base != compile_fingerprint(TinyRec().eval(), declared_spec(), {"backend": "inductor"})
     assert base != compile_fingerprint(TinyRec(), declared_spec(dynamic=False), {"backend": "inductor"})
-    assert base != compile_fingerprint(TinyRec(), declared_spec(), {"backend": "inductor", "mode": "max-autotune"})
+    assert base != compile_fingerprint(
+        TinyRec(), declared_spec(), {"backend": "inductor", "mode": "max-autotune"}
+    )
     wider = TinyRec()
     wider.fc2 = torch.nn.Linear(16, 2)
     assert base != compile_fingerprint(wider, declared_spec(), {"backend": "inductor"})
@@ -182,7 +187,12 @@ def _run_child(tmp_path, name, cache_dir, hash_seed):
     )
     proc = subprocess.run(
         [sys.executable, os.path.join(HERE, "startup_cache_script.py"), str(cache_dir)],
-        env=env, capture_output=True, text=True, timeout=240, cwd=str(tmp_path),
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=str(tmp_path),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

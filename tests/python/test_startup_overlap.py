@@ -11,16 +11,22 @@ import multiprocessing
 import random
 import threading
 
+import ettkit
 import numpy as np
 import pytest
 import torch
 import torch._dynamo
-from torch.utils.data import DataLoader
-
-import ettkit
 from ettkit import ett
-from ettkit.startup import BatchSpec, CompileCache, StageGraph, compiled_graphs, overlapped_start, warm_compile
+from ettkit.startup import (
+    BatchSpec,
+    CompileCache,
+    StageGraph,
+    compiled_graphs,
+    overlapped_start,
+    warm_compile,
+)
 from startup_helpers import RecDataset, TinyRec, declared_spec, loss_fn, make_batch, train_steps
+from torch.utils.data import DataLoader
 
 BACKEND = "aot_eager"
 
@@ -38,8 +44,8 @@ def _state(model):
 
 def _assert_same(a: dict, b: dict):
     assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), f"{k} changed"
+    for k, v in a.items():
+        assert torch.equal(v, b[k]), f"{k} changed"
 
 
 # ---- warm_compile --------------------------------------------------------------------------------------
@@ -241,8 +247,9 @@ def test_overlapped_start_reports_a_cache_miss(tmp_path):
     model = TinyRec()
     spec = declared_spec()
     cache = CompileCache(tmp_path / "cache", model=model, spec=spec)
-    _, _, report, batches = overlapped_start(model, _loader(), spec, loss_fn, cache,
-                                             compile_kwargs={"backend": BACKEND})
+    _, _, report, batches = overlapped_start(
+        model, _loader(), spec, loss_fn, cache, compile_kwargs={"backend": BACKEND}
+    )
     del batches
     assert report.cache.status == "miss"
     assert "cache_load" in report.stages.stages

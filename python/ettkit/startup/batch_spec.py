@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Iterator, Mapping, Optional, Sequence, Union
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -41,10 +42,10 @@ class Dim:
     """A dynamic dimension. ``name`` groups dims that always have the same size (one symbol in the graph);
     ``hint`` is the size used in the fast batch (default: the sample's size, else ``min``)."""
 
-    name: Optional[str] = None
+    name: str | None = None
     min: int = 2
-    max: Optional[int] = None
-    hint: Optional[int] = None
+    max: int | None = None
+    hint: int | None = None
 
     def __post_init__(self):
         if self.min < 2:
@@ -55,7 +56,9 @@ class Dim:
         if self.max is not None and self.max < self.min:
             raise InvalidArgumentError(f"Dim {self.name!r} has max={self.max} < min={self.min}")
         if self.hint is not None and not self.contains(self.hint):
-            raise InvalidArgumentError(f"Dim {self.name!r} has hint={self.hint} outside [{self.min}, {self.max}]")
+            raise InvalidArgumentError(
+                f"Dim {self.name!r} has hint={self.hint} outside [{self.min}, {self.max}]"
+            )
 
     def contains(self, size: int) -> bool:
         return size >= self.min and (self.max is None or size <= self.max)
@@ -73,7 +76,7 @@ def _contiguous_strides(sizes: Sequence[int]) -> tuple:
     return tuple(strides)
 
 
-def _dense_strides(sizes: Sequence[int], dim_order: Optional[Sequence[int]]) -> tuple:
+def _dense_strides(sizes: Sequence[int], dim_order: Sequence[int] | None) -> tuple:
     """Strides of a dense tensor whose dims are laid out outermost-first in ``dim_order``."""
     if dim_order is None:
         return _contiguous_strides(sizes)
@@ -99,18 +102,27 @@ class TensorSpec:
     (captured from a sample, where the observed range is no bound on other batches).
     """
 
-    __slots__ = ("shape", "dtype", "device", "stride", "dim_order", "value_range", "fill_range", "requires_grad")
+    __slots__ = (
+        "device",
+        "dim_order",
+        "dtype",
+        "fill_range",
+        "requires_grad",
+        "shape",
+        "stride",
+        "value_range",
+    )
 
     def __init__(
         self,
-        shape: Sequence[Union[int, Dim]],
+        shape: Sequence[int | Dim],
         dtype: torch.dtype = torch.float32,
         *,
-        device: Union[str, torch.device] = "cpu",
-        stride: Optional[Sequence[int]] = None,
-        dim_order: Optional[Sequence[int]] = None,
-        value_range: Optional[tuple] = None,
-        fill_range: Optional[tuple] = None,
+        device: str | torch.device = "cpu",
+        stride: Sequence[int] | None = None,
+        dim_order: Sequence[int] | None = None,
+        value_range: tuple | None = None,
+        fill_range: tuple | None = None,
         requires_grad: bool = False,
     ):
         self.shape = tuple(shape)
@@ -126,7 +138,9 @@ class TensorSpec:
         if stride is not None:
             stride = tuple(int(s) for s in stride)
             if len(stride) != len(self.shape):
-                raise InvalidArgumentError(f"stride {stride} has {len(stride)} entries for {len(self.shape)} dims")
+                raise InvalidArgumentError(
+                    f"stride {stride} has {len(stride)} entries for {len(self.shape)} dims"
+                )
             if any(isinstance(s, Dim) for s in self.shape):
                 raise InvalidArgumentError(
                     "exact strides need static sizes; describe a dense layout with dim_order for dynamic dims"
@@ -134,7 +148,9 @@ class TensorSpec:
         if dim_order is not None:
             dim_order = tuple(int(d) for d in dim_order)
             if sorted(dim_order) != list(range(len(self.shape))):
-                raise InvalidArgumentError(f"dim_order {dim_order} is not a permutation of 0..{len(self.shape) - 1}")
+                raise InvalidArgumentError(
+                    f"dim_order {dim_order} is not a permutation of 0..{len(self.shape) - 1}"
+                )
             if dim_order == tuple(range(len(self.shape))):
                 dim_order = None  # contiguous
         self.stride = stride
@@ -182,7 +198,7 @@ def _show(path: str) -> str:
     return f"field '{path}'" if path else "the batch"
 
 
-def _container_kind(x) -> Optional[str]:
+def _container_kind(x) -> str | None:
     if isinstance(x, Mapping):
         return "mapping"
     if _is_namedtuple(x):
@@ -220,19 +236,25 @@ def _parse_dynamic_dims(dynamic_dims) -> dict:
     out = {}
     for path, spec in dynamic_dims.items():
         if isinstance(spec, bool) or spec is None:
-            raise InvalidArgumentError(f"dynamic_dims[{path!r}] = {spec!r}; give a dim index, a list or {{dim: Dim}}")
+            raise InvalidArgumentError(
+                f"dynamic_dims[{path!r}] = {spec!r}; give a dim index, a list or {{dim: Dim}}"
+            )
         if isinstance(spec, int):
             spec = {spec: None}
         elif isinstance(spec, (list, tuple)):
             spec = {d: None for d in spec}
         elif not isinstance(spec, Mapping):
-            raise InvalidArgumentError(f"dynamic_dims[{path!r}] = {spec!r}; give a dim index, a list or {{dim: Dim}}")
+            raise InvalidArgumentError(
+                f"dynamic_dims[{path!r}] = {spec!r}; give a dim index, a list or {{dim: Dim}}"
+            )
         dims = {}
         for d, v in spec.items():
             if isinstance(v, tuple):
                 v = Dim(None, *v)
             if v is not None and not isinstance(v, Dim):
-                raise InvalidArgumentError(f"dynamic_dims[{path!r}][{d}] = {v!r}; use a Dim, (min, max) or None")
+                raise InvalidArgumentError(
+                    f"dynamic_dims[{path!r}][{d}] = {v!r}; use a Dim, (min, max) or None"
+                )
             dims[int(d)] = v
         out[str(path).strip("/")] = dims
     return out
@@ -250,7 +272,7 @@ class BatchSpec:
     # ---- construction ---------------------------------------------------------------------------------
 
     @classmethod
-    def from_batch(cls, batch: Any, dynamic_dims: Optional[Mapping] = None) -> "BatchSpec":
+    def from_batch(cls, batch: Any, dynamic_dims: Mapping | None = None) -> BatchSpec:
         """Captures the spec of a sample batch. ``dynamic_dims`` maps a field path (``"features/ids"``; list
         and tuple items by index, ``"0"``) or ``"*"`` (every tensor with that dim) to a dim index, a list of
         them, or ``{dim: Dim(...) | (min, max) | None}``. Dims under ``"*"`` share one name per index (a
@@ -271,7 +293,9 @@ class BatchSpec:
                     "tensors and Python constants (convert dataclasses to a dict)"
                 )
             if isinstance(x, Mapping) and type(x) not in (dict,) and not _rebuildable_mapping(x):
-                raise InvalidArgumentError(f"{_show(path)} is a {type(x).__name__}; use a dict or OrderedDict")
+                raise InvalidArgumentError(
+                    f"{_show(path)} is a {type(x).__name__}; use a dict or OrderedDict"
+                )
             return _rebuild(x, [capture(v, _join(path, k)) for k, v in _children(x)])
 
         def capture_tensor(t, path):
@@ -281,7 +305,9 @@ class BatchSpec:
                     "(Dynamo guards on the Python type)"
                 )
             if t.layout != torch.strided:
-                raise InvalidArgumentError(f"{_show(path)} has layout {t.layout}; only strided tensors are supported")
+                raise InvalidArgumentError(
+                    f"{_show(path)} has layout {t.layout}; only strided tensors are supported"
+                )
             if t.numel() > 0 and t.device.type != "meta":
                 key = t.untyped_storage().data_ptr()
                 if key in seen_storage:
@@ -297,7 +323,9 @@ class BatchSpec:
                 used.add(path)
                 for d in own:
                     if d >= t.dim():
-                        raise InvalidArgumentError(f"dynamic_dims: {_show(path)} has {t.dim()} dims, no dim {d}")
+                        raise InvalidArgumentError(
+                            f"dynamic_dims: {_show(path)} has {t.dim()} dims, no dim {d}"
+                        )
                 dims.update(own)
             shape = []
             for d, size in enumerate(t.shape):
@@ -305,7 +333,9 @@ class BatchSpec:
                     shape.append(int(size))
                     continue
                 given = dims[d]
-                default_name = f"*:{d}" if d in dyn.get("*", {}) and (own is None or d not in own) else f"{path}:{d}"
+                default_name = (
+                    f"*:{d}" if d in dyn.get("*", {}) and (own is None or d not in own) else f"{path}:{d}"
+                )
                 name = given.name if given is not None and given.name else default_name
                 lo = given.min if given is not None else 2
                 hi = given.max if given is not None else None
@@ -333,7 +363,12 @@ class BatchSpec:
                 if math.isfinite(lo_v) and math.isfinite(hi_v):
                     fill = (lo_v, hi_v)
             return TensorSpec(
-                shape, t.dtype, device=t.device, stride=stride, dim_order=dim_order, fill_range=fill,
+                shape,
+                t.dtype,
+                device=t.device,
+                stride=stride,
+                dim_order=dim_order,
+                fill_range=fill,
                 requires_grad=t.requires_grad,
             )
 
@@ -347,7 +382,7 @@ class BatchSpec:
         return cls(structure)
 
     def _validate(self, x, path):
-        if isinstance(x, TensorSpec) or isinstance(x, _Constant):
+        if isinstance(x, (TensorSpec, _Constant)):
             return
         if isinstance(x, _CONSTANT_TYPES):
             return
@@ -361,7 +396,7 @@ class BatchSpec:
 
     def _leaves(self, x=None, path="") -> Iterator[tuple]:
         x = self._structure if x is None and path == "" else x
-        if isinstance(x, (TensorSpec, _Constant)) or isinstance(x, _CONSTANT_TYPES):
+        if isinstance(x, (TensorSpec, _Constant, *_CONSTANT_TYPES)):
             yield path, x
             return
         for k, v in _children(x):
@@ -396,7 +431,7 @@ class BatchSpec:
         for name in sorted(self._dims):
             d = self._dims[name]
             size = d.hint if d.hint is not None else d.min
-            candidates = [size + k for k in range(0, 64)] + [size - k for k in range(1, 64)]
+            candidates = [size + k for k in range(64)] + [size - k for k in range(1, 64)]
             for c in candidates:
                 if d.contains(c) and c not in taken:
                     size = c
@@ -428,8 +463,13 @@ class BatchSpec:
         return d.name or f"{path}:{i}"
 
     def _make_tensor(self, spec: TensorSpec, path: str, sizes: dict, gen: torch.Generator) -> torch.Tensor:
-        shape = [sizes[self._dim_name(spec, path, i)] if isinstance(d, Dim) else d for i, d in enumerate(spec.shape)]
-        values = self._values(spec, shape if spec.stride is None else [_storage_size(shape, spec.stride)], gen)
+        shape = [
+            sizes[self._dim_name(spec, path, i)] if isinstance(d, Dim) else d
+            for i, d in enumerate(spec.shape)
+        ]
+        values = self._values(
+            spec, shape if spec.stride is None else [_storage_size(shape, spec.stride)], gen
+        )
         device = _resolve_device(spec.device)
         if spec.stride is not None:
             t = values.to(device).as_strided(shape, spec.stride)
@@ -457,7 +497,7 @@ class BatchSpec:
             lo, hi = rng if rng is not None else (0.0, 1.0)
             base = torch.rand(shape, generator=gen, dtype=torch.float64) * (float(hi) - float(lo)) + float(lo)
             return base.to(dtype)
-        lo, hi = (int(math.ceil(rng[0])), int(math.floor(rng[1]))) if rng is not None else (0, 0)
+        lo, hi = (math.ceil(rng[0]), math.floor(rng[1])) if rng is not None else (0, 0)
         return torch.randint(lo, hi + 1, shape, generator=gen, dtype=torch.int64).to(dtype)
 
     # ---- checking -------------------------------------------------------------------------------------
@@ -472,7 +512,7 @@ class BatchSpec:
         def walk(spec, x, path):
             if isinstance(spec, TensorSpec):
                 tensor(spec, x, path)
-            elif isinstance(spec, _Constant) or isinstance(spec, _CONSTANT_TYPES):
+            elif isinstance(spec, (_Constant, *_CONSTANT_TYPES)):
                 expected = spec.value if isinstance(spec, _Constant) else spec
                 if type(x) is not type(expected) or not _same_constant(x, expected):
                     problems.append(
@@ -511,7 +551,9 @@ class BatchSpec:
         def tensor(spec: TensorSpec, t, path):
             where = _show(path)
             if not isinstance(t, torch.Tensor):
-                problems.append(f"{where} is a {type(t).__name__}; the spec expects a tensor {spec.describe()}")
+                problems.append(
+                    f"{where} is a {type(t).__name__}; the spec expects a tensor {spec.describe()}"
+                )
                 return
             if type(t) is not torch.Tensor:
                 problems.append(f"{where} is a {type(t).__name__}; the spec expects a plain torch.Tensor")
@@ -521,9 +563,13 @@ class BatchSpec:
             if t.device != want_device:
                 problems.append(f"{where} is on {t.device}; the spec expects {want_device}")
             if t.requires_grad != spec.requires_grad:
-                problems.append(f"{where} has requires_grad={t.requires_grad}; the spec expects {spec.requires_grad}")
+                problems.append(
+                    f"{where} has requires_grad={t.requires_grad}; the spec expects {spec.requires_grad}"
+                )
             if t.dim() != len(spec.shape):
-                problems.append(f"{where} has {t.dim()} dims {tuple(t.shape)}; the spec expects {len(spec.shape)}")
+                problems.append(
+                    f"{where} has {t.dim()} dims {tuple(t.shape)}; the spec expects {len(spec.shape)}"
+                )
                 return
             shape_ok = True
             for i, (size, d) in enumerate(zip(t.shape, spec.shape)):
@@ -546,8 +592,10 @@ class BatchSpec:
                         dim_sizes.setdefault(name, (size, path))
                 elif size != d:
                     shape_ok = False
-                    problems.append(f"{where} has size {size} in static dim {i}; the spec expects {d} (shape "
-                                    f"{tuple(t.shape)} vs {spec.describe()})")
+                    problems.append(
+                        f"{where} has size {size} in static dim {i}; the spec expects {d} (shape "
+                        f"{tuple(t.shape)} vs {spec.describe()})"
+                    )
             if shape_ok and t.layout == torch.strided:
                 want = spec.stride if spec.stride is not None else _dense_strides(t.shape, spec.dim_order)
                 if tuple(t.stride()) != tuple(want):
@@ -564,8 +612,13 @@ class BatchSpec:
                         "aliasing, which Dynamo guards on"
                     )
                 storages.setdefault(key, path)
-            if (spec.value_range is not None and t.numel() > 0 and t.dtype != torch.bool and not t.is_complex()
-                    and t.device.type != "meta"):
+            if (
+                spec.value_range is not None
+                and t.numel() > 0
+                and t.dtype != torch.bool
+                and not t.is_complex()
+                and t.device.type != "meta"
+            ):
                 lo, hi = torch.aminmax(t.detach().reshape(-1))
                 lo, hi = lo.item(), hi.item()
                 if lo < spec.value_range[0] or hi > spec.value_range[1]:
@@ -578,7 +631,7 @@ class BatchSpec:
         return problems
 
     def check(self, batch: Any) -> None:
-        """Raises :class:`ettkit.BatchMismatchError` naming every field of ``batch`` that differs from the
+        """Raises :class:`ettkit.errors.BatchMismatchError` naming every field of ``batch`` that differs from the
         spec in a way that would fail a Dynamo guard (a recompile) or a declared value range."""
         problems = self.diff(batch)
         if problems:
@@ -617,7 +670,7 @@ class BatchSpec:
         return "\n".join(containers + lines)
 
     def _describe_containers(self, x, path, out):
-        if isinstance(x, (TensorSpec, _Constant)) or isinstance(x, _CONSTANT_TYPES):
+        if isinstance(x, (TensorSpec, _Constant, *_CONSTANT_TYPES)):
             return
         keys = list(x.keys()) if isinstance(x, Mapping) else len(x)
         out.append(f"{path or '<batch>'}: {type(x).__module__}.{type(x).__qualname__} {keys!r}")

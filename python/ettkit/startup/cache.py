@@ -39,8 +39,9 @@ import sys
 import time
 import uuid
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any
 
 import torch
 
@@ -90,7 +91,7 @@ def _version(dist: str) -> str:
         return ""
 
 
-def _machine_key(device: Optional[torch.device]) -> dict:
+def _machine_key(device: torch.device | None) -> dict:
     key = {
         "torch": torch.__version__,
         "torch_git": getattr(torch.version, "git_version", ""),
@@ -117,7 +118,7 @@ def _class_source_hash(cls: type) -> str:
         return ""
 
 
-def compile_fingerprint(model: Any = None, spec: Any = None, config: Optional[Mapping] = None) -> str:
+def compile_fingerprint(model: Any = None, spec: Any = None, config: Mapping | None = None) -> str:
     """A stable hash of what decides the compiled graphs: the module tree (classes, and the source of
     classes not from torch), parameter and buffer names, shapes, dtypes and flags, train/eval mode, the batch
     spec's description and a compile configuration (e.g. the ``torch.compile`` keyword arguments)."""
@@ -196,7 +197,7 @@ def _restore_kernels(kernels: list, body: bytes, offset: int) -> int:
     restored = 0
     for entry in kernels:
         rel, size = entry["path"], entry["bytes"]
-        data = body[offset:offset + size]
+        data = body[offset : offset + size]
         offset += size
         dest = root / rel
         if dest.exists():
@@ -234,11 +235,11 @@ class CompileCache:
         self,
         path: str | os.PathLike,
         *,
-        fingerprint: Optional[str] = None,
+        fingerprint: str | None = None,
         model: Any = None,
         spec: Any = None,
-        config: Optional[Mapping] = None,
-        device: Optional[torch.device | str] = None,
+        config: Mapping | None = None,
+        device: torch.device | str | None = None,
         kernels: bool = True,
     ):
         self.dir = Path(path)
@@ -247,23 +248,25 @@ class CompileCache:
             device = first.device if first is not None else None
         device = torch.device(device) if device is not None else None
         self.key_fields = _machine_key(device)
-        self.key_fields["fingerprint"] = fingerprint if fingerprint is not None else compile_fingerprint(
-            model, spec, config
+        self.key_fields["fingerprint"] = (
+            fingerprint if fingerprint is not None else compile_fingerprint(model, spec, config)
         )
         self.key = hashlib.sha256(json.dumps(self.key_fields, sort_keys=True).encode()).hexdigest()
         self.path = self.dir / f"megacache-{self.key[:24]}.bin"
         self.kernels = kernels
-        self._loaded_keys: Optional[set] = None
+        self._loaded_keys: set | None = None
         self._loaded_kernels: set = set()
-        self._counters_at_load: Optional[dict] = None
-        self.last_load: Optional[CacheLoadResult] = None
-        self.last_save: Optional[CacheSaveResult] = None
+        self._counters_at_load: dict | None = None
+        self.last_load: CacheLoadResult | None = None
+        self.last_save: CacheSaveResult | None = None
 
     # ---- load ----------------------------------------------------------------------------------------
 
     def _ignored(self, status: str, reason: str, t0: float) -> CacheLoadResult:
         warnings.warn(
-            f"ignoring compile cache {self.path}: {reason}; compiling without it", CompileCacheWarning, stacklevel=3
+            f"ignoring compile cache {self.path}: {reason}; compiling without it",
+            CompileCacheWarning,
+            stacklevel=3,
         )
         return CacheLoadResult(status, str(self.path), reason, seconds=time.perf_counter() - t0)
 
@@ -283,7 +286,9 @@ class CompileCache:
             others = sorted(p.name for p in self.dir.glob("megacache-*.bin")) if self.dir.is_dir() else []
             reason = "no cache for this key"
             if others:
-                reason += f" ({len(others)} cache file(s) for other keys: torch, machine, model or config changed)"
+                reason += (
+                    f" ({len(others)} cache file(s) for other keys: torch, machine, model or config changed)"
+                )
             return CacheLoadResult("miss", str(self.path), reason, seconds=time.perf_counter() - t0)
         except OSError as exc:
             return self._ignored("corrupt", f"cannot read it ({exc})", t0)
@@ -305,21 +310,30 @@ class CompileCache:
         try:
             restored = _restore_kernels(kernels, body, header["megacache_bytes"]) if self.kernels else 0
         except OSError as exc:  # a read-only cache dir: the compile is merely slower
-            warnings.warn(f"could not restore compiled kernels from {self.path}: {exc}", CompileCacheWarning,
-                          stacklevel=3)
-        import torch._dynamo  # noqa: F401  (torch 2.7 needs it imported before the cache APIs)
+            warnings.warn(
+                f"could not restore compiled kernels from {self.path}: {exc}",
+                CompileCacheWarning,
+                stacklevel=3,
+            )
+        import torch._dynamo
 
         try:
             info = torch.compiler.load_cache_artifacts(megacache)
         except Exception as exc:  # noqa: BLE001 - torch rejecting a cache must not stop the job
-            return self._ignored("rejected", f"torch rejected its artifacts ({type(exc).__name__}: {exc})", t0)
+            return self._ignored(
+                "rejected", f"torch rejected its artifacts ({type(exc).__name__}: {exc})", t0
+            )
         self._loaded_keys = _artifact_keys(info)
         self._loaded_kernels = {k["path"] for k in kernels}
         artifacts = _artifact_counts(info)
         if kernels:
             artifacts["cpu_kernel_files"] = restored
         return CacheLoadResult(
-            "hit", str(self.path), "loaded", artifacts=artifacts, bytes=len(body),
+            "hit",
+            str(self.path),
+            "loaded",
+            artifacts=artifacts,
+            bytes=len(body),
             seconds=time.perf_counter() - t0,
         )
 
@@ -333,15 +347,19 @@ class CompileCache:
         if end > len(data):
             raise ValueError(f"header of {header_len} bytes runs past the end of the {len(data)}-byte file")
         try:
-            header = json.loads(data[_HEADER.size:end])
+            header = json.loads(data[_HEADER.size : end])
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ValueError(f"header is not JSON ({exc})") from None
         if not isinstance(header, dict) or header.get("format") != _FORMAT:
-            raise ValueError(f"unsupported header (format {header.get('format') if isinstance(header, dict) else '?'}, "
-                             f"this ettkit reads format {_FORMAT})")
+            raise ValueError(
+                f"unsupported header (format {header.get('format') if isinstance(header, dict) else '?'}, "
+                f"this ettkit reads format {_FORMAT})"
+            )
         body = data[end:]
         if len(body) != header.get("body_bytes"):
-            raise ValueError(f"body is {len(body)} bytes, the header says {header.get('body_bytes')} (truncated write?)")
+            raise ValueError(
+                f"body is {len(body)} bytes, the header says {header.get('body_bytes')} (truncated write?)"
+            )
         if hashlib.sha256(body).hexdigest() != header.get("body_sha256"):
             raise ValueError("body checksum mismatch")
         kernels = header.get("kernels", [])
@@ -350,8 +368,13 @@ class CompileCache:
             raise ValueError("header lacks megacache_bytes/kernels")
         total = mega
         for k in kernels:
-            if not (isinstance(k, dict) and isinstance(k.get("path"), str) and _KERNEL_PATH.match(k["path"])
-                    and isinstance(k.get("bytes"), int) and k["bytes"] >= 0):
+            if not (
+                isinstance(k, dict)
+                and isinstance(k.get("path"), str)
+                and _KERNEL_PATH.match(k["path"])
+                and isinstance(k.get("bytes"), int)
+                and k["bytes"] >= 0
+            ):
                 raise ValueError(f"bad kernel entry {k!r}")
             total += k["bytes"]
         if total != len(body):
@@ -364,7 +387,7 @@ class CompileCache:
         """Writes this process's compile artifacts atomically (after the first steps, when forward and
         backward have compiled). Skips the write when nothing new was compiled since :meth:`load`. An I/O
         error warns and returns ``written=False``: a cache is an optimization, never a reason to fail."""
-        import torch._dynamo  # noqa: F401
+        import torch._dynamo
 
         saved = torch.compiler.save_cache_artifacts()
         if saved is None:
@@ -376,15 +399,21 @@ class CompileCache:
         keys = _artifact_keys(info)
         kernel_files = _loaded_kernel_files() if self.kernels else []
         kernel_paths = {rel for rel, _ in kernel_files}
-        if (self._loaded_keys is not None and keys <= self._loaded_keys and kernel_paths <= self._loaded_kernels
-                and self.path.exists()):
+        if (
+            self._loaded_keys is not None
+            and keys <= self._loaded_keys
+            and kernel_paths <= self._loaded_kernels
+            and self.path.exists()
+        ):
             result = CacheSaveResult(False, str(self.path), "unchanged since load", counts, len(megacache))
             self.last_save = result
             return result
         try:
             blobs = [(rel, p.read_bytes()) for rel, p in kernel_files]
         except OSError as exc:
-            warnings.warn(f"compiled kernels not bundled into {self.path}: {exc}", CompileCacheWarning, stacklevel=2)
+            warnings.warn(
+                f"compiled kernels not bundled into {self.path}: {exc}", CompileCacheWarning, stacklevel=2
+            )
             blobs = []
         if blobs:
             counts["cpu_kernel_files"] = len(blobs)
@@ -404,7 +433,9 @@ class CompileCache:
         try:
             self._write_atomic(_HEADER.pack(_MAGIC, len(header_bytes)) + header_bytes + body)
         except OSError as exc:
-            warnings.warn(f"could not write compile cache {self.path}: {exc}", CompileCacheWarning, stacklevel=2)
+            warnings.warn(
+                f"could not write compile cache {self.path}: {exc}", CompileCacheWarning, stacklevel=2
+            )
             result = CacheSaveResult(False, str(self.path), f"write failed: {exc}", counts, len(body))
             self.last_save = result
             return result

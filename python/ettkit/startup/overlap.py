@@ -18,7 +18,8 @@ import dataclasses
 import multiprocessing
 import time
 import warnings
-from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
@@ -40,8 +41,8 @@ class StartReport:
     time_to_start_s: float  # overlapped_start() call -> compiled model and first batch in hand
     compile_s: float  # cache load + warm compile
     first_batch_s: float  # iter(loader) + next(): how long the first real batch took
-    cache: Optional[CacheLoadResult]
-    warm: Optional[WarmCompileReport]
+    cache: CacheLoadResult | None
+    warm: WarmCompileReport | None
     stages: StageReport
     spec_mismatch: list
     graphs_at_start: int
@@ -80,8 +81,10 @@ def _is_compiled(model: Any) -> bool:
     # presence there proves nothing.)
     if hasattr(model, "_torchdynamo_orig_callable"):  # a torch.compile'd function
         return True
-    return any(c.__name__ == "OptimizedModule" and c.__module__ == "torch._dynamo.eval_frame"
-               for c in type(model).__mro__)
+    return any(
+        c.__name__ == "OptimizedModule" and c.__module__ == "torch._dynamo.eval_frame"
+        for c in type(model).__mro__
+    )
 
 
 def _iter_forks(loader: Any) -> bool:
@@ -109,15 +112,15 @@ def overlapped_start(
     loader: Any,
     spec: BatchSpec,
     loss_fn: Callable[[Any, Any], torch.Tensor],
-    cache: Optional[CompileCache] = None,
+    cache: CompileCache | None = None,
     *,
-    forward: Optional[Callable[[Any, Any], Any]] = None,
-    compile_kwargs: Optional[dict] = None,
+    forward: Callable[[Any, Any], Any] | None = None,
+    compile_kwargs: dict | None = None,
     seed: int = 0,
     strict: bool = True,
-    graph: Optional[StageGraph] = None,
+    graph: StageGraph | None = None,
     compile_after: Sequence[str] = (),
-    timeout_s: Optional[float] = None,
+    timeout_s: float | None = None,
     recorder: Any = "current",
 ) -> StartResult:
     """Starts training with the compile overlapped with the first batch. Returns
@@ -130,7 +133,7 @@ def overlapped_start(
     - ``loader``: a DataLoader (use ``num_workers >= 1``: with none, loading runs on a stage thread and
       competes with the compile for the GIL).
     - ``spec``: the batch spec; the fast batch is ``spec.fast_batch(seed)`` and the first real batch is
-      checked against it: with ``strict`` a mismatch raises :class:`ettkit.BatchMismatchError` naming the
+      checked against it: with ``strict`` a mismatch raises :class:`ettkit.errors.BatchMismatchError` naming the
       field, otherwise it warns and the report lists it (the first step would then recompile).
     - ``loss_fn(output, batch)`` and ``forward(model, batch)`` (default ``model(batch)``): as in training.
     - ``cache``: a :class:`CompileCache` to load before compiling (save it yourself after the first steps).
@@ -165,8 +168,10 @@ def overlapped_start(
     first_batch = g.results["get_first_batch_data"]
     mismatch = spec.diff(first_batch)
     if mismatch:
-        message = "the first real batch does not match the batch spec the model was compiled for: " + \
-                  "; ".join(mismatch)
+        message = (
+            "the first real batch does not match the batch spec the model was compiled for: "
+            + "; ".join(mismatch)
+        )
         if strict:
             _shutdown(g.results["loader_iter"])
             raise BatchMismatchError(message)

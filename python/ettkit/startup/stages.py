@@ -9,7 +9,7 @@ What this layer adds to the C++ graph:
   inside its copy. It also carries the thread-local torch state that Dynamo guards on: grad mode, autocast
   and the number of intra-op threads (and the current CUDA device).
 - **Results and errors as Python objects.** A stage's return value lands in ``graph.results[name]``; a
-  stage's exception is re-raised from ``run()`` as :class:`ettkit.StageError` naming the stage, with the
+  stage's exception is re-raised from ``run()`` as :class:`ettkit.errors.StageError` naming the stage, with the
   original exception as ``__cause__``.
 - **A watchdog report.** When a deadline passes, the :class:`ettkit.TimeoutError` lists the Python stack
   of every other thread, so the stuck stage shows where it is stuck.
@@ -25,7 +25,8 @@ import dataclasses
 import sys
 import threading
 import traceback
-from typing import Any, Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -70,7 +71,7 @@ class StageReport:
     table: str
 
     @classmethod
-    def from_dict(cls, d: dict) -> "StageReport":
+    def from_dict(cls, d: dict) -> StageReport:
         stages = {}
         for s in d["stages"]:
             fields = dict(s)
@@ -103,10 +104,10 @@ class _ThreadState:
     grad_enabled: bool
     num_threads: int
     autocast: tuple  # ((device_type, dtype), ...) for the device types with autocast enabled
-    cuda_device: Optional[int]
+    cuda_device: int | None
 
     @classmethod
-    def capture(cls) -> "_ThreadState":
+    def capture(cls) -> _ThreadState:
         autocast = []
         for device_type in ("cpu", "cuda"):
             try:
@@ -136,7 +137,7 @@ class _RunState:
 
     def __init__(self):
         self.contexts: dict[str, contextvars.Context] = {}
-        self.thread_state: Optional[_ThreadState] = None
+        self.thread_state: _ThreadState | None = None
         self.results: dict[str, Any] = {}
         self.errors: dict[str, BaseException] = {}
 
@@ -184,7 +185,7 @@ class StageGraph:
     - ``timeout_s``: the stage's deadline; ``phase``: the ETT phase it is recorded under (default: name).
 
     ``recorder`` (default: the process's :func:`ettkit.ett.current` recorder, if any) receives one phase
-    per stage. A graph runs once. ``run()`` raises :class:`ettkit.StageError` (a stage failed; its
+    per stage. A graph runs once. ``run()`` raises :class:`ettkit.errors.StageError` (a stage failed; its
     dependents were cancelled), :class:`ettkit.TimeoutError` (a deadline passed) or
     :class:`ettkit.InvalidArgumentError` (a cycle or an unknown dependency, before anything ran).
     """
@@ -193,7 +194,7 @@ class StageGraph:
         self,
         *,
         max_workers: int = 4,
-        timeout_s: Optional[float] = None,
+        timeout_s: float | None = None,
         fail_fast: bool = False,
         recorder: Any = _CURRENT,
     ):
@@ -206,7 +207,7 @@ class StageGraph:
         )
         self._state = _RunState()
         self._names: list[str] = []
-        self.report: Optional[StageReport] = None
+        self.report: StageReport | None = None
 
     @property
     def results(self) -> dict:
@@ -220,11 +221,11 @@ class StageGraph:
         *,
         after: Iterable[str] = (),
         runs_dynamo: bool = False,
-        collectives: Optional[str] = None,
+        collectives: str | None = None,
         forks: bool = False,
-        timeout_s: Optional[float] = None,
-        phase: Optional[str] = None,
-    ) -> "StageGraph":
+        timeout_s: float | None = None,
+        phase: str | None = None,
+    ) -> StageGraph:
         """Adds a stage; returns the graph so calls can be chained."""
         if isinstance(after, str):
             after = [after]
@@ -243,7 +244,7 @@ class StageGraph:
         self._names.append(name)
         return self
 
-    def stage(self, name: Optional[str] = None, **options) -> Callable:
+    def stage(self, name: str | None = None, **options) -> Callable:
         """Decorator form of :meth:`add`: ``@graph.stage(after=["device_init"])``."""
 
         def register(fn):
@@ -284,7 +285,7 @@ class StageGraph:
         self.report = StageReport.from_dict(raw)
         return self.report
 
-    def join(self, timeout_s: Optional[float] = None) -> bool:
+    def join(self, timeout_s: float | None = None) -> bool:
         """Waits for stages that outlived a deadline to return; True when every worker thread is joined."""
         return self._graph.join(float("inf") if timeout_s is None else float(timeout_s))
 

@@ -16,7 +16,8 @@ import dataclasses
 import random
 import sys
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -118,7 +119,7 @@ def warm_compile(
     batch: Any,
     loss_fn: Callable[[Any, Any], torch.Tensor],
     *,
-    forward: Optional[Callable[[Any, Any], Any]] = None,
+    forward: Callable[[Any, Any], Any] | None = None,
 ) -> WarmCompileReport:
     """Runs ``loss_fn(forward(model, batch), batch).backward()`` once (``forward`` defaults to
     ``model(batch)``) so that the compiled forward, loss and backward exist before the first real step, then
@@ -151,6 +152,8 @@ def warm_compile(
     seconds = time.perf_counter() - t0
     after = compile_counters()
     return WarmCompileReport(
-        seconds=seconds, graphs=after["graphs"] - before["graphs"], backward=ran_backward,
+        seconds=seconds,
+        graphs=after["graphs"] - before["graphs"],
+        backward=ran_backward,
         counters=counter_delta(before, after),
     )

@@ -417,8 +417,9 @@ TEST(StageGraph, RecordsEveryStageIntoTheEttRecorder) {
     auto j = nlohmann::json::parse(line, nullptr, false);
     if (j.is_object() && j["t"] == "phase") phases[j["name"].get<std::string>()] = j;
   }
-  for (const auto& [stage, phase] : std::vector<std::pair<std::string, std::string>>{
-           {"device_init", "device_init"}, {"pt2_compile", "compile"}, {"get_first_batch_data", "get_first_batch_data"}}) {
+  const std::vector<std::pair<std::string, std::string>> expected = {
+      {"device_init", "device_init"}, {"pt2_compile", "compile"}, {"get_first_batch_data", "get_first_batch_data"}};
+  for (const auto& [stage, phase] : expected) {
     ASSERT_TRUE(phases.count(phase)) << "phase " << phase << " missing from the ledger";
     EXPECT_EQ(phases[phase]["b"].get<int64_t>(), report.find(stage)->begin_epoch_us) << stage;
     EXPECT_EQ(phases[phase]["e"].get<int64_t>(), report.find(stage)->end_epoch_us) << stage;
