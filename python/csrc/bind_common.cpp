@@ -33,6 +33,8 @@ void bind_common(py::module_& m) {
       raise_as("TimeoutError", e);
     } catch (const Unsupported& e) {
       raise_as("UnsupportedError", e);
+    } catch (const Cancelled& e) {
+      raise_as("CancelledError", e);
     } catch (const Error& e) {
       raise_as("Error", e);
     }

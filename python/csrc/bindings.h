@@ -6,4 +6,5 @@ namespace ettkit::python {
 void bind_common(pybind11::module_& m);
 void bind_ett(pybind11::module_& m);
 void bind_sharding(pybind11::module_& m);
+void bind_startup(pybind11::module_& m);
 }  // namespace ettkit::python

@@ -11,4 +11,6 @@ PYBIND11_MODULE(_C, m) {
   ettkit::python::bind_ett(ett);
   auto sharding = m.def_submodule("sharding", "Local shard-metadata builder, plan codec");
   ettkit::python::bind_sharding(sharding);
+  auto startup = m.def_submodule("startup", "Start-up stage graph (compile overlapped with data warm-up)");
+  ettkit::python::bind_startup(startup);
 }

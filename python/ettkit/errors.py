@@ -31,3 +31,18 @@ class TimeoutError(Error, TimeoutError):  # noqa: A001 - deliberately shadows th
 
 class UnsupportedError(Error):
     """The input needs a newer ettkit (e.g. a ledger written by a newer format version)."""
+
+
+class StageError(Error):
+    """A start-up stage failed. ``stage`` names it; the stage's own exception is the ``__cause__``."""
+
+    stage: str = ""
+
+
+class CancelledError(Error):
+    """Work was cancelled before it finished (e.g. a start-up stage whose deadline passed)."""
+
+
+class BatchMismatchError(InvalidArgumentError):
+    """A batch does not match its :class:`ettkit.startup.BatchSpec`; the message names the field and what
+    the spec (and the graph compiled for it) expects."""

@@ -47,6 +47,10 @@ class ETTKIT_API Timeout : public Error {
 class ETTKIT_API Unsupported : public Error {
   using Error::Error;
 };
+/// Work was cancelled before it finished (e.g. a start-up stage whose deadline passed, asked to stop).
+class ETTKIT_API Cancelled : public Error {
+  using Error::Error;
+};
 
 namespace detail {
 template <typename... Args>

@@ -1,0 +1,417 @@
+"""Time to Start: compile overlapped with the first batch (ettkit) against compiling after it (plain PyTorch),
+and a warm restart through ettkit's CompileCache, measured in the same run.
+
+The run: a recommendation-style model (embedding + MLP with BatchNorm and Dropout) compiled with
+``torch.compile`` (Inductor, CPU), trained with SGD on batches from a ``DataLoader`` with 2 worker processes
+over a dataset stored on disk (``.npy`` files, memory-mapped), whose first batch takes a set time (each
+worker's first read sleeps ``--first-batch-s``: a cold object store, a streaming dataset's first shard).
+
+Variants, each in a fresh process (compile caches are process-global) with an empty
+``TORCHINDUCTOR_CACHE_DIR`` in a fresh temporary directory:
+
+* ``sequential`` — the plain way: ``it = iter(loader); batch = next(it)``, then ``torch.compile`` and the
+  first step compiles forward and backward lazily;
+* ``overlapped`` — ``ettkit.startup.overlapped_start`` with a cold :class:`CompileCache`, which it saves after
+  the first steps;
+* ``overlapped_warm`` — the same with the cache file the ``overlapped`` process of the same repeat wrote
+  (a restart of that job), in a new, empty Inductor cache dir.
+
+Metrics (JSON ``results``; medians over ``--repeats``):
+
+* ``time_to_start_s`` (sequential / overlapped / overlapped_warm): from "model and loader built" to the end
+  of the first real training step, minus one steady step: when the first step would have started had it
+  cost a steady step. Includes every compile the first step still does.
+* ``compile_s`` (cold / warm): the compile stage of overlapped / overlapped_warm (cache load + warm compile
+  on the fast batch: Dynamo, AOTAutograd, Inductor, g++).
+* ``first_batch_s`` (ettkit): iter(loader) + next() in the overlapped run.
+* ``first_step_residual_s`` (ettkit): first real step minus the median steady step (steps 5..N), overlapped.
+* ``recompiles`` (ettkit): graphs compiled during the first 10 real steps, worst over all overlapped runs.
+
+``--megacache-only`` keeps the compiled CPU kernels out of the cache file (``CompileCache(kernels=False)``):
+the warm restart then rebuilds every kernel with g++, which shows what bundling them is worth.
+
+Usage::
+
+    python benchmarks/startup.py                 # full: 3 repeats (about 5 minutes on 2 cores)
+    python benchmarks/startup.py --quick         # < 1 minute: a smaller model, 1 repeat
+    python benchmarks/startup.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+FULL = {
+    "repeats": 3,
+    "first_batch_s": 15.0,
+    "batch_size": 64,
+    "num_ids": 8,
+    "vocab": 20000,
+    "emb_dim": 32,
+    "dense": 16,
+    "hidden": [256, 128, 64],
+    "steps": 15,
+    "num_workers": 2,
+}
+QUICK = {
+    "repeats": 1,
+    "first_batch_s": 2.0,
+    "batch_size": 32,
+    "num_ids": 4,
+    "vocab": 1000,
+    "emb_dim": 8,
+    "dense": 8,
+    "hidden": [],
+    "steps": 11,
+    "num_workers": 2,
+}
+VARIANTS = ("sequential", "overlapped", "overlapped_warm")
+
+
+# ---- the child: one variant in a fresh process ------------------------------------------------------------
+
+
+def _child(variant: str, cfg: dict, data_dir: str, cache_dir: str, out_file: str) -> None:
+    t_enter = time.perf_counter()
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+    from ettkit import startup
+    from torch.utils.data import DataLoader, Dataset
+
+    class DiskDataset(Dataset):
+        """Samples memory-mapped from .npy files; each worker's first read takes ``delay_s`` longer."""
+
+        def __init__(self, root, delay_s):
+            self.root, self.delay_s = root, delay_s
+            self.n = int(np.load(os.path.join(root, "label.npy"), mmap_mode="r").shape[0])
+            self.arrays = None
+
+        def __len__(self):
+            return self.n
+
+        def __getitem__(self, i):
+            if self.arrays is None:  # first read in this worker: open the files, pay the cold start
+                time.sleep(self.delay_s)
+                self.arrays = {
+                    k: np.load(os.path.join(self.root, f"{k}.npy"), mmap_mode="r")
+                    for k in ("ids", "dense", "label")
+                }
+            a = self.arrays
+            return {
+                "ids": torch.from_numpy(np.array(a["ids"][i])),
+                "dense": torch.from_numpy(np.array(a["dense"][i])),
+                "label": torch.tensor(float(a["label"][i])),
+            }
+
+    class RecModel(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(cfg["vocab"], cfg["emb_dim"])
+            layers, width = [], cfg["emb_dim"] + cfg["dense"]
+            for h in cfg["hidden"]:
+                layers += [
+                    torch.nn.Linear(width, h),
+                    torch.nn.BatchNorm1d(h),
+                    torch.nn.ReLU(),
+                    torch.nn.Dropout(0.1),
+                ]
+                width = h
+            self.mlp = torch.nn.Sequential(*layers)
+            self.head = torch.nn.Linear(width, 1)
+
+        def forward(self, batch):
+            x = torch.cat([self.emb(batch["ids"]).sum(1), batch["dense"]], dim=1)
+            return self.head(self.mlp(x)).squeeze(1)
+
+    def loss_fn(out, batch):
+        return F.binary_cross_entropy_with_logits(out, batch["label"])
+
+    torch.manual_seed(0)
+    model = RecModel()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loader = DataLoader(
+        DiskDataset(data_dir, cfg["first_batch_s"]),
+        batch_size=cfg["batch_size"],
+        num_workers=cfg["num_workers"],
+        drop_last=True,
+    )
+    b = cfg["batch_size"]
+    spec = startup.BatchSpec(
+        {
+            "ids": startup.TensorSpec((b, cfg["num_ids"]), torch.int64, value_range=(0, cfg["vocab"] - 1)),
+            "dense": startup.TensorSpec((b, cfg["dense"]), torch.float32),
+            "label": startup.TensorSpec((b,), torch.float32, value_range=(0, 1)),
+        }
+    )
+    out = {"variant": variant, "imports_s": time.perf_counter() - t_enter}
+
+    t0 = time.perf_counter()  # model and loader built; nothing iterated, nothing compiled
+    if variant == "sequential":
+        it = iter(loader)
+        first = next(it)
+        out["first_batch_s"] = time.perf_counter() - t0
+        compiled = torch.compile(model)
+    else:
+        cache = startup.CompileCache(
+            cache_dir, model=model, spec=spec, config={"backend": "inductor"}, kernels=cfg["kernels"]
+        )
+        compiled, first, report, it = startup.overlapped_start(
+            model, loader, spec, loss_fn, cache, recorder=None
+        )
+        out.update(
+            first_batch_s=report.first_batch_s,
+            compile_s=report.compile_s,
+            start_s=report.time_to_start_s,
+            cache=report.cache.status,
+            cache_artifacts=dict(report.cache.artifacts),
+            stages=report.stages.to_dict()["stages"],
+        )
+
+    graphs_before = startup.compiled_graphs()
+    step_ends, durations = [], []
+    batches = [first] + [next(it) for _ in range(cfg["steps"] - 1)]
+    for i, batch in enumerate(batches):
+        s = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss_fn(compiled(batch), batch).backward()
+        opt.step()
+        e = time.perf_counter()
+        durations.append(e - s)
+        step_ends.append(e)
+        if i == 9:
+            out["recompiles"] = startup.compiled_graphs() - graphs_before
+    steady = statistics.median(durations[4:])
+    out.update(
+        step_s=durations,
+        steady_step_s=steady,
+        first_step_s=durations[0],
+        first_step_residual_s=durations[0] - steady,
+        time_to_start_s=(step_ends[0] - t0) - steady,
+    )
+    if variant == "sequential":
+        out["compile_s"] = durations[0] - steady  # the lazy compile inside the first step
+    else:
+        saved = cache.save()
+        out.update(cache_saved=saved.written, cache_bytes=saved.bytes, cache_stats=cache.stats())
+    with open(out_file, "w") as f:
+        json.dump(out, f)
+
+
+# ---- the driver ---------------------------------------------------------------------------------------------
+
+
+def _machine() -> dict:
+    import importlib.metadata
+
+    # Versions from package metadata: importing torch here would add seconds to every run of the driver.
+    info = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "torch": importlib.metadata.version("torch"),
+    }
+    try:
+        for line in subprocess.run(
+            ["lscpu"], check=False, capture_output=True, text=True, timeout=10
+        ).stdout.splitlines():
+            if line.startswith("Model name:"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        info["ettkit"] = importlib.metadata.version("ettkit")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    info["load_average_at_start"] = list(os.getloadavg())
+    return info
+
+
+def _write_dataset(root: str, cfg: dict) -> None:
+    import numpy as np
+
+    n = cfg["batch_size"] * (cfg["steps"] + 2 * cfg["num_workers"] + 2)
+    rng = np.random.default_rng(0)
+    np.save(
+        os.path.join(root, "ids.npy"), rng.integers(0, cfg["vocab"], size=(n, cfg["num_ids"]), dtype=np.int64)
+    )
+    np.save(os.path.join(root, "dense.npy"), rng.standard_normal((n, cfg["dense"]), dtype=np.float32))
+    np.save(os.path.join(root, "label.npy"), rng.integers(0, 2, size=n).astype(np.float32))
+
+
+def _run_variant(variant: str, cfg: dict, root: str, data_dir: str, cache_dir: str, tag: str) -> dict:
+    out_file = os.path.join(root, f"{tag}-{variant}.json")
+    env = dict(os.environ)
+    env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, f"{tag}-{variant}-inductor")  # fresh, empty
+    env.pop("TORCH_COMPILE_FORCE_DISABLE_CACHES", None)
+    env.setdefault("ETTKIT_LOG_LEVEL", "error")
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--child",
+        variant,
+        "--config",
+        json.dumps(cfg),
+        "--data-dir",
+        data_dir,
+        "--cache-dir",
+        cache_dir,
+        "--out",
+        out_file,
+    ]
+    proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise SystemExit(f"{variant} run failed:\n{proc.stderr[-4000:]}")
+    with open(out_file) as f:
+        return json.load(f)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--quick", action="store_true", help="smaller model and first-batch delay, 1 repeat (< 1 min)"
+    )
+    ap.add_argument("--json", help="write the results to this file (DESIGN §5 layout)")
+    ap.add_argument("--repeats", type=int, help="override the number of repeats")
+    ap.add_argument("--first-batch-s", type=float, help="override the first-batch delay")
+    ap.add_argument(
+        "--megacache-only",
+        action="store_true",
+        help="CompileCache(kernels=False): no compiled CPU kernels in the cache file, MegaCache only",
+    )
+    ap.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    ap.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
+    ap.add_argument("--config", help=argparse.SUPPRESS)
+    ap.add_argument("--data-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--cache-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        _child(args.child, json.loads(args.config), args.data_dir, args.cache_dir, args.out)
+        return
+
+    cfg = dict(QUICK if args.quick else FULL)
+    if args.repeats:
+        cfg["repeats"] = args.repeats
+    if args.first_batch_s is not None:
+        cfg["first_batch_s"] = args.first_batch_s
+    cfg["kernels"] = not args.megacache_only
+    machine = _machine()
+    root = tempfile.mkdtemp(prefix="ettkit-startup-bench-")
+    t_start = time.perf_counter()
+    runs = {v: [] for v in VARIANTS}
+    try:
+        data_dir = os.path.join(root, "data")
+        os.makedirs(data_dir)
+        _write_dataset(data_dir, cfg)
+        for r in range(cfg["repeats"]):
+            cache_dir = os.path.join(
+                root, f"r{r}-compile-cache"
+            )  # written by overlapped, read by overlapped_warm
+            for variant in VARIANTS:
+                res = _run_variant(variant, cfg, root, data_dir, cache_dir, f"r{r}")
+                runs[variant].append(res)
+                print(
+                    f"  repeat {r + 1}/{cfg['repeats']} {variant:<16} time_to_start {res['time_to_start_s']:7.2f} s"
+                    f"  compile {res['compile_s']:6.2f} s  first batch {res['first_batch_s']:6.2f} s"
+                    + (f"  cache {res['cache']}" if "cache" in res else ""),
+                    flush=True,
+                )
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+
+    def med(variant, key):
+        return statistics.median(r[key] for r in runs[variant])
+
+    results = {
+        "time_to_start_s": {v: med(v, "time_to_start_s") for v in VARIANTS},
+        "compile_s": {"cold": med("overlapped", "compile_s"), "warm": med("overlapped_warm", "compile_s")},
+        "first_batch_s": {"ettkit": med("overlapped", "first_batch_s")},
+        "first_step_residual_s": {"ettkit": med("overlapped", "first_step_residual_s")},
+        "recompiles": {
+            "ettkit": max(r["recompiles"] for v in ("overlapped", "overlapped_warm") for r in runs[v])
+        },
+    }
+    machine["load_average_at_end"] = list(os.getloadavg())
+    config = dict(
+        cfg,
+        quick=args.quick,
+        variants=list(VARIANTS),
+        wall_s=round(time.perf_counter() - t_start, 1),
+        backend="inductor",
+        device="cpu",
+        samples={
+            v: {
+                k: [round(r[k], 4) for r in runs[v]]
+                for k in (
+                    "time_to_start_s",
+                    "compile_s",
+                    "first_batch_s",
+                    "first_step_residual_s",
+                    "steady_step_s",
+                )
+            }
+            for v in VARIANTS
+        },
+    )
+
+    tts = results["time_to_start_s"]
+    bound = max(results["compile_s"]["cold"], results["first_batch_s"]["ettkit"])
+    print(
+        f"\nstartup benchmark ({'quick' if args.quick else 'full'}; {cfg['repeats']} repeat(s), medians; "
+        f"{machine.get('cpu', '?')}, {machine['cpus']} CPUs, torch {machine['torch']})"
+    )
+    print(f"  {'metric':<24} {'variant':<16} {'value':>10}")
+    for metric, variants in results.items():
+        for variant, value in variants.items():
+            print(
+                f"  {metric:<24} {variant:<16} {value:>10.3f}"
+                if isinstance(value, float)
+                else f"  {metric:<24} {variant:<16} {value:>10}"
+            )
+    print("\ntargets")
+    print(
+        f"  overlapped / max(compile cold, first batch) = {tts['overlapped']:.2f} / {bound:.2f} = "
+        f"{tts['overlapped'] / bound:.3f}  (target <= 1.10)"
+    )
+    per_run = [r["time_to_start_s"] / max(r["compile_s"], r["first_batch_s"]) for r in runs["overlapped"]]
+    config["overlap_ratio_per_run"] = [round(x, 4) for x in per_run]
+    print(
+        f"  the same, per run (its own compile and first batch): median {statistics.median(per_run):.3f}, "
+        f"worst {max(per_run):.3f}"
+    )
+    print(f"  overlapped / sequential                      = {tts['overlapped'] / tts['sequential']:.3f}")
+    print(
+        f"  overlapped_warm / sequential                 = {tts['overlapped_warm'] / tts['sequential']:.3f}"
+    )
+    warm_gain = 1 - results["compile_s"]["warm"] / results["compile_s"]["cold"]
+    print(f"  warm compile faster than cold by              {100 * warm_gain:.1f}%  (target >= 50%)")
+    print(f"  recompiles in the first 10 real steps         {results['recompiles']['ettkit']}  (target 0)")
+    print(
+        f"  wall time {config['wall_s']} s; load average at start {machine['load_average_at_start'][0]:.2f}, "
+        f"at end {machine['load_average_at_end'][0]:.2f}"
+    )
+    if args.json:
+        doc = {"benchmark": "startup", "machine": machine, "config": config, "results": results}
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        tmp = args.json + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(doc, f, indent=2, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,483 @@
+"""Compile caches for warm restarts: PT2's MegaCache persisted next to the checkpoints.
+
+``torch.compiler.save_cache_artifacts()`` serializes every cache artifact this process produced or used
+(Inductor FX graphs, AOTAutograd entries, autotuning, PGO), and ``load_cache_artifacts(bytes)`` puts them
+into the local on-disk caches (``TORCHINDUCTOR_CACHE_DIR``) of a fresh process, where the next compile
+finds them. :class:`CompileCache` adds what a training job needs around those two calls:
+
+- one file per key: the torch build, Triton, Python, the machine (CPU ISA or GPU) and a fingerprint of
+  the model, its batch spec and compile configuration (config values are part of torch's own cache keys,
+  so a different config would miss anyway — keying by it keeps caches of different jobs apart);
+- atomic writes (temporary file, fsync, rename, fsync of the directory): a crash never leaves a torn
+  cache, and concurrent writers (ranks) leave one complete file;
+- a header with a checksum: a stale, foreign or corrupt file is ignored with a
+  :class:`CompileCacheWarning` and reported as a miss — never fatal, the job compiles cold instead;
+- hit/miss reporting, at the file level and from torch's cache counters;
+- compiled CPU kernels. MegaCache carries Inductor's generated code but not the shared libraries g++ built
+  from it (torch 2.14), so a "warm" CPU restart still runs g++ for every kernel — most of a small model's
+  warm compile. With ``kernels=True`` (the default) the file also carries the kernel libraries this process
+  loaded (found through Inductor's in-process C++ code caches), and :meth:`CompileCache.load` puts them
+  back under ``TORCHINDUCTOR_CACHE_DIR`` at the paths Inductor derives from their source and compiler
+  flags, so a kernel whose source and flags match is loaded instead of rebuilt.
+
+Use: ``cache.load()`` before compiling, ``cache.save()`` after the first training steps (when forward and
+backward have compiled; later saves add what later recompiles produced).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.metadata
+import inspect
+import json
+import os
+import platform
+import re
+import struct
+import sys
+import time
+import uuid
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .warm import compile_counters, counter_delta
+
+__all__ = ["CacheLoadResult", "CacheSaveResult", "CompileCache", "CompileCacheWarning", "compile_fingerprint"]
+
+_MAGIC = b"ETTKMEGA"
+_FORMAT = 1
+_HEADER = struct.Struct("<8sI")  # magic, header JSON length; then the JSON, then the payload
+
+
+class CompileCacheWarning(UserWarning):
+    """A compile cache file was ignored (stale, corrupt, or rejected by torch) or could not be written."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheLoadResult:
+    """``status``: "hit" (loaded), "miss" (no file for this key), "stale" (a file for another key),
+    "corrupt" (unreadable, bad checksum) or "rejected" (torch refused the artifacts)."""
+
+    status: str
+    path: str
+    reason: str = ""
+    artifacts: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    bytes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def hit(self) -> bool:
+        return self.status == "hit"
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSaveResult:
+    written: bool
+    path: str
+    reason: str = ""
+    artifacts: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    bytes: int = 0
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+def _machine_key(device: torch.device | None) -> dict:
+    key = {
+        "torch": torch.__version__,
+        "torch_git": getattr(torch.version, "git_version", ""),
+        "triton": _version("triton") or _version("pytorch-triton"),
+        "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+        "machine": platform.machine(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cache_key_tag": os.environ.get("TORCH_COMPILE_CACHE_KEY_TAG", ""),
+    }
+    if device is not None and device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(index)
+        key["cuda"] = torch.version.cuda or ""
+        key["gpu"] = f"{props.name} sm_{props.major}{props.minor}"
+        # Inductor's GPU artifacts bake in the device index (pytorch #108971): one cache per local rank.
+        key["device_index"] = index
+    return key
+
+
+def _class_source_hash(cls: type) -> str:
+    try:
+        return hashlib.sha256(inspect.getsource(cls).encode()).hexdigest()[:16]
+    except (OSError, TypeError):
+        return ""
+
+
+def compile_fingerprint(model: Any = None, spec: Any = None, config: Mapping | None = None) -> str:
+    """A stable hash of what decides the compiled graphs: the module tree (classes, and the source of
+    classes not from torch), parameter and buffer names, shapes, dtypes and flags, train/eval mode, the batch
+    spec's description and a compile configuration (e.g. the ``torch.compile`` keyword arguments)."""
+    h = hashlib.sha256()
+
+    def feed(*parts):
+        for p in parts:
+            h.update(str(p).encode())
+            h.update(b"\0")
+
+    if model is not None:
+        module = getattr(model, "_orig_mod", model)
+        if isinstance(module, torch.nn.Module):
+            for name, m in module.named_modules():
+                cls = type(m)
+                feed("module", name, f"{cls.__module__}.{cls.__qualname__}", m.training)
+                if not cls.__module__.startswith("torch."):
+                    feed(_class_source_hash(cls))
+            for name, p in module.named_parameters():
+                feed("param", name, tuple(p.shape), p.dtype, p.device.type, p.requires_grad)
+            for name, b in module.named_buffers():
+                feed("buffer", name, tuple(b.shape), b.dtype, b.device.type)
+        else:
+            feed("callable", getattr(module, "__qualname__", type(module).__qualname__))
+    if spec is not None:
+        feed("spec", spec.describe() if hasattr(spec, "describe") else repr(spec))
+    if config:
+        feed("config", json.dumps(config, sort_keys=True, default=repr))
+    return h.hexdigest()
+
+
+_KERNEL_PATH = re.compile(r"^[A-Za-z0-9_]{2}/[A-Za-z0-9_][A-Za-z0-9_.]*$")
+
+
+def _inductor_cache_dir() -> Path:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir())
+
+
+def _loaded_kernel_files() -> list:
+    """(path relative to the Inductor cache dir, absolute path) of every compiled C++ kernel this process
+    loaded. Uses Inductor internals (its C++ code caches); if they change, kernels are simply not bundled."""
+    try:
+        from torch._inductor import codecache
+
+        keys: set = set()
+        stack = [codecache.CppCodeCache]
+        while stack:
+            cls = stack.pop()
+            stack.extend(cls.__subclasses__())
+            keys.update(k for k in getattr(cls, "cache", {}) if isinstance(k, str))
+        if not keys:
+            return []
+        root = _inductor_cache_dir()
+    except Exception:  # noqa: BLE001 - an optimization; torch internals may move
+        return []
+    files = []
+    for key in sorted(keys):
+        if len(key) < 3:
+            continue
+        for p in sorted((root / key[1:3]).glob(glob_escape(key) + ".*")):
+            rel = f"{key[1:3]}/{p.name}"
+            if p.is_file() and not p.name.endswith((".lock", ".tmp")) and _KERNEL_PATH.match(rel):
+                files.append((rel, p))
+    return files
+
+
+def glob_escape(text: str) -> str:
+    return "".join(f"[{c}]" if c in "*?[" else c for c in text)
+
+
+def _restore_kernels(kernels: list, body: bytes, offset: int) -> int:
+    """Writes bundled kernel files that are not already in the Inductor cache dir; returns how many."""
+    root = _inductor_cache_dir()
+    restored = 0
+    for entry in kernels:
+        rel, size = entry["path"], entry["bytes"]
+        data = body[offset : offset + size]
+        offset += size
+        dest = root / rel
+        if dest.exists():
+            continue
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(f".{dest.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o755 if rel.endswith(".so") else 0o644)
+        os.replace(tmp, dest)  # atomic: a concurrent Inductor never sees half a library
+        restored += 1
+    return restored
+
+
+def _artifact_counts(info: Any) -> dict:
+    artifacts = getattr(info, "artifacts", None) or {}
+    return {str(kind): len(keys) for kind, keys in artifacts.items()}
+
+
+def _artifact_keys(info: Any) -> set:
+    artifacts = getattr(info, "artifacts", None) or {}
+    return {(str(kind), str(k)) for kind, keys in artifacts.items() for k in keys}
+
+
+class CompileCache:
+    """A MegaCache file in ``path`` (a directory, e.g. next to the checkpoints), keyed by the torch build,
+    the machine and a fingerprint. Give ``fingerprint`` yourself, or ``model`` / ``spec`` / ``config`` to
+    derive it with :func:`compile_fingerprint`. ``device``: the device the model compiles for (GPU caches
+    are per device index); default: the device of the model's first parameter. ``kernels``: also carry the
+    compiled CPU kernel libraries (see the module docstring).
+
+    Not thread-safe; call :meth:`load` before compiling and :meth:`save` when no compile is running."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        fingerprint: str | None = None,
+        model: Any = None,
+        spec: Any = None,
+        config: Mapping | None = None,
+        device: torch.device | str | None = None,
+        kernels: bool = True,
+    ):
+        self.dir = Path(path)
+        if device is None and isinstance(model, torch.nn.Module):
+            first = next(iter(model.parameters()), None)
+            device = first.device if first is not None else None
+        device = torch.device(device) if device is not None else None
+        self.key_fields = _machine_key(device)
+        self.key_fields["fingerprint"] = (
+            fingerprint if fingerprint is not None else compile_fingerprint(model, spec, config)
+        )
+        self.key = hashlib.sha256(json.dumps(self.key_fields, sort_keys=True).encode()).hexdigest()
+        self.path = self.dir / f"megacache-{self.key[:24]}.bin"
+        self.kernels = kernels
+        self._loaded_keys: set | None = None
+        self._loaded_kernels: set = set()
+        self._counters_at_load: dict | None = None
+        self.last_load: CacheLoadResult | None = None
+        self.last_save: CacheSaveResult | None = None
+
+    # ---- load ----------------------------------------------------------------------------------------
+
+    def _ignored(self, status: str, reason: str, t0: float) -> CacheLoadResult:
+        warnings.warn(
+            f"ignoring compile cache {self.path}: {reason}; compiling without it",
+            CompileCacheWarning,
+            stacklevel=3,
+        )
+        return CacheLoadResult(status, str(self.path), reason, seconds=time.perf_counter() - t0)
+
+    def load(self) -> CacheLoadResult:
+        """Loads the cache for this key into torch's local caches, before compiling. Never raises for a
+        missing, stale or corrupt file: it warns (except for a plain miss) and reports the status."""
+        t0 = time.perf_counter()
+        self._counters_at_load = compile_counters()
+        result = self._load(t0)
+        self.last_load = result
+        return result
+
+    def _load(self, t0: float) -> CacheLoadResult:
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            others = sorted(p.name for p in self.dir.glob("megacache-*.bin")) if self.dir.is_dir() else []
+            reason = "no cache for this key"
+            if others:
+                reason += (
+                    f" ({len(others)} cache file(s) for other keys: torch, machine, model or config changed)"
+                )
+            return CacheLoadResult("miss", str(self.path), reason, seconds=time.perf_counter() - t0)
+        except OSError as exc:
+            return self._ignored("corrupt", f"cannot read it ({exc})", t0)
+        try:
+            header, body = self._parse(data)
+        except ValueError as exc:
+            return self._ignored("corrupt", str(exc), t0)
+        if header.get("key") != self.key:
+            fields = header.get("key_fields", {}) if isinstance(header.get("key_fields"), dict) else {}
+            return self._ignored(
+                "stale",
+                f"it was written for another key (torch {fields.get('torch', '?')}, "
+                f"fingerprint {str(fields.get('fingerprint', '?'))[:12]}...)",
+                t0,
+            )
+        megacache = body[: header["megacache_bytes"]]
+        kernels = header.get("kernels", [])
+        restored = 0
+        try:
+            restored = _restore_kernels(kernels, body, header["megacache_bytes"]) if self.kernels else 0
+        except OSError as exc:  # a read-only cache dir: the compile is merely slower
+            warnings.warn(
+                f"could not restore compiled kernels from {self.path}: {exc}",
+                CompileCacheWarning,
+                stacklevel=3,
+            )
+        import torch._dynamo
+
+        try:
+            info = torch.compiler.load_cache_artifacts(megacache)
+        except Exception as exc:  # noqa: BLE001 - torch rejecting a cache must not stop the job
+            return self._ignored(
+                "rejected", f"torch rejected its artifacts ({type(exc).__name__}: {exc})", t0
+            )
+        self._loaded_keys = _artifact_keys(info)
+        self._loaded_kernels = {k["path"] for k in kernels}
+        artifacts = _artifact_counts(info)
+        if kernels:
+            artifacts["cpu_kernel_files"] = restored
+        return CacheLoadResult(
+            "hit",
+            str(self.path),
+            "loaded",
+            artifacts=artifacts,
+            bytes=len(body),
+            seconds=time.perf_counter() - t0,
+        )
+
+    def _parse(self, data: bytes) -> tuple[dict, bytes]:
+        if len(data) < _HEADER.size:
+            raise ValueError(f"file is {len(data)} bytes, shorter than the {_HEADER.size}-byte preamble")
+        magic, header_len = _HEADER.unpack_from(data)
+        if magic != _MAGIC:
+            raise ValueError(f"bad magic {magic!r} (expected {_MAGIC!r}): not an ettkit compile cache")
+        end = _HEADER.size + header_len
+        if end > len(data):
+            raise ValueError(f"header of {header_len} bytes runs past the end of the {len(data)}-byte file")
+        try:
+            header = json.loads(data[_HEADER.size : end])
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"header is not JSON ({exc})") from None
+        if not isinstance(header, dict) or header.get("format") != _FORMAT:
+            raise ValueError(
+                f"unsupported header (format {header.get('format') if isinstance(header, dict) else '?'}, "
+                f"this ettkit reads format {_FORMAT})"
+            )
+        body = data[end:]
+        if len(body) != header.get("body_bytes"):
+            raise ValueError(
+                f"body is {len(body)} bytes, the header says {header.get('body_bytes')} (truncated write?)"
+            )
+        if hashlib.sha256(body).hexdigest() != header.get("body_sha256"):
+            raise ValueError("body checksum mismatch")
+        kernels = header.get("kernels", [])
+        mega = header.get("megacache_bytes")
+        if not isinstance(mega, int) or not isinstance(kernels, list) or mega < 0:
+            raise ValueError("header lacks megacache_bytes/kernels")
+        total = mega
+        for k in kernels:
+            if not (
+                isinstance(k, dict)
+                and isinstance(k.get("path"), str)
+                and _KERNEL_PATH.match(k["path"])
+                and isinstance(k.get("bytes"), int)
+                and k["bytes"] >= 0
+            ):
+                raise ValueError(f"bad kernel entry {k!r}")
+            total += k["bytes"]
+        if total != len(body):
+            raise ValueError(f"sections add up to {total} bytes, the body has {len(body)}")
+        return header, body
+
+    # ---- save ----------------------------------------------------------------------------------------
+
+    def save(self) -> CacheSaveResult:
+        """Writes this process's compile artifacts atomically (after the first steps, when forward and
+        backward have compiled). Skips the write when nothing new was compiled since :meth:`load`. An I/O
+        error warns and returns ``written=False``: a cache is an optimization, never a reason to fail."""
+        import torch._dynamo
+
+        saved = torch.compiler.save_cache_artifacts()
+        if saved is None:
+            result = CacheSaveResult(False, str(self.path), "nothing was compiled in this process")
+            self.last_save = result
+            return result
+        megacache, info = saved
+        counts = _artifact_counts(info)
+        keys = _artifact_keys(info)
+        kernel_files = _loaded_kernel_files() if self.kernels else []
+        kernel_paths = {rel for rel, _ in kernel_files}
+        if (
+            self._loaded_keys is not None
+            and keys <= self._loaded_keys
+            and kernel_paths <= self._loaded_kernels
+            and self.path.exists()
+        ):
+            result = CacheSaveResult(False, str(self.path), "unchanged since load", counts, len(megacache))
+            self.last_save = result
+            return result
+        try:
+            blobs = [(rel, p.read_bytes()) for rel, p in kernel_files]
+        except OSError as exc:
+            warnings.warn(
+                f"compiled kernels not bundled into {self.path}: {exc}", CompileCacheWarning, stacklevel=2
+            )
+            blobs = []
+        if blobs:
+            counts["cpu_kernel_files"] = len(blobs)
+        body = megacache + b"".join(data for _, data in blobs)
+        header = {
+            "format": _FORMAT,
+            "key": self.key,
+            "key_fields": self.key_fields,
+            "megacache_bytes": len(megacache),
+            "kernels": [{"path": rel, "bytes": len(data)} for rel, data in blobs],
+            "body_bytes": len(body),
+            "body_sha256": hashlib.sha256(body).hexdigest(),
+            "artifacts": counts,
+            "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        header_bytes = json.dumps(header, sort_keys=True).encode()
+        try:
+            self._write_atomic(_HEADER.pack(_MAGIC, len(header_bytes)) + header_bytes + body)
+        except OSError as exc:
+            warnings.warn(
+                f"could not write compile cache {self.path}: {exc}", CompileCacheWarning, stacklevel=2
+            )
+            result = CacheSaveResult(False, str(self.path), f"write failed: {exc}", counts, len(body))
+            self.last_save = result
+            return result
+        self._loaded_keys = keys
+        self._loaded_kernels = {rel for rel, _ in blobs}
+        result = CacheSaveResult(True, str(self.path), "written", counts, len(body))
+        self.last_save = result
+        return result
+
+    def _write_atomic(self, data: bytes) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.dir / f".{self.path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        fd = os.open(self.dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # make the rename itself durable
+        finally:
+            os.close(fd)
+
+    # ---- reporting -----------------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """Hits and misses: the file-level status of the last load, and torch's cache counters since it
+        (Inductor FX graph cache, AOTAutograd cache). Call after the first steps."""
+        since = self._counters_at_load or {}
+        delta = counter_delta(since, compile_counters()) if since else {}
+        return {
+            "file": self.last_load.status if self.last_load else "not_loaded",
+            "artifacts_loaded": sum(self.last_load.artifacts.values()) if self.last_load else 0,
+            "fxgraph_hits": delta.get("fxgraph_cache_hit", 0),
+            "fxgraph_misses": delta.get("fxgraph_cache_miss", 0),
+            "autograd_hits": delta.get("autograd_cache_hit", 0),
+            "autograd_misses": delta.get("autograd_cache_miss", 0),
+        }
+
+    def __repr__(self) -> str:
+        return f"CompileCache({str(self.path)!r})"

@@ -1,0 +1,742 @@
+// StageGraph scheduler. One mutex (Impl::mu_) guards all run state; it is never held while a stage's
+// callable runs, so a callable may block on anything (a Python stage blocks on the GIL). Workers and the
+// calling thread wait on one condition variable (cv_) with predicates; every state change notifies it.
+#include "ettkit/startup/stage_graph.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdio>
+#include <limits>
+#include <mutex>
+#include <optional>
+#include <queue>
+#include <thread>
+#include <unordered_map>
+
+#include "common/logging.h"
+#include "ettkit/common/clock.h"
+#include "ettkit/ett/phases.h"
+#include "ettkit/ett/recorder.h"
+
+namespace ettkit::startup {
+
+namespace {
+constexpr size_t kNone = std::numeric_limits<size_t>::max();
+
+std::string describe(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const Error& err) {
+    return err.message();
+  } catch (const std::exception& err) {
+    return err.what();
+  } catch (...) {
+    return "an exception that is not a std::exception";
+  }
+}
+
+std::string join_names(const std::vector<std::string>& names) {
+  std::string out;
+  for (const auto& n : names) out += (out.empty() ? "'" : ", '") + n + "'";
+  return out;
+}
+}  // namespace
+
+StageFailed::StageFailed(std::string stage, std::exception_ptr cause, const std::string& cause_text,
+                         const char* file, int line)
+    : Error("start-up stage '" + stage + "' failed: " + cause_text, file, line),
+      stage_(std::move(stage)),
+      cause_(std::move(cause)) {}
+
+const char* to_string(StageStatus status) {
+  switch (status) {
+    case StageStatus::kNotRun:
+      return "not_run";
+    case StageStatus::kSucceeded:
+      return "succeeded";
+    case StageStatus::kFailed:
+      return "failed";
+    case StageStatus::kCancelled:
+      return "cancelled";
+    case StageStatus::kTimedOut:
+      return "timed_out";
+  }
+  return "unknown";
+}
+
+// ---- StageContext --------------------------------------------------------------------------------------
+
+struct StageContext::Token {
+  std::atomic<bool> flag{false};
+  std::mutex mu;                // guards nothing but the wait below (flag is atomic)
+  std::condition_variable cv;
+  void cancel() {
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      flag.store(true);
+    }
+    cv.notify_all();
+  }
+};
+
+StageContext::StageContext(const std::string* stage, std::shared_ptr<Token> token)
+    : stage_(stage), token_(std::move(token)) {}
+
+bool StageContext::cancel_requested() const noexcept { return token_->flag.load(); }
+
+bool StageContext::wait_cancelled(double timeout_s) const {
+  std::unique_lock<std::mutex> lk(token_->mu);
+  auto cancelled = [&] { return token_->flag.load(); };
+  if (std::isfinite(timeout_s)) {
+    token_->cv.wait_for(lk, std::chrono::duration<double>(std::max(0.0, timeout_s)), cancelled);
+  } else {
+    token_->cv.wait(lk, cancelled);
+  }
+  return token_->flag.load();
+}
+
+void StageContext::throw_if_cancelled() const {
+  ETTKIT_CHECK(!cancel_requested(), Cancelled, "start-up stage '", stage(),
+               "' was cancelled (its deadline or the graph's passed, or another stage failed)");
+}
+
+// ---- Impl ----------------------------------------------------------------------------------------------
+
+class StageGraph::Impl {
+ public:
+  explicit Impl(StageGraphOptions options) : options_(options) {
+    ETTKIT_EXPECTS(options_.max_workers >= 1 && options_.max_workers <= 64, "StageGraph max_workers=",
+                   options_.max_workers, " is out of range; use 1..64");
+    ETTKIT_EXPECTS(std::isfinite(options_.timeout_s) && options_.timeout_s >= 0, "StageGraph timeout_s=",
+                   options_.timeout_s, " is invalid; use 0 (no deadline) or a positive number of seconds");
+  }
+
+  ~Impl() {
+    // A thread cannot be abandoned while it runs one of our callables: wait for stages that outlived
+    // their deadline, however long they take.
+    join_workers(std::nullopt);
+  }
+
+  struct Stage {
+    std::string name;
+    StageFn fn;
+    StageOptions options;
+    std::string phase;
+  };
+
+  void add(const std::string& name, StageFn fn, StageOptions options) {
+    ETTKIT_EXPECTS(!ran_, "stage '", name, "' added after run(); a StageGraph runs once");
+    ETTKIT_EXPECTS(!name.empty(), "a start-up stage needs a non-empty name");
+    ETTKIT_EXPECTS(by_name_.find(name) == by_name_.end(), "stage '", name,
+                   "' is already defined; stage names must be unique");
+    ETTKIT_EXPECTS(static_cast<bool>(fn), "stage '", name, "' has no callable");
+    ETTKIT_EXPECTS(std::isfinite(options.timeout_s) && options.timeout_s >= 0, "stage '", name, "' timeout_s=",
+                   options.timeout_s, " is invalid; use 0 (no deadline) or a positive number of seconds");
+    ETTKIT_EXPECTS(!(options.forks && options.timeout_s > 0), "stage '", name,
+                   "' forks processes, so it runs on the calling thread before any thread exists to watch "
+                   "a deadline; drop its timeout_s (the graph's timeout_s still applies)");
+    std::string phase = options.phase.empty() ? name : options.phase;
+    try {
+      ett::validate_phase_name(phase);
+    } catch (const InvalidArgument& e) {
+      ETTKIT_THROW(InvalidArgument, "stage '", name, "' cannot be recorded: ", e.message(),
+                   options.phase.empty() ? " (set StageOptions::phase to a valid phase name)" : "");
+    }
+    for (const auto& dep : options.after) {
+      ETTKIT_EXPECTS(dep != name, "stage '", name, "' depends on itself");
+    }
+    by_name_.emplace(name, stages_.size());
+    stages_.push_back(Stage{name, std::move(fn), std::move(options), std::move(phase)});
+  }
+
+  // Explicit dependency edges (pred -> succ) as indices; throws for unknown names.
+  std::vector<std::vector<size_t>> explicit_preds() const {
+    std::vector<std::vector<size_t>> preds(stages_.size());
+    for (size_t i = 0; i < stages_.size(); ++i) {
+      for (const auto& dep : stages_[i].options.after) {
+        auto it = by_name_.find(dep);
+        if (it == by_name_.end()) {
+          std::vector<std::string> names;
+          for (const auto& s : stages_) names.push_back(s.name);
+          ETTKIT_THROW(InvalidArgument, "stage '", stages_[i].name, "' depends on '", dep,
+                       "', which is not a stage of this graph; stages are: ", join_names(names));
+        }
+        if (std::find(preds[i].begin(), preds[i].end(), it->second) == preds[i].end()) {
+          preds[i].push_back(it->second);
+        }
+      }
+    }
+    return preds;
+  }
+
+  // Kahn's algorithm with the smallest add() index first among ready stages: deterministic, so every
+  // rank computes the same order (collective groups rely on it). Returns fewer than n on a cycle.
+  static std::vector<size_t> topo(const std::vector<std::vector<size_t>>& preds) {
+    size_t n = preds.size();
+    std::vector<size_t> indeg(n, 0);
+    std::vector<std::vector<size_t>> succs(n);
+    for (size_t i = 0; i < n; ++i) {
+      indeg[i] = preds[i].size();
+      for (size_t p : preds[i]) succs[p].push_back(i);
+    }
+    std::priority_queue<size_t, std::vector<size_t>, std::greater<>> ready;
+    for (size_t i = 0; i < n; ++i) {
+      if (indeg[i] == 0) ready.push(i);
+    }
+    std::vector<size_t> order;
+    while (!ready.empty()) {
+      size_t i = ready.top();
+      ready.pop();
+      order.push_back(i);
+      for (size_t s : succs[i]) {
+        if (--indeg[s] == 0) ready.push(s);
+      }
+    }
+    return order;
+  }
+
+  std::string find_cycle(const std::vector<std::vector<size_t>>& preds) const {
+    // Depth-first search along dependencies; a back edge closes a cycle, printed in dependency order.
+    size_t n = preds.size();
+    std::vector<int> color(n, 0);  // 0 new, 1 on stack, 2 done
+    std::vector<size_t> stack;
+    std::string found;
+    std::function<bool(size_t)> dfs = [&](size_t v) {
+      color[v] = 1;
+      stack.push_back(v);
+      for (size_t p : preds[v]) {
+        if (color[p] == 1) {
+          auto start = std::find(stack.begin(), stack.end(), p);
+          // stack holds v's chain of dependents; print as "p -> ... -> v -> p" (x -> y: y needs x).
+          std::vector<size_t> cyc(start, stack.end());
+          for (size_t k = 0; k < cyc.size(); ++k) found += stages_[cyc[k]].name + " <- ";
+          found += stages_[p].name;
+          return true;
+        }
+        if (color[p] == 0 && dfs(p)) return true;
+      }
+      stack.pop_back();
+      color[v] = 2;
+      return false;
+    };
+    for (size_t i = 0; i < n && found.empty(); ++i) {
+      if (color[i] == 0) dfs(i);
+    }
+    return found;
+  }
+
+  void validate() const {
+    auto preds = explicit_preds();
+    auto order = topo(preds);
+    if (order.size() != stages_.size()) {
+      ETTKIT_THROW(InvalidArgument, "start-up stages form a cycle (a <- b: a needs b): ", find_cycle(preds),
+                   "; remove one of these dependencies");
+    }
+    for (size_t i = 0; i < stages_.size(); ++i) {
+      if (!stages_[i].options.forks) continue;
+      for (size_t p : preds[i]) {
+        ETTKIT_EXPECTS(stages_[p].options.forks, "stage '", stages_[i].name,
+                       "' forks processes, so it runs before any worker thread starts; it cannot depend on '",
+                       stages_[p].name, "', which runs on a worker thread (mark that stage forks=true too, or "
+                       "use a forkserver/spawn multiprocessing context and drop forks)");
+      }
+    }
+  }
+
+  std::vector<std::string> topological_order() const {
+    auto order = topo(explicit_preds());
+    std::vector<std::string> names;
+    for (size_t i : order) names.push_back(stages_[i].name);
+    return names;
+  }
+
+  StageReport run();
+  StageReport report() const {
+    std::lock_guard<std::mutex> lk(mu_);
+    return report_;
+  }
+  bool join(double timeout_s) {
+    ETTKIT_EXPECTS(!std::isnan(timeout_s), "StageGraph::join timeout_s is NaN; use seconds or infinity");
+    return join_workers(std::isfinite(timeout_s) ? std::optional<double>(std::max(0.0, timeout_s)) : std::nullopt);
+  }
+  size_t size() const { return stages_.size(); }
+
+  bool wait_held(const std::string& name, double timeout_s) {
+    auto it = by_name_.find(name);
+    ETTKIT_EXPECTS(it != by_name_.end(), "wait_held_for_testing: no stage named '", name, "'");
+    size_t idx = it->second;
+    std::unique_lock<std::mutex> lk(mu_);
+    return cv_.wait_for(lk, std::chrono::duration<double>(timeout_s),
+                        [&] { return !held_seen_.empty() && held_seen_[idx]; });
+  }
+
+ private:
+  enum class State : uint8_t { kPending, kRunning, kDone };
+  struct Worker {
+    std::thread thread;
+    size_t current = kNone;  // stage being run (guarded by mu_)
+    bool exited = false;     // guarded by mu_
+    bool joined = false;     // touched only by the thread that joins
+  };
+
+  using Clock = std::chrono::steady_clock;
+  double rel_s(Clock::time_point t) const { return std::chrono::duration<double>(t - t0_).count(); }
+  int64_t epoch_of(Clock::time_point t) const {
+    return anchor_.to_epoch_us(std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count());
+  }
+
+  // ---- all *_locked functions require mu_ ----
+
+  bool all_done_locked() const {
+    return std::all_of(state_.begin(), state_.end(), [](State s) { return s == State::kDone; });
+  }
+
+  // The first dispatchable stage in topological order, or kNone. Marks stages that are ready but held
+  // back by a rule (for the test hook and the debug log).
+  size_t pick_locked() {
+    size_t found = kNone;
+    bool newly_held = false;
+    for (size_t i : order_) {
+      if (state_[i] != State::kPending || stages_[i].options.forks) continue;
+      bool explicit_ok = std::all_of(explicit_[i].begin(), explicit_[i].end(),
+                                     [&](size_t p) { return records_[p].status == StageStatus::kSucceeded; });
+      if (!explicit_ok) continue;
+      bool order_ok = implicit_[i] == kNone || records_[implicit_[i]].status == StageStatus::kSucceeded;
+      bool dynamo_ok = !stages_[i].options.runs_dynamo || dynamo_running_ == kNone;
+      if (order_ok && dynamo_ok) {
+        if (found == kNone) found = i;
+      } else if (!held_seen_[i]) {
+        held_seen_[i] = true;
+        newly_held = true;
+        ETTKIT_LOG_DEBUG("start-up stage '", stages_[i].name, "' is ready but waits for ",
+                         order_ok ? "the running dynamo stage '" + stages_[dynamo_running_].name + "'"
+                                  : "'" + stages_[implicit_[i]].name + "' (same collective group, runs first)");
+      }
+    }
+    if (newly_held) cv_.notify_all();
+    return found;
+  }
+
+  void begin_locked(size_t i, int worker, Clock::time_point now) {
+    state_[i] = State::kRunning;
+    auto& r = records_[i];
+    r.started = true;
+    r.worker = worker;
+    r.begin_s = rel_s(now);
+    r.begin_epoch_us = epoch_of(now);
+    if (stages_[i].options.runs_dynamo) dynamo_running_ = i;
+    if (stages_[i].options.timeout_s > 0) {
+      deadline_[i] = now + std::chrono::duration_cast<Clock::duration>(
+                               std::chrono::duration<double>(stages_[i].options.timeout_s));
+    }
+  }
+
+  void record_phase_locked(size_t i) {
+    if (options_.recorder == nullptr || !records_[i].started) return;
+    try {
+      options_.recorder->record_phase(phase_ids_[i], records_[i].begin_epoch_us, records_[i].end_epoch_us);
+    } catch (const std::exception& e) {
+      // Measuring must never fail the start-up it measures.
+      ETTKIT_LOG_WARN("could not record start-up stage '", stages_[i].name, "': ", e.what());
+    }
+  }
+
+  void set_first_error_locked(size_t i, std::exception_ptr err, bool timeout) {
+    if (first_error_) return;
+    first_error_ = std::move(err);
+    first_error_stage_ = i;
+    first_error_is_timeout_ = timeout;
+  }
+
+  // Marks a pending stage terminal without running it.
+  void cancel_locked(size_t i, const std::string& why) {
+    if (state_[i] != State::kPending) return;
+    state_[i] = State::kDone;
+    records_[i].status = StageStatus::kCancelled;
+    records_[i].error = why;
+  }
+
+  // Cancels every pending stage reachable from `i` (dependents, and later stages of its collective group).
+  void cancel_dependents_locked(size_t i) {
+    std::vector<size_t> todo{i};
+    while (!todo.empty()) {
+      size_t v = todo.back();
+      todo.pop_back();
+      for (size_t s : succs_[v]) {
+        if (state_[s] != State::kPending) continue;
+        cancel_locked(s, "depends on '" + stages_[v].name + "', which " + to_string(records_[v].status));
+        todo.push_back(s);
+      }
+    }
+  }
+
+  void fail_fast_locked(size_t culprit) {
+    for (size_t j = 0; j < stages_.size(); ++j) {
+      if (state_[j] == State::kPending) {
+        cancel_locked(j, "fail_fast: stage '" + stages_[culprit].name + "' " + to_string(records_[culprit].status));
+      } else if (state_[j] == State::kRunning) {
+        tokens_[j]->cancel();
+      }
+    }
+  }
+
+  void finish_locked(size_t i, std::exception_ptr err, Clock::time_point now) {
+    if (dynamo_running_ == i) dynamo_running_ = kNone;
+    if (state_[i] == State::kDone) return;  // timed out earlier; the late result is dropped
+    state_[i] = State::kDone;
+    auto& r = records_[i];
+    r.end_s = rel_s(now);
+    r.end_epoch_us = epoch_of(now);
+    if (err) {
+      r.status = StageStatus::kFailed;
+      r.error = describe(err);
+      set_first_error_locked(i, err, false);
+      cancel_dependents_locked(i);
+      if (options_.fail_fast) fail_fast_locked(i);
+    } else {
+      r.status = StageStatus::kSucceeded;
+    }
+    record_phase_locked(i);
+    if (all_done_locked()) finished_ = true;
+  }
+
+  void time_out_locked(size_t i, Clock::time_point now, const std::string& why) {
+    auto& r = records_[i];
+    state_[i] = State::kDone;
+    r.status = StageStatus::kTimedOut;
+    r.end_s = rel_s(now);
+    r.end_epoch_us = epoch_of(now);
+    r.error = why;
+    tokens_[i]->cancel();
+    record_phase_locked(i);
+    cancel_dependents_locked(i);
+    if (stages_[i].options.runs_dynamo) {
+      // The timed-out stage may still be compiling; another dynamo stage must not start beside it, and
+      // waiting for it could take forever: cancel them now, deterministically.
+      for (size_t j = 0; j < stages_.size(); ++j) {
+        if (stages_[j].options.runs_dynamo) {
+          cancel_locked(j, "dynamo stage '" + stages_[i].name + "' timed out and may still be running");
+        }
+      }
+    }
+    if (options_.fail_fast) fail_fast_locked(i);
+    // Keep the pool's capacity: the timed-out stage still occupies its thread.
+    bool pending = std::any_of(state_.begin(), state_.end(), [](State s) { return s == State::kPending; });
+    if (pending) spawn_worker_locked();
+  }
+
+  // Applies stage and graph deadlines; returns the earliest future deadline (or nullopt).
+  std::optional<Clock::time_point> apply_deadlines_locked(Clock::time_point now) {
+    std::optional<Clock::time_point> next;
+    for (size_t i = 0; i < stages_.size(); ++i) {
+      if (state_[i] != State::kRunning || !deadline_[i]) continue;
+      if (now >= *deadline_[i]) {
+        std::string why = "exceeded its deadline of " + format_s(stages_[i].options.timeout_s) + " s";
+        time_out_locked(i, now, why);
+        set_first_error_locked(i,
+                               std::make_exception_ptr(Timeout("start-up stage '" + stages_[i].name + "' " + why +
+                                                                   " (StageOptions::timeout_s)",
+                                                               __FILE__, __LINE__)),
+                               true);
+      } else if (!next || *deadline_[i] < *next) {
+        next = deadline_[i];
+      }
+    }
+    if (graph_deadline_) {
+      if (now >= *graph_deadline_) {
+        std::vector<std::string> running;
+        size_t culprit = kNone;
+        for (size_t i = 0; i < stages_.size(); ++i) {
+          if (state_[i] == State::kRunning) {
+            running.push_back(stages_[i].name);
+            if (culprit == kNone) culprit = i;
+          }
+        }
+        std::string why = "the graph exceeded its deadline of " + format_s(options_.timeout_s) + " s";
+        // Pending stages first, so timing out the running ones finds nothing left to start a worker for.
+        for (size_t i = 0; i < stages_.size(); ++i) cancel_locked(i, why + " before it could start");
+        for (size_t i = 0; i < stages_.size(); ++i) {
+          if (state_[i] == State::kRunning) time_out_locked(i, now, why);
+        }
+        std::string msg = "start-up graph exceeded its deadline of " + format_s(options_.timeout_s) + " s (" +
+                          (running.empty() ? std::string("no stage was running")
+                                           : "still running: " + join_names(running)) +
+                          ")";
+        set_first_error_locked(culprit, std::make_exception_ptr(Timeout(msg, __FILE__, __LINE__)), true);
+        finished_ = true;
+      } else if (!next || *graph_deadline_ < *next) {
+        next = graph_deadline_;
+      }
+    }
+    if (all_done_locked()) finished_ = true;
+    return next;
+  }
+
+  static std::string format_s(double s) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%g", s);
+    return buf;
+  }
+
+  void spawn_worker_locked() {
+    int w = static_cast<int>(workers_.size());
+    workers_.push_back(std::make_unique<Worker>());
+    workers_.back()->thread = std::thread([this, w] { worker_main(w); });
+  }
+
+  void worker_main(int w) {
+    std::unique_lock<std::mutex> lk(mu_);
+    Worker& self = *workers_[w];
+    while (true) {
+      size_t i = kNone;
+      cv_.wait(lk, [&] {
+        if (finished_) return true;
+        i = pick_locked();
+        return i != kNone;
+      });
+      if (i == kNone) break;
+      begin_locked(i, w, Clock::now());
+      self.current = i;
+      cv_.notify_all();  // the caller may need a new wake-up time (this stage's deadline)
+      StageContext ctx(&stages_[i].name, tokens_[i]);
+      lk.unlock();
+      std::exception_ptr err;
+      try {
+        stages_[i].fn(ctx);
+      } catch (...) {
+        err = std::current_exception();
+      }
+      auto end = Clock::now();
+      lk.lock();
+      self.current = kNone;
+      finish_locked(i, std::move(err), end);
+      cv_.notify_all();
+    }
+    self.exited = true;
+    cv_.notify_all();
+  }
+
+  // Joins exited workers; waits up to `timeout_s` (forever when nullopt) for the others to exit.
+  // Workers leave once the graph is finished; only a thread still inside a timed-out stage stays.
+  bool join_workers(std::optional<double> timeout_s) {
+    std::vector<Worker*> to_join;
+    bool all = true;
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      auto exited = [&] {
+        return std::all_of(workers_.begin(), workers_.end(), [](const auto& w) { return w->exited || w->joined; });
+      };
+      if (timeout_s) {
+        cv_.wait_for(lk, std::chrono::duration<double>(*timeout_s), exited);
+      } else {
+        cv_.wait(lk, exited);
+      }
+      collect_exited_locked(to_join, &all);
+    }
+    for (Worker* w : to_join) {
+      w->thread.join();
+      w->joined = true;
+    }
+    return all;
+  }
+
+  // After run(): waits for every worker that is not inside a (timed-out) stage to exit, and joins it.
+  void join_idle_workers() {
+    std::vector<Worker*> to_join;
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      cv_.wait(lk, [&] {
+        return std::all_of(workers_.begin(), workers_.end(),
+                           [](const auto& w) { return w->exited || w->joined || w->current != kNone; });
+      });
+      collect_exited_locked(to_join, nullptr);
+    }
+    for (Worker* w : to_join) {
+      w->thread.join();
+      w->joined = true;
+    }
+  }
+
+  void collect_exited_locked(std::vector<Worker*>& to_join, bool* all) {
+    for (auto& w : workers_) {
+      if (w->joined) continue;
+      if (w->exited) {
+        to_join.push_back(w.get());
+      } else if (all != nullptr) {
+        *all = false;
+      }
+    }
+  }
+
+  StageGraphOptions options_;
+  std::vector<Stage> stages_;
+  std::unordered_map<std::string, size_t> by_name_;
+  bool ran_ = false;
+
+  // Fixed once run() starts (read by workers without the lock).
+  std::vector<size_t> order_;
+  std::vector<std::vector<size_t>> explicit_;
+  std::vector<size_t> implicit_;  // previous stage of the same collective group, or kNone
+  std::vector<std::vector<size_t>> succs_;
+  std::vector<uint32_t> phase_ids_;
+  std::vector<std::shared_ptr<StageContext::Token>> tokens_;
+  Clock::time_point t0_;
+  ClockAnchor anchor_;
+  std::optional<Clock::time_point> graph_deadline_;
+
+  // Run state, guarded by mu_.
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<State> state_;
+  std::vector<StageRecord> records_;
+  std::vector<std::optional<Clock::time_point>> deadline_;
+  std::vector<bool> held_seen_;
+  size_t dynamo_running_ = kNone;  // index of the dynamo stage whose thread is inside it
+  bool finished_ = false;
+  std::exception_ptr first_error_;
+  size_t first_error_stage_ = kNone;
+  bool first_error_is_timeout_ = false;
+  std::vector<std::unique_ptr<Worker>> workers_;
+  StageReport report_;
+};
+
+StageReport StageGraph::Impl::run() {
+  ETTKIT_EXPECTS(!ran_, "StageGraph::run() was already called; a StageGraph runs once (build a new one)");
+  validate();
+  size_t n = stages_.size();
+
+  explicit_ = explicit_preds();
+  order_ = topo(explicit_);
+  implicit_.assign(n, kNone);
+  {
+    std::unordered_map<std::string, size_t> last_of_group;
+    for (size_t i : order_) {
+      const auto& g = stages_[i].options.collective_group;
+      if (g.empty()) continue;
+      auto it = last_of_group.find(g);
+      if (it != last_of_group.end()) implicit_[i] = it->second;
+      last_of_group[g] = i;
+    }
+  }
+  succs_.assign(n, {});
+  for (size_t i = 0; i < n; ++i) {
+    for (size_t p : explicit_[i]) succs_[p].push_back(i);
+    if (implicit_[i] != kNone) succs_[implicit_[i]].push_back(i);
+  }
+  phase_ids_.assign(n, 0);
+  if (options_.recorder != nullptr) {
+    for (size_t i = 0; i < n; ++i) phase_ids_[i] = options_.recorder->phase_id(stages_[i].phase);
+  }
+  tokens_.clear();
+  for (size_t i = 0; i < n; ++i) tokens_.push_back(std::make_shared<StageContext::Token>());
+
+  std::unique_lock<std::mutex> lk(mu_);
+  ran_ = true;
+  state_.assign(n, State::kPending);
+  deadline_.assign(n, std::nullopt);
+  held_seen_.assign(n, false);
+  records_.clear();
+  for (const auto& s : stages_) {
+    StageRecord r;
+    r.name = s.name;
+    r.phase = s.phase;
+    r.after = s.options.after;
+    r.runs_dynamo = s.options.runs_dynamo;
+    r.forks = s.options.forks;
+    r.collective_group = s.options.collective_group;
+    records_.push_back(std::move(r));
+  }
+  t0_ = Clock::now();
+  anchor_ = ClockAnchor();
+  if (options_.timeout_s > 0) {
+    graph_deadline_ =
+        t0_ + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(options_.timeout_s));
+  }
+
+  // 1. Forking stages, on this thread, before any worker exists.
+  for (size_t i : order_) {
+    if (!stages_[i].options.forks || state_[i] != State::kPending) continue;
+    if (apply_deadlines_locked(Clock::now()), finished_) break;
+    bool deps_ok = std::all_of(explicit_[i].begin(), explicit_[i].end(),
+                               [&](size_t p) { return records_[p].status == StageStatus::kSucceeded; });
+    if (!deps_ok) continue;  // cancelled via cancel_dependents_locked already
+    begin_locked(i, -1, Clock::now());
+    StageContext ctx(&stages_[i].name, tokens_[i]);
+    lk.unlock();
+    std::exception_ptr err;
+    try {
+      stages_[i].fn(ctx);
+    } catch (...) {
+      err = std::current_exception();
+    }
+    auto end = Clock::now();
+    lk.lock();
+    finish_locked(i, std::move(err), end);
+  }
+
+  // 2. Everything else on the pool.
+  if (!finished_) apply_deadlines_locked(Clock::now());
+  if (!finished_) {
+    size_t threaded = 0;
+    for (size_t i = 0; i < n; ++i) threaded += (state_[i] == State::kPending) ? 1 : 0;
+    size_t want = std::min<size_t>(threaded, static_cast<size_t>(options_.max_workers));
+    for (size_t w = 0; w < want; ++w) spawn_worker_locked();
+    if (want == 0) finished_ = all_done_locked();
+  }
+  if (all_done_locked()) finished_ = true;
+  while (!finished_) {
+    auto next = apply_deadlines_locked(Clock::now());
+    if (finished_) break;
+    if (next) {
+      cv_.wait_until(lk, *next);
+    } else {
+      cv_.wait(lk);
+    }
+  }
+  cv_.notify_all();
+
+  report_ = StageReport{};
+  report_.stages = records_;
+  report_.workers = static_cast<int>(workers_.size());
+  std::vector<std::pair<size_t, size_t>> edges;
+  for (size_t i = 0; i < n; ++i) {
+    for (size_t p : explicit_[i]) edges.emplace_back(p, i);
+    if (implicit_[i] != kNone) edges.emplace_back(implicit_[i], i);
+  }
+  summarize(report_, edges);
+  auto err = first_error_;
+  size_t err_stage = first_error_stage_;
+  bool is_timeout = first_error_is_timeout_;
+  StageReport out = report_;
+  lk.unlock();
+
+  // Idle workers exit promptly now; threads still inside a timed-out stage are left to join()/~Impl.
+  join_idle_workers();
+
+  if (err) {
+    if (is_timeout) std::rethrow_exception(err);
+    throw StageFailed(stages_[err_stage].name, err, describe(err), __FILE__, __LINE__);
+  }
+  return out;
+}
+
+// ---- StageGraph ----------------------------------------------------------------------------------------
+
+StageGraph::StageGraph(StageGraphOptions options) : impl_(std::make_unique<Impl>(options)) {}
+StageGraph::~StageGraph() = default;
+void StageGraph::add(const std::string& name, StageFn fn, StageOptions options) {
+  impl_->add(name, std::move(fn), std::move(options));
+}
+void StageGraph::validate() const { impl_->validate(); }
+std::vector<std::string> StageGraph::topological_order() const { return impl_->topological_order(); }
+StageReport StageGraph::run() { return impl_->run(); }
+StageReport StageGraph::report() const { return impl_->report(); }
+bool StageGraph::join(double timeout_s) { return impl_->join(timeout_s); }
+size_t StageGraph::size() const { return impl_->size(); }
+bool StageGraph::wait_held_for_testing(const std::string& name, double timeout_s) {
+  return impl_->wait_held(name, timeout_s);
+}
+
+}  // namespace ettkit::startup

@@ -1,0 +1,253 @@
+"""The start-up StageGraph with Python callables: context propagation, errors, deadlines, the GIL."""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import ettkit
+import pytest
+import torch
+import torch._dynamo
+from ettkit import ett
+from ettkit.startup import StageGraph
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+request_id = contextvars.ContextVar("request_id", default="unset")
+
+
+def test_stages_see_the_callers_contextvars_and_thread_state():
+    graph = StageGraph(max_workers=2)
+    graph.add("limit", lambda: torch._dynamo.config.recompile_limit)
+    graph.add("var", lambda: request_id.get())
+    graph.add("grad", torch.is_grad_enabled)
+    plain = []
+    token = request_id.set("job-42")
+    try:
+        with torch._dynamo.config.patch(recompile_limit=64), torch.no_grad():
+            # The torch >= 2.12 trap: a plain thread sees the default, not the caller's override.
+            t = threading.Thread(target=lambda: plain.append(torch._dynamo.config.recompile_limit))
+            t.start()
+            t.join()
+            graph.run()
+    finally:
+        request_id.reset(token)
+    assert plain == [8], "torch config is no longer thread-local: this test guards a trap that is gone"
+    assert graph.results == {"limit": 64, "var": "job-42", "grad": False}
+
+
+def test_each_stage_runs_in_its_own_context_copy():
+    # A stage that sets a ContextVar affects neither the caller nor the other stages.
+    graph = StageGraph(max_workers=2)
+    graph.add("writer", lambda: request_id.set("stage-value") and request_id.get())
+    graph.add("reader", lambda: request_id.get(), after=["writer"])
+    graph.run()
+    assert graph.results["writer"] == "stage-value"
+    assert graph.results["reader"] == "unset"
+    assert request_id.get() == "unset"
+
+
+def test_results_order_and_report():
+    order = []
+    graph = StageGraph(max_workers=3)
+    graph.add("first_step", lambda: order.append("first_step"), after=["compile", "get_first_batch_data"])
+    graph.add("device_init", lambda: order.append("device_init") or "cpu")
+    graph.add("compile", lambda: order.append("compile"), after=["device_init"], runs_dynamo=True)
+    graph.add("get_first_batch_data", lambda: order.append("get_first_batch_data"), after="device_init")
+    report = graph.run()
+    assert order[0] == "device_init" and order[-1] == "first_step"
+    assert graph.results["device_init"] == "cpu"
+    assert list(report.stages) == ["first_step", "device_init", "compile", "get_first_batch_data"]
+    assert all(s.status == "succeeded" for s in report.stages.values())
+    assert report.critical_path[0] == "device_init" and report.critical_path[-1] == "first_step"
+    assert report.stages["compile"].runs_dynamo
+    assert report.serial_sum_s >= report.critical_path_s >= 0
+    assert "critical path" in str(report)
+    assert report.to_dict()["stages"][0]["name"] == "first_step"
+
+
+def test_failure_is_reraised_with_the_stage_name_and_cancels_dependents():
+    ran = []
+
+    def fetch():
+        raise FileNotFoundError("/data/shard-0 missing")
+
+    graph = StageGraph(max_workers=2)
+    graph.add("get_first_batch_data", fetch)
+    graph.add("first_step", lambda: ran.append("first_step"), after=["get_first_batch_data"])
+    graph.add("compile", lambda: ran.append("compile"))
+    with pytest.raises(ettkit.errors.StageError) as info:
+        graph.run()
+    err = info.value
+    assert err.stage == "get_first_batch_data"
+    assert "start-up stage 'get_first_batch_data' failed: FileNotFoundError: /data/shard-0 missing" in str(
+        err
+    )
+    assert isinstance(err.__cause__, FileNotFoundError)
+    assert ran == ["compile"]
+    assert graph.report.stages["first_step"].status == "cancelled"
+    assert "get_first_batch_data" in graph.report.stages["first_step"].error
+
+
+def test_cycles_and_unknown_dependencies_are_rejected_before_anything_runs():
+    ran = []
+    graph = StageGraph()
+    graph.add("independent", lambda: ran.append(1))
+    graph.add("a", lambda: ran.append(1), after=["b"])
+    graph.add("b", lambda: ran.append(1), after=["a"])
+    with pytest.raises(ettkit.InvalidArgumentError, match="cycle"):
+        graph.run()
+    graph = StageGraph()
+    graph.add("compile", lambda: ran.append(1), after=["cache_laod"])
+    with pytest.raises(ValueError, match="'compile' depends on 'cache_laod', which is not a stage"):
+        graph.validate()
+    with pytest.raises(ettkit.InvalidArgumentError, match="already defined"):
+        graph.add("compile", lambda: None)
+    with pytest.raises(ettkit.InvalidArgumentError, match="must be callable"):
+        graph.add("not_callable", 42)
+    assert ran == []
+
+
+def test_a_timeout_names_the_stage_and_shows_where_it_is_stuck():
+    release = threading.Event()
+
+    def stuck_in_io():
+        release.wait(30)
+
+    graph = StageGraph(max_workers=2)
+    graph.add("get_first_batch_data", stuck_in_io, timeout_s=0.1)
+    graph.add("first_step", lambda: None, after=["get_first_batch_data"])
+    graph.add("compile", lambda: "ok")
+    with pytest.raises(ettkit.TimeoutError) as info:
+        graph.run()
+    text = str(info.value)
+    assert "start-up stage 'get_first_batch_data' exceeded its deadline of 0.1 s" in text
+    assert "stuck_in_io" in text, "the watchdog shows the stuck stage's Python stack"
+    assert graph.report.stages["first_step"].status == "cancelled"
+    assert graph.results["compile"] == "ok"
+    assert not graph.join(0.0), "the stuck stage still holds its worker"
+    release.set()
+    assert graph.join(10.0)
+
+
+def test_stages_are_recorded_into_the_ett_recorder(tmp_path):
+    with ett.Recorder(tmp_path, rank=0, world_size=1, launcher_phases_from_env=False) as rec:
+        graph = StageGraph(recorder=rec)
+        graph.add("device_init", lambda: None)
+        graph.add("pt2_compile", lambda: None, phase="compile", after=["device_init"])
+        report = graph.run()
+        rec.flush()
+        phases = {}
+        with open(rec.ledger_path) as f:
+            for line in f:
+                record = json.loads(line)
+                if record.get("t") == "phase":
+                    phases[record["name"]] = record
+    assert phases["device_init"]["b"] == report.stages["device_init"].begin_epoch_us
+    assert phases["compile"]["e"] == report.stages["pt2_compile"].end_epoch_us
+
+
+def test_the_default_recorder_is_used_when_there_is_one(tmp_path, monkeypatch):
+    from ettkit.ett import recorder as recorder_module
+
+    rec = ett.Recorder(tmp_path, rank=0, world_size=1, launcher_phases_from_env=False)
+    monkeypatch.setattr(recorder_module, "_current", rec)
+    try:
+        graph = StageGraph()
+        graph.add("train_module_creation", lambda: None)
+        graph.run()
+        rec.flush()
+        with open(rec.ledger_path) as f:
+            names = [json.loads(line).get("name") for line in f]
+    finally:
+        rec.close()
+    assert "train_module_creation" in names
+
+
+def test_dynamo_stages_are_serialized_through_the_binding():
+    release = threading.Event()
+    held = []
+    graph = StageGraph(max_workers=3)
+    graph.add("compile_model", lambda: release.wait(10), runs_dynamo=True)
+    graph.add("compile_loss", lambda: None, runs_dynamo=True)
+
+    def watch():
+        held.append(graph.wait_held_for_testing("compile_loss", 10.0))
+        release.set()
+
+    graph.add("watch", watch)
+    report = graph.run()
+    assert held == [True]
+    assert report.stages["compile_loss"].begin_s >= report.stages["compile_model"].end_s
+
+
+DEADLOCK_SCRIPT = textwrap.dedent(
+    """
+    import threading, time, torch
+    from torch.utils.data import DataLoader
+    from ettkit.startup import StageGraph
+    from startup_helpers import RecDataset, TinyRec, loss_fn, make_batch
+
+    def matmuls():
+        a = torch.randn(256, 256)
+        for _ in range(20):
+            a = torch.tanh(a @ a)          # ATen releases the GIL inside
+        return float(a.sum())
+
+    def compile_and_step():
+        model = torch.compile(TinyRec(), backend="eager")
+        loss_fn(model(make_batch(8)), make_batch(8)).backward()
+        return "compiled"
+
+    def python_thread_inside():
+        out = []
+        t = threading.Thread(target=lambda: out.append(torch.ones(3).sum().item()))
+        t.start(); t.join()
+        return out[0]
+
+    def nested_graph():
+        inner = StageGraph(max_workers=2)
+        inner.add("x", lambda: torch.randn(64, 64).sum().item())
+        inner.add("y", lambda: torch.randn(64, 64).sum().item())
+        inner.run()
+        return sorted(inner.results)
+
+    loader = DataLoader(RecDataset(64), batch_size=8, num_workers=2)
+    graph = StageGraph(max_workers=4, timeout_s=90)
+    graph.add("loader_iter", lambda: iter(loader), forks=True)
+    graph.add("get_first_batch_data", lambda: next(graph.results["loader_iter"]), after=["loader_iter"])
+    for i in range(3):
+        graph.add(f"matmuls_{i}", matmuls)
+    graph.add("compile", compile_and_step, runs_dynamo=True)
+    graph.add("python_thread", python_thread_inside)
+    graph.add("nested", nested_graph)
+    graph.add("autograd", lambda: torch.randn(4, requires_grad=True).exp().sum().backward())
+    t0 = time.monotonic()
+    report = graph.run()
+    assert graph.results["compile"] == "compiled"
+    assert graph.results["nested"] == ["x", "y"]
+    assert graph.results["get_first_batch_data"]["ids"].shape == (8, 3)
+    assert report.workers == 4
+    print("OK", round(time.monotonic() - t0, 2))
+    """
+)
+
+
+def test_python_stages_on_several_threads_finish_without_deadlock(tmp_path):
+    # In a subprocess with a hard timeout: a GIL deadlock would hang the interpreter, not raise.
+    script = tmp_path / "deadlock_check.py"
+    script.write_text(DEADLOCK_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE] + sys.path))
+    try:
+        proc = subprocess.run(
+            [sys.executable, str(script)], check=False, env=env, capture_output=True, text=True, timeout=120
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"Python stages deadlocked (no exit within 120 s): {exc.stderr}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("OK"), proc.stdout
