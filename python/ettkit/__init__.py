@@ -1,6 +1,7 @@
 """ettkit: raise a training job's Effective Training Time (ETT%).
 
-Components: :mod:`ettkit.ett` (phase timers, ledger, report, interval advisor). The C++ core is
+Components: :mod:`ettkit.ett` (phase timers, ledger, report, interval advisor), :mod:`ettkit.sharding`
+(local shard-metadata builder), :mod:`ettkit.startup` (compile-overlap scheduler). The C++ core is
 ``libettkit.so``; C++ trainers use it through ``find_package(ettkit)`` with
 ``CMAKE_PREFIX_PATH=ettkit.cmake_prefix_path``.
 """
@@ -14,11 +15,14 @@ import torch as _torch  # noqa: F401
 from . import errors
 from ._C import WITH_CUDA, __version__
 from .errors import (
+    BatchMismatchError,
+    CancelledError,
     CorruptCheckpointError,
     CorruptDataError,
     Error,
     InvalidArgumentError,
     IoError,
+    StageError,
     TimeoutError,
     UnsupportedError,
 )
@@ -38,4 +42,7 @@ __all__ = [
     "IoError",
     "TimeoutError",
     "UnsupportedError",
+    "StageError",
+    "CancelledError",
+    "BatchMismatchError",
 ]
