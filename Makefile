@@ -57,6 +57,7 @@ bench: build
 	@mkdir -p build/bench
 	@for f in benchmarks/*.py; do \
 	  name=$$(basename $$f .py); \
+	  [[ $$name == bench_common ]] && continue; \
 	  echo "==== $$name ===="; \
 	  $(PY) $$f --quick --json build/bench/$$name.json; \
 	done
