@@ -5,4 +5,5 @@
 namespace ettkit::python {
 void bind_common(pybind11::module_& m);
 void bind_ett(pybind11::module_& m);
+void bind_checkpoint(pybind11::module_& m);
 }  // namespace ettkit::python

@@ -9,4 +9,6 @@ PYBIND11_MODULE(_C, m) {
   ettkit::python::bind_common(m);
   auto ett = m.def_submodule("ett", "ETT phase timers, ledger, report, interval advisor");
   ettkit::python::bind_ett(ett);
+  auto checkpoint = m.def_submodule("checkpoint", "async checkpoint stager and checkpointer");
+  ettkit::python::bind_checkpoint(checkpoint);
 }
