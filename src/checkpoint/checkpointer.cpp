@@ -216,11 +216,11 @@ struct AsyncCheckpointer::Impl {
         std::lock_guard<std::mutex> lk(job.handle->mu);
         job.handle->snapshot.reset();
       }
-      job.handle->finish(err);
       int64_t end = epoch_us();
+      if (!err && opt.recorder) opt.recorder->record_background(persist_id, job.call_us, end, job.step);
       {
+        // Statistics first, so a caller woken by the handle sees them.
         std::lock_guard<std::mutex> lk(mu);
-        --in_flight;
         if (err) {
           ++failed;
         } else {
@@ -228,8 +228,12 @@ struct AsyncCheckpointer::Impl {
           durable_sum += static_cast<double>(end - job.call_us) * 1e-6;
         }
       }
+      job.handle->finish(err);
+      {
+        std::lock_guard<std::mutex> lk(mu);
+        --in_flight;
+      }
       cv.notify_all();
-      if (!err && opt.recorder) opt.recorder->record_background(persist_id, job.call_us, end, job.step);
     }
   }
 
