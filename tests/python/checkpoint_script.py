@@ -26,11 +26,49 @@ def main() -> int:
     mode, path = sys.argv[1], sys.argv[2]
     if mode == "loop":
         with AsyncCheckpointer(path, recorder=None, keep_last=3) as ck:
-            step = 0
+            target = {k: torch.zeros_like(v) for k, v in loop_state(0).items()}
+            res = ck.load_latest(target)
+            step = res[0] if res else 0
             print("ready", flush=True)
             while True:
                 step += 1
                 ck.save(step, loop_state(step), extra={"step": step}).wait_staged()
+    if mode == "rank":
+        import torch.distributed as dist
+
+        rank, world, port = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+
+        def rank_state(step):
+            return {"w": torch.full((1000 + rank,), float(step * 10 + rank)), "r": torch.tensor([rank, step])}
+
+        with AsyncCheckpointer(path, recorder=None, keep_last=2) as ck:
+            for step in (1, 2, 3):
+                h = ck.save(step, rank_state(step), extra={"rank": rank})
+                h.wait()
+                assert h.durable
+            target = {k: torch.zeros_like(v) for k, v in rank_state(0).items()}
+            step, extra = ck.load_latest(target)
+            assert step == 3 and extra == {"rank": rank}, (step, extra)
+            for k, v in rank_state(3).items():
+                assert torch.equal(target[k], v), k
+        dist.barrier()
+        if rank == 0:
+            # Damage rank 1's file of step 3: every rank must fall back to step 2 together.
+            f = os.path.join(path, "step-3", "rank-1.safetensors")
+            data = bytearray(open(f, "rb").read())
+            data[-3] ^= 0xFF
+            open(f, "wb").write(bytes(data))
+        dist.barrier()
+        with AsyncCheckpointer(path, recorder=None) as ck:
+            target = {k: torch.zeros_like(v) for k, v in rank_state(0).items()}
+            step, _ = ck.load_latest(target)
+            assert step == 2, step
+            for k, v in rank_state(2).items():
+                assert torch.equal(target[k], v), k
+        dist.destroy_process_group()
+        print("rank-ok", rank, flush=True)
+        return 0
     if mode == "diskfull":
         sys.path.insert(0, os.path.dirname(__file__))
         from test_checkpoint import make_state

@@ -258,3 +258,26 @@ def test_extra_blob_is_pickled_separately(tmp_path):
         ck.save(1, make_state(1), extra={"rng": [1, 2, 3]}).wait()
     blob = pickle.loads((tmp_path / "step-1" / "rank-0.extra").read_bytes())
     assert blob["extra"] == {"rng": [1, 2, 3]}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gloo_ranks_commit_through_the_store_and_load_back(tmp_path, world):
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, SCRIPT, "rank", str(tmp_path / "ck"), str(r), str(world), str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(world)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for r, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, (r, err.decode()[-3000:])
+        assert f"rank-ok {r}".encode() in out
+    manifest = json.loads((tmp_path / "ck" / "step-3" / "manifest.json").read_text())
+    assert manifest["world_size"] == world
+    assert set(manifest["files"]) == {f"rank-{r}.{e}" for r in range(world) for e in ("safetensors", "extra")}
+    assert sorted(p for p in os.listdir(tmp_path / "ck") if p.startswith("step")) == ["step-2", "step-3"]
