@@ -17,6 +17,8 @@
 #include <utility>
 #include <vector>
 
+// Exported (though not installed) so tests/cpp/checkpoint can exercise the decoders directly.
+#pragma GCC visibility push(default)
 namespace ettkit::checkpoint::detail {
 
 /// A byte range to write (not owned).
@@ -102,3 +104,4 @@ void apply_retention(const std::string& dir, int keep_last);
 std::string random_id();
 
 }  // namespace ettkit::checkpoint::detail
+#pragma GCC visibility pop
