@@ -33,6 +33,18 @@ def main() -> int:
             while True:
                 step += 1
                 ck.save(step, loop_state(step), extra={"step": step}).wait_staged()
+    if mode == "preempt":
+        ck = AsyncCheckpointer(path, recorder=None, every=10**9, preempt_deadline_s=30)
+        state = loop_state(0)
+        step = 0
+        print("ready", flush=True)
+        while True:
+            step += 1
+            for k, v in loop_state(step).items():
+                state[k].copy_(v)
+            if ck.should_save(step):
+                ck.save(step, state, extra={"step": step})  # durable, then exits with 128+SIGTERM
+                return 3  # not reached
     if mode == "rank":
         import torch.distributed as dist
 

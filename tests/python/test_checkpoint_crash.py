@@ -53,3 +53,19 @@ def test_sigkill_during_save_loop_never_selects_a_torn_step(tmp_path):
 def test_sigkill_during_save_loop_100_trials(tmp_path):
     steps = run_trials(tmp_path, trials=100, seed=2)
     assert len(steps) >= 50
+
+
+def test_sigterm_saves_the_current_step_and_exits_when_durable(tmp_path):
+    import signal
+
+    path = tmp_path / "ck"
+    proc = subprocess.Popen([sys.executable, SCRIPT, "preempt", str(path)], stdout=subprocess.PIPE)
+    assert proc.stdout.readline().strip() == b"ready"
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    target = {k: torch.zeros_like(v) for k, v in loop_state(0).items()}
+    step, extra = AsyncCheckpointer(path, recorder=None).load_latest(target)
+    assert step > 1 and extra == {"step": step}  # the step the loop had reached (every=1e9 never fires)
+    for k, v in loop_state(step).items():
+        assert torch.equal(target[k], v), k
