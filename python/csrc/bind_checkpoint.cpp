@@ -79,7 +79,7 @@ void bind_checkpoint(py::module_& m) {
              return std::make_unique<Stager>(o);
            }),
            py::kw_only(), py::arg("memory_budget_bytes") = 0, py::arg("num_arenas") = 1, py::arg("copy_threads") = 0,
-           py::arg("sync_copy_max_bytes") = 64 << 10, py::arg("pin_memory") = -1)
+           py::arg("sync_copy_max_bytes") = 4096, py::arg("pin_memory") = -1)
       .def(
           "stage",
           [](Stager& s, const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
@@ -135,7 +135,7 @@ void bind_checkpoint(py::module_& m) {
            }),
            py::arg("directory"), py::kw_only(), py::arg("keep_last") = 3, py::arg("on_busy") = "wait",
            py::arg("verify_on_load") = true, py::arg("memory_budget_bytes") = 0, py::arg("num_arenas") = 1,
-           py::arg("copy_threads") = 0, py::arg("sync_copy_max_bytes") = 64 << 10, py::arg("pin_memory") = -1,
+           py::arg("copy_threads") = 0, py::arg("sync_copy_max_bytes") = 4096, py::arg("pin_memory") = -1,
            py::arg("rank") = -1, py::arg("world_size") = -1, py::arg("commit_timeout_s") = 600.0,
            py::arg("recorder") = nullptr, py::arg("metadata") = std::map<std::string, std::string>{},
            py::arg("store") = py::none(), py::keep_alive<1, 14>(), py::keep_alive<1, 16>())

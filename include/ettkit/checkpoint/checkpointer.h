@@ -64,7 +64,7 @@ struct ETTKIT_API StagerOptions {
   /// Threads that copy CPU tensors (0 = min(4, hardware threads)).
   int copy_threads = 0;
   /// Tensors this small are copied synchronously inside save() (step counters, BatchNorm statistics).
-  int64_t sync_copy_max_bytes = 64 << 10;
+  int64_t sync_copy_max_bytes = 4096;
   /// -1: pinned when torch::cuda::is_available(); 0: never; 1: always (fails without CUDA).
   int pin_memory = -1;
 };
