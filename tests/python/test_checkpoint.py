@@ -217,8 +217,9 @@ def test_should_save_policies(tmp_path):
         interval = ck.auto_interval_s()
         blocking = ck.mean_blocking_s
         # Daly first order with the measured blocking time, never below the time to durable.
-        expected = max((2 * blocking * 3600) ** 0.5, ck.mean_time_to_durable_s)
-        assert interval == pytest.approx(expected, rel=0.5)
+        # (R = 0 without a recorder, so Daly's first order is sqrt(2*delta*M); delta floored at 0.1 ms.)
+        expected = max((2 * max(blocking, 1e-4) * 3600) ** 0.5, ck.mean_time_to_durable_s)
+        assert interval == pytest.approx(expected, rel=1e-6)
         assert not ck.should_save(2)
 
 
