@@ -7,4 +7,5 @@ void bind_common(pybind11::module_& m);
 void bind_ett(pybind11::module_& m);
 void bind_sharding(pybind11::module_& m);
 void bind_startup(pybind11::module_& m);
+void bind_checkpoint(pybind11::module_& m);
 }  // namespace ettkit::python

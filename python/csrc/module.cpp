@@ -13,4 +13,6 @@ PYBIND11_MODULE(_C, m) {
   ettkit::python::bind_sharding(sharding);
   auto startup = m.def_submodule("startup", "Start-up stage graph (compile overlapped with data warm-up)");
   ettkit::python::bind_startup(startup);
+  auto checkpoint = m.def_submodule("checkpoint", "async checkpoint stager and checkpointer");
+  ettkit::python::bind_checkpoint(checkpoint);
 }

@@ -1,0 +1,242 @@
+"""Checkpoint blocking, step inflation, time to durable and persist bandwidth: ettkit vs torch.save and DCP.
+
+    python benchmarks/checkpoint.py [--quick] [--json FILE] [--dir DIR]
+
+Same run, same state dicts, training steps between saves (a matmul "forward/backward" and an in-place
+foreach "optimizer step" on every saved tensor). Loop per save: optimizer step, save, the next step's
+forward/backward, wait until the save is staged (ettkit's pre-step hook; DCP's staging_completion),
+optimizer step. blocking_ms = time the loop waits because of a save (the save call plus the wait before
+the next optimizer step); step_inflation_pct = mean step time while
+the save persists vs. without saves; time_to_durable_s = save call -> durable; persist_GBps = bytes /
+time_to_durable beside disk_seq_GBps (sequential 64 MiB writes + fsync of the same bytes, same disk).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import print_table, write_json  # noqa: E402
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def make_state(case: str, quick: bool) -> dict:
+    g = torch.Generator().manual_seed(0)
+    if case == "1GB_large":
+        total = (128 if quick else 1024) << 20
+        n = 4
+        params = {f"layer{i}.weight": torch.randn(total // 4 // n // 3, generator=g) for i in range(n)}
+    else:
+        total = (32 if quick else 256) << 20
+        n = 1000 if quick else 5000
+        params = {f"emb{i}.weight": torch.randn(total // 4 // n // 3, generator=g) for i in range(n)}
+    # Adam-like optimizer state: two moments per parameter.
+    optim = {k: {"exp_avg": torch.zeros_like(v), "exp_avg_sq": torch.zeros_like(v), "step": torch.tensor(0.0)}
+             for k, v in params.items()}
+    return {"model": params, "optim": optim}
+
+
+def tensors_of(state):
+    out = list(state["model"].values())
+    for s in state["optim"].values():
+        out += [s["exp_avg"], s["exp_avg_sq"]]
+    return out
+
+
+def nbytes(state) -> int:
+    return sum(t.nbytes for t in tensors_of(state))
+
+
+class Trainer:
+    def __init__(self, state):
+        self.tensors = tensors_of(state)
+        self.a = torch.randn(384, 384)
+
+    def compute(self):
+        for _ in range(4):
+            self.a = torch.tanh(self.a @ self.a)
+
+    def optimizer_step(self):
+        torch._foreach_add_(self.tensors, 1e-3)
+
+
+BEST_OPTIONS: dict = {}
+
+
+def disk_seq_GBps(directory: str, size: int) -> float:
+    buf = memoryview(bytearray(64 << 20))
+    path = os.path.join(directory, "disk_probe.bin")
+    t = time.perf_counter()
+    with open(path, "wb", buffering=0) as f:
+        left = size
+        while left > 0:
+            n = min(left, len(buf))
+            f.write(buf[:n])
+            left -= n
+        os.fsync(f.fileno())
+    dt = time.perf_counter() - t
+    os.unlink(path)
+    return size / dt / 1e9
+
+
+def run_variant(variant: str, state, directory: str, saves: int, base_step_s: float) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    tr = Trainer(state)
+    blocking, durable, inflation = [], [], []
+    shutil.rmtree(directory, ignore_errors=True)
+    os.makedirs(directory)
+    ck = stager = None
+    if variant == "ettkit":
+        from ettkit.checkpoint import AsyncCheckpointer
+
+        ck = AsyncCheckpointer(directory, keep_last=2, recorder=None, preempt_signals=())
+    elif variant == "dcp_async_best":
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        # The best StagingOptions this torch accepts here (pinned/non-blocking need an accelerator).
+        for opts in ((True, True, True, True), (False, True, True, False), (False, False, True, False)):
+            try:
+                stager = DefaultStager(StagingOptions(*opts))
+                BEST_OPTIONS["dcp_async_best"] = dict(zip(("use_pinned_memory", "use_shared_memory",
+                                                           "use_async_staging", "use_non_blocking_copy"), opts))
+                break
+            except Exception:
+                continue
+    rss0 = None
+    prev = None
+    for i in range(1, saves + 1):
+        tr.compute()
+        t0 = time.perf_counter()
+        path = os.path.join(directory, f"step-{i}")
+        if variant == "ettkit":
+            h = ck.save(i, state)
+            is_durable = lambda: h.durable  # noqa: E731
+            wait_staged = ck.wait_staged
+        elif variant == "torch_save":
+            torch.save(state, path + ".pt")
+            is_durable = lambda: True  # noqa: E731
+            wait_staged = lambda: None  # noqa: E731
+        elif variant == "dcp_save":
+            dcp.save(state, checkpoint_id=path, no_dist=True)
+            is_durable = lambda: True  # noqa: E731
+            wait_staged = lambda: None  # noqa: E731
+        else:
+            if prev is not None:
+                prev.result()  # DCP needs the previous async save finished before the next
+            if variant == "dcp_async":
+                fut = dcp.async_save(state, checkpoint_id=path, no_dist=True)
+                up, staging = getattr(fut, "upload_completion", fut), None
+            else:
+                resp = dcp.async_save(state, checkpoint_id=path, no_dist=True, async_stager=stager)
+                up, staging = getattr(resp, "upload_completion", resp), getattr(resp, "staging_completion", None)
+            prev = up
+            is_durable = up.done
+            wait_staged = (lambda: staging.result()) if staging is not None else (lambda: None)
+        t1 = time.perf_counter()
+        tr.compute()  # the next step's forward/backward overlaps the staging copies
+        tw = time.perf_counter()
+        wait_staged()  # the pre-step hook: the optimizer must not mutate unstaged tensors
+        t2 = time.perf_counter()
+        tr.optimizer_step()
+        blocking.append((t1 - t0) + (t2 - tw))
+        # Training steps while the save persists.
+        steps = []
+        while not is_durable() and len(steps) < 20:
+            s0 = time.perf_counter()
+            tr.compute()
+            tr.optimizer_step()
+            steps.append(time.perf_counter() - s0)
+        if variant == "ettkit":
+            h.wait()
+        elif prev is not None:
+            prev.result()
+        durable.append(time.perf_counter() - t0)
+        if steps:
+            inflation.append(statistics.mean(steps) / base_step_s - 1.0)
+        if i == 1:
+            rss0 = rss_bytes()
+    rss_growth = rss_bytes() - rss0 if rss0 is not None else 0
+    if ck is not None:
+        ck.close()
+    if stager is not None:
+        stager.close()
+    size = nbytes(state)
+    return {
+        "blocking_ms": statistics.median(blocking) * 1e3,
+        "step_inflation_pct": (statistics.mean(inflation) * 100) if inflation else 0.0,
+        "time_to_durable_s": statistics.median(durable),
+        "persist_GBps": size / statistics.median(durable) / 1e9,
+        "rss_growth_MB": rss_growth / 1e6,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json")
+    ap.add_argument("--dir", default="/tmp/ettkit_bench_ckpt")
+    ap.add_argument("--saves", type=int, default=None)
+    ap.add_argument("--variants", default="ettkit,torch_save,dcp_save,dcp_async,dcp_async_best")
+    args = ap.parse_args()
+    saves = args.saves or (3 if args.quick else 5)
+    results: dict = {}
+    for case in ("1GB_large", "256MB_small"):
+        state = make_state(case, args.quick)
+        tr = Trainer(state)
+        for _ in range(5):
+            tr.compute()
+            tr.optimizer_step()
+        base = statistics.median([_timed_step(tr) for _ in range(5)])
+        os.makedirs(args.dir, exist_ok=True)
+        disk = disk_seq_GBps(args.dir, nbytes(state))
+        results.setdefault(f"disk_seq_GBps[state={case}]", {})["disk"] = disk
+        results.setdefault(f"state_MB[state={case}]", {})["all"] = nbytes(state) / 1e6
+        for v in args.variants.split(","):
+            r = run_variant(v, state, os.path.join(args.dir, v), saves, base)
+            for metric, value in r.items():
+                results.setdefault(f"{metric}[state={case}]", {})[v] = value
+            print(f"{case} {v}: " + ", ".join(f"{k}={x:.4g}" for k, x in r.items()), flush=True)
+        if "ettkit" in args.variants:
+            # RSS over many saves: one arena allocated once, reused.
+            from ettkit.checkpoint import AsyncCheckpointer
+
+            n = 10 if args.quick else 50
+            d = os.path.join(args.dir, "rss")
+            shutil.rmtree(d, ignore_errors=True)
+            with AsyncCheckpointer(d, keep_last=1, recorder=None, preempt_signals=()) as ck:
+                ck.save(0, state).wait()
+                r0 = rss_bytes()
+                for i in range(1, n + 1):
+                    ck.save(i, state).wait()
+                results.setdefault(f"rss_growth_over_saves_MB[state={case}]", {})["ettkit"] = (rss_bytes() - r0) / 1e6
+                results.setdefault(f"arena_MB[state={case}]", {})["ettkit"] = ck.arena_bytes / 1e6
+                results.setdefault(f"rss_saves[state={case}]", {})["ettkit"] = n
+            shutil.rmtree(d, ignore_errors=True)
+    shutil.rmtree(args.dir, ignore_errors=True)
+    print_table("checkpoint", results)
+    if args.json:
+        write_json(args.json, "checkpoint", {"quick": args.quick, "saves": saves, "torch": torch.__version__,
+                                                  "dcp_async_best_options": BEST_OPTIONS.get("dcp_async_best")}, results)
+
+
+def _timed_step(tr) -> float:
+    t = time.perf_counter()
+    tr.compute()
+    tr.optimizer_step()
+    return time.perf_counter() - t
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+#pragma once
+// ettkit::checkpoint: async checkpoint stager and crash-consistent checkpointer (DESIGN §4.2).
+//
+// What it promises
+//  - Staging: save() copies the state into a host arena that was allocated once (exact size, pinned
+//    when CUDA is available) and is reused by every later save. CPU tensors are copied by worker threads
+//    (tensors at most `sync_copy_max_bytes` are copied synchronously inside save()); CUDA tensors are
+//    copied on a dedicated stream that first waits on an event recorded on the caller's current stream.
+//    Until a save is *staged*, the caller must not mutate the saved tensors: call
+//    wait_staged_on_current_stream() before mutating (the Python attach(optimizer) hook does this).
+//  - Persistence: a background writer thread writes rank-<r>.safetensors (+ rank-<r>.extra) into
+//    CKPT_DIR/.tmp-step-<N>-<run>/, fsyncs them, and the commit follows DESIGN §4.2: every rank reports
+//    through the c10d Store, rank 0 writes + fsyncs manifest.json, renames the directory to step-<N>,
+//    fsyncs CKPT_DIR, updates `latest` atomically and applies keep_last. A step is committed exactly when
+//    step-<N>/manifest.json exists; a crash at any point leaves earlier committed steps intact.
+//  - Errors on the writer thread are values: they travel to SaveHandle::wait() / error(); training goes on.
+// Thread-safety: save/load/close are called from the training thread; SaveHandle may be used anywhere.
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <exception>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "ettkit/common/error.h"
+#include "ettkit/common/export.h"
+
+namespace ettkit::ett {
+class Recorder;
+}
+
+namespace ettkit::checkpoint {
+
+/// No committed checkpoint passes verification (Python: ettkit.CorruptCheckpointError).
+class ETTKIT_API CorruptCheckpoint : public CorruptData {
+  using CorruptData::CorruptData;
+};
+
+/// What save() does while every arena is still held by earlier saves.
+enum class OnBusy : uint8_t {
+  kWait,   ///< block until an arena is free (the wait counts as blocking time)
+  kSkip,   ///< return a handle whose skipped() is true; nothing is saved
+  kError,  ///< throw InvalidArgument
+};
+ETTKIT_API OnBusy parse_on_busy(const std::string& s);
+
+using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
+
+struct ETTKIT_API StagerOptions {
+  /// Upper bound on host arena bytes (all arenas together); <= 0: no bound.
+  int64_t memory_budget_bytes = 0;
+  /// 1, or 2 for double-buffering (a new save stages while the previous one persists). 2 needs a budget
+  /// that fits two arenas (or no budget).
+  int num_arenas = 1;
+  /// Threads that copy CPU tensors (0 = min(4, hardware threads)).
+  int copy_threads = 0;
+  /// Tensors this small are copied synchronously inside save() (step counters, BatchNorm statistics).
+  int64_t sync_copy_max_bytes = 4096;
+  /// -1: pinned when torch::cuda::is_available(); 0: never; 1: always (fails without CUDA).
+  int pin_memory = -1;
+};
+
+/// One entry of the cached snapshot plan: where a tensor lives in the arena.
+struct PlanEntry {
+  std::string name;
+  at::ScalarType dtype;
+  std::vector<int64_t> shape;
+  c10::Device device{c10::kCPU};
+  int64_t nbytes = 0;
+  int64_t offset = 0;
+};
+
+class Stager;
+
+/// One staged copy of a state dict, holding one arena until released.
+class ETTKIT_API Snapshot {
+ public:
+  ~Snapshot();
+  /// Blocks the host until every copy has landed in the arena (rethrows a copy error).
+  void wait_staged();
+  /// GPU copies: makes the caller's current CUDA stream wait for them (no host block); CPU copies: waits
+  /// on the host.
+  void wait_staged_on_current_stream();
+  /// Non-blocking query.
+  bool staged() const;
+  const std::vector<PlanEntry>& plan() const { return *plan_; }
+  int64_t total_bytes() const;
+  /// The arena bytes (valid until release()).
+  const uint8_t* data() const { return data_; }
+  uint8_t* mutable_data() { return data_; }
+  /// Returns the arena to the stager (idempotent; waits for staging first).
+  void release();
+  /// Views of the arena as CPU tensors, one per plan entry (valid until release()).
+  NamedTensors tensors();
+  int64_t stage_begin_us() const { return stage_begin_us_; }
+  /// Epoch microseconds when the host observed staging complete (0 while unknown).
+  int64_t staged_us() const;
+
+ private:
+  friend class Stager;
+  struct State;
+  Snapshot() = default;
+  Stager* stager_ = nullptr;
+  int arena_ = -1;
+  uint8_t* data_ = nullptr;
+  std::shared_ptr<const std::vector<PlanEntry>> plan_;
+  std::shared_ptr<State> state_;
+  int64_t stage_begin_us_ = 0;
+  bool released_ = false;
+};
+
+/// Arena pool + snapshot plan + copy engine. Used by AsyncCheckpointer and by the DCP adapter.
+class ETTKIT_API Stager {
+ public:
+  explicit Stager(StagerOptions options = {});
+  ~Stager();
+  Stager(const Stager&) = delete;
+  Stager& operator=(const Stager&) = delete;
+
+  /// Starts copying `tensors` into a free arena. Returns nullptr when on_busy == kSkip and no arena is
+  /// free. Throws InvalidArgument when the state exceeds the memory budget or on_busy == kError.
+  std::shared_ptr<Snapshot> stage(const NamedTensors& tensors, OnBusy on_busy);
+
+  int64_t arena_bytes() const;
+  int num_arenas() const;
+  bool pinned() const;
+  /// How often the plan was (re)built and the arenas (re)allocated: for tests and benchmarks.
+  int64_t plan_builds() const;
+  int64_t arena_allocations() const;
+  /// Seconds spent waiting for a free arena (kWait), cumulative.
+  double busy_wait_s() const;
+
+ private:
+  friend class Snapshot;
+  struct Impl;
+  void release_arena(int arena);
+  std::unique_ptr<Impl> impl_;
+};
+
+/// Returned by AsyncCheckpointer::save().
+class ETTKIT_API SaveHandle {
+ public:
+  struct State;
+  explicit SaveHandle(std::shared_ptr<State> state) : state_(std::move(state)) {}
+  int64_t step() const;
+  bool skipped() const;
+  bool staged() const;
+  bool durable() const;
+  /// The writer's error, or nullptr.
+  std::exception_ptr error() const;
+  /// Blocks until durable (returns true) or failed (rethrows the error); timeout_s < 0: no bound
+  /// (throws Timeout when it runs out).
+  bool wait(double timeout_s = -1.0);
+  void wait_staged();
+  /// Epoch microseconds; 0 when not reached.
+  int64_t durable_us() const;
+  double blocking_s() const;
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
+struct ETTKIT_API CheckpointerOptions {
+  std::string directory;
+  int keep_last = 3;
+  OnBusy on_busy = OnBusy::kWait;
+  bool verify_on_load = true;
+  StagerOptions stager;
+  /// -1: from the Store's world (rank 0 / size 1 without a store).
+  int rank = -1;
+  int world_size = -1;
+  /// How long a rank waits for the others at commit (seconds).
+  double commit_timeout_s = 600.0;
+  /// Non-owning; must outlive the checkpointer. Receives checkpoint_blocking (foreground) and
+  /// checkpoint_staging / checkpoint_persist (background) records.
+  ett::Recorder* recorder = nullptr;
+  /// Written into every manifest.
+  std::map<std::string, std::string> metadata;
+};
+
+struct LoadResult {
+  int64_t step = -1;
+  std::string extra;
+  std::vector<int64_t> skipped_steps;  // newer steps that failed validation
+};
+
+class ETTKIT_API AsyncCheckpointer {
+ public:
+  /// Creates the directory, agrees on a run id through the store (world > 1), and (rank 0) removes
+  /// temporaries left by earlier runs.
+  AsyncCheckpointer(CheckpointerOptions options, c10::intrusive_ptr<c10d::Store> store = {});
+  ~AsyncCheckpointer();
+  AsyncCheckpointer(const AsyncCheckpointer&) = delete;
+  AsyncCheckpointer& operator=(const AsyncCheckpointer&) = delete;
+
+  /// Stages `tensors` and queues their persistence as step `step`, with `extra` (opaque bytes) as the
+  /// rank's non-tensor state. Blocking time (including waits for a busy arena) is recorded.
+  SaveHandle save(int64_t step, const NamedTensors& tensors, const std::string& extra = {});
+  /// Makes the caller's current stream (GPU) or the host (CPU) wait until the latest save is staged, and
+  /// records the wait as checkpoint_blocking. Call before mutating saved tensors.
+  void wait_staged_on_current_stream();
+  /// Loads the newest committed step that validates into `tensors` in place. nullopt when nothing is
+  /// committed; CorruptCheckpoint when steps exist but none validates; InvalidArgument naming the key
+  /// when the state dict does not match the checkpoint.
+  std::optional<LoadResult> load_latest(const NamedTensors& tensors);
+  /// Waits for every queued save (durable or failed); rethrows nothing.
+  void wait_all();
+  /// wait_all() and stop the writer. Idempotent.
+  void close();
+
+  int rank() const;
+  int world_size() const;
+  const std::string& directory() const;
+  const Stager& stager() const;
+  /// Mean measured time a save blocked training and mean time to durable (seconds; 0 before any).
+  double mean_blocking_s() const;
+  double mean_time_to_durable_s() const;
+  int64_t saves_committed() const;
+  int64_t saves_failed() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace ettkit::checkpoint

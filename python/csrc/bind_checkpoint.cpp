@@ -1,0 +1,185 @@
+// ettkit._C.checkpoint: the C++ Stager / AsyncCheckpointer. Every blocking call releases the GIL.
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include "bindings.h"
+#include "ettkit/checkpoint/checkpointer.h"
+#include "ettkit/ett/recorder.h"
+
+namespace py = pybind11;
+
+namespace ettkit::python {
+
+namespace {
+using checkpoint::NamedTensors;
+
+NamedTensors zip(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors) {
+  ETTKIT_EXPECTS(names.size() == tensors.size(), "got ", names.size(), " names for ", tensors.size(), " tensors");
+  NamedTensors out;
+  out.reserve(names.size());
+  for (size_t i = 0; i < names.size(); ++i) out.emplace_back(names[i], tensors[i]);
+  return out;
+}
+
+py::object error_class(const char* name) { return py::module_::import("ettkit.errors").attr(name); }
+
+/// The Python exception object for an error captured on the writer thread (None for no error).
+py::object to_python_error(std::exception_ptr p) {
+  if (!p) return py::none();
+  try {
+    std::rethrow_exception(p);
+  } catch (const checkpoint::CorruptCheckpoint& e) {
+    return error_class("CorruptCheckpointError")(e.what());
+  } catch (const InvalidArgument& e) {
+    return error_class("InvalidArgumentError")(e.what());
+  } catch (const CorruptData& e) {
+    return error_class("CorruptDataError")(e.what());
+  } catch (const IoError& e) {
+    return error_class("IoError")(e.what());
+  } catch (const Timeout& e) {
+    return error_class("TimeoutError")(e.what());
+  } catch (const Error& e) {
+    return error_class("Error")(e.what());
+  } catch (const std::exception& e) {
+    return py::module_::import("builtins").attr("RuntimeError")(e.what());
+  }
+}
+}  // namespace
+
+void bind_checkpoint(py::module_& m) {
+  using namespace checkpoint;
+  // Registered after bind_common's translator, so tried first.
+  py::register_exception_translator([](std::exception_ptr p) {
+    if (!p) return;
+    try {
+      std::rethrow_exception(p);
+    } catch (const CorruptCheckpoint& e) {
+      PyErr_SetString(error_class("CorruptCheckpointError").ptr(), e.what());
+    }
+  });
+
+  py::class_<Snapshot, std::shared_ptr<Snapshot>>(m, "Snapshot")
+      .def("wait_staged", &Snapshot::wait_staged, py::call_guard<py::gil_scoped_release>())
+      .def("wait_staged_on_current_stream", &Snapshot::wait_staged_on_current_stream,
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("staged", &Snapshot::staged)
+      .def_property_readonly("total_bytes", &Snapshot::total_bytes)
+      .def("tensors", &Snapshot::tensors, "Views of the arena (valid until release()).")
+      .def("release", &Snapshot::release, py::call_guard<py::gil_scoped_release>());
+
+  py::class_<Stager>(m, "Stager")
+      .def(py::init([](int64_t memory_budget_bytes, int num_arenas, int copy_threads, int64_t sync_copy_max_bytes,
+                       int pin_memory) {
+             StagerOptions o;
+             o.memory_budget_bytes = memory_budget_bytes;
+             o.num_arenas = num_arenas;
+             o.copy_threads = copy_threads;
+             o.sync_copy_max_bytes = sync_copy_max_bytes;
+             o.pin_memory = pin_memory;
+             return std::make_unique<Stager>(o);
+           }),
+           py::kw_only(), py::arg("memory_budget_bytes") = 0, py::arg("num_arenas") = 1, py::arg("copy_threads") = 0,
+           py::arg("sync_copy_max_bytes") = 4096, py::arg("pin_memory") = -1)
+      .def(
+          "stage",
+          [](Stager& s, const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
+             const std::string& on_busy) {
+            NamedTensors nt = zip(names, tensors);
+            OnBusy ob = parse_on_busy(on_busy);
+            py::gil_scoped_release nogil;
+            return s.stage(nt, ob);
+          },
+          py::arg("names"), py::arg("tensors"), py::arg("on_busy") = "wait", py::keep_alive<0, 1>())
+      .def_property_readonly("arena_bytes", &Stager::arena_bytes)
+      .def_property_readonly("num_arenas", &Stager::num_arenas)
+      .def_property_readonly("pinned", &Stager::pinned)
+      .def_property_readonly("plan_builds", &Stager::plan_builds)
+      .def_property_readonly("arena_allocations", &Stager::arena_allocations)
+      .def_property_readonly("busy_wait_s", &Stager::busy_wait_s);
+
+  py::class_<SaveHandle>(m, "SaveHandle")
+      .def_property_readonly("step", &SaveHandle::step)
+      .def_property_readonly("skipped", &SaveHandle::skipped)
+      .def_property_readonly("staged", &SaveHandle::staged)
+      .def_property_readonly("durable", &SaveHandle::durable)
+      .def_property_readonly("error", [](const SaveHandle& h) { return to_python_error(h.error()); })
+      .def_property_readonly("blocking_s", &SaveHandle::blocking_s)
+      .def_property_readonly("durable_us", &SaveHandle::durable_us)
+      .def("wait", &SaveHandle::wait, py::arg("timeout_s") = -1.0, py::call_guard<py::gil_scoped_release>())
+      .def("wait_staged", &SaveHandle::wait_staged, py::call_guard<py::gil_scoped_release>());
+
+  py::class_<AsyncCheckpointer>(m, "AsyncCheckpointer")
+      .def(py::init([](const std::string& directory, int keep_last, const std::string& on_busy, bool verify_on_load,
+                       int64_t memory_budget_bytes, int num_arenas, int copy_threads, int64_t sync_copy_max_bytes,
+                       int pin_memory, int rank, int world_size, double commit_timeout_s, ett::Recorder* recorder,
+                       std::map<std::string, std::string> metadata, py::object store) {
+             CheckpointerOptions o;
+             o.directory = directory;
+             o.keep_last = keep_last;
+             o.on_busy = parse_on_busy(on_busy);
+             o.verify_on_load = verify_on_load;
+             o.stager.memory_budget_bytes = memory_budget_bytes;
+             o.stager.num_arenas = num_arenas;
+             o.stager.copy_threads = copy_threads;
+             o.stager.sync_copy_max_bytes = sync_copy_max_bytes;
+             o.stager.pin_memory = pin_memory;
+             o.rank = rank;
+             o.world_size = world_size;
+             o.commit_timeout_s = commit_timeout_s;
+             o.recorder = recorder;
+             o.metadata = std::move(metadata);
+             c10::intrusive_ptr<c10d::Store> s;
+             if (!store.is_none()) s = store.cast<c10::intrusive_ptr<c10d::Store>>();
+             py::gil_scoped_release nogil;
+             return std::make_unique<AsyncCheckpointer>(std::move(o), std::move(s));
+           }),
+           py::arg("directory"), py::kw_only(), py::arg("keep_last") = 3, py::arg("on_busy") = "wait",
+           py::arg("verify_on_load") = true, py::arg("memory_budget_bytes") = 0, py::arg("num_arenas") = 1,
+           py::arg("copy_threads") = 0, py::arg("sync_copy_max_bytes") = 4096, py::arg("pin_memory") = -1,
+           py::arg("rank") = -1, py::arg("world_size") = -1, py::arg("commit_timeout_s") = 600.0,
+           py::arg("recorder") = nullptr, py::arg("metadata") = std::map<std::string, std::string>{},
+           py::arg("store") = py::none(), py::keep_alive<1, 14>(), py::keep_alive<1, 16>())
+      .def(
+          "save",
+          [](AsyncCheckpointer& c, int64_t step, const std::vector<std::string>& names,
+             const std::vector<at::Tensor>& tensors, const py::bytes& extra) {
+            NamedTensors nt = zip(names, tensors);
+            std::string blob = extra;
+            py::gil_scoped_release nogil;
+            return c.save(step, nt, blob);
+          },
+          py::arg("step"), py::arg("names"), py::arg("tensors"), py::arg("extra") = py::bytes())
+      .def("wait_staged_on_current_stream", &AsyncCheckpointer::wait_staged_on_current_stream,
+           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "load_latest",
+          [](AsyncCheckpointer& c, const std::vector<std::string>& names,
+             const std::vector<at::Tensor>& tensors) -> py::object {
+            NamedTensors nt = zip(names, tensors);
+            std::optional<LoadResult> r;
+            {
+              py::gil_scoped_release nogil;
+              r = c.load_latest(nt);
+            }
+            if (!r) return py::none();
+            return py::make_tuple(r->step, py::bytes(r->extra), r->skipped_steps);
+          },
+          py::arg("names"), py::arg("tensors"))
+      .def("wait_all", &AsyncCheckpointer::wait_all, py::call_guard<py::gil_scoped_release>())
+      .def("close", &AsyncCheckpointer::close, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("rank", &AsyncCheckpointer::rank)
+      .def_property_readonly("world_size", &AsyncCheckpointer::world_size)
+      .def_property_readonly("directory", &AsyncCheckpointer::directory)
+      .def_property_readonly("arena_bytes", [](const AsyncCheckpointer& c) { return c.stager().arena_bytes(); })
+      .def_property_readonly("num_arenas", [](const AsyncCheckpointer& c) { return c.stager().num_arenas(); })
+      .def_property_readonly("pinned", [](const AsyncCheckpointer& c) { return c.stager().pinned(); })
+      .def_property_readonly("plan_builds", [](const AsyncCheckpointer& c) { return c.stager().plan_builds(); })
+      .def_property_readonly("arena_allocations",
+                             [](const AsyncCheckpointer& c) { return c.stager().arena_allocations(); })
+      .def_property_readonly("mean_blocking_s", &AsyncCheckpointer::mean_blocking_s)
+      .def_property_readonly("mean_time_to_durable_s", &AsyncCheckpointer::mean_time_to_durable_s)
+      .def_property_readonly("saves_committed", &AsyncCheckpointer::saves_committed)
+      .def_property_readonly("saves_failed", &AsyncCheckpointer::saves_failed);
+}
+
+}  // namespace ettkit::python

@@ -1,0 +1,347 @@
+"""Async checkpointing: pinned host arena, stream-ordered staging, crash-consistent persistence.
+
+::
+
+    from ettkit.checkpoint import AsyncCheckpointer
+    with AsyncCheckpointer("ckpt", keep_last=3, every=100) as ckpt:
+        ckpt.attach(optimizer)                        # the optimizer never mutates an unstaged tensor
+        restored = ckpt.load_latest(state)            # (step, extra) or None
+        start = restored[0] + 1 if restored else 0
+        for step in range(start, steps):
+            train_step()
+            if ckpt.should_save(step):
+                ckpt.save(step, state, extra={"epoch": epoch})   # returns after staging is queued
+
+``state`` is a (nested) dict of tensors and plain values, e.g.
+``{"model": model.state_dict(), "optim": optimizer.state_dict()}``. Tensors are saved as
+``step-<N>/rank-<r>.safetensors``; everything else (and ``extra``) is pickled into ``rank-<r>.extra``.
+Guarantees and the on-disk layout: docs/checkpoint.md.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import signal
+import sys
+import threading
+import time
+from collections import deque
+from typing import Any, Iterable, Optional
+
+import torch
+
+from .. import _C
+from ..errors import InvalidArgumentError
+from ._flatten import TensorRef, flatten, rebuild, restore_non_tensors
+
+__all__ = ["AsyncCheckpointer", "DcpStager", "SaveHandle", "parse_every"]
+
+SaveHandle = _C.checkpoint.SaveHandle
+
+_UNITS = {"s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
+
+
+def parse_every(every: Any) -> tuple[str, float]:
+    """``None`` -> ("never", 0); int n -> ("steps", n); "90s"/"5min"/"2h" -> ("seconds", s); "auto"."""
+    if every is None:
+        return ("never", 0.0)
+    if isinstance(every, bool):
+        raise InvalidArgumentError(f"every={every!r}: give steps (int), a duration like '90s', or 'auto'")
+    if isinstance(every, int):
+        if every <= 0:
+            raise InvalidArgumentError(f"every={every} must be a positive number of steps")
+        return ("steps", float(every))
+    if isinstance(every, str):
+        if every == "auto":
+            return ("auto", 0.0)
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(s|sec|m|min|h)\s*", every)
+        if m and float(m.group(1)) > 0:
+            return ("seconds", float(m.group(1)) * _UNITS[m.group(2)])
+    raise InvalidArgumentError(
+        f"every={every!r} is not valid: give steps (e.g. 100), a duration (e.g. '90s', '10min', '1h') or 'auto'")
+
+
+class AsyncCheckpointer:
+    """Asynchronous, crash-consistent checkpointer (one per rank). See the module docstring.
+
+    ``memory_budget_bytes`` bounds the host arenas; ``double_buffer=True`` uses a second arena (when the
+    budget allows) so a save can stage while the previous one persists; ``on_busy`` says what ``save``
+    does while every arena is still persisting: ``"wait"``, ``"skip"`` (returns a skipped handle) or
+    ``"error"``. ``every``: the interval policy of :meth:`should_save`. ``process_group`` gives rank and
+    world size; the commit is coordinated through ``store`` (default: the default process group's store),
+    never through collectives. ``preempt_signals`` (default SIGTERM when ``every`` is set): on such a
+    signal the next :meth:`should_save` returns True, that save is made durable and the process exits with
+    128+signal; a save already in flight is finished first; ``preempt_deadline_s`` bounds it all.
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, keep_last: int = 3, memory_budget_bytes: Optional[int] = None,
+                 on_busy: str = "wait", verify_on_load: bool = True, every: Any = None, process_group=None,
+                 store=None, double_buffer: bool = False, copy_threads: int = 0, recorder: Any = "current",
+                 commit_timeout_s: float = 600.0, metadata: Optional[dict] = None,
+                 preempt_signals: Optional[Iterable[int]] = None, preempt_deadline_s: float = 60.0,
+                 mtbf_prior_s: float = 24 * 3600.0, pin_memory: Optional[bool] = None):
+        if on_busy not in ("wait", "skip", "error"):
+            raise InvalidArgumentError(f"on_busy={on_busy!r} is not one of 'wait', 'skip', 'error'")
+        if memory_budget_bytes is not None and memory_budget_bytes <= 0:
+            raise InvalidArgumentError(f"memory_budget_bytes={memory_budget_bytes} must be positive (or None)")
+        self._every_kind, self._every_value = parse_every(every)
+        rank, world = 0, 1
+        if process_group is not None or (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            import torch.distributed as dist
+
+            rank = dist.get_rank(process_group)
+            world = dist.get_world_size(process_group)
+            if store is None and world > 1:
+                store = dist.PrefixStore("ettkit_ckpt/", dist.distributed_c10d._get_default_store())
+        if recorder == "current":
+            from ..ett import current
+
+            recorder = current()
+        self._recorder = recorder
+        self._c = _C.checkpoint.AsyncCheckpointer(
+            os.fspath(directory), keep_last=int(keep_last), on_busy=on_busy, verify_on_load=bool(verify_on_load),
+            memory_budget_bytes=int(memory_budget_bytes or 0), num_arenas=2 if double_buffer else 1,
+            copy_threads=int(copy_threads), pin_memory=-1 if pin_memory is None else int(bool(pin_memory)),
+            rank=rank, world_size=world, commit_timeout_s=float(commit_timeout_s), recorder=recorder,
+            metadata={str(k): str(v) for k, v in (metadata or {}).items()}, store=store)
+        self._last_save_step: Optional[int] = None
+        self._last_save_time = time.monotonic()
+        self._last_state: Any = None
+        self._last_extra: Any = None
+        self._hooks: list = []
+        self._handles: deque = deque(maxlen=4)
+        self._mtbf_s, self._restart_s = self._failure_history(mtbf_prior_s)
+        self._preempt_signal: Optional[int] = None
+        self._preempt_time = 0.0
+        self._preempt_deadline_s = float(preempt_deadline_s)
+        self._old_handlers: dict = {}
+        if preempt_signals is None and self._every_kind != "never":
+            preempt_signals = (signal.SIGTERM,)
+        if preempt_signals and threading.current_thread() is threading.main_thread():
+            for sig in preempt_signals:
+                self._old_handlers[sig] = signal.signal(sig, self._on_preempt_signal)
+        self._closed = False
+
+    # ---- saving -------------------------------------------------------------------------------------
+    def save(self, step: int, state_dict: Any, extra: Any = None) -> SaveHandle:
+        """Stages ``state_dict`` and persists it in the background as step ``step``. Returns a handle with
+        ``wait()``, ``staged``, ``durable``, ``error``. Until the handle is staged the saved tensors must
+        not be mutated (``attach(optimizer)`` enforces this)."""
+        names, tensors, skeleton = flatten(state_dict)
+        blob = pickle.dumps({"skeleton": skeleton, "extra": extra}, protocol=pickle.HIGHEST_PROTOCOL)
+        handle = self._c.save(int(step), names, tensors, blob)
+        if not handle.skipped:
+            self._last_save_step = int(step)
+            self._last_save_time = time.monotonic()
+            self._handles.append(handle)
+        self._last_state, self._last_extra = state_dict, extra
+        if self._preempt_signal is not None:
+            self._finish_preemption(handle)
+        return handle
+
+    def attach(self, optimizer: torch.optim.Optimizer):
+        """Installs a step pre-hook: before each ``optimizer.step()`` the latest save's copies must be done
+        (GPU: the compute stream waits on the copy event; CPU: the host waits). Returns the hook handle."""
+        hook = optimizer.register_step_pre_hook(lambda *_: self._c.wait_staged_on_current_stream())
+        self._hooks.append(hook)
+        return hook
+
+    def wait_staged(self) -> None:
+        """Makes the caller wait (GPU: its stream) until the latest save is staged."""
+        self._c.wait_staged_on_current_stream()
+
+    def wait(self) -> None:
+        """Waits until every queued save is durable or failed."""
+        self._c.wait_all()
+
+    # ---- when to save -------------------------------------------------------------------------------
+    def should_save(self, step: int) -> bool:
+        """The interval policy given as ``every``; always True once a preemption signal arrived."""
+        if self._preempt_signal is not None:
+            return True
+        kind = self._every_kind
+        if kind == "never":
+            return False
+        if kind == "steps":
+            return step > 0 and step % int(self._every_value) == 0 and step != self._last_save_step
+        elapsed = time.monotonic() - self._last_save_time
+        if kind == "seconds":
+            return elapsed >= self._every_value
+        return elapsed >= self.auto_interval_s()
+
+    def auto_interval_s(self) -> float:
+        """The interval the ETT advisor recommends from this job's measured blocking time, save duration
+        and failure history (Daly's first order, never below the time a save takes to become durable).
+        Before any save has been measured: 0 (save now, to measure)."""
+        if self._c.saves_committed == 0:
+            return 0.0
+        from ..ett import recommend_interval
+
+        blocking = max(self._c.mean_blocking_s, 1e-4)
+        interval = recommend_interval(blocking, self._mtbf_s, self._restart_s, "daly")
+        return max(interval, self._c.mean_time_to_durable_s)
+
+    def _failure_history(self, prior: float) -> tuple[float, float]:
+        rec = self._recorder
+        path = getattr(rec, "ledger_path", None) if rec is not None else None
+        if not path:
+            return float(prior), 0.0
+        try:
+            from ..ett import build_report
+
+            rep = build_report(os.path.dirname(os.path.dirname(path)), mtbf_prior_s=prior, include_timeline=False)
+            mtbf = rep.get("mtbf_s") or prior
+            ttr = [v for v in (rep.get("time_to_recover_s") or []) if isinstance(v, (int, float))] \
+                if isinstance(rep.get("time_to_recover_s"), list) else []
+            return float(mtbf), float(sum(ttr) / len(ttr)) if ttr else 0.0
+        except Exception:  # the advisor is advisory: a missing or unreadable ledger means "use the prior"
+            return float(prior), 0.0
+
+    # ---- preemption -------------------------------------------------------------------------------------
+    def _on_preempt_signal(self, signum, frame) -> None:
+        if self._preempt_signal is not None:
+            return
+        self._preempt_signal = signum
+        self._preempt_time = time.monotonic()
+        # Watchdog: exit by the deadline even if the loop never reaches a safe point.
+        t = threading.Thread(target=self._deadline_watchdog, daemon=True, name="ettkit-preempt-watchdog")
+        t.start()
+
+    def _deadline_watchdog(self) -> None:
+        deadline = self._preempt_time + self._preempt_deadline_s
+        # Finish the save in flight (if any) even if the loop never calls should_save again.
+        try:
+            for h in list(self._handles):
+                h.wait(max(deadline - time.monotonic(), 0.0))
+        except Exception:
+            pass
+        time.sleep(max(deadline - time.monotonic(), 0.0))
+        os._exit(128 + int(self._preempt_signal or signal.SIGTERM))
+
+    def _finish_preemption(self, handle) -> None:
+        remaining = self._preempt_deadline_s - (time.monotonic() - self._preempt_time)
+        try:
+            for h in list(self._handles):
+                h.wait(max(remaining, 0.0))
+        finally:
+            code = 128 + int(self._preempt_signal)
+            self.close()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+    # ---- loading ----------------------------------------------------------------------------------------
+    def load_latest(self, state_dict: Any) -> Optional[tuple[int, Any]]:
+        """Copies the newest committed, valid step into ``state_dict``'s tensors in place (non-tensor leaves
+        of its dicts/lists are replaced). Returns ``(step, extra)``, or ``None`` when nothing is committed.
+        Falls back to older steps with a warning; raises ``ettkit.CorruptCheckpointError`` when no step
+        is valid and ``ValueError`` naming the key when ``state_dict`` does not match."""
+        names, tensors, _ = flatten(state_dict)
+        res = self._c.load_latest(names, tensors)
+        if res is None:
+            return None
+        step, blob, skipped = res
+        if skipped:
+            import warnings
+
+            warnings.warn(f"ettkit.checkpoint: newer steps {skipped} in {self._c.directory} failed validation; "
+                          f"loaded step {step}", RuntimeWarning, stacklevel=2)
+        payload = pickle.loads(blob)
+        restore_non_tensors(state_dict, payload["skeleton"])
+        self._last_save_step = int(step)
+        return int(step), payload["extra"]
+
+    # ---- lifetime ---------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Waits for queued saves and stops the writer. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for h in self._hooks:
+            h.remove()
+        self._c.close()
+        if threading.current_thread() is threading.main_thread():
+            for sig, old in self._old_handlers.items():
+                if signal.getsignal(sig) == self._on_preempt_signal:
+                    signal.signal(sig, old)
+
+    def __enter__(self) -> "AsyncCheckpointer":
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.close()
+        return False
+
+    # ---- introspection ----------------------------------------------------------------------------------
+    directory = property(lambda self: self._c.directory)
+    rank = property(lambda self: self._c.rank)
+    world_size = property(lambda self: self._c.world_size)
+    arena_bytes = property(lambda self: self._c.arena_bytes)
+    num_arenas = property(lambda self: self._c.num_arenas)
+    pinned = property(lambda self: self._c.pinned)
+    plan_builds = property(lambda self: self._c.plan_builds)
+    arena_allocations = property(lambda self: self._c.arena_allocations)
+    mean_blocking_s = property(lambda self: self._c.mean_blocking_s)
+    mean_time_to_durable_s = property(lambda self: self._c.mean_time_to_durable_s)
+
+
+def _async_stager_base():
+    try:
+        from torch.distributed.checkpoint.staging import AsyncStager
+
+        return AsyncStager
+    except Exception:  # torch without distributed
+        return object
+
+
+class DcpStager(_async_stager_base()):
+    """DCP ``AsyncStager`` backed by ettkit's arena and copy engine::
+
+        fut = dcp.async_save(sd, checkpoint_id=path, async_stager=DcpStager())
+
+    ``stage`` copies every plain tensor into a reused (pinned when CUDA is available) host arena - CPU
+    tensors by parallel threads, CUDA tensors stream-ordered - and returns the state dict of arena views
+    that DCP then writes in the background. The arena is reused by the next ``stage``: as with every DCP
+    async save, wait for the previous save's future before the next ``async_save`` (or pass
+    ``double_buffer=True`` to alternate two arenas, allowing one save in flight while the next stages).
+    Non-tensor values pass through unchanged.
+    """
+
+    _synchronize_after_execute: bool = False
+
+    def __init__(self, *, memory_budget_bytes: Optional[int] = None, double_buffer: bool = False,
+                 copy_threads: int = 0):
+        self._stager = _C.checkpoint.Stager(memory_budget_bytes=int(memory_budget_bytes or 0),
+                                            num_arenas=2 if double_buffer else 1, copy_threads=int(copy_threads))
+        self._held: deque = deque()
+        self._keep = 2 if double_buffer else 1
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def stage(self, state_dict, **kwargs):
+        names, tensors, skeleton = flatten(state_dict)
+        # The arena `_keep` saves ago is free again (its async_save must have completed).
+        while len(self._held) >= self._keep:
+            self._held.popleft().release()
+        snap = self._stager.stage(names, tensors, "wait")
+        snap.wait_staged()
+        self._held.append(snap)
+        return rebuild(skeleton, dict(snap.tensors()))
+
+    def synchronize_staging(self) -> None:
+        """Staging is complete when ``stage`` returns."""
+
+    def close(self) -> None:
+        while self._held:
+            self._held.popleft().release()
+
+    arena_bytes = property(lambda self: self._stager.arena_bytes)
+    arena_allocations = property(lambda self: self._stager.arena_allocations)
+    pinned = property(lambda self: self._stager.pinned)
+
+
+del TensorRef

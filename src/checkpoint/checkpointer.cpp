@@ -1,0 +1,643 @@
+// AsyncCheckpointer: the writer thread, the commit protocol over the c10d Store, and load_latest.
+#include "ettkit/checkpoint/checkpointer.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <ATen/ATen.h>
+#include <torch/version.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <deque>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <thread>
+
+#include "checkpoint/storage.h"
+#include "common/logging.h"
+#include "ettkit/common/clock.h"
+#include "ettkit/ett/phases.h"
+#include "ettkit/ett/recorder.h"
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace ettkit::checkpoint {
+
+using namespace detail;
+
+// ---- SaveHandle ----------------------------------------------------------------------------------------
+
+struct SaveHandle::State {
+  int64_t step = -1;
+  bool skipped = false;
+  double blocking_s = 0;
+  std::shared_ptr<Snapshot> snapshot;  // cleared by the writer once the data is on disk
+  mutable std::mutex mu;               // guards durable, error, done, durable_us, snapshot
+  std::condition_variable cv;
+  bool done = false;
+  bool durable = false;
+  bool staged_seen = false;
+  int64_t durable_us = 0;
+  std::exception_ptr error;
+
+  void finish(std::exception_ptr e) {
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      done = true;
+      durable = !e;
+      error = e;
+      staged_seen = true;
+      if (!e) durable_us = epoch_us();
+    }
+    cv.notify_all();
+  }
+};
+
+int64_t SaveHandle::step() const { return state_->step; }
+bool SaveHandle::skipped() const { return state_->skipped; }
+bool SaveHandle::staged() const {
+  std::shared_ptr<Snapshot> s;
+  {
+    std::lock_guard<std::mutex> lk(state_->mu);
+    if (state_->skipped) return false;
+    if (state_->staged_seen) return true;
+    s = state_->snapshot;
+  }
+  return !s || s->staged();
+}
+bool SaveHandle::durable() const {
+  std::lock_guard<std::mutex> lk(state_->mu);
+  return state_->durable;
+}
+std::exception_ptr SaveHandle::error() const {
+  std::lock_guard<std::mutex> lk(state_->mu);
+  return state_->error;
+}
+int64_t SaveHandle::durable_us() const {
+  std::lock_guard<std::mutex> lk(state_->mu);
+  return state_->durable_us;
+}
+double SaveHandle::blocking_s() const { return state_->blocking_s; }
+
+bool SaveHandle::wait(double timeout_s) {
+  if (state_->skipped) return false;
+  std::unique_lock<std::mutex> lk(state_->mu);
+  auto pred = [&] { return state_->done; };
+  if (timeout_s < 0) {
+    state_->cv.wait(lk, pred);
+  } else if (!state_->cv.wait_for(lk, std::chrono::duration<double>(timeout_s), pred)) {
+    ETTKIT_THROW(Timeout, "checkpoint step ", state_->step, " was not durable within ", timeout_s, " s");
+  }
+  if (state_->error) std::rethrow_exception(state_->error);
+  return true;
+}
+
+void SaveHandle::wait_staged() {
+  std::shared_ptr<Snapshot> s;
+  {
+    std::lock_guard<std::mutex> lk(state_->mu);
+    if (state_->skipped || state_->staged_seen) return;
+    s = state_->snapshot;
+  }
+  if (s) s->wait_staged();
+}
+
+// ---- helpers -------------------------------------------------------------------------------------------
+
+namespace {
+
+std::string safetensors_dtype(at::ScalarType t, const std::string& key) {
+  switch (t) {
+    case at::kFloat: return "F32";
+    case at::kDouble: return "F64";
+    case at::kHalf: return "F16";
+    case at::kBFloat16: return "BF16";
+    case at::kLong: return "I64";
+    case at::kInt: return "I32";
+    case at::kShort: return "I16";
+    case at::kChar: return "I8";
+    case at::kByte: return "U8";
+    case at::kBool: return "BOOL";
+    case at::kFloat8_e4m3fn: return "F8_E4M3";
+    case at::kFloat8_e5m2: return "F8_E5M2";
+    case at::kUInt16: return "U16";
+    case at::kUInt32: return "U32";
+    case at::kUInt64: return "U64";
+    case at::kComplexFloat: return "C64";
+    default: break;
+  }
+  ETTKIT_THROW(InvalidArgument, "state dict entry '", key, "' has dtype ", t, ", which safetensors cannot store");
+}
+
+std::vector<uint8_t> bytes_of(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
+std::string string_of(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
+
+std::string describe(std::exception_ptr e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const Error& x) {
+    return x.message();
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+    return "unknown error";
+  }
+}
+
+struct Job {
+  int64_t step;
+  uint64_t seq;
+  int64_t call_us;
+  std::shared_ptr<Snapshot> snapshot;
+  std::string extra;
+  std::shared_ptr<SaveHandle::State> handle;
+};
+
+}  // namespace
+
+// ---- AsyncCheckpointer ---------------------------------------------------------------------------------
+
+struct AsyncCheckpointer::Impl {
+  CheckpointerOptions opt;
+  c10::intrusive_ptr<c10d::Store> store;
+  int rank = 0;
+  int world = 1;
+  std::string run_id;
+  std::string key_prefix;
+  std::unique_ptr<Stager> stager;
+  uint32_t blocking_id = 0, persist_id = 0, staging_id = 0;
+
+  std::mutex mu;  // guards queue, closing, in_flight, stats below
+  std::condition_variable cv;
+  std::deque<Job> queue;
+  int in_flight = 0;
+  bool closing = false;
+  uint64_t seq = 0;
+  uint64_t load_seq = 0;
+  std::shared_ptr<SaveHandle::State> last;  // latest non-skipped save (for the step pre-hook)
+  double blocking_sum = 0;
+  int64_t blocking_n = 0;
+  double durable_sum = 0;
+  int64_t committed = 0;
+  int64_t failed = 0;
+  std::thread writer;
+
+  void record_blocking(int64_t b, int64_t e, int64_t step) {
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      blocking_sum += static_cast<double>(e - b) * 1e-6;
+    }
+    if (opt.recorder) opt.recorder->record_phase(blocking_id, b, e, step);
+  }
+
+  void run_writer() {
+    for (;;) {
+      Job job;
+      {
+        std::unique_lock<std::mutex> lk(mu);
+        cv.wait(lk, [&] { return closing || !queue.empty(); });
+        if (queue.empty()) return;
+        job = std::move(queue.front());
+        queue.pop_front();
+      }
+      std::exception_ptr err;
+      try {
+        persist(job);
+      } catch (...) {
+        err = std::current_exception();
+        ETTKIT_LOG_ERROR("checkpoint step ", job.step, " failed: ", describe(err));
+      }
+      if (job.snapshot) job.snapshot->release();
+      {
+        std::lock_guard<std::mutex> lk(job.handle->mu);
+        job.handle->snapshot.reset();
+      }
+      int64_t end = epoch_us();
+      if (!err && opt.recorder) opt.recorder->record_background(persist_id, job.call_us, end, job.step);
+      {
+        // Statistics first, so a caller woken by the handle sees them.
+        std::lock_guard<std::mutex> lk(mu);
+        if (err) {
+          ++failed;
+        } else {
+          ++committed;
+          durable_sum += static_cast<double>(end - job.call_us) * 1e-6;
+        }
+      }
+      job.handle->finish(err);
+      {
+        std::lock_guard<std::mutex> lk(mu);
+        --in_flight;
+      }
+      cv.notify_all();
+    }
+  }
+
+  void persist(Job& job) {
+    const std::string& dir = opt.directory;
+    job.snapshot->wait_staged();
+    {
+      std::lock_guard<std::mutex> lk(job.handle->mu);
+      job.handle->staged_seen = true;
+    }
+    if (opt.recorder) {
+      opt.recorder->record_background(staging_id, job.snapshot->stage_begin_us(),
+                                      std::max(job.snapshot->staged_us(), job.snapshot->stage_begin_us()), job.step);
+    }
+    std::string tmp = dir + "/" + temp_dir_name(job.step, run_id);
+    std::string prefix = key_prefix + "save/" + std::to_string(job.seq) + "/";
+    std::map<std::string, FileDigest> mine;
+    std::exception_ptr local_error;
+    try {
+      make_directories(tmp);
+      std::vector<SafetensorsEntry> entries;
+      for (const PlanEntry& e : job.snapshot->plan()) {
+        entries.push_back({e.name, safetensors_dtype(e.dtype, e.name), e.shape, static_cast<uint64_t>(e.offset),
+                           static_cast<uint64_t>(e.offset + e.nbytes)});
+      }
+      std::string header = encode_safetensors_header(entries, {{"format", "pt"}});
+      std::string base = "rank-" + std::to_string(rank);
+      std::string data_path = tmp + "/" + base + ".safetensors";
+      // A leftover from an earlier failed attempt at the same step in this run.
+      ::unlink(data_path.c_str());
+      ::unlink((tmp + "/" + base + ".extra").c_str());
+      mine[base + ".safetensors"] = write_file_durably(
+          data_path, {ConstBuffer{header.data(), header.size()},
+                      ConstBuffer{job.snapshot->data(), static_cast<size_t>(job.snapshot->total_bytes())}});
+      // The arena is free as soon as its bytes are on disk; the commit below does not need it.
+      job.snapshot->release();
+      mine[base + ".extra"] = write_file_durably(tmp + "/" + base + ".extra", {ConstBuffer{job.extra.data(), job.extra.size()}});
+      fsync_directory(tmp);
+    } catch (...) {
+      local_error = std::current_exception();
+    }
+    if (world > 1) {
+      json report;
+      if (local_error) {
+        report["error"] = describe(local_error);
+      } else {
+        for (const auto& [name, d] : mine) report["files"][name] = {{"size", d.size}, {"xxh3", d.xxh3}};
+      }
+      store->set(prefix + "rank/" + std::to_string(rank), bytes_of(report.dump()));
+    }
+    if (local_error && (world == 1 || rank != 0)) std::rethrow_exception(local_error);
+    auto timeout = std::chrono::milliseconds(static_cast<int64_t>(opt.commit_timeout_s * 1000));
+    if (rank != 0) {
+      store->wait({prefix + "result"}, timeout);
+      std::string result = string_of(store->get(prefix + "result"));
+      ETTKIT_CHECK(result == "ok", IoError, "checkpoint step ", job.step, " was not committed by rank 0: ", result);
+      return;
+    }
+    // Rank 0: gather, write the manifest, rename, fsync, latest, retention.
+    try {
+      if (local_error) std::rethrow_exception(local_error);
+      Manifest m;
+      m.step = job.step;
+      m.world_size = world;
+      m.created_unix_us = epoch_us();
+      m.metadata = opt.metadata;
+      m.torch_version = TORCH_VERSION;
+      m.files = mine;
+      if (world > 1) {
+        std::vector<std::string> keys;
+        for (int r = 1; r < world; ++r) keys.push_back(prefix + "rank/" + std::to_string(r));
+        try {
+          store->wait(keys, timeout);
+        } catch (const std::exception& e) {
+          ETTKIT_THROW(Timeout, "checkpoint step ", job.step, ": not every rank reported within ",
+                       opt.commit_timeout_s, " s: ", e.what());
+        }
+        for (int r = 1; r < world; ++r) {
+          json rep = json::parse(string_of(store->get(keys[static_cast<size_t>(r - 1)])));
+          ETTKIT_CHECK(!rep.contains("error"), IoError, "checkpoint step ", job.step, ": rank ", r,
+                       " failed: ", rep["error"].get<std::string>());
+          for (auto it = rep["files"].begin(); it != rep["files"].end(); ++it) {
+            m.files[it.key()] = FileDigest{it.value()["size"].get<uint64_t>(), it.value()["xxh3"].get<std::string>()};
+          }
+        }
+      }
+      std::string text = encode_manifest(m);
+      write_file_durably(tmp + "/manifest.json", {ConstBuffer{text.data(), text.size()}});
+      fsync_directory(tmp);
+      std::string final_dir = dir + "/" + step_dir_name(job.step);
+      if (fs::exists(final_dir)) {
+        // Saving a step again replaces it: retire the old one by rename (atomic) before the new rename.
+        std::string trash = dir + "/.trash-" + step_dir_name(job.step) + "-" + random_id();
+        ETTKIT_CHECK(::rename(final_dir.c_str(), trash.c_str()) == 0, IoError, "retiring '", final_dir,
+                     "' failed: ", std::strerror(errno));
+        remove_tree_quietly(trash);
+      }
+      ETTKIT_CHECK(::rename(tmp.c_str(), final_dir.c_str()) == 0, IoError, "renaming '", tmp, "' to '", final_dir,
+                   "' failed: ", std::strerror(errno));
+      fsync_directory(dir);
+      update_latest(dir, job.step);
+      apply_retention(dir, opt.keep_last);
+    } catch (...) {
+      if (world > 1) store->set(prefix + "result", bytes_of("error: " + describe(std::current_exception())));
+      throw;
+    }
+    if (world > 1) store->set(prefix + "result", bytes_of("ok"));
+  }
+};
+
+AsyncCheckpointer::AsyncCheckpointer(CheckpointerOptions options, c10::intrusive_ptr<c10d::Store> store)
+    : impl_(std::make_unique<Impl>()) {
+  Impl& im = *impl_;
+  ETTKIT_EXPECTS(!options.directory.empty(), "directory must name the checkpoint directory");
+  ETTKIT_EXPECTS(options.keep_last >= 0, "keep_last=", options.keep_last, " must be >= 0 (0 keeps every step)");
+  ETTKIT_EXPECTS(options.commit_timeout_s > 0, "commit_timeout_s=", options.commit_timeout_s, " must be > 0");
+  im.opt = std::move(options);
+  im.store = std::move(store);
+  im.world = im.opt.world_size > 0 ? im.opt.world_size : 1;
+  im.rank = im.opt.rank >= 0 ? im.opt.rank : 0;
+  ETTKIT_EXPECTS(im.rank < im.world, "rank=", im.rank, " must be < world_size=", im.world);
+  ETTKIT_EXPECTS(im.world == 1 || im.store, "world_size=", im.world, " needs a c10d Store to coordinate the commit");
+  make_directories(im.opt.directory);
+  im.opt.directory = fs::canonical(im.opt.directory).string();
+  if (im.world > 1) {
+    // Agree on a run id: the n-th AsyncCheckpointer that the ranks open on this directory shares one.
+    std::string base = "ettkit_ckpt/" + im.opt.directory + "/";
+    int64_t n = im.store->add(base + "opens", 1);
+    std::string key = base + "gen/" + std::to_string((n - 1) / im.world) + "/run_id";
+    if (im.rank == 0) {
+      im.run_id = random_id();
+      remove_stale_temporaries(im.opt.directory, im.run_id);
+      im.store->set(key, bytes_of(im.run_id));
+    } else {
+      im.store->wait({key}, std::chrono::milliseconds(static_cast<int64_t>(im.opt.commit_timeout_s * 1000)));
+      im.run_id = string_of(im.store->get(key));
+    }
+    im.key_prefix = base + im.run_id + "/";
+  } else {
+    im.run_id = random_id();
+    remove_stale_temporaries(im.opt.directory, im.run_id);
+  }
+  if (im.opt.recorder) {
+    im.blocking_id = im.opt.recorder->phase_id(ett::phase::kCheckpointBlocking);
+    im.persist_id = im.opt.recorder->phase_id(ett::phase::kCheckpointPersist);
+    im.staging_id = im.opt.recorder->phase_id("checkpoint_staging");
+  }
+  im.stager = std::make_unique<Stager>(im.opt.stager);
+  im.writer = std::thread([this] { impl_->run_writer(); });
+}
+
+AsyncCheckpointer::~AsyncCheckpointer() {
+  try {
+    close();
+  } catch (...) {
+  }
+}
+
+SaveHandle AsyncCheckpointer::save(int64_t step, const NamedTensors& tensors, const std::string& extra) {
+  Impl& im = *impl_;
+  int64_t b = epoch_us();
+  {
+    std::lock_guard<std::mutex> lk(im.mu);
+    ETTKIT_EXPECTS(!im.closing, "save(step=", step, ") after close()");
+  }
+  ETTKIT_EXPECTS(step >= 0, "step=", step, " must be >= 0");
+  for (const auto& [name, t] : tensors) safetensors_dtype(t.scalar_type(), name);
+  auto hs = std::make_shared<SaveHandle::State>();
+  hs->step = step;
+  std::shared_ptr<Snapshot> snap = im.stager->stage(tensors, im.opt.on_busy);
+  if (!snap) {
+    hs->skipped = true;
+    ETTKIT_LOG_INFO("checkpoint step ", step, " skipped: the previous save is still persisting (on_busy='skip')");
+    return SaveHandle(hs);
+  }
+  hs->snapshot = snap;
+  {
+    std::lock_guard<std::mutex> lk(im.mu);
+    im.queue.push_back(Job{step, im.seq++, b, snap, extra, hs});
+    ++im.in_flight;
+    im.last = hs;
+    ++im.blocking_n;
+  }
+  im.cv.notify_all();
+  int64_t e = epoch_us();
+  hs->blocking_s = static_cast<double>(e - b) * 1e-6;
+  im.record_blocking(b, e, step);
+  return SaveHandle(hs);
+}
+
+void AsyncCheckpointer::wait_staged_on_current_stream() {
+  Impl& im = *impl_;
+  std::shared_ptr<SaveHandle::State> last;
+  std::shared_ptr<Snapshot> snap;
+  {
+    std::lock_guard<std::mutex> lk(im.mu);
+    last = im.last;
+  }
+  if (!last) return;
+  {
+    std::lock_guard<std::mutex> lk(last->mu);
+    if (last->staged_seen) return;
+    snap = last->snapshot;
+  }
+  if (!snap || snap->staged()) return;
+  int64_t b = epoch_us();
+  snap->wait_staged_on_current_stream();
+  im.record_blocking(b, epoch_us(), last->step);
+}
+
+void AsyncCheckpointer::wait_all() {
+  std::unique_lock<std::mutex> lk(impl_->mu);
+  impl_->cv.wait(lk, [&] { return impl_->in_flight == 0; });
+}
+
+void AsyncCheckpointer::close() {
+  Impl& im = *impl_;
+  {
+    std::lock_guard<std::mutex> lk(im.mu);
+    if (im.closing && !im.writer.joinable()) return;
+    im.closing = true;
+  }
+  im.cv.notify_all();
+  if (im.writer.joinable()) im.writer.join();
+}
+
+int AsyncCheckpointer::rank() const { return impl_->rank; }
+int AsyncCheckpointer::world_size() const { return impl_->world; }
+const std::string& AsyncCheckpointer::directory() const { return impl_->opt.directory; }
+const Stager& AsyncCheckpointer::stager() const { return *impl_->stager; }
+double AsyncCheckpointer::mean_blocking_s() const {
+  std::lock_guard<std::mutex> lk(impl_->mu);
+  return impl_->blocking_n ? impl_->blocking_sum / static_cast<double>(impl_->blocking_n) : 0.0;
+}
+double AsyncCheckpointer::mean_time_to_durable_s() const {
+  std::lock_guard<std::mutex> lk(impl_->mu);
+  return impl_->committed ? impl_->durable_sum / static_cast<double>(impl_->committed) : 0.0;
+}
+int64_t AsyncCheckpointer::saves_committed() const {
+  std::lock_guard<std::mutex> lk(impl_->mu);
+  return impl_->committed;
+}
+int64_t AsyncCheckpointer::saves_failed() const {
+  std::lock_guard<std::mutex> lk(impl_->mu);
+  return impl_->failed;
+}
+
+// ---- load ----------------------------------------------------------------------------------------------
+
+namespace {
+
+enum class Verdict { kOk, kBad, kMismatch };
+
+struct Candidate {
+  Verdict verdict = Verdict::kBad;
+  std::string reason;
+  std::string data_path;
+  std::string extra_path;
+  SafetensorsIndex index;
+};
+
+Candidate check_candidate(const std::string& dir, int64_t step, int rank, int world, bool verify,
+                          const NamedTensors& tensors) {
+  Candidate c;
+  std::string sd = dir + "/" + step_dir_name(step);
+  try {
+    std::string mpath = sd + "/manifest.json";
+    ETTKIT_CHECK(file_size(mpath).has_value(), CorruptData, "'", mpath, "' is missing");
+    Manifest m = decode_manifest(read_small_file(mpath), mpath);
+    ETTKIT_CHECK(m.step == step, CorruptData, "manifest '", mpath, "' says step ", m.step);
+    ETTKIT_CHECK(m.world_size == world, CorruptData, "step ", step, " was written by ", m.world_size,
+                 " ranks; this job has ", world, " (resharding is not supported)");
+    std::string base = "rank-" + std::to_string(rank);
+    for (const char* ext : {".safetensors", ".extra"}) {
+      std::string name = base + ext;
+      auto it = m.files.find(name);
+      ETTKIT_CHECK(it != m.files.end(), CorruptData, "manifest '", mpath, "' lists no '", name, "'");
+      std::string path = sd + "/" + name;
+      auto size = file_size(path);
+      ETTKIT_CHECK(size.has_value(), CorruptData, "'", path, "' is missing");
+      ETTKIT_CHECK(*size == it->second.size, CorruptData, "'", path, "' has ", *size, " bytes; the manifest says ",
+                   it->second.size);
+      if (verify) {
+        std::string h = file_xxh3(path);
+        ETTKIT_CHECK(h == it->second.xxh3, CorruptData, "'", path, "' has XXH3 ", h, "; the manifest says ",
+                     it->second.xxh3);
+      }
+    }
+    c.data_path = sd + "/" + base + ".safetensors";
+    c.extra_path = sd + "/" + base + ".extra";
+    c.index = read_safetensors_index(c.data_path, *file_size(c.data_path));
+  } catch (const Error& e) {
+    c.verdict = Verdict::kBad;
+    c.reason = e.message();
+    return c;
+  }
+  // The caller's state dict must match the checkpoint exactly (a user error, not a corrupt step).
+  try {
+    for (const auto& [name, t] : tensors) {
+      auto it = c.index.tensors.find(name);
+      ETTKIT_CHECK(it != c.index.tensors.end(), InvalidArgument, "state dict key '", name,
+                   "' is not in checkpoint step ", step, " ('", c.data_path, "')");
+      std::string want = safetensors_dtype(t.scalar_type(), name);
+      ETTKIT_CHECK(it->second.dtype == want, InvalidArgument, "state dict key '", name, "' has dtype ", want,
+                   " but checkpoint step ", step, " stores ", it->second.dtype);
+      ETTKIT_CHECK(std::equal(it->second.shape.begin(), it->second.shape.end(), t.sizes().begin(), t.sizes().end()),
+                   InvalidArgument, "state dict key '", name, "' has shape ", t.sizes(), " but checkpoint step ", step,
+                   " stores shape ", c10::IntArrayRef(it->second.shape));
+    }
+    if (c.index.tensors.size() != tensors.size()) {
+      std::set<std::string> have;
+      for (const auto& kv : tensors) have.insert(kv.first);
+      for (const auto& kv : c.index.tensors) {
+        ETTKIT_CHECK(have.count(kv.first), InvalidArgument, "checkpoint step ", step, " has key '", kv.first,
+                     "' that the state dict lacks");
+      }
+    }
+  } catch (const Error& e) {
+    c.verdict = Verdict::kMismatch;
+    c.reason = e.message();
+    return c;
+  }
+  c.verdict = Verdict::kOk;
+  return c;
+}
+
+}  // namespace
+
+std::optional<LoadResult> AsyncCheckpointer::load_latest(const NamedTensors& tensors) {
+  Impl& im = *impl_;
+  wait_all();
+  int64_t b = epoch_us();
+  std::vector<int64_t> steps = list_step_dirs(im.opt.directory);
+  if (im.world > 1) {
+    // Every rank must see the same candidate list: take rank 0's.
+    std::string key = im.key_prefix + "load/" + std::to_string(im.load_seq) + "/steps";
+    if (im.rank == 0) {
+      im.store->set(key, bytes_of(json(steps).dump()));
+    } else {
+      im.store->wait({key}, std::chrono::milliseconds(static_cast<int64_t>(im.opt.commit_timeout_s * 1000)));
+      steps = json::parse(string_of(im.store->get(key))).get<std::vector<int64_t>>();
+    }
+  }
+  uint64_t lseq = im.load_seq++;
+  LoadResult out;
+  std::string reasons;
+  for (int64_t step : steps) {
+    Candidate c = check_candidate(im.opt.directory, step, im.rank, im.world, im.opt.verify_on_load, tensors);
+    Verdict all = c.verdict;
+    std::string why = c.reason;
+    if (im.world > 1) {
+      std::string p = im.key_prefix + "load/" + std::to_string(lseq) + "/" + std::to_string(step) + "/";
+      json mine = {{"v", static_cast<int>(c.verdict)}, {"why", c.reason}};
+      im.store->set(p + std::to_string(im.rank), bytes_of(mine.dump()));
+      std::vector<std::string> keys;
+      for (int r = 0; r < im.world; ++r) keys.push_back(p + std::to_string(r));
+      im.store->wait(keys, std::chrono::milliseconds(static_cast<int64_t>(im.opt.commit_timeout_s * 1000)));
+      for (int r = 0; r < im.world; ++r) {
+        json rep = json::parse(string_of(im.store->get(keys[static_cast<size_t>(r)])));
+        auto v = static_cast<Verdict>(rep["v"].get<int>());
+        if (v == Verdict::kMismatch || (v == Verdict::kBad && all == Verdict::kOk)) {
+          all = v;
+          why = "rank " + std::to_string(r) + ": " + rep["why"].get<std::string>();
+        }
+      }
+    }
+    if (all == Verdict::kMismatch) ETTKIT_THROW(InvalidArgument, why);
+    if (all == Verdict::kBad) {
+      ETTKIT_LOG_WARN("checkpoint step ", step, " in '", im.opt.directory, "' is not loadable, falling back: ", why);
+      out.skipped_steps.push_back(step);
+      reasons += "\n  step " + std::to_string(step) + ": " + why;
+      continue;
+    }
+    // Copy in place.
+    int fd = ::open(c.data_path.c_str(), O_RDONLY | O_CLOEXEC);
+    ETTKIT_CHECK(fd >= 0, IoError, "opening '", c.data_path, "' failed: ", std::strerror(errno));
+    try {
+      at::NoGradGuard no_grad;
+      for (const auto& [name, t] : tensors) {
+        const SafetensorsEntry& e = c.index.tensors.at(name);
+        uint64_t off = c.index.data_offset + e.begin;
+        uint64_t n = e.end - e.begin;
+        if (t.device().is_cpu() && t.is_contiguous()) {
+          read_exact(fd, t.data_ptr(), n, off, c.data_path);
+        } else {
+          at::Tensor tmp = at::empty(t.sizes(), t.options().device(c10::kCPU));
+          read_exact(fd, tmp.data_ptr(), n, off, c.data_path);
+          t.copy_(tmp);
+        }
+      }
+    } catch (...) {
+      ::close(fd);
+      throw;
+    }
+    ::close(fd);
+    out.step = step;
+    out.extra = read_small_file(c.extra_path);
+    if (im.opt.recorder) {
+      im.opt.recorder->record_phase(im.opt.recorder->phase_id(ett::phase::kCheckpointRestore), b, epoch_us(), step);
+    }
+    return out;
+  }
+  if (steps.empty()) return std::nullopt;
+  ETTKIT_THROW(checkpoint::CorruptCheckpoint, "no committed checkpoint in '", im.opt.directory, "' is valid:", reasons);
+}
+
+}  // namespace ettkit::checkpoint

@@ -1,0 +1,534 @@
+// Host arenas, the cached snapshot plan and the copy engine (CPU worker threads, CUDA copy stream).
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <ATen/ATen.h>
+#include <torch/cuda.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <thread>
+
+#include "common/logging.h"
+#include "ettkit/checkpoint/checkpointer.h"
+#include "ettkit/common/clock.h"
+#include "ettkit/common/config.h"
+
+#if ETTKIT_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+#endif
+
+namespace ettkit::checkpoint {
+
+OnBusy parse_on_busy(const std::string& s) {
+  if (s == "wait") return OnBusy::kWait;
+  if (s == "skip") return OnBusy::kSkip;
+  if (s == "error") return OnBusy::kError;
+  ETTKIT_THROW(InvalidArgument, "on_busy='", s, "' is not one of 'wait', 'skip', 'error'");
+}
+
+namespace {
+
+#if ETTKIT_WITH_CUDA
+/// A CUDA event owned by its creator (timing disabled: used for ordering only). ATen's CUDAEvent would
+/// pull in ATen/cuda headers that need the full CUDA toolkit (cusparse, cublas) at compile time.
+class CudaEvent {
+ public:
+  explicit CudaEvent(c10::DeviceIndex device) : device_(device) {
+    c10::cuda::CUDAGuard g(device_);
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&ev_, cudaEventDisableTiming));
+  }
+  ~CudaEvent() {
+    if (ev_) cudaEventDestroy(ev_);
+  }
+  CudaEvent(const CudaEvent&) = delete;
+  CudaEvent& operator=(const CudaEvent&) = delete;
+  void record(const c10::cuda::CUDAStream& s) { C10_CUDA_CHECK(cudaEventRecord(ev_, s.stream())); }
+  void block(const c10::cuda::CUDAStream& s) { C10_CUDA_CHECK(cudaStreamWaitEvent(s.stream(), ev_, 0)); }
+  bool query() const { return cudaEventQuery(ev_) == cudaSuccess; }
+  void synchronize() { C10_CUDA_CHECK(cudaEventSynchronize(ev_)); }
+  c10::DeviceIndex device() const { return device_; }
+
+ private:
+  c10::DeviceIndex device_;
+  cudaEvent_t ev_ = nullptr;
+};
+#endif
+
+/// One host allocation, exact size (rounded to pages), pinned or plain. Owned by Stager::Impl.
+struct Arena {
+  uint8_t* ptr = nullptr;
+  size_t size = 0;
+  bool pinned = false;
+  bool busy = false;  // guarded by Stager::Impl::mu
+
+  void allocate(size_t bytes, bool pin) {
+    size = std::max<size_t>(bytes, 1);
+    pinned = pin;
+#if ETTKIT_WITH_CUDA
+    if (pin) {
+      void* p = nullptr;
+      // cudaHostAlloc, not the CachingHostAllocator: exact size, no power-of-two rounding.
+      cudaError_t err = cudaHostAlloc(&p, size, cudaHostAllocPortable);
+      ETTKIT_CHECK(err == cudaSuccess, IoError, "cudaHostAlloc of a ", size,
+                   "-byte checkpoint arena failed: ", cudaGetErrorString(err));
+      ptr = static_cast<uint8_t*>(p);
+      return;
+    }
+#else
+    ETTKIT_EXPECTS(!pin, "pin_memory=1 needs ettkit built with CUDA");
+#endif
+    // mmap: page-aligned, returned to the OS on munmap (malloc might keep it and inflate RSS).
+    void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    ETTKIT_CHECK(p != MAP_FAILED, IoError, "mmap of a ", size, "-byte checkpoint arena failed: ", std::strerror(errno));
+#ifdef MADV_HUGEPAGE
+    ::madvise(p, size, MADV_HUGEPAGE);
+#endif
+    ptr = static_cast<uint8_t*>(p);
+  }
+  void free() noexcept {
+    if (!ptr) return;
+#if ETTKIT_WITH_CUDA
+    if (pinned) {
+      cudaFreeHost(ptr);
+      ptr = nullptr;
+      return;
+    }
+#endif
+    ::munmap(ptr, size);
+    ptr = nullptr;
+  }
+};
+
+/// Fixed pool of copy threads; jobs are closures. Joined by its owner.
+class CopyPool {
+ public:
+  explicit CopyPool(int n) {
+    for (int i = 0; i < n; ++i) threads_.emplace_back([this] { run(); });
+  }
+  ~CopyPool() {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+  void submit(std::function<void()> job) {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      jobs_.push_back(std::move(job));
+    }
+    cv_.notify_one();
+  }
+  int size() const { return static_cast<int>(threads_.size()); }
+
+ private:
+  void run() {
+    for (;;) {
+      std::function<void()> job;
+      {
+        std::unique_lock<std::mutex> lk(mu_);
+        cv_.wait(lk, [&] { return stop_ || !jobs_.empty(); });
+        if (jobs_.empty()) return;
+        job = std::move(jobs_.front());
+        jobs_.pop_front();
+      }
+      job();
+    }
+  }
+  std::mutex mu_;  // guards jobs_, stop_
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> jobs_;
+  bool stop_ = false;
+  std::vector<std::thread> threads_;
+};
+
+bool same_structure(const std::vector<PlanEntry>& plan, const NamedTensors& tensors) {
+  if (plan.size() != tensors.size()) return false;
+  for (size_t i = 0; i < plan.size(); ++i) {
+    const at::Tensor& t = tensors[i].second;
+    const PlanEntry& e = plan[i];
+    if (e.name != tensors[i].first || e.dtype != t.scalar_type() || e.device != t.device()) return false;
+    if (!std::equal(e.shape.begin(), e.shape.end(), t.sizes().begin(), t.sizes().end())) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+struct Snapshot::State {
+  std::mutex mu;  // guards pending, error, staged_us
+  std::condition_variable cv;
+  int pending = 0;  // CPU copy jobs not finished
+  std::exception_ptr error;
+  std::atomic<int64_t> staged_us{0};
+  NamedTensors keep_alive;  // sources stay alive until their copies finish
+#if ETTKIT_WITH_CUDA
+  std::unique_ptr<CudaEvent> cuda_done;
+#endif
+  void job_done(std::exception_ptr e) {
+    std::lock_guard<std::mutex> lk(mu);
+    if (e && !error) error = e;
+    if (--pending == 0) cv.notify_all();
+  }
+  bool cuda_finished() {
+#if ETTKIT_WITH_CUDA
+    return !cuda_done || cuda_done->query();
+#else
+    return true;
+#endif
+  }
+};
+
+struct Stager::Impl {
+  StagerOptions opt;
+  bool pin = false;
+  std::unique_ptr<CopyPool> pool;
+  mutable std::mutex mu;  // guards arenas[].busy, plan, counters
+  std::condition_variable cv;
+  std::vector<Arena> arenas;
+  std::shared_ptr<const std::vector<PlanEntry>> plan;
+  int64_t plan_total = 0;
+  int64_t plan_builds = 0;
+  int64_t arena_allocations = 0;
+  double busy_wait_s = 0;
+#if ETTKIT_WITH_CUDA
+  std::optional<c10::cuda::CUDAStream> copy_stream;
+#endif
+};
+
+Stager::Stager(StagerOptions options) : impl_(std::make_unique<Impl>()) {
+  ETTKIT_EXPECTS(options.num_arenas == 1 || options.num_arenas == 2, "num_arenas=", options.num_arenas,
+                 " must be 1 or 2 (2 = double-buffering)");
+  ETTKIT_EXPECTS(options.copy_threads >= 0 && options.copy_threads <= 64, "copy_threads=", options.copy_threads,
+                 " must be in [0, 64]");
+  ETTKIT_EXPECTS(options.pin_memory >= -1 && options.pin_memory <= 1, "pin_memory=", options.pin_memory,
+                 " must be -1 (auto), 0 or 1");
+  impl_->opt = options;
+  impl_->pin = options.pin_memory == 1 || (options.pin_memory == -1 && ETTKIT_WITH_CUDA && torch::cuda::is_available());
+  int threads = options.copy_threads > 0 ? options.copy_threads
+                                         : std::clamp(static_cast<int>(std::thread::hardware_concurrency()), 1, 4);
+  impl_->pool = std::make_unique<CopyPool>(threads);
+}
+
+Stager::~Stager() {
+  {
+    // Snapshots still out keep pointers into the arenas: wait until they are returned.
+    std::unique_lock<std::mutex> lk(impl_->mu);
+    impl_->cv.wait(lk, [&] {
+      return std::none_of(impl_->arenas.begin(), impl_->arenas.end(), [](const Arena& a) { return a.busy; });
+    });
+  }
+  impl_->pool.reset();
+  for (Arena& a : impl_->arenas) a.free();
+}
+
+int64_t Stager::arena_bytes() const {
+  std::lock_guard<std::mutex> lk(impl_->mu);
+  return impl_->arenas.empty() ? 0 : static_cast<int64_t>(impl_->arenas[0].size);
+}
+int Stager::num_arenas() const {
+  std::lock_guard<std::mutex> lk(impl_->mu);
+  return static_cast<int>(impl_->arenas.size());
+}
+bool Stager::pinned() const { return impl_->pin; }
+int64_t Stager::plan_builds() const {
+  std::lock_guard<std::mutex> lk(impl_->mu);
+  return impl_->plan_builds;
+}
+int64_t Stager::arena_allocations() const {
+  std::lock_guard<std::mutex> lk(impl_->mu);
+  return impl_->arena_allocations;
+}
+double Stager::busy_wait_s() const {
+  std::lock_guard<std::mutex> lk(impl_->mu);
+  return impl_->busy_wait_s;
+}
+
+void Stager::release_arena(int arena) {
+  {
+    std::lock_guard<std::mutex> lk(impl_->mu);
+    impl_->arenas[static_cast<size_t>(arena)].busy = false;
+  }
+  impl_->cv.notify_all();
+}
+
+std::shared_ptr<Snapshot> Stager::stage(const NamedTensors& tensors, OnBusy on_busy) {
+  Impl& im = *impl_;
+  int64_t begin_us = epoch_us();
+  for (const auto& [name, t] : tensors) {
+    ETTKIT_EXPECTS(t.defined(), "state dict entry '", name, "' is an undefined tensor");
+    ETTKIT_EXPECTS(t.device().is_cpu() || t.device().is_cuda(), "state dict entry '", name, "' is on device ",
+                   t.device(), "; only CPU and CUDA tensors can be staged");
+    ETTKIT_EXPECTS(!t.is_sparse() && t.layout() == c10::kStrided, "state dict entry '", name,
+                   "' is not a dense strided tensor");
+  }
+  std::unique_lock<std::mutex> lk(im.mu);
+  // 1) Plan: reuse the cached one unless the structure changed.
+  std::shared_ptr<const std::vector<PlanEntry>> plan = im.plan;
+  if (!plan || !same_structure(*plan, tensors)) {
+    auto fresh = std::make_shared<std::vector<PlanEntry>>();
+    fresh->reserve(tensors.size());
+    int64_t off = 0;
+    for (const auto& [name, t] : tensors) {
+      PlanEntry e{name, t.scalar_type(), t.sizes().vec(), t.device(), static_cast<int64_t>(t.nbytes()), off};
+      off += e.nbytes;
+      fresh->push_back(std::move(e));
+    }
+    int64_t need = off;
+    int64_t budget = im.opt.memory_budget_bytes;
+    ETTKIT_EXPECTS(budget <= 0 || need <= budget, "the state dict needs a ", need,
+                   "-byte host arena but memory_budget_bytes=", budget, "; raise the budget or save less state");
+    int want = im.opt.num_arenas;
+    if (want == 2 && budget > 0 && 2 * need > budget) {
+      ETTKIT_LOG_WARN("checkpoint: memory_budget_bytes=", budget, " fits one ", need,
+                      "-byte arena, not two; double-buffering is off");
+      want = 1;
+    }
+    if (im.arenas.empty() || static_cast<int64_t>(im.arenas[0].size) < need ||
+        static_cast<int>(im.arenas.size()) != want) {
+      // Reallocation needs every arena back.
+      im.cv.wait(lk, [&] { return std::none_of(im.arenas.begin(), im.arenas.end(), [](const Arena& a) { return a.busy; }); });
+      for (Arena& a : im.arenas) a.free();
+      im.arenas.assign(static_cast<size_t>(want), Arena{});
+      for (Arena& a : im.arenas) {
+        a.allocate(static_cast<size_t>(need), im.pin);
+        ++im.arena_allocations;
+      }
+    }
+    im.plan = fresh;
+    im.plan_total = need;
+    ++im.plan_builds;
+    plan = fresh;
+  }
+  // 2) A free arena.
+  auto free_arena = [&]() -> int {
+    for (size_t i = 0; i < im.arenas.size(); ++i)
+      if (!im.arenas[i].busy) return static_cast<int>(i);
+    return -1;
+  };
+  int arena = free_arena();
+  if (arena < 0) {
+    if (on_busy == OnBusy::kSkip) return nullptr;
+    ETTKIT_CHECK(on_busy != OnBusy::kError, InvalidArgument,
+                 "checkpoint save requested while the previous save is still persisting (on_busy='error'); "
+                 "use on_busy='wait' or 'skip', or a memory budget that allows two arenas");
+    int64_t w0 = steady_ns();
+    im.cv.wait(lk, [&] { return (arena = free_arena()) >= 0; });
+    im.busy_wait_s += static_cast<double>(steady_ns() - w0) * 1e-9;
+  }
+  im.arenas[static_cast<size_t>(arena)].busy = true;
+  uint8_t* base = im.arenas[static_cast<size_t>(arena)].ptr;
+  lk.unlock();
+
+  std::shared_ptr<Snapshot> snap(new Snapshot());
+  snap->stager_ = this;
+  snap->arena_ = arena;
+  snap->data_ = base;
+  snap->plan_ = plan;
+  snap->stage_begin_us_ = begin_us;
+  auto state = std::make_shared<Snapshot::State>();
+  snap->state_ = state;
+
+  // 3) Copies. Small tensors now, synchronously; big CPU tensors by the pool in byte-balanced slices;
+  // CUDA tensors on the copy stream.
+  struct Slice {
+    const uint8_t* src;
+    uint8_t* dst;
+    size_t n;
+  };
+  std::vector<Slice> contiguous;
+  std::vector<size_t> strided;  // indices of non-contiguous CPU tensors
+  std::vector<size_t> cuda;
+  size_t big_bytes = 0;
+  try {
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const at::Tensor& t = tensors[i].second;
+      const PlanEntry& e = (*plan)[i];
+      uint8_t* dst = base + e.offset;
+      if (t.device().is_cuda()) {
+        cuda.push_back(i);
+      } else if (e.nbytes <= im.opt.sync_copy_max_bytes) {
+        if (t.is_contiguous()) {
+          std::memcpy(dst, t.const_data_ptr(), static_cast<size_t>(e.nbytes));
+        } else {
+          at::from_blob(dst, e.shape, t.options()).copy_(t);
+        }
+      } else if (t.is_contiguous()) {
+        contiguous.push_back({static_cast<const uint8_t*>(t.const_data_ptr()), dst, static_cast<size_t>(e.nbytes)});
+        big_bytes += static_cast<size_t>(e.nbytes);
+      } else {
+        strided.push_back(i);
+      }
+    }
+  } catch (...) {
+    snap->release();
+    throw;
+  }
+  if (!cuda.empty()) {
+#if ETTKIT_WITH_CUDA
+    c10::Device dev = tensors[cuda[0]].second.device();
+    for (size_t i : cuda) {
+      ETTKIT_EXPECTS(tensors[i].second.device() == dev, "state dict entry '", tensors[i].first, "' is on ",
+                     tensors[i].second.device(), " but others are on ", dev, "; one CUDA device per rank");
+    }
+    c10::cuda::CUDAGuard guard(dev);
+    if (!im.copy_stream || im.copy_stream->device() != dev) im.copy_stream = c10::cuda::getStreamFromPool(false, dev.index());
+    c10::cuda::CUDAStream stream = *im.copy_stream;
+    // Stream order: the copies see everything already queued on the caller's stream (the optimizer step).
+    CudaEvent ready(dev.index());
+    ready.record(c10::cuda::getCurrentCUDAStream(dev.index()));
+    ready.block(stream);
+    {
+      c10::cuda::CUDAStreamGuard sg(stream);
+      for (size_t i : cuda) {
+        const at::Tensor& t = tensors[i].second;
+        const PlanEntry& e = (*plan)[i];
+        uint8_t* dst = base + e.offset;
+        if (t.is_contiguous()) {
+          C10_CUDA_CHECK(cudaMemcpyAsync(dst, t.const_data_ptr(), static_cast<size_t>(e.nbytes),
+                                         cudaMemcpyDeviceToHost, stream.stream()));
+        } else {
+          at::from_blob(dst, e.shape, t.options().device(c10::kCPU)).copy_(t, /*non_blocking=*/true);
+        }
+        // The caching allocator must not hand this memory to another stream before the copy is done.
+        c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream);
+      }
+    }
+    state->cuda_done = std::make_unique<CudaEvent>(dev.index());
+    state->cuda_done->record(stream);
+#else
+    snap->release();
+    ETTKIT_THROW(InvalidArgument, "state dict entry '", tensors[cuda[0]].first,
+                 "' is a CUDA tensor but ettkit was built without CUDA");
+#endif
+  }
+  int workers = im.pool->size();
+  std::vector<std::vector<Slice>> groups;
+  if (!contiguous.empty()) {
+    // Cut the byte stream into `workers` equal ranges (big tensors are split across threads).
+    size_t per = std::max<size_t>((big_bytes + static_cast<size_t>(workers) - 1) / static_cast<size_t>(workers), 1 << 20);
+    groups.emplace_back();
+    size_t room = per;
+    for (Slice s : contiguous) {
+      while (s.n > 0) {
+        size_t take = std::min(s.n, room);
+        groups.back().push_back({s.src, s.dst, take});
+        s.src += take;
+        s.dst += take;
+        s.n -= take;
+        room -= take;
+        if (room == 0) {
+          groups.emplace_back();
+          room = per;
+        }
+      }
+    }
+    if (groups.back().empty()) groups.pop_back();
+  }
+  {
+    std::lock_guard<std::mutex> slk(state->mu);
+    state->pending = static_cast<int>(groups.size() + strided.size());
+  }
+  if (state->pending > 0 || !cuda.empty()) state->keep_alive = tensors;
+  for (auto& g : groups) {
+    im.pool->submit([state, g = std::move(g)] {
+      std::exception_ptr err;
+      try {
+        for (const Slice& s : g) std::memcpy(s.dst, s.src, s.n);
+      } catch (...) {
+        err = std::current_exception();
+      }
+      state->job_done(err);
+    });
+  }
+  for (size_t i : strided) {
+    const PlanEntry& e = (*plan)[i];
+    at::Tensor src = tensors[i].second;
+    uint8_t* dst = base + e.offset;
+    im.pool->submit([state, src, dst, shape = e.shape] {
+      std::exception_ptr err;
+      try {
+        at::from_blob(dst, shape, src.options()).copy_(src);
+      } catch (...) {
+        err = std::current_exception();
+      }
+      state->job_done(err);
+    });
+  }
+  if (groups.empty() && strided.empty() && cuda.empty()) state->staged_us = epoch_us();
+  return snap;
+}
+
+Snapshot::~Snapshot() {
+  try {
+    release();
+  } catch (...) {
+  }
+}
+
+bool Snapshot::staged() const {
+  std::lock_guard<std::mutex> lk(state_->mu);
+  return state_->pending == 0 && state_->cuda_finished();
+}
+
+void Snapshot::wait_staged() {
+  {
+    std::unique_lock<std::mutex> lk(state_->mu);
+    state_->cv.wait(lk, [&] { return state_->pending == 0; });
+  }
+#if ETTKIT_WITH_CUDA
+  if (state_->cuda_done) state_->cuda_done->synchronize();
+#endif
+  if (state_->staged_us.load() == 0) state_->staged_us = epoch_us();
+  state_->keep_alive.clear();
+  if (state_->error) std::rethrow_exception(state_->error);
+}
+
+void Snapshot::wait_staged_on_current_stream() {
+#if ETTKIT_WITH_CUDA
+  if (state_->cuda_done) {
+    // GPU-side wait: the compute stream waits on the copy completion; the host does not block.
+    state_->cuda_done->block(c10::cuda::getCurrentCUDAStream(state_->cuda_done->device()));
+  }
+#endif
+  std::unique_lock<std::mutex> lk(state_->mu);
+  state_->cv.wait(lk, [&] { return state_->pending == 0; });
+  if (state_->error) std::rethrow_exception(state_->error);
+}
+
+int64_t Snapshot::staged_us() const { return state_->staged_us.load(); }
+
+int64_t Snapshot::total_bytes() const {
+  return plan_->empty() ? 0 : plan_->back().offset + plan_->back().nbytes;
+}
+
+NamedTensors Snapshot::tensors() {
+  NamedTensors out;
+  out.reserve(plan_->size());
+  for (const PlanEntry& e : *plan_) {
+    out.emplace_back(e.name, at::from_blob(data_ + e.offset, e.shape, at::TensorOptions().dtype(e.dtype)));
+  }
+  return out;
+}
+
+void Snapshot::release() {
+  if (released_ || !stager_) return;
+  released_ = true;
+  try {
+    wait_staged();
+  } catch (...) {
+  }
+  stager_->release_arena(arena_);
+}
+
+}  // namespace ettkit::checkpoint

@@ -1,0 +1,111 @@
+"""Subprocess driver for the checkpoint fault tests (a fresh interpreter: no fork after OpenMP).
+
+python checkpoint_script.py diskfull CKPT_DIR OUT_JSON
+python checkpoint_script.py loop CKPT_DIR            saves steps 1, 2, ... until killed
+"""
+
+import json
+import os
+import resource
+import signal
+import sys
+
+import torch
+
+import ettkit
+from ettkit.checkpoint import AsyncCheckpointer
+
+
+def loop_state(step: int):
+    # Every tensor is a function of the step, so a loaded step can be checked exactly.
+    return {"a": torch.full((300_000,), float(step)), "b": torch.arange(1000, dtype=torch.int64) * step,
+            "small": torch.tensor([step, -step], dtype=torch.int32)}
+
+
+def main() -> int:
+    mode, path = sys.argv[1], sys.argv[2]
+    if mode == "loop":
+        with AsyncCheckpointer(path, recorder=None, keep_last=3) as ck:
+            target = {k: torch.zeros_like(v) for k, v in loop_state(0).items()}
+            res = ck.load_latest(target)
+            step = res[0] if res else 0
+            print("ready", flush=True)
+            while True:
+                step += 1
+                ck.save(step, loop_state(step), extra={"step": step}).wait_staged()
+    if mode == "preempt":
+        ck = AsyncCheckpointer(path, recorder=None, every=10**9, preempt_deadline_s=30)
+        state = loop_state(0)
+        step = 0
+        print("ready", flush=True)
+        while True:
+            step += 1
+            for k, v in loop_state(step).items():
+                state[k].copy_(v)
+            if ck.should_save(step):
+                ck.save(step, state, extra={"step": step})  # durable, then exits with 128+SIGTERM
+                return 3  # not reached
+    if mode == "rank":
+        import torch.distributed as dist
+
+        rank, world, port = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+
+        def rank_state(step):
+            return {"w": torch.full((1000 + rank,), float(step * 10 + rank)), "r": torch.tensor([rank, step])}
+
+        with AsyncCheckpointer(path, recorder=None, keep_last=2) as ck:
+            for step in (1, 2, 3):
+                h = ck.save(step, rank_state(step), extra={"rank": rank})
+                h.wait()
+                assert h.durable
+            target = {k: torch.zeros_like(v) for k, v in rank_state(0).items()}
+            step, extra = ck.load_latest(target)
+            assert step == 3 and extra == {"rank": rank}, (step, extra)
+            for k, v in rank_state(3).items():
+                assert torch.equal(target[k], v), k
+        dist.barrier()
+        if rank == 0:
+            # Damage rank 1's file of step 3: every rank must fall back to step 2 together.
+            f = os.path.join(path, "step-3", "rank-1.safetensors")
+            data = bytearray(open(f, "rb").read())
+            data[-3] ^= 0xFF
+            open(f, "wb").write(bytes(data))
+        dist.barrier()
+        with AsyncCheckpointer(path, recorder=None) as ck:
+            target = {k: torch.zeros_like(v) for k, v in rank_state(0).items()}
+            step, _ = ck.load_latest(target)
+            assert step == 2, step
+            for k, v in rank_state(2).items():
+                assert torch.equal(target[k], v), k
+        dist.destroy_process_group()
+        print("rank-ok", rank, flush=True)
+        return 0
+    if mode == "diskfull":
+        sys.path.insert(0, os.path.dirname(__file__))
+        from test_checkpoint import make_state
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+        ck = AsyncCheckpointer(path, recorder=None)
+        ck.save(1, make_state(1)).wait()
+        big = make_state(2)
+        big["model"]["huge"] = torch.ones(1 << 19)  # 2 MiB > the 1 MiB file-size limit
+        h = ck.save(2, big)
+        try:
+            h.wait()
+            err = None
+        except ettkit.IoError as e:
+            err = str(e)
+        ck.save(3, make_state(3)).wait()  # training and saving go on
+        res = {"err": err, "handle_error": type(h.error).__name__, "durable": h.durable,
+               "dirs": sorted(p for p in os.listdir(path) if p.startswith("step"))}
+        ck.close()
+        with open(sys.argv[3], "w") as f:
+            json.dump(res, f)
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,284 @@
+"""AsyncCheckpointer: round trip, formats, bad input and injected faults."""
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import ettkit
+from ettkit.checkpoint import AsyncCheckpointer, DcpStager, parse_every
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "checkpoint_script.py")
+
+
+def make_state(step: int, n: int = 6, big: int = 50_000):
+    g = torch.Generator().manual_seed(step)
+    model = {f"layer{i}.weight": torch.randn(big if i == 0 else 100 + i, generator=g) for i in range(n)}
+    model["bn.num_batches_tracked"] = torch.tensor(step, dtype=torch.int64)
+    model["half"] = torch.randn(33, generator=g).to(torch.bfloat16)
+    model["mask"] = torch.rand(17, generator=g) > 0.5
+    return {"model": model, "optim": {"state": {0: {"step": torch.tensor(float(step))}},
+                                      "param_groups": [{"lr": 0.1 * step, "params": [0]}]}}
+
+
+def zeros_like_state(state):
+    return {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
+            "optim": {"state": {0: {"step": torch.tensor(0.0)}}, "param_groups": [{"lr": 0.0, "params": [0]}]}}
+
+
+def assert_state_equal(a, b):
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    assert torch.equal(a["optim"]["state"][0]["step"], b["optim"]["state"][0]["step"])
+
+
+def test_round_trip_in_place_extra_and_non_tensor_state(tmp_path):
+    with AsyncCheckpointer(tmp_path, recorder=None) as ck:
+        for step in (1, 2):
+            h = ck.save(step, make_state(step), extra={"epoch": step})
+            assert h.wait() and h.durable and h.error is None and h.staged
+        target = zeros_like_state(make_state(2))
+        step, extra = ck.load_latest(target)
+    assert (step, extra) == (2, {"epoch": 2})
+    assert_state_equal(target, make_state(2))
+    assert target["optim"]["param_groups"][0]["lr"] == pytest.approx(0.2)
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step-1", "step-2"]
+    assert open(tmp_path / "latest").read() == "step-2\n"
+    manifest = json.loads((tmp_path / "step-2" / "manifest.json").read_text())
+    assert manifest["step"] == 2 and manifest["world_size"] == 1
+    assert set(manifest["files"]) == {"rank-0.safetensors", "rank-0.extra"}
+    assert len(manifest["files"]["rank-0.safetensors"]["xxh3"]) == 16
+
+
+def test_safetensors_file_readable_by_safetensors(tmp_path):
+    from safetensors.torch import load_file
+
+    state = make_state(5)
+    with AsyncCheckpointer(tmp_path, recorder=None) as ck:
+        ck.save(5, state).wait()
+    loaded = load_file(str(tmp_path / "step-5" / "rank-0.safetensors"))
+    assert set(loaded) == {f"model.{k}" for k in state["model"]} | {"optim.state.0.step"}
+    for k, v in state["model"].items():
+        assert loaded[f"model.{k}"].dtype == v.dtype and torch.equal(loaded[f"model.{k}"], v)
+
+
+def test_plan_cached_arena_reused_and_rebuilt_on_structure_change(tmp_path):
+    with AsyncCheckpointer(tmp_path, recorder=None, keep_last=2) as ck:
+        for s in range(1, 6):
+            ck.save(s, make_state(s)).wait()
+        assert ck.plan_builds == 1 and ck.arena_allocations == 1
+        arena = ck.arena_bytes
+        assert arena == sum(t.nbytes for t in ettkit.checkpoint._flatten.flatten(make_state(1))[1])
+        bigger = make_state(6)
+        bigger["model"]["extra"] = torch.ones(1000)
+        ck.save(6, bigger).wait()
+        assert ck.plan_builds == 2 and ck.arena_allocations == 2 and ck.arena_bytes == arena + 4000
+        assert sorted(os.listdir(tmp_path)) == ["latest", "step-5", "step-6"]  # keep_last=2
+
+
+def test_nothing_committed_returns_none_and_cleans_temporaries(tmp_path):
+    (tmp_path / ".tmp-step-7-deadbeefdeadbeef").mkdir()
+    (tmp_path / ".tmp-step-7-deadbeefdeadbeef" / "rank-0.safetensors").write_bytes(b"torn")
+    (tmp_path / "step-9").mkdir()  # no manifest: never committed
+    with pytest.raises(ettkit.CorruptCheckpointError, match="step 9.*manifest.json' is missing"):
+        AsyncCheckpointer(tmp_path, recorder=None).load_latest(make_state(1))
+    assert not (tmp_path / ".tmp-step-7-deadbeefdeadbeef").exists()
+    empty = tmp_path / "empty"
+    assert AsyncCheckpointer(empty, recorder=None).load_latest(make_state(1)) is None
+
+
+def _save_steps(path, steps):
+    with AsyncCheckpointer(path, recorder=None, keep_last=0) as ck:
+        for s in steps:
+            ck.save(s, make_state(s), extra=s).wait()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "manifest"])
+def test_corrupt_newest_step_falls_back_with_warning(tmp_path, damage):
+    _save_steps(tmp_path, [1, 2])
+    f = tmp_path / "step-2" / "rank-0.safetensors"
+    data = bytearray(f.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0x01
+        f.write_bytes(bytes(data))
+    elif damage == "truncate":
+        f.write_bytes(bytes(data[:-10]))
+    else:
+        (tmp_path / "step-2" / "manifest.json").write_text("{not json")
+    target = zeros_like_state(make_state(1))
+    with pytest.warns(RuntimeWarning, match="step 1"):
+        step, extra = AsyncCheckpointer(tmp_path, recorder=None).load_latest(target)
+    assert (step, extra) == (1, 1)
+    assert_state_equal(target, make_state(1))
+
+
+def test_flipped_byte_undetected_without_verification_but_all_corrupt_raises(tmp_path):
+    _save_steps(tmp_path, [1, 2])
+    for s in (1, 2):
+        f = tmp_path / f"step-{s}" / "rank-0.safetensors"
+        data = bytearray(f.read_bytes())
+        data[-5] ^= 0xFF
+        f.write_bytes(bytes(data))
+    # Without verification the size checks pass and the newest step loads (the documented trade-off).
+    assert AsyncCheckpointer(tmp_path, recorder=None, verify_on_load=False).load_latest(
+        zeros_like_state(make_state(2)))[0] == 2
+    with pytest.raises(ettkit.CorruptCheckpointError, match="XXH3"):
+        AsyncCheckpointer(tmp_path, recorder=None).load_latest(zeros_like_state(make_state(2)))
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda s: s["model"].pop("layer1.weight"), "model.layer1.weight"),
+    (lambda s: s["model"].__setitem__("layer2.weight", torch.zeros(5)), "model.layer2.weight.*shape"),
+    (lambda s: s["model"].__setitem__("layer3.weight", torch.zeros(103, dtype=torch.float64)),
+     "model.layer3.weight.*dtype"),
+    (lambda s: s["model"].__setitem__("new", torch.zeros(3)), "'model.new'"),
+])
+def test_mismatched_state_dict_names_the_key(tmp_path, change, match):
+    _save_steps(tmp_path, [1])
+    target = zeros_like_state(make_state(1))
+    change(target)
+    with pytest.raises(ettkit.InvalidArgumentError, match=match):
+        AsyncCheckpointer(tmp_path, recorder=None).load_latest(target)
+
+
+def test_failed_write_reports_io_error_and_keeps_previous_step(tmp_path):
+    """A real failed write: the file-size limit (RLIMIT_FSIZE) makes write(2) fail with EFBIG."""
+    out = tmp_path / "result.json"
+    subprocess.run([sys.executable, SCRIPT, "diskfull", str(tmp_path / "ck"), str(out)], check=True, timeout=120)
+    res = json.loads(out.read_text())
+    assert res["err"] and "rank-0.safetensors" in res["err"] and "File too large" in res["err"]
+    assert res["handle_error"] == "IoError" and res["durable"] is False
+    assert res["dirs"] == ["step-1", "step-3"]
+    target = zeros_like_state(make_state(3))
+    assert AsyncCheckpointer(tmp_path / "ck", recorder=None).load_latest(target)[0] == 3
+
+
+def test_on_busy_skip_and_error(tmp_path):
+    state = {"w": torch.randn(4_000_000)}
+    with AsyncCheckpointer(tmp_path / "skip", recorder=None, on_busy="skip") as ck:
+        handles = [ck.save(s, state) for s in range(1, 30)]
+        ck.wait()
+        skipped = [h for h in handles if h.skipped]
+        assert handles[0].durable and not handles[0].skipped
+        assert all(not h.durable and not h.wait() for h in skipped)
+        assert len(skipped) > 0
+    with AsyncCheckpointer(tmp_path / "err", recorder=None, on_busy="error") as ck:
+        with pytest.raises(ettkit.InvalidArgumentError, match="on_busy='error'"):
+            for s in range(1, 30):
+                ck.save(s, state)
+    with pytest.raises(ValueError, match="on_busy"):
+        AsyncCheckpointer(tmp_path, on_busy="drop")
+
+
+def test_memory_budget_and_double_buffer(tmp_path):
+    state = {"w": torch.randn(100_000)}
+    with pytest.raises(ettkit.InvalidArgumentError, match="memory_budget_bytes=1000"):
+        AsyncCheckpointer(tmp_path, recorder=None, memory_budget_bytes=1000).save(1, state)
+    with AsyncCheckpointer(tmp_path, recorder=None, double_buffer=True, memory_budget_bytes=10**6) as ck:
+        ck.save(1, state).wait()
+        assert ck.num_arenas == 2
+    with AsyncCheckpointer(tmp_path, recorder=None, double_buffer=True, memory_budget_bytes=500_000) as ck:
+        ck.save(2, state).wait()
+        assert ck.num_arenas == 1  # the budget fits one arena only
+
+
+def test_attach_prehook_waits_for_staging(tmp_path):
+    model = torch.nn.Linear(2000, 2000)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    with AsyncCheckpointer(tmp_path, recorder=None, keep_last=0) as ck:
+        ck.attach(opt)
+        for step in range(1, 6):
+            model(torch.randn(2, 2000)).sum().backward()
+            expected = model.weight.detach().clone()
+            ck.save(step, {"model": model.state_dict()})
+            opt.step()  # the pre-hook waits until the copy is done, so the saved value is `expected`
+            opt.zero_grad()
+            target = {"model": {k: torch.zeros_like(v) for k, v in model.state_dict().items()}}
+            ck.wait()
+            assert ck.load_latest(target)[0] == step
+            assert torch.equal(target["model"]["weight"], expected)
+
+
+def test_should_save_policies(tmp_path):
+    assert parse_every(100) == ("steps", 100.0)
+    assert parse_every("90s") == ("seconds", 90.0) and parse_every("2min") == ("seconds", 120.0)
+    for bad in (0, -3, "soon", "10 parsecs", True):
+        with pytest.raises(ValueError, match="every="):
+            parse_every(bad)
+    with AsyncCheckpointer(tmp_path, recorder=None, every=3, preempt_signals=()) as ck:
+        assert [s for s in range(1, 10) if ck.should_save(s)] == [3, 6, 9]
+    with AsyncCheckpointer(tmp_path, recorder=None, every="auto", preempt_signals=(), mtbf_prior_s=3600) as ck:
+        assert ck.should_save(1)  # nothing measured yet: save to measure
+        ck.save(1, make_state(1)).wait()
+        interval = ck.auto_interval_s()
+        blocking = ck.mean_blocking_s
+        # Daly first order with the measured blocking time, never below the time to durable.
+        # (R = 0 without a recorder, so Daly's first order is sqrt(2*delta*M); delta floored at 0.1 ms.)
+        expected = max((2 * max(blocking, 1e-4) * 3600) ** 0.5, ck.mean_time_to_durable_s)
+        assert interval == pytest.approx(expected, rel=1e-6)
+        assert not ck.should_save(2)
+
+
+def test_ett_records_blocking_staging_and_persist(tmp_path):
+    rec = ettkit.ett.Recorder(tmp_path / "run")
+    with AsyncCheckpointer(tmp_path / "ck", recorder=rec) as ck:
+        for s in (1, 2):
+            ck.save(s, make_state(s)).wait()
+    rec.close()
+    names = [json.loads(line).get("phase") or json.loads(line).get("name")
+             for line in open(rec.ledger_path) if line.strip()]
+    text = open(rec.ledger_path).read()
+    assert text.count("checkpoint_blocking") >= 1 and "checkpoint_persist" in text and "checkpoint_staging" in text
+    report = ettkit.ett.build_report(tmp_path / "run")
+    assert report["checkpoints"]["count"] == 2
+    assert names
+
+
+def test_dcp_async_save_with_dcp_stager_round_trips(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": {"w": torch.randn(1000, 100), "b": torch.randn(7)}, "step": 3}
+    stager = DcpStager()
+    for i in range(2):
+        res = dcp.async_save(state, checkpoint_id=str(tmp_path / f"c{i}"), async_stager=stager, no_dist=True)
+        fut = getattr(res, "upload_completion", res)
+        fut.result()
+    assert stager.arena_allocations == 1
+    target = {"model": {"w": torch.zeros(1000, 100), "b": torch.zeros(7)}, "step": 0}
+    dcp.load(target, checkpoint_id=str(tmp_path / "c1"), no_dist=True)
+    assert torch.equal(target["model"]["w"], state["model"]["w"]) and torch.equal(target["model"]["b"], state["model"]["b"])
+    stager.close()
+
+
+def test_extra_blob_is_pickled_separately(tmp_path):
+    with AsyncCheckpointer(tmp_path, recorder=None) as ck:
+        ck.save(1, make_state(1), extra={"rng": [1, 2, 3]}).wait()
+    blob = pickle.loads((tmp_path / "step-1" / "rank-0.extra").read_bytes())
+    assert blob["extra"] == {"rng": [1, 2, 3]}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gloo_ranks_commit_through_the_store_and_load_back(tmp_path, world):
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, SCRIPT, "rank", str(tmp_path / "ck"), str(r), str(world), str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(world)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for r, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, (r, err.decode()[-3000:])
+        assert f"rank-ok {r}".encode() in out
+    manifest = json.loads((tmp_path / "ck" / "step-3" / "manifest.json").read_text())
+    assert manifest["world_size"] == world
+    assert set(manifest["files"]) == {f"rank-{r}.{e}" for r in range(world) for e in ("safetensors", "extra")}
+    assert sorted(p for p in os.listdir(tmp_path / "ck") if p.startswith("step")) == ["step-2", "step-3"]
