@@ -2,13 +2,18 @@
 
     python benchmarks/checkpoint.py [--quick] [--json FILE] [--dir DIR]
 
-Same run, same state dicts, training steps between saves (a matmul "forward/backward" and an in-place
-foreach "optimizer step" on every saved tensor). Loop per save: optimizer step, save, the next step's
+Same run, same state dicts, training steps between saves: a matmul "forward/backward" calibrated so that
+one step takes --step-ms (default 100 ms, a short step for a model of this size: a real forward/backward
+over 10^8 parameters takes far longer; --step-ms 10 shows the copy exposed) and an in-place foreach
+"optimizer step" on every saved tensor. Loop per save: optimizer step, save, the next step's
 forward/backward, wait until the save is staged (ettkit's pre-step hook; DCP's staging_completion),
-optimizer step. blocking_ms = time the loop waits because of a save (the save call plus the wait before
-the next optimizer step); step_inflation_pct = mean step time while
-the save persists vs. without saves; time_to_durable_s = save call -> durable; persist_GBps = bytes /
-time_to_durable beside disk_seq_GBps (sequential 64 MiB writes + fsync of the same bytes, same disk).
+optimizer step.
+
+blocking_ms = time the loop waits because of a save = save_call_ms + pre_step_wait_ms (the wait before
+the next optimizer step); step_inflation_pct = mean step time while the save persists vs. without saves;
+time_to_durable_s = save call -> durable (fsynced; for ettkit: committed); persist_GBps = bytes /
+time_to_durable beside disk_seq_GBps (sequential 64 MiB writes + one fsync of the same bytes, same disk,
+before and after the variants); rss_growth_MB = RSS after the last save - after the first.
 """
 
 from __future__ import annotations
@@ -59,19 +64,42 @@ def nbytes(state) -> int:
 
 
 class Trainer:
-    def __init__(self, state):
+    """A stand-in training step: ``compute()`` is the forward/backward (``matmuls`` 512x512 matrix products,
+    calibrated to a target step time), ``optimizer_step()`` an in-place foreach update of every saved
+    tensor (as Adam mutates parameters and both moments)."""
+
+    def __init__(self, state, matmuls: int = 4):
         self.tensors = tensors_of(state)
-        self.a = torch.randn(384, 384)
+        self.a = torch.randn(512, 512)
+        self.matmuls = matmuls
 
     def compute(self):
-        for _ in range(4):
+        for _ in range(self.matmuls):
             self.a = torch.tanh(self.a @ self.a)
 
     def optimizer_step(self):
         torch._foreach_add_(self.tensors, 1e-3)
 
+    def calibrate(self, step_ms: float) -> None:
+        """Sets ``matmuls`` so that compute() + optimizer_step() takes about ``step_ms``."""
+        self.matmuls = 1
+        one = statistics.median(_timed(self.compute) for _ in range(5))
+        opt = statistics.median(_timed(self.optimizer_step) for _ in range(3))
+        self.matmuls = max(1, round((step_ms / 1e3 - opt) / one))
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
 
 BEST_OPTIONS: dict = {}
+# DCP StagingOptions, best first: (use_pinned_memory, use_shared_memory, use_async_staging,
+# use_non_blocking_copy). Pinned memory and non-blocking copies need an accelerator; shared memory opens
+# one file descriptor per tensor and fails past the open-files limit (10^4 tensors).
+DCP_CANDIDATES = ((True, True, True, True), (False, True, True, False), (False, False, True, False))
+DCP_OPTION_NAMES = ("use_pinned_memory", "use_shared_memory", "use_async_staging", "use_non_blocking_copy")
 
 
 def disk_seq_GBps(directory: str, size: int) -> float:
@@ -90,11 +118,12 @@ def disk_seq_GBps(directory: str, size: int) -> float:
     return size / dt / 1e9
 
 
-def run_variant(variant: str, state, directory: str, saves: int, base_step_s: float) -> dict:
+def run_variant(variant: str, state, directory: str, saves: int, base_step_s: float, matmuls: int,
+                dcp_options=None) -> dict:
     import torch.distributed.checkpoint as dcp
 
-    tr = Trainer(state)
-    blocking, durable, inflation = [], [], []
+    tr = Trainer(state, matmuls)
+    calls, waits, durable, inflation = [], [], [], []
     shutil.rmtree(directory, ignore_errors=True)
     os.makedirs(directory)
     ck = stager = None
@@ -105,81 +134,93 @@ def run_variant(variant: str, state, directory: str, saves: int, base_step_s: fl
     elif variant == "dcp_async_best":
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-        # The best StagingOptions this torch accepts here (pinned/non-blocking need an accelerator).
-        for opts in ((True, True, True, True), (False, True, True, False), (False, False, True, False)):
-            try:
-                stager = DefaultStager(StagingOptions(*opts))
-                BEST_OPTIONS["dcp_async_best"] = dict(zip(("use_pinned_memory", "use_shared_memory",
-                                                           "use_async_staging", "use_non_blocking_copy"), opts))
-                break
-            except Exception:
-                continue
+        stager = DefaultStager(StagingOptions(*dcp_options))
     rss0 = None
     prev = None
-    for i in range(1, saves + 1):
-        tr.compute()
-        t0 = time.perf_counter()
-        path = os.path.join(directory, f"step-{i}")
-        if variant == "ettkit":
-            h = ck.save(i, state)
-            is_durable = lambda: h.durable  # noqa: E731
-            wait_staged = ck.wait_staged
-        elif variant == "torch_save":
-            torch.save(state, path + ".pt")
-            is_durable = lambda: True  # noqa: E731
-            wait_staged = lambda: None  # noqa: E731
-        elif variant == "dcp_save":
-            dcp.save(state, checkpoint_id=path, no_dist=True)
-            is_durable = lambda: True  # noqa: E731
-            wait_staged = lambda: None  # noqa: E731
-        else:
-            if prev is not None:
-                prev.result()  # DCP needs the previous async save finished before the next
-            if variant == "dcp_async":
-                fut = dcp.async_save(state, checkpoint_id=path, no_dist=True)
-                up, staging = getattr(fut, "upload_completion", fut), None
-            else:
-                resp = dcp.async_save(state, checkpoint_id=path, no_dist=True, async_stager=stager)
-                up, staging = getattr(resp, "upload_completion", resp), getattr(resp, "staging_completion", None)
-            prev = up
-            is_durable = up.done
-            wait_staged = (lambda: staging.result()) if staging is not None else (lambda: None)
-        t1 = time.perf_counter()
-        tr.compute()  # the next step's forward/backward overlaps the staging copies
-        tw = time.perf_counter()
-        wait_staged()  # the pre-step hook: the optimizer must not mutate unstaged tensors
-        t2 = time.perf_counter()
-        tr.optimizer_step()
-        blocking.append((t1 - t0) + (t2 - tw))
-        # Training steps while the save persists.
-        steps = []
-        while not is_durable() and len(steps) < 20:
-            s0 = time.perf_counter()
+    try:
+        for i in range(1, saves + 1):
             tr.compute()
+            t0 = time.perf_counter()
+            path = os.path.join(directory, f"step-{i}")
+            if variant == "ettkit":
+                h = ck.save(i, state)
+                is_durable = lambda: h.durable  # noqa: E731
+                wait_staged = ck.wait_staged
+            elif variant == "torch_save":
+                torch.save(state, path + ".pt")
+                is_durable = lambda: True  # noqa: E731
+                wait_staged = lambda: None  # noqa: E731
+            elif variant == "dcp_save":
+                dcp.save(state, checkpoint_id=path, no_dist=True)
+                is_durable = lambda: True  # noqa: E731
+                wait_staged = lambda: None  # noqa: E731
+            else:
+                if prev is not None:
+                    prev.result()  # DCP needs the previous async save finished before the next
+                if variant == "dcp_async":
+                    fut = dcp.async_save(state, checkpoint_id=path, no_dist=True)
+                    up, staging = getattr(fut, "upload_completion", fut), None
+                else:
+                    resp = dcp.async_save(state, checkpoint_id=path, no_dist=True, async_stager=stager)
+                    up, staging = getattr(resp, "upload_completion", resp), getattr(resp, "staging_completion", None)
+                prev = up
+                is_durable = up.done
+                wait_staged = (lambda: staging.result()) if staging is not None else (lambda: None)
+            t1 = time.perf_counter()
+            tr.compute()  # the next step's forward/backward overlaps the staging copies
+            tw = time.perf_counter()
+            wait_staged()  # the pre-step hook: the optimizer must not mutate unstaged tensors
+            t2 = time.perf_counter()
             tr.optimizer_step()
-            steps.append(time.perf_counter() - s0)
-        if variant == "ettkit":
-            h.wait()
-        elif prev is not None:
-            prev.result()
-        durable.append(time.perf_counter() - t0)
-        if steps:
-            inflation.append(statistics.mean(steps) / base_step_s - 1.0)
-        if i == 1:
-            rss0 = rss_bytes()
+            calls.append(t1 - t0)
+            waits.append(t2 - tw)
+            # Training steps while the save persists.
+            steps = []
+            while not is_durable() and len(steps) < 50:
+                s0 = time.perf_counter()
+                tr.compute()
+                tr.optimizer_step()
+                steps.append(time.perf_counter() - s0)
+            if variant == "ettkit":
+                h.wait()
+            elif prev is not None:
+                prev.result()
+            durable.append(time.perf_counter() - t0)
+            if steps:
+                inflation.append(statistics.mean(steps) / base_step_s - 1.0)
+            if i == 1:
+                rss0 = rss_bytes()
+    finally:
+        if ck is not None:
+            ck.close()
+        if stager is not None:
+            stager.close()
     rss_growth = rss_bytes() - rss0 if rss0 is not None else 0
-    if ck is not None:
-        ck.close()
-    if stager is not None:
-        stager.close()
     size = nbytes(state)
+    blocking = [c + w for c, w in zip(calls, waits)]
     return {
         "blocking_ms": statistics.median(blocking) * 1e3,
+        "save_call_ms": statistics.median(calls) * 1e3,
+        "pre_step_wait_ms": statistics.median(waits) * 1e3,
         "step_inflation_pct": (statistics.mean(inflation) * 100) if inflation else 0.0,
         "time_to_durable_s": statistics.median(durable),
         "persist_GBps": size / statistics.median(durable) / 1e9,
         "rss_growth_MB": rss_growth / 1e6,
     }
+
+
+def run_dcp_best(state, directory: str, saves: int, base_step_s: float, matmuls: int, case: str) -> dict:
+    """DCP async_save with the best StagingOptions this torch and this machine accept for this state."""
+    errors = []
+    for opts in DCP_CANDIDATES:
+        try:
+            r = run_variant("dcp_async_best", state, directory, saves, base_step_s, matmuls, opts)
+        except Exception as e:  # noqa: BLE001 - an unsupported option set: try the next best
+            errors.append(f"{dict(zip(DCP_OPTION_NAMES, opts))}: {type(e).__name__}: {str(e)[:120]}")
+            continue
+        BEST_OPTIONS[case] = {"options": dict(zip(DCP_OPTION_NAMES, opts)), "rejected": errors}
+        return r
+    raise RuntimeError("no DCP StagingOptions worked: " + "; ".join(errors))
 
 
 def main() -> None:
@@ -188,47 +229,65 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--dir", default="/tmp/ettkit_bench_ckpt")
     ap.add_argument("--saves", type=int, default=None)
+    ap.add_argument("--cases", default="1GB_large,256MB_small")
+    ap.add_argument("--step-ms", type=float, default=100.0,
+                    help="target time of one training step (forward/backward + optimizer) without saves")
+    ap.add_argument("--rss-saves", type=int, default=None)
     ap.add_argument("--variants", default="ettkit,torch_save,dcp_save,dcp_async,dcp_async_best")
     args = ap.parse_args()
     saves = args.saves or (3 if args.quick else 5)
+    rss_saves = args.rss_saves or (10 if args.quick else 50)
     results: dict = {}
-    for case in ("1GB_large", "256MB_small"):
+    for case in args.cases.split(","):
         state = make_state(case, args.quick)
         tr = Trainer(state)
-        for _ in range(5):
+        for _ in range(3):
             tr.compute()
             tr.optimizer_step()
+        tr.calibrate(args.step_ms)
         base = statistics.median([_timed_step(tr) for _ in range(5)])
         os.makedirs(args.dir, exist_ok=True)
         disk = disk_seq_GBps(args.dir, nbytes(state))
         results.setdefault(f"disk_seq_GBps[state={case}]", {})["disk"] = disk
         results.setdefault(f"state_MB[state={case}]", {})["all"] = nbytes(state) / 1e6
+        results.setdefault(f"tensors[state={case}]", {})["all"] = len(tensors_of(state)) + len(state["optim"])
+        results.setdefault(f"step_ms[state={case}]", {})["no_save"] = base * 1e3
         for v in args.variants.split(","):
-            r = run_variant(v, state, os.path.join(args.dir, v), saves, base)
+            d = os.path.join(args.dir, v)
+            if v == "dcp_async_best":
+                r = run_dcp_best(state, d, saves, base, tr.matmuls, case)
+            else:
+                r = run_variant(v, state, d, saves, base, tr.matmuls)
+            shutil.rmtree(d, ignore_errors=True)
             for metric, value in r.items():
                 results.setdefault(f"{metric}[state={case}]", {})[v] = value
             print(f"{case} {v}: " + ", ".join(f"{k}={x:.4g}" for k, x in r.items()), flush=True)
+        # The disk again, after the variants: the figure persist_GBps is read against.
+        disk2 = disk_seq_GBps(args.dir, nbytes(state))
+        results[f"disk_seq_GBps[state={case}]"]["disk_after"] = disk2
         if "ettkit" in args.variants:
             # RSS over many saves: one arena allocated once, reused.
             from ettkit.checkpoint import AsyncCheckpointer
 
-            n = 10 if args.quick else 50
             d = os.path.join(args.dir, "rss")
             shutil.rmtree(d, ignore_errors=True)
             with AsyncCheckpointer(d, keep_last=1, recorder=None, preempt_signals=()) as ck:
                 ck.save(0, state).wait()
                 r0 = rss_bytes()
-                for i in range(1, n + 1):
+                for i in range(1, rss_saves + 1):
                     ck.save(i, state).wait()
                 results.setdefault(f"rss_growth_over_saves_MB[state={case}]", {})["ettkit"] = (rss_bytes() - r0) / 1e6
                 results.setdefault(f"arena_MB[state={case}]", {})["ettkit"] = ck.arena_bytes / 1e6
-                results.setdefault(f"rss_saves[state={case}]", {})["ettkit"] = n
+                results.setdefault(f"arena_allocations[state={case}]", {})["ettkit"] = ck.arena_allocations
+                results.setdefault(f"rss_saves[state={case}]", {})["ettkit"] = rss_saves
             shutil.rmtree(d, ignore_errors=True)
+        del state, tr
     shutil.rmtree(args.dir, ignore_errors=True)
     print_table("checkpoint", results)
     if args.json:
         write_json(args.json, "checkpoint", {"quick": args.quick, "saves": saves, "torch": torch.__version__,
-                                                  "dcp_async_best_options": BEST_OPTIONS.get("dcp_async_best")}, results)
+                                             "step_ms_target": args.step_ms,
+                                             "dcp_async_best_options": BEST_OPTIONS}, results)
 
 
 def _timed_step(tr) -> float:

@@ -1,6 +1,9 @@
 // ettkit._C.checkpoint: the C++ Stager / AsyncCheckpointer. Every blocking call releases the GIL.
 #include <pybind11/stl.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
+
+#include <optional>
 
 #include "bindings.h"
 #include "ettkit/checkpoint/checkpointer.h"
@@ -20,6 +23,35 @@ NamedTensors zip(const std::vector<std::string>& names, const std::vector<at::Te
   for (size_t i = 0; i < names.size(); ++i) out.emplace_back(names[i], tensors[i]);
   return out;
 }
+
+/// The (name, tensor) list a Python caller hands over on every save. Its names change only when the state
+/// dict's structure does, so Python passes them only then: converting ~10^4 names to std::string on
+/// every save would cost milliseconds of blocking time. Tensors are replaced on every save.
+struct TensorList {
+  NamedTensors items;
+
+  void set(const py::object& names, const py::list& tensors) {
+    size_t n = tensors.size();
+    if (!names.is_none()) {
+      auto list = names.cast<std::vector<std::string>>();
+      ETTKIT_EXPECTS(list.size() == n, "got ", list.size(), " names for ", n, " tensors");
+      items.clear();
+      items.reserve(n);
+      for (auto& name : list) items.emplace_back(std::move(name), at::Tensor());
+    }
+    ETTKIT_EXPECTS(items.size() == n, "got ", n, " tensors for the ", items.size(),
+                   " names of the previous save; pass names when the state dict's structure changes");
+    for (size_t i = 0; i < n; ++i) {
+      PyObject* o = PyList_GET_ITEM(tensors.ptr(), static_cast<Py_ssize_t>(i));
+      ETTKIT_EXPECTS(THPVariable_Check(o), "state dict entry '", items[i].first, "' is not a tensor");
+      items[i].second = THPVariable_Unpack(o);
+    }
+  }
+  /// Drops the tensor references (the names stay for the next save).
+  void clear_tensors() {
+    for (auto& item : items) item.second = at::Tensor();
+  }
+};
 
 py::object error_class(const char* name) { return py::module_::import("ettkit.errors").attr(name); }
 
@@ -90,12 +122,31 @@ void bind_checkpoint(py::module_& m) {
             return s.stage(nt, ob);
           },
           py::arg("names"), py::arg("tensors"), py::arg("on_busy") = "wait", py::keep_alive<0, 1>())
+      .def(
+          "stage",
+          [](Stager& s, TensorList& list, const std::string& on_busy) {
+            OnBusy ob = parse_on_busy(on_busy);
+            std::shared_ptr<Snapshot> snap;
+            {
+              py::gil_scoped_release nogil;
+              snap = s.stage(list.items, ob);
+            }
+            list.clear_tensors();
+            return snap;
+          },
+          py::arg("tensors"), py::arg("on_busy") = "wait", py::keep_alive<0, 1>())
       .def_property_readonly("arena_bytes", &Stager::arena_bytes)
       .def_property_readonly("num_arenas", &Stager::num_arenas)
       .def_property_readonly("pinned", &Stager::pinned)
       .def_property_readonly("plan_builds", &Stager::plan_builds)
       .def_property_readonly("arena_allocations", &Stager::arena_allocations)
       .def_property_readonly("busy_wait_s", &Stager::busy_wait_s);
+
+  py::class_<TensorList>(m, "TensorList", "Names (kept between saves) and tensors (replaced every save).")
+      .def(py::init<>())
+      .def("set", &TensorList::set, py::arg("names"), py::arg("tensors"),
+           "names: a list, or None to keep the previous names; tensors: a list of tensors")
+      .def("__len__", [](const TensorList& l) { return l.items.size(); });
 
   py::class_<SaveHandle>(m, "SaveHandle")
       .def_property_readonly("step", &SaveHandle::step)
@@ -149,6 +200,19 @@ void bind_checkpoint(py::module_& m) {
             return c.save(step, nt, blob);
           },
           py::arg("step"), py::arg("names"), py::arg("tensors"), py::arg("extra") = py::bytes())
+      .def(
+          "save",
+          [](AsyncCheckpointer& c, int64_t step, TensorList& list, const py::bytes& extra) {
+            std::string blob = extra;
+            std::optional<SaveHandle> h;
+            {
+              py::gil_scoped_release nogil;
+              h.emplace(c.save(step, list.items, blob));
+            }
+            list.clear_tensors();  // the snapshot holds what it still needs
+            return *h;
+          },
+          py::arg("step"), py::arg("tensors"), py::arg("extra") = py::bytes())
       .def("wait_staged_on_current_stream", &AsyncCheckpointer::wait_staged_on_current_stream,
            py::call_guard<py::gil_scoped_release>())
       .def(

@@ -271,7 +271,9 @@ struct AsyncCheckpointer::Impl {
       // The arena is free as soon as its bytes are on disk; the commit below does not need it.
       job.snapshot->release();
       mine[base + ".extra"] = write_file_durably(tmp + "/" + base + ".extra", {ConstBuffer{job.extra.data(), job.extra.size()}});
-      fsync_directory(tmp);
+      // Other ranks make their directory entries durable before reporting; rank 0's are covered by the
+      // directory fsync that follows its manifest.
+      if (rank != 0) fsync_directory(tmp);
     } catch (...) {
       local_error = std::current_exception();
     }

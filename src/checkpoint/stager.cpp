@@ -171,7 +171,7 @@ struct Snapshot::State {
   int pending = 0;  // CPU copy jobs not finished
   std::exception_ptr error;
   std::atomic<int64_t> staged_us{0};
-  NamedTensors keep_alive;  // sources stay alive until their copies finish
+  std::vector<at::Tensor> keep_alive;  // sources stay alive until their copies finish
 #if ETTKIT_WITH_CUDA
   std::unique_ptr<CudaEvent> cuda_done;
 #endif
@@ -265,6 +265,8 @@ void Stager::release_arena(int arena) {
 std::shared_ptr<Snapshot> Stager::stage(const NamedTensors& tensors, OnBusy on_busy) {
   Impl& im = *impl_;
   int64_t begin_us = epoch_us();
+  // The copies read storage; they must not become autograd history (callers pass parameters as they are).
+  at::NoGradGuard no_grad;
   for (const auto& [name, t] : tensors) {
     ETTKIT_EXPECTS(t.defined(), "state dict entry '", name, "' is an undefined tensor");
     ETTKIT_EXPECTS(t.device().is_cpu() || t.device().is_cuda(), "state dict entry '", name, "' is on device ",
@@ -439,7 +441,10 @@ std::shared_ptr<Snapshot> Stager::stage(const NamedTensors& tensors, OnBusy on_b
     std::lock_guard<std::mutex> slk(state->mu);
     state->pending = static_cast<int>(groups.size() + strided.size());
   }
-  if (state->pending > 0 || !cuda.empty()) state->keep_alive = tensors;
+  if (state->pending > 0 || !cuda.empty()) {
+    state->keep_alive.reserve(tensors.size());
+    for (const auto& item : tensors) state->keep_alive.push_back(item.second);
+  }
   for (auto& g : groups) {
     im.pool->submit([state, g = std::move(g)] {
       std::exception_ptr err;
@@ -458,6 +463,7 @@ std::shared_ptr<Snapshot> Stager::stage(const NamedTensors& tensors, OnBusy on_b
     im.pool->submit([state, src, dst, shape = e.shape] {
       std::exception_ptr err;
       try {
+        at::NoGradGuard no_grad;
         at::from_blob(dst, shape, src.options()).copy_(src);
       } catch (...) {
         err = std::current_exception();

@@ -23,9 +23,12 @@ using nlohmann::json;
 namespace ettkit::checkpoint::detail {
 
 namespace {
-// Large writes go out in slices: the kernel caps one write(2) at ~2 GiB, and slices keep a failing
-// write's error close to the bytes it concerns.
-constexpr size_t kWriteSlice = size_t{64} << 20;
+// Large writes go out in slices: the kernel caps one write(2) at ~2 GiB, a failing write's error stays
+// close to the bytes it concerns, and each slice's writeback is started as soon as it is written.
+constexpr size_t kWriteSlice = size_t{16} << 20;
+// Writeback pipeline depth: the writer waits for the slice this many slices back, so at most
+// kWritebackDepth * kWriteSlice bytes of this file are dirty at a time.
+constexpr size_t kWritebackDepth = 4;
 
 struct Fd {
   int fd = -1;
@@ -59,6 +62,24 @@ FileDigest write_file_durably(const std::string& path, const std::vector<ConstBu
   if (f.fd < 0) throw_errno("creating checkpoint file", path, errno);
   Xxh3 h;
   uint64_t total = 0;
+  // Why not plain write + one fsync: the kernel would start writeback only when dirty limits are hit,
+  // and the final fsync would then wait for most of the file at once. Starting each slice's writeback
+  // right after its write(2) keeps the disk busy while the next slice is hashed and copied into the
+  // page cache, so write and writeback overlap and the closing fsync has little left to do. Waiting on
+  // older slices bounds the dirty memory, and dropping their pages keeps a checkpoint (written once,
+  // read only on restart) from evicting the training job's page cache. sync_file_range is only a hint
+  // here: where the file system does not support it, the fsync below still makes the file durable.
+  bool writeback = true;
+  std::vector<std::pair<uint64_t, uint64_t>> inflight;  // slices whose writeback was started
+  auto drain_oldest = [&] {
+    auto [off, len] = inflight.front();
+    inflight.erase(inflight.begin());
+    if (writeback &&
+        ::sync_file_range(f.fd, static_cast<off64_t>(off), static_cast<off64_t>(len),
+                          SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER) == 0) {
+      ::posix_fadvise(f.fd, static_cast<off_t>(off), static_cast<off_t>(len), POSIX_FADV_DONTNEED);
+    }
+  };
   for (const ConstBuffer& b : buffers) {
     const char* p = static_cast<const char*>(b.data);
     size_t left = b.size;
@@ -75,12 +96,22 @@ FileDigest write_file_durably(const std::string& path, const std::vector<ConstBu
         if (w == 0) throw_errno("writing checkpoint file", path, ENOSPC);
         done += static_cast<size_t>(w);
       }
+      if (writeback && n >= (size_t{1} << 20)) {
+        if (::sync_file_range(f.fd, static_cast<off64_t>(total), static_cast<off64_t>(n), SYNC_FILE_RANGE_WRITE) == 0) {
+          inflight.emplace_back(total, n);
+          if (inflight.size() > kWritebackDepth) drain_oldest();
+        } else {
+          writeback = false;  // ENOSYS / EINVAL / ESPIPE: this file system does not take the hint
+        }
+      }
       p += n;
       left -= n;
       total += n;
     }
   }
   if (::fsync(f.fd) != 0) throw_errno("fsync of checkpoint file", path, errno);
+  // After the fsync every page is clean: drop the rest of the file's pages from the cache as well.
+  if (!inflight.empty()) ::posix_fadvise(f.fd, 0, 0, POSIX_FADV_DONTNEED);
   int fd = f.fd;
   f.fd = -1;
   if (::close(fd) != 0) throw_errno("closing checkpoint file", path, errno);

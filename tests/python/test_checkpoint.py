@@ -282,3 +282,64 @@ def test_gloo_ranks_commit_through_the_store_and_load_back(tmp_path, world):
     assert manifest["world_size"] == world
     assert set(manifest["files"]) == {f"rank-{r}.{e}" for r in range(world) for e in ("safetensors", "extra")}
     assert sorted(p for p in os.listdir(tmp_path / "ck") if p.startswith("step")) == ["step-2", "step-3"]
+
+
+class Box:
+    """A non-tensor leaf that changes in place (its identity stays, its value does not)."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+def test_unchanged_structure_reuses_names_but_never_stale_values(tmp_path):
+    # save() hands names and the pickled skeleton over only when they change: values that change in place,
+    # plain or opaque, must still reach the checkpoint.
+    box = Box(1)
+    state = {"w": torch.ones(10), "opt": {"param_groups": [{"lr": 0.1}]}, "box": box}
+    with AsyncCheckpointer(tmp_path, recorder=None, keep_last=0) as ck:
+        ck.save(1, state).wait()
+        state["w"].add_(1)
+        state["opt"]["param_groups"][0]["lr"] = 0.05
+        box.value = 2
+        ck.save(2, state).wait()
+        state["extra_tensor"] = torch.full((3,), 7.0)  # structure change: new names
+        ck.save(3, state).wait()
+        target = {"w": torch.zeros(10), "opt": {"param_groups": [{"lr": 0.0}]}, "box": None,
+                  "extra_tensor": torch.zeros(3)}
+        assert ck.load_latest(target)[0] == 3
+    assert torch.equal(target["extra_tensor"], torch.full((3,), 7.0))
+    assert torch.equal(target["w"], torch.full((10,), 2.0))
+    assert target["opt"]["param_groups"][0]["lr"] == 0.05 and target["box"].value == 2
+    from safetensors.torch import load_file
+
+    step2 = load_file(str(tmp_path / "step-2" / "rank-0.safetensors"))
+    assert set(step2) == {"w"} and torch.equal(step2["w"], torch.full((10,), 2.0))
+    payload = pickle.loads((tmp_path / "step-2" / "rank-0.extra").read_bytes())
+    skeleton = pickle.loads(payload["skeleton_pickle"])
+    assert skeleton["opt"]["param_groups"][0]["lr"] == 0.05 and skeleton["box"].value == 2
+
+
+def test_parameters_that_require_grad_save_and_load_in_place(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.BatchNorm1d(4))
+    model(torch.randn(5, 8)).sum().backward()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    opt.step()
+    state = {"model": model.state_dict(keep_vars=True), "optim": opt.state_dict()}
+    assert state["model"]["0.weight"].requires_grad
+    expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with AsyncCheckpointer(tmp_path, recorder=None) as ck:
+        ck.save(1, state).wait()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        restored = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.BatchNorm1d(4))
+        opt2 = torch.optim.Adam(restored.parameters(), lr=1e-3)
+        restored(torch.randn(5, 8)).sum().backward()
+        opt2.step()  # materialize the optimizer state so it can be loaded in place
+        target = {"model": restored.state_dict(keep_vars=True), "optim": opt2.state_dict()}
+        assert ck.load_latest(target)[0] == 1
+    for k, v in restored.state_dict().items():
+        assert torch.equal(v, expected[k]), k
+    assert restored[0].weight.requires_grad and restored[0].weight.grad_fn is None
+    assert torch.equal(target["optim"]["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])

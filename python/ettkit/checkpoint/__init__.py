@@ -34,7 +34,7 @@ import torch
 
 from .. import _C
 from ..errors import InvalidArgumentError
-from ._flatten import TensorRef, flatten, rebuild, restore_non_tensors
+from ._flatten import check_unique, flatten, rebuild, restore_non_tensors
 
 __all__ = ["AsyncCheckpointer", "DcpStager", "SaveHandle", "parse_every"]
 
@@ -112,6 +112,11 @@ class AsyncCheckpointer:
         self._last_extra: Any = None
         self._hooks: list = []
         self._handles: deque = deque(maxlen=4)
+        self._tensor_list = _C.checkpoint.TensorList()
+        self._names: Optional[list] = None
+        self._skeleton: Any = None
+        self._skeleton_blob = b""
+        self._skeleton_comparable = False
         self._mtbf_s, self._restart_s = self._failure_history(mtbf_prior_s)
         self._preempt_signal: Optional[int] = None
         self._preempt_time = 0.0
@@ -129,9 +134,21 @@ class AsyncCheckpointer:
         """Stages ``state_dict`` and persists it in the background as step ``step``. Returns a handle with
         ``wait()``, ``staged``, ``durable``, ``error``. Until the handle is staged the saved tensors must
         not be mutated (``attach(optimizer)`` enforces this)."""
-        names, tensors, skeleton = flatten(state_dict)
-        blob = pickle.dumps({"skeleton": skeleton, "extra": extra}, protocol=pickle.HIGHEST_PROTOCOL)
-        handle = self._c.save(int(step), names, tensors, blob)
+        names, tensors, skeleton, comparable = flatten(state_dict)
+        # Names and the pickled skeleton are handed over again only when they changed: for a state dict of
+        # 10^4 tensors converting the names and pickling the skeleton would dominate the blocking time.
+        if names == self._names:
+            self._tensor_list.set(None, tensors)
+        else:
+            check_unique(names)
+            self._tensor_list.set(names, tensors)
+            self._names = names
+        if not (comparable and self._skeleton_comparable and skeleton == self._skeleton):
+            self._skeleton_blob = pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL)
+            self._skeleton, self._skeleton_comparable = skeleton, comparable
+        blob = pickle.dumps({"skeleton_pickle": self._skeleton_blob, "extra": extra},
+                            protocol=pickle.HIGHEST_PROTOCOL)
+        handle = self._c.save(int(step), self._tensor_list, blob)
         if not handle.skipped:
             self._last_save_step = int(step)
             self._last_save_time = time.monotonic()
@@ -238,7 +255,8 @@ class AsyncCheckpointer:
         of its dicts/lists are replaced). Returns ``(step, extra)``, or ``None`` when nothing is committed.
         Falls back to older steps with a warning; raises ``ettkit.CorruptCheckpointError`` when no step
         is valid and ``ValueError`` naming the key when ``state_dict`` does not match."""
-        names, tensors, _ = flatten(state_dict)
+        names, tensors, _, _ = flatten(state_dict)
+        check_unique(names)
         res = self._c.load_latest(names, tensors)
         if res is None:
             return None
@@ -249,7 +267,7 @@ class AsyncCheckpointer:
             warnings.warn(f"ettkit.checkpoint: newer steps {skipped} in {self._c.directory} failed validation; "
                           f"loaded step {step}", RuntimeWarning, stacklevel=2)
         payload = pickle.loads(blob)
-        restore_non_tensors(state_dict, payload["skeleton"])
+        restore_non_tensors(state_dict, pickle.loads(payload["skeleton_pickle"]))
         self._last_save_step = int(step)
         return int(step), payload["extra"]
 
@@ -323,14 +341,15 @@ class DcpStager(_async_stager_base()):
         return False
 
     def stage(self, state_dict, **kwargs):
-        names, tensors, skeleton = flatten(state_dict)
+        names, tensors, skeleton, _ = flatten(state_dict)
+        check_unique(names)
         # The arena `_keep` saves ago is free again (its async_save must have completed).
         while len(self._held) >= self._keep:
             self._held.popleft().release()
         snap = self._stager.stage(names, tensors, "wait")
         snap.wait_staged()
         self._held.append(snap)
-        return rebuild(skeleton, dict(snap.tensors()))
+        return rebuild(skeleton, [t for _, t in snap.tensors()])
 
     def synchronize_staging(self) -> None:
         """Staging is complete when ``stage`` returns."""
@@ -343,5 +362,3 @@ class DcpStager(_async_stager_base()):
     arena_allocations = property(lambda self: self._stager.arena_allocations)
     pinned = property(lambda self: self._stager.pinned)
 
-
-del TensorRef

@@ -1,4 +1,11 @@
-"""Flattening nested state dicts into (names, tensors) plus a picklable skeleton, and back."""
+"""Flattening nested state dicts into (names, tensors) plus a picklable skeleton, and back.
+
+The skeleton is the state dict with every tensor replaced by the :data:`TENSOR` placeholder; tensors
+appear in the skeleton in the same order as in ``names``/``tensors`` (dict insertion order, then list
+order), so :func:`rebuild` needs no names. This walk runs inside ``save()`` - on the training loop's
+critical path - once per tensor: it does the least per tensor it can (no ``detach()``, no per-tensor
+objects in the skeleton; the C++ stager reads the tensors' storage without autograd).
+"""
 
 from __future__ import annotations
 
@@ -9,55 +16,105 @@ import torch
 from ..errors import InvalidArgumentError
 
 
-class TensorRef:
-    """Placeholder for a tensor inside the pickled skeleton."""
+class _TensorSlot:
+    """Where a tensor was in the skeleton. One instance; pickled as a reference to it."""
 
-    __slots__ = ("name",)
-
-    def __init__(self, name: str):
-        self.name = name
+    __slots__ = ()
 
     def __reduce__(self):
-        return (TensorRef, (self.name,))
+        return "TENSOR"
+
+    def __repr__(self) -> str:
+        return "<tensor>"
 
 
-def flatten(state_dict: Any) -> tuple[list[str], list[torch.Tensor], Any]:
+TENSOR = _TensorSlot()
+
+_Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
+
+
+def _reject(obj: Any, name: str) -> None:
+    raise InvalidArgumentError(
+        f"state dict entry '{name}' is a {type(obj).__name__}; only plain tensors are staged "
+        "(use DCP with ettkit.checkpoint.DcpStager for DTensor/ShardedTensor)")
+
+
+# Leaf types whose value cannot change behind an unchanged identity: a skeleton made only of these can be
+# compared with ``==`` against the previous save's and its pickle reused.
+_VALUE_TYPES = frozenset((int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device))
+
+
+def flatten(state_dict: Any) -> tuple[list[str], list[torch.Tensor], Any, bool]:
     """Walks dicts, lists and tuples; tensors become dotted names (``model.layer.weight``,
-    ``optim.state.0.exp_avg``); everything else stays in the skeleton."""
+    ``optim.state.0.exp_avg``); everything else stays in the skeleton. Returns ``(names, tensors,
+    skeleton, comparable)``; ``comparable`` is False when a leaf is an object that could change in place
+    (then ``==`` on skeletons proves nothing). Call :func:`check_unique` on names not seen before."""
     names: list[str] = []
     tensors: list[torch.Tensor] = []
-    seen: set[str] = set()
+    add_name, add_tensor = names.append, tensors.append
+    opaque: list[bool] = []
 
     def walk(obj: Any, prefix: str) -> Any:
-        if isinstance(obj, torch.Tensor):
-            if type(obj) is not torch.Tensor and not isinstance(obj, torch.nn.Parameter):
-                raise InvalidArgumentError(
-                    f"state dict entry '{prefix}' is a {type(obj).__name__}; only plain tensors are staged "
-                    "(use DCP with ettkit.checkpoint.DcpStager for DTensor/ShardedTensor)")
-            if prefix in seen:
-                raise InvalidArgumentError(f"state dict key '{prefix}' appears twice after flattening")
-            seen.add(prefix)
-            names.append(prefix)
-            tensors.append(obj.detach())
-            return TensorRef(prefix)
         if isinstance(obj, dict):
-            return {k: walk(v, f"{prefix}.{k}" if prefix else str(k)) for k, v in obj.items()}
+            out = {}
+            for k, v in obj.items():
+                key = f"{prefix}.{k}" if prefix else str(k)
+                if isinstance(v, _Tensor):
+                    if type(v) is not _Tensor and not isinstance(v, _Parameter):
+                        _reject(v, key)
+                    add_name(key)
+                    add_tensor(v)
+                    out[k] = TENSOR
+                elif isinstance(v, (dict, list, tuple)):
+                    out[k] = walk(v, key)
+                else:
+                    if type(v) not in _VALUE_TYPES:
+                        opaque.append(True)
+                    out[k] = v
+            return out
         if isinstance(obj, (list, tuple)):
-            items = [walk(v, f"{prefix}.{i}" if prefix else str(i)) for i, v in enumerate(obj)]
+            items = []
+            for i, v in enumerate(obj):
+                key = f"{prefix}.{i}" if prefix else str(i)
+                if isinstance(v, _Tensor):
+                    if type(v) is not _Tensor and not isinstance(v, _Parameter):
+                        _reject(v, key)
+                    add_name(key)
+                    add_tensor(v)
+                    items.append(TENSOR)
+                else:
+                    items.append(walk(v, key))
             return items if isinstance(obj, list) else tuple(items)
+        if isinstance(obj, _Tensor):
+            if type(obj) is not _Tensor and not isinstance(obj, _Parameter):
+                _reject(obj, prefix)
+            add_name(prefix)
+            add_tensor(obj)
+            return TENSOR
+        if type(obj) not in _VALUE_TYPES:
+            opaque.append(True)
         return obj
 
     skeleton = walk(state_dict, "")
-    return names, tensors, skeleton
+    return names, tensors, skeleton, not opaque
+
+
+def check_unique(names: list[str]) -> None:
+    """Two paths can flatten to one name ({"a.b": t} and {"a": {"b": t}}): refuse rather than overwrite."""
+    if len(set(names)) != len(names):
+        seen: set[str] = set()
+        for n in names:
+            if n in seen:
+                raise InvalidArgumentError(f"state dict key '{n}' appears twice after flattening")
+            seen.add(n)
 
 
 def restore_non_tensors(target: Any, saved: Any) -> None:
     """Copies non-tensor leaves of ``saved`` into the mutable containers of ``target`` in place."""
     if isinstance(target, dict) and isinstance(saved, dict):
         for k, v in saved.items():
-            if k not in target:
-                continue
-            if isinstance(v, TensorRef):
+            if k not in target or v is TENSOR:
                 continue
             if isinstance(v, (dict, list, tuple)) and isinstance(target[k], (dict, list)):
                 restore_non_tensors(target[k], v)
@@ -65,7 +122,7 @@ def restore_non_tensors(target: Any, saved: Any) -> None:
                 target[k] = v
     elif isinstance(target, list) and isinstance(saved, (list, tuple)):
         for i, v in enumerate(saved[: len(target)]):
-            if isinstance(v, TensorRef):
+            if v is TENSOR:
                 continue
             if isinstance(v, (dict, list, tuple)) and isinstance(target[i], (dict, list)):
                 restore_non_tensors(target[i], v)
@@ -73,14 +130,19 @@ def restore_non_tensors(target: Any, saved: Any) -> None:
                 target[i] = v
 
 
-def rebuild(skeleton: Any, by_name: dict[str, torch.Tensor]) -> Any:
-    """The skeleton with each TensorRef replaced by ``by_name[ref.name]``."""
-    if isinstance(skeleton, TensorRef):
-        return by_name[skeleton.name]
-    if isinstance(skeleton, dict):
-        return {k: rebuild(v, by_name) for k, v in skeleton.items()}
-    if isinstance(skeleton, list):
-        return [rebuild(v, by_name) for v in skeleton]
-    if isinstance(skeleton, tuple):
-        return tuple(rebuild(v, by_name) for v in skeleton)
-    return skeleton
+def rebuild(skeleton: Any, tensors: list) -> Any:
+    """The skeleton with its TENSOR placeholders replaced by ``tensors``, in flatten order."""
+    it = iter(tensors)
+
+    def build(x: Any) -> Any:
+        if x is TENSOR:
+            return next(it)
+        if isinstance(x, dict):
+            return {k: build(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [build(v) for v in x]
+        if isinstance(x, tuple):
+            return tuple(build(v) for v in x)
+        return x
+
+    return build(skeleton)

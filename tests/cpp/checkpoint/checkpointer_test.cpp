@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -164,4 +165,27 @@ TEST(Storage, WriteFailureNamesTheFile) {
   } catch (const IoError& e) {
     EXPECT_NE(e.message().find("/nonexistent-dir/rank-0.safetensors"), std::string::npos);
   }
+}
+
+TEST(Storage, LargeWriteThroughTheWritebackPipelineIsExact) {
+  // 40 MiB + an odd tail: several 16 MiB slices whose writeback is started and waited on while later
+  // slices are written, then a tail smaller than a slice. Size, digest and bytes must all match.
+  std::string dir = temp_dir();
+  std::vector<uint8_t> data((size_t{40} << 20) + 12345);
+  std::mt19937_64 rng(7);
+  for (auto& b : data) b = static_cast<uint8_t>(rng());
+  std::string header = "header";
+  std::string path = dir + "/big.bin";
+  ckd::FileDigest d = ckd::write_file_durably(path, {{header.data(), header.size()}, {data.data(), data.size()}});
+  EXPECT_EQ(d.size, header.size() + data.size());
+  EXPECT_EQ(ckd::file_size(path).value(), d.size);
+  EXPECT_EQ(ckd::file_xxh3(path), d.xxh3);
+  std::ifstream in(path, std::ios::binary);
+  std::vector<char> back((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSERT_EQ(back.size(), d.size);
+  EXPECT_EQ(std::memcmp(back.data(), header.data(), header.size()), 0);
+  EXPECT_EQ(std::memcmp(back.data() + header.size(), data.data(), data.size()), 0);
+  // O_EXCL: a file is never overwritten in place.
+  EXPECT_THROW(ckd::write_file_durably(path, {{header.data(), header.size()}}), IoError);
+  fs::remove_all(dir);
 }
