@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "checkpoint/storage.h"
+#include "common/background_thread.h"
 #include "common/logging.h"
 #include "ettkit/common/clock.h"
 #include "ettkit/ett/phases.h"
@@ -384,7 +385,10 @@ AsyncCheckpointer::AsyncCheckpointer(CheckpointerOptions options, c10::intrusive
     im.staging_id = im.opt.recorder->phase_id("checkpoint_staging");
   }
   im.stager = std::make_unique<Stager>(im.opt.stager);
-  im.writer = std::thread([this] { impl_->run_writer(); });
+  im.writer = std::thread([this] {
+    ettkit::detail::mark_background_thread();
+    impl_->run_writer();
+  });
 }
 
 AsyncCheckpointer::~AsyncCheckpointer() {

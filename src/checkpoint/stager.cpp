@@ -13,6 +13,7 @@
 #include <functional>
 #include <thread>
 
+#include "common/background_thread.h"
 #include "common/logging.h"
 #include "ettkit/checkpoint/checkpointer.h"
 #include "ettkit/common/clock.h"
@@ -133,6 +134,7 @@ class CopyPool {
 
  private:
   void run() {
+    ettkit::detail::mark_background_thread();
     for (;;) {
       std::function<void()> job;
       {
