@@ -12,10 +12,9 @@ import signal
 import subprocess
 import sys
 
+import ettkit
 import pytest
 import torch
-
-import ettkit
 from ettkit import ett
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -38,13 +37,15 @@ def trainer(tmp_path_factory):
     """Configures and builds examples/cpp once for the module (compiling against LibTorch takes a while)."""
     cmake = shutil.which("cmake", path=os.path.dirname(sys.executable)) or "cmake"
     build = tmp_path_factory.mktemp("cpp-example") / "build"
-    configure = subprocess.run([cmake, "-S", os.path.join(REPO, "examples", "cpp"), "-B", str(build), "-G", "Ninja",
-                                f"-DCMAKE_PREFIX_PATH={ettkit.cmake_prefix_path}", "-DCMAKE_BUILD_TYPE=Release",
-                                # ettkit's package config asks this interpreter where its torch is.
-                                f"-DPython_EXECUTABLE={sys.executable}"],
-                               capture_output=True, text=True, env=_env(), timeout=300)
+    configure = subprocess.run(
+        [cmake, "-S", os.path.join(REPO, "examples", "cpp"), "-B", str(build), "-G", "Ninja",
+         f"-DCMAKE_PREFIX_PATH={ettkit.cmake_prefix_path}", "-DCMAKE_BUILD_TYPE=Release",
+         # ettkit's package config asks this interpreter where its torch is.
+         f"-DPython_EXECUTABLE={sys.executable}"],
+        check=False, capture_output=True, text=True, env=_env(), timeout=300)
     assert configure.returncode == 0, configure.stdout[-3000:] + configure.stderr[-3000:]
-    b = subprocess.run([cmake, "--build", str(build)], capture_output=True, text=True, timeout=600)
+    b = subprocess.run([cmake, "--build", str(build)], check=False, capture_output=True, text=True,
+                       timeout=600)
     assert b.returncode == 0, b.stdout[-3000:] + b.stderr[-3000:]
     return str(build / "trainer")
 
@@ -52,9 +53,9 @@ def trainer(tmp_path_factory):
 def _train(trainer, run_dir, *extra):
     # One intra-op thread: the CI machine's cores are shared, and OpenMP barriers under oversubscription
     # turn millisecond steps into 200 ms ones. It also keeps the reference run bit-comparable.
-    cmd = [trainer, "--run-dir", str(run_dir), "--steps", str(STEPS), "--ckpt-every", str(EVERY), "--threads", "1",
-           "--log-every", "10", *extra]
-    return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=180)
+    cmd = [trainer, "--run-dir", str(run_dir), "--steps", str(STEPS), "--ckpt-every", str(EVERY),
+           "--threads", "1", "--log-every", "10", *extra]
+    return subprocess.run(cmd, check=False, capture_output=True, text=True, env=_env(), timeout=180)
 
 
 def _committed_steps(run_dir):
@@ -75,14 +76,16 @@ def crashed_and_resumed(trainer, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def resumed_step(crashed_and_resumed):
-    _, _, committed, second = crashed_and_resumed
-    m = re.search(r"^resumed from checkpoint step (\d+) ", second.stdout, re.M)
+    second = crashed_and_resumed[3]
+    if "no checkpoint: training from step 1" in second.stdout:
+        return 0  # a very slow disk had not made even the first save durable before the kill
+    m = re.search(r"^resumed from checkpoint step (\d+) ", second.stdout, re.MULTILINE)
     assert m, second.stdout
     return int(m.group(1))
 
 
 def _losses(stdout):
-    return {int(s): float(v) for s, v in re.findall(r"^step (\d+) loss ([0-9.]+)$", stdout, re.M)}
+    return {int(s): float(v) for s, v in re.findall(r"^step (\d+) loss ([0-9.]+)$", stdout, re.MULTILINE)}
 
 
 def test_crash_then_resume_from_last_committed_checkpoint(crashed_and_resumed, resumed_step):
@@ -92,10 +95,10 @@ def test_crash_then_resume_from_last_committed_checkpoint(crashed_and_resumed, r
     assert f"crash: SIGKILL after step {CRASH}" in first.stdout
     # Saves are asynchronous: the kill may land before the newest one is durable, so the expected step is
     # what was committed on disk at the moment of the crash, and it must be one of the periodic saves.
-    assert committed and all(s % EVERY == 0 and s <= CRASH for s in committed), committed
-    assert resumed_step == committed[-1]
+    assert all(s % EVERY == 0 and s <= CRASH for s in committed), committed
+    assert resumed_step == (committed[-1] if committed else 0)
     assert second.returncode == 0, second.stdout + second.stderr
-    assert re.search(rf"^step {resumed_step + 1} loss ", second.stdout, re.M), second.stdout
+    assert re.search(rf"^step {resumed_step + 1} loss ", second.stdout, re.MULTILINE), second.stdout
     assert f"done: step {STEPS} " in second.stdout
     assert "ETT: attempts 2 failures 1 " in second.stdout
     assert _committed_steps(run_dir)[-1] == STEPS  # the final step is saved and durable before exit
@@ -105,7 +108,7 @@ def test_startup_graph_runs_restore_after_model(crashed_and_resumed):
     _, first, _, second = crashed_and_resumed
     for out in (first.stdout, second.stdout):
         rows = {m[0]: (float(m[1]), float(m[2])) for m in
-                re.findall(r"^(model|data|restore)\s+succeeded\s+([0-9.]+)\s+([0-9.]+)", out, re.M)}
+                re.findall(r"^(model|data|restore)\s+succeeded\s+([0-9.]+)\s+([0-9.]+)", out, re.MULTILINE)}
         assert set(rows) == {"model", "data", "restore"}, out
         assert rows["restore"][0] >= rows["model"][1]  # "restore" depends on "model"
 
@@ -137,7 +140,8 @@ def test_ett_report(crashed_and_resumed, resumed_step):
     assert r["checkpoints"]["durable_latency_median_s"] > 0
     with open(os.path.join(run_dir, "ett", "rank-0.jsonl")) as f:
         records = [json.loads(line) for line in f]
-    blocking_steps = {x["step"] for x in records if x.get("t") == "phase" and x["name"] == "checkpoint_blocking"}
+    blocking_steps = {x["step"] for x in records
+                      if x.get("t") == "phase" and x["name"] == "checkpoint_blocking"}
     assert blocking_steps == saves
 
     # The start-up stages are recorded under Meta's launcher_init sub-stages, and the restore after the
@@ -162,23 +166,24 @@ def test_checkpoint_matches_printed_state_and_uninterrupted_run(trainer, crashed
     final = os.path.join(run_dir, "checkpoints", f"step-{STEPS}")
     resumed = load_file(os.path.join(final, "rank-0.safetensors"))
     model_keys = sorted(k for k in resumed if k.startswith("model."))
-    assert model_keys == ["model.0.bias", "model.0.weight", "model.2.bias", "model.2.weight", "model.4.bias",
-                          "model.4.weight"]
+    assert model_keys == ["model.0.bias", "model.0.weight", "model.2.bias", "model.2.weight",
+                          "model.4.bias", "model.4.weight"]
     assert set(resumed) == set(model_keys) | {f"optim.{k[len('model.'):]}.{s}" for k in model_keys
                                               for s in ("exp_avg", "exp_avg_sq", "step")}
     # Adam's step count travels as an int64 tensor: every optimizer step of the job is counted once.
     assert all(resumed[k].item() == STEPS for k in resumed if k.endswith(".step"))
 
-    m = re.search(r"^done: step \d+ loss ([0-9.]+) param_sum (\S+) ", second.stdout, re.M)
+    m = re.search(r"^done: step \d+ loss ([0-9.]+) param_sum (\S+) ", second.stdout, re.MULTILINE)
     assert m, second.stdout
-    assert sum(resumed[k].double().sum().item() for k in model_keys) == pytest.approx(float(m.group(2)), rel=1e-12)
+    param_sum = sum(resumed[k].double().sum().item() for k in model_keys)
+    assert param_sum == pytest.approx(float(m.group(2)), rel=1e-12)
     with open(os.path.join(final, "rank-0.extra")) as f:
         assert f.read() == f"loss at save {m.group(1)}"
 
     # The crash and the resume leave no trace in the weights: bit-identical to a run that never failed.
     reference = _train(trainer, tmp_path / "reference")
     assert reference.returncode == 0, reference.stdout + reference.stderr
-    expected = load_file(os.path.join(tmp_path, "reference", "checkpoints", f"step-{STEPS}", "rank-0.safetensors"))
+    expected = load_file(tmp_path / "reference" / "checkpoints" / f"step-{STEPS}" / "rank-0.safetensors")
     assert set(expected) == set(resumed)
     for k in expected:
         assert torch.equal(expected[k], resumed[k]), k
