@@ -226,7 +226,9 @@ double parameter_sum(torch::nn::Sequential& model) {
   std::abort();  // not reached
 }
 
-void train(const Options& o, ett::Recorder& rec) {
+/// Runs the job. Returns its open shutdown phase, so that the phase also covers the teardown of the
+/// training objects (checkpointer and stage threads, tensors) that happens as this function returns.
+ett::ScopedPhase train(const Options& o, ett::Recorder& rec) {
   if (o.device != "cpu" && !torch::cuda::is_available()) {
     throw std::invalid_argument("--device=" + o.device + " but CUDA is not available; use --device cpu");
   }
@@ -314,15 +316,14 @@ void train(const Options& o, ett::Recorder& rec) {
     if (step == o.crash_at_step && rec.attempt() == 0) crash(rec, step);
   }
 
-  {
-    ett::ScopedPhase scope = rec.phase(ett::phase::kShutdown);
-    // The process must not exit before the last checkpoint is durable.
-    if (last_save) last_save->wait();
-    checkpointer->close();
-  }
+  ett::ScopedPhase shutdown = rec.phase(ett::phase::kShutdown);
+  // The process must not exit before the last checkpoint is durable.
+  if (last_save) last_save->wait();
+  checkpointer->close();
   std::printf("done: step %lld loss %.6f param_sum %.17g checkpoints_committed %lld mean_blocking_ms %.3f\n",
               static_cast<long long>(o.steps), loss_value, parameter_sum(model),
               static_cast<long long>(checkpointer->saves_committed()), checkpointer->mean_blocking_s() * 1e3);
+  return shutdown;
 }
 
 /// "Type: message" for the attempt's end record. The report takes the exception type from the text
@@ -355,7 +356,7 @@ int main(int argc, char** argv) {
     ro.run_dir = o.run_dir;  // rank and world size from RANK / WORLD_SIZE (0 / 1 when unset)
     ett::Recorder rec(std::move(ro));
     try {
-      train(o, rec);
+      train(o, rec).end();
     } catch (const std::exception& e) {
       // Close with the error so the report counts this attempt as a failure of that type.
       rec.close(ett::EndStatus::kException, describe(e));
