@@ -57,7 +57,7 @@ constexpr const char* kUsage =
     "  --ckpt-every K      checkpoint every K steps, and at step N (default 50)\n"
     "  --crash-at-step N   first attempt only: SIGKILL itself right after step N (default: never)\n"
     "  --log-every N       print the loss every N steps (default 10)\n"
-    "  --threads T         intra-op threads (default: LibTorch's default)\n";
+    "  --threads T         intra-op threads; 0: LibTorch's default (default 1)\n";
 
 struct Options {
   std::string run_dir;
@@ -66,7 +66,9 @@ struct Options {
   int64_t crash_at_step = -1;
   int64_t log_every = 10;
   double lr = 1e-3;
-  int64_t threads = 0;
+  // One intra-op thread: this MLP is too small to gain from more, and OpenMP barriers on a busy machine
+  // turn millisecond steps into 100+ ms ones.
+  int64_t threads = 1;
   std::string device = "cpu";
   TaskConfig task;
 };
@@ -139,7 +141,7 @@ Options parse_args(int argc, char** argv) {
     } else if (arg == "--seed") {
       o.task.seed = static_cast<uint64_t>(parse_int(arg, value, 0));
     } else if (arg == "--threads") {
-      o.threads = parse_int(arg, value, 1);
+      o.threads = parse_int(arg, value, 0);
     } else if (arg == "--device") {
       o.device = value;
     } else {
@@ -226,6 +228,15 @@ double parameter_sum(torch::nn::Sequential& model) {
   std::abort();  // not reached
 }
 
+/// Options of a stage recorded as ETT phase `phase`. Set field by field: with designated initializers,
+/// GCC's -Wextra warns about every member left out.
+startup::StageOptions stage_options(std::string_view phase, std::vector<std::string> after = {}) {
+  startup::StageOptions options;
+  options.phase = std::string(phase);
+  options.after = std::move(after);
+  return options;
+}
+
 /// Runs the job. Returns its open shutdown phase, so that the phase also covers the teardown of the
 /// training objects (checkpointer and stage threads, tensors) that happens as this function returns.
 ett::ScopedPhase train(const Options& o, ett::Recorder& rec) {
@@ -249,39 +260,42 @@ ett::ScopedPhase train(const Options& o, ett::Recorder& rec) {
   int64_t start = 1;
 
   startup::StageGraph graph({.max_workers = 2, .recorder = &rec});
-  graph.add("model",
-            [&](startup::StageContext&) {
-              model = trainer_example::make_model(o.task, device);
-              optimizer.emplace(model->parameters(), torch::optim::AdamOptions(o.lr));
-              create_adam_state(*optimizer);
-              state = TrainState(model, *optimizer);
-            },
-            {.phase = "train_module_creation"});
+  graph.add(
+      "model",
+      [&](startup::StageContext&) {
+        model = trainer_example::make_model(o.task, device);
+        optimizer.emplace(model->parameters(), torch::optim::AdamOptions(o.lr));
+        create_adam_state(*optimizer);
+        state = TrainState(model, *optimizer);
+      },
+      stage_options("train_module_creation"));
   // Runs beside "model". The whole synthetic data set is drawn here, so this is the time until the
   // first batch is available: Meta's get_first_batch_data.
-  graph.add("data", [&](startup::StageContext&) { data = Dataset::generate(o.task, device); },
-            {.phase = "get_first_batch_data"});
-  graph.add("restore",
-            [&](startup::StageContext&) {
-              ckpt::CheckpointerOptions co;
-              co.directory = o.run_dir + "/checkpoints";
-              co.keep_last = 3;
-              // Two host arenas: a save can stage while the previous one is still being written and fsynced,
-              // instead of blocking training until that arena is free (the state is small; memory is cheap).
-              co.stager.num_arenas = 2;
-              co.recorder = &rec;  // records checkpoint_blocking, checkpoint_persist and checkpoint_restore
-              co.metadata = {{"writer", "ettkit examples/cpp/trainer"}};
-              checkpointer.emplace(std::move(co));  // also removes temporaries a killed attempt left behind
-              if (auto loaded = checkpointer->load_latest(state.tensors())) {
-                state.after_load();
-                start = loaded->step + 1;
-                std::printf("resumed from checkpoint step %lld (%s)\n", static_cast<long long>(loaded->step),
-                            loaded->extra.c_str());
-              } else {
-                std::printf("no checkpoint: training from step 1\n");
-              }
-            },
-            {.after = {"model"}, .phase = std::string(ett::phase::kCheckpointRestore)});
+  graph.add(
+      "data", [&](startup::StageContext&) { data = Dataset::generate(o.task, device); },
+      stage_options("get_first_batch_data"));
+  graph.add(
+      "restore",
+      [&](startup::StageContext&) {
+        ckpt::CheckpointerOptions co;
+        co.directory = o.run_dir + "/checkpoints";
+        co.keep_last = 3;
+        // Two host arenas: a save can stage while the previous one is still being written and fsynced,
+        // instead of blocking training until that arena is free (the state is small; memory is cheap).
+        co.stager.num_arenas = 2;
+        co.recorder = &rec;  // records checkpoint_blocking, checkpoint_persist and checkpoint_restore
+        co.metadata = {{"writer", "ettkit examples/cpp/trainer"}};
+        checkpointer.emplace(std::move(co));  // also removes temporaries a killed attempt left behind
+        if (auto loaded = checkpointer->load_latest(state.tensors())) {
+          state.after_load();
+          start = loaded->step + 1;
+          std::printf("resumed from checkpoint step %lld (%s)\n", static_cast<long long>(loaded->step),
+                      loaded->extra.c_str());
+        } else {
+          std::printf("no checkpoint: training from step 1\n");
+        }
+      },
+      stage_options(ett::phase::kCheckpointRestore, {"model"}));
 
   const startup::StageReport startup_report = graph.run();
   startup_scope.end();

@@ -51,8 +51,8 @@ def trainer(tmp_path_factory):
 
 
 def _train(trainer, run_dir, *extra):
-    # One intra-op thread: the CI machine's cores are shared, and OpenMP barriers under oversubscription
-    # turn millisecond steps into 200 ms ones. It also keeps the reference run bit-comparable.
+    # One intra-op thread (the trainer's default, spelled out): the runs compared bit for bit must use the
+    # same thread count, and on CI's shared cores OpenMP barriers would turn 2 ms steps into 200 ms ones.
     cmd = [trainer, "--run-dir", str(run_dir), "--steps", str(STEPS), "--ckpt-every", str(EVERY),
            "--threads", "1", "--log-every", "10", *extra]
     return subprocess.run(cmd, check=False, capture_output=True, text=True, env=_env(), timeout=180)
