@@ -8,8 +8,8 @@
 // `--crash-at-step N` kills the first attempt with SIGKILL after step N; running the same command again
 // resumes from the last committed checkpoint and re-trains the lost steps, which the report counts.
 //
-//   trainer --run-dir /tmp/run --steps 200 --ckpt-every 50 --crash-at-step 120   # killed at step 120
-//   trainer --run-dir /tmp/run --steps 200 --ckpt-every 50 --crash-at-step 120   # resumes at step 100
+//   trainer --run-dir /tmp/run --steps 200 --ckpt-every 50 --crash-at-step 120   # killed after step 120
+//   trainer --run-dir /tmp/run --steps 200 --ckpt-every 50 --crash-at-step 120   # loads step 100, trains 101..200
 
 #include <csignal>
 #include <cstdint>
