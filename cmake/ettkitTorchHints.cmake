@@ -10,8 +10,11 @@ macro(ettkit_prepare_find_torch _ettkit_torch_dir_hint)
   set(_ettkit_torch_pkg "${_ettkit_torch_dir_hint}")
   if(NOT _ettkit_torch_pkg OR NOT EXISTS "${_ettkit_torch_pkg}/share/cmake/Torch")
     set(_ettkit_torch_pkg "")
-    set(_ettkit_py "${Python_EXECUTABLE}")
-    if(NOT _ettkit_py)
+    if(Python_EXECUTABLE)
+      set(_ettkit_py "${Python_EXECUTABLE}")
+    else()
+      # Not pre-set: with CMP0125 (CMake >= 3.21) find_program() does not search when a normal variable
+      # of that name is already defined, even as an empty string.
       find_program(_ettkit_py NAMES python3 python)
     endif()
     if(_ettkit_py)
