@@ -481,6 +481,14 @@ void Recorder::push_phase(uint32_t id, int64_t begin_ns, int64_t end_ns, int64_t
 
 void Recorder::record_phase(uint32_t id, int64_t begin_us, int64_t end_us, int64_t step) {
   ETTKIT_EXPECTS(end_us >= begin_us, "record_phase: end_us=", end_us, " is before begin_us=", begin_us);
+  // Like a ScopedPhase, a recorded phase ends the idle gap before the first step (e.g. start-up stages
+  // recorded by a StageGraph): map its end onto the steady clock and move the mark forward.
+  Impl& im = *impl_;
+  int64_t now_ns = steady_ns();
+  int64_t end_ns = std::min(now_ns, now_ns - (epoch_us() - end_us) * 1000);
+  int64_t prev = im.last_phase_end.load(std::memory_order_relaxed);
+  while (prev < end_ns && !im.last_phase_end.compare_exchange_weak(prev, end_ns, std::memory_order_relaxed)) {
+  }
   if (!impl_->state->queue.try_push(Event{begin_us, end_us, step, id, EventKind::kPhaseEpoch})) {
     impl_->state->dropped.fetch_add(1, std::memory_order_relaxed);
   }

@@ -109,9 +109,12 @@ json opt(const std::optional<double>& v) { return v ? json(*v) : json(nullptr); 
 json opt_i(const std::optional<int64_t>& v) { return v ? json(*v) : json(nullptr); }
 json num_or_null(double v) { return std::isfinite(v) ? json(v) : json(nullptr); }
 
+// "Type: message" -> "Type". Split at ": " (not ':') so that C++ names keep their namespace
+// ("std::runtime_error: boom" -> "std::runtime_error").
 std::string exception_type_of(const std::string& detail) {
-  auto colon = detail.find(':');
-  return colon == std::string::npos ? detail : detail.substr(0, colon);
+  auto sep = detail.find(": ");
+  if (sep == std::string::npos) sep = detail.find(':') == detail.size() - 1 ? detail.size() - 1 : std::string::npos;
+  return sep == std::string::npos ? detail : detail.substr(0, sep);
 }
 
 // Flattens labelled intervals into non-overlapping segments within [lo, hi]; uncovered time gets
@@ -540,11 +543,18 @@ Analysis analyse(const LedgerSet& set, const std::string& run_dir, const ReportO
       if (names[p.name] == phase::kCheckpointPersist) durable_latency.push_back(seconds(p.e - p.b));
     }
     std::vector<std::pair<int64_t, int64_t>> blocks;
+    // One checkpoint can block more than once (the save call, then the optimizer's wait for its copies):
+    // records that carry the same step are one checkpoint.
+    std::set<int64_t> blocked_steps;
+    int unnumbered = 0;
     for (const auto& p : a.phases) {
-      if (names[p.name] == phase::kCheckpointBlocking) blocks.emplace_back(p.b, p.e);
+      if (names[p.name] != phase::kCheckpointBlocking) continue;
+      if (p.step >= 0 && !blocked_steps.insert(p.step).second) continue;  // a later wait of the same save
+      if (p.step < 0) ++unnumbered;
+      blocks.emplace_back(p.b, p.e);
     }
     std::sort(blocks.begin(), blocks.end());
-    ckpt_count += static_cast<int>(blocks.size());
+    ckpt_count += static_cast<int>(blocked_steps.size()) + unnumbered;
     // Training time accumulated since the previous checkpoint (or attempt start), sampled at each one.
     size_t bi = 0;
     int64_t acc = 0;

@@ -238,6 +238,25 @@ def test_ett_records_blocking_staging_and_persist(tmp_path):
     assert names
 
 
+def test_a_save_that_blocks_twice_counts_as_one_checkpoint(tmp_path):
+    # The save call and the optimizer's wait for its copies are two checkpoint_blocking records of one step.
+    rec = ettkit.ett.Recorder(tmp_path / "run")
+    big = {"w": torch.randn(8 << 20)}  # 32 MiB: the copy threads are still busy when wait_staged() runs
+    with AsyncCheckpointer(tmp_path / "ck", recorder=rec) as ck:
+        for s in (1, 2, 3):
+            h = ck.save(s, big)
+            ck.wait_staged()
+            h.wait()
+            rec.step(s)
+    rec.close()
+    records = [json.loads(line) for line in open(rec.ledger_path) if line.strip()]
+    blocking = [r for r in records if r.get("name") == "checkpoint_blocking" or r.get("phase") == "checkpoint_blocking"]
+    assert {r.get("step") for r in blocking} == {1, 2, 3}
+    report = ettkit.ett.build_report(tmp_path / "run")
+    assert report["checkpoints"]["count"] == 3
+    assert report["checkpoint_blocking_s"]["measured"] > 0
+
+
 def test_dcp_async_save_with_dcp_stager_round_trips(tmp_path):
     import torch.distributed.checkpoint as dcp
 
@@ -257,7 +276,10 @@ def test_dcp_async_save_with_dcp_stager_round_trips(tmp_path):
 def test_extra_blob_is_pickled_separately(tmp_path):
     with AsyncCheckpointer(tmp_path, recorder=None) as ck:
         ck.save(1, make_state(1), extra={"rng": [1, 2, 3]}).wait()
-    blob = pickle.loads((tmp_path / "step-1" / "rank-0.extra").read_bytes())
+    raw = (tmp_path / "step-1" / "rank-0.extra").read_bytes()
+    magic = b"ettkit-py-extra-v1\n"
+    assert raw.startswith(magic)
+    blob = pickle.loads(raw[len(magic):])
     assert blob["extra"] == {"rng": [1, 2, 3]}
 
 
@@ -314,7 +336,7 @@ def test_unchanged_structure_reuses_names_but_never_stale_values(tmp_path):
 
     step2 = load_file(str(tmp_path / "step-2" / "rank-0.safetensors"))
     assert set(step2) == {"w"} and torch.equal(step2["w"], torch.full((10,), 2.0))
-    payload = pickle.loads((tmp_path / "step-2" / "rank-0.extra").read_bytes())
+    payload = pickle.loads((tmp_path / "step-2" / "rank-0.extra").read_bytes().split(b"\n", 1)[1])
     skeleton = pickle.loads(payload["skeleton_pickle"])
     assert skeleton["opt"]["param_groups"][0]["lr"] == 0.05 and skeleton["box"].value == 2
 

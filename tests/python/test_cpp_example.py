@@ -183,6 +183,15 @@ def test_checkpoint_matches_printed_state_and_uninterrupted_run(trainer, crashed
     assert param_sum == pytest.approx(float(m.group(2)), rel=1e-12)
     with open(os.path.join(final, "rank-0.extra")) as f:
         assert f.read() == f"loss at save {m.group(1)}"
+    # Python loads what C++ wrote: the same tensors in place, `extra` as the C++ caller's raw bytes.
+    from ettkit.checkpoint import AsyncCheckpointer
+
+    target = {k: torch.zeros_like(v) for k, v in resumed.items()}
+    with AsyncCheckpointer(os.path.join(run_dir, "checkpoints"), recorder=None) as ck:
+        step, extra = ck.load_latest(target)
+    assert step == STEPS and extra == f"loss at save {m.group(1)}".encode()
+    for k, v in resumed.items():
+        assert torch.equal(target[k], v), k
 
     # The crash and the resume leave no trace in the weights: bit-identical to a run that never failed.
     reference = _train(trainer, tmp_path / "reference")

@@ -50,6 +50,14 @@ def test_exception_type_is_recorded(tmp_path):
     assert r["failures_by_category"] == {"exception:ZeroDivisionError": 1}
 
 
+def test_cpp_exception_type_keeps_its_namespace(tmp_path):
+    # A C++ trainer describes its exception as "std::runtime_error: what()": the category must not stop at
+    # the first ':' of the namespace.
+    rec = ett.Recorder(tmp_path, rank=0, world_size=1)
+    rec.close("exception", "std::runtime_error: loss is NaN at step 7")
+    assert ett.build_report(tmp_path)["failures_by_category"] == {"exception:std::runtime_error": 1}
+
+
 def test_keyboard_interrupt_is_a_signal(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         with ett.Recorder(tmp_path, rank=0, world_size=1):

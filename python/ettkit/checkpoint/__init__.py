@@ -40,6 +40,9 @@ __all__ = ["AsyncCheckpointer", "DcpStager", "SaveHandle", "parse_every"]
 
 SaveHandle = _C.checkpoint.SaveHandle
 
+# rank-<r>.extra written from Python starts with this line, then a pickle; from C++ it is the caller's bytes.
+_PY_EXTRA_MAGIC = b"ettkit-py-extra-v1\n"
+
 _UNITS = {"s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
 
 
@@ -146,8 +149,8 @@ class AsyncCheckpointer:
         if not (comparable and self._skeleton_comparable and skeleton == self._skeleton):
             self._skeleton_blob = pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL)
             self._skeleton, self._skeleton_comparable = skeleton, comparable
-        blob = pickle.dumps({"skeleton_pickle": self._skeleton_blob, "extra": extra},
-                            protocol=pickle.HIGHEST_PROTOCOL)
+        blob = _PY_EXTRA_MAGIC + pickle.dumps({"skeleton_pickle": self._skeleton_blob, "extra": extra},
+                                              protocol=pickle.HIGHEST_PROTOCOL)
         handle = self._c.save(int(step), self._tensor_list, blob)
         if not handle.skipped:
             self._last_save_step = int(step)
@@ -254,7 +257,8 @@ class AsyncCheckpointer:
         """Copies the newest committed, valid step into ``state_dict``'s tensors in place (non-tensor leaves
         of its dicts/lists are replaced). Returns ``(step, extra)``, or ``None`` when nothing is committed.
         Falls back to older steps with a warning; raises ``ettkit.CorruptCheckpointError`` when no step
-        is valid and ``ValueError`` naming the key when ``state_dict`` does not match."""
+        is valid and ``ValueError`` naming the key when ``state_dict`` does not match. A checkpoint written
+        by the C++ ``AsyncCheckpointer`` loads too; its ``extra`` comes back as the raw bytes."""
         names, tensors, _, _ = flatten(state_dict)
         check_unique(names)
         res = self._c.load_latest(names, tensors)
@@ -266,7 +270,11 @@ class AsyncCheckpointer:
 
             warnings.warn(f"ettkit.checkpoint: newer steps {skipped} in {self._c.directory} failed validation; "
                           f"loaded step {step}", RuntimeWarning, stacklevel=2)
-        payload = pickle.loads(blob)
+        if not blob.startswith(_PY_EXTRA_MAGIC):
+            # Written by the C++ AsyncCheckpointer: `extra` is its opaque bytes and there is no skeleton.
+            self._last_save_step = int(step)
+            return int(step), bytes(blob)
+        payload = pickle.loads(blob[len(_PY_EXTRA_MAGIC):])
         restore_non_tensors(state_dict, pickle.loads(payload["skeleton_pickle"]))
         self._last_save_step = int(step)
         return int(step), payload["extra"]
