@@ -2,10 +2,10 @@
 
     python benchmarks/checkpoint.py [--quick] [--json FILE] [--dir DIR]
 
-Same run, same state dicts, training steps between saves: a matmul "forward/backward" calibrated so that
-one step takes --step-ms (default 100 ms, a short step for a model of this size: a real forward/backward
-over 10^8 parameters takes far longer; --step-ms 10 shows the copy exposed) and an in-place foreach
-"optimizer step" on every saved tensor. Loop per save: optimizer step, save, the next step's
+Same run, same state dicts, training steps between saves: a matmul "forward/backward" calibrated to
+--fwd-bwd-ms (default 200 ms: short for a model of this size - a real forward/backward over 10^8
+parameters takes far longer - but longer than the optimizer step, as in real training; --fwd-bwd-ms 10
+leaves the staging copy exposed) and an in-place foreach "optimizer step" on every saved tensor. Loop per save: optimizer step, save, the next step's
 forward/backward, wait until the save is staged (ettkit's pre-step hook; DCP's staging_completion),
 optimizer step.
 
@@ -13,7 +13,9 @@ blocking_ms = time the loop waits because of a save = save_call_ms + pre_step_wa
 the next optimizer step); step_inflation_pct = mean step time while the save persists vs. without saves;
 time_to_durable_s = save call -> durable (fsynced; for ettkit: committed); persist_GBps = bytes /
 time_to_durable beside disk_seq_GBps (sequential 64 MiB writes + one fsync of the same bytes, same disk,
-before and after the variants); rss_growth_MB = RSS after the last save - after the first.
+before and after the variants); rss_growth_MB = RSS after the last save - after the first;
+persist_idle_GBps = the same save -> committed throughput with no training beside it (the RSS loop),
+next to a disk probe taken just before it.
 """
 
 from __future__ import annotations
@@ -80,12 +82,11 @@ class Trainer:
     def optimizer_step(self):
         torch._foreach_add_(self.tensors, 1e-3)
 
-    def calibrate(self, step_ms: float) -> None:
-        """Sets ``matmuls`` so that compute() + optimizer_step() takes about ``step_ms``."""
+    def calibrate(self, fwd_bwd_ms: float) -> None:
+        """Sets ``matmuls`` so that compute() (the forward/backward) takes about ``fwd_bwd_ms``."""
         self.matmuls = 1
         one = statistics.median(_timed(self.compute) for _ in range(5))
-        opt = statistics.median(_timed(self.optimizer_step) for _ in range(3))
-        self.matmuls = max(1, round((step_ms / 1e3 - opt) / one))
+        self.matmuls = max(1, round(fwd_bwd_ms / 1e3 / one))
 
 
 def _timed(fn) -> float:
@@ -125,7 +126,7 @@ def run_variant(variant: str, state, directory: str, saves: int, base_step_s: fl
     tr = Trainer(state, matmuls)
     calls, waits, durable, inflation = [], [], [], []
     shutil.rmtree(directory, ignore_errors=True)
-    os.makedirs(directory)
+    os.makedirs(directory, exist_ok=True)
     ck = stager = None
     if variant == "ettkit":
         from ettkit.checkpoint import AsyncCheckpointer
@@ -212,9 +213,10 @@ def run_variant(variant: str, state, directory: str, saves: int, base_step_s: fl
 def run_dcp_best(state, directory: str, saves: int, base_step_s: float, matmuls: int, case: str) -> dict:
     """DCP async_save with the best StagingOptions this torch and this machine accept for this state."""
     errors = []
-    for opts in DCP_CANDIDATES:
+    for i, opts in enumerate(DCP_CANDIDATES):
         try:
-            r = run_variant("dcp_async_best", state, directory, saves, base_step_s, matmuls, opts)
+            # A fresh directory per attempt: a failed attempt's background upload may still be writing.
+            r = run_variant("dcp_async_best", state, f"{directory}-{i}", saves, base_step_s, matmuls, opts)
         except Exception as e:  # noqa: BLE001 - an unsupported option set: try the next best
             errors.append(f"{dict(zip(DCP_OPTION_NAMES, opts))}: {type(e).__name__}: {str(e)[:120]}")
             continue
@@ -230,8 +232,8 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp/ettkit_bench_ckpt")
     ap.add_argument("--saves", type=int, default=None)
     ap.add_argument("--cases", default="1GB_large,256MB_small")
-    ap.add_argument("--step-ms", type=float, default=100.0,
-                    help="target time of one training step (forward/backward + optimizer) without saves")
+    ap.add_argument("--fwd-bwd-ms", type=float, default=200.0,
+                    help="target time of one step's forward/backward (the optimizer step comes on top)")
     ap.add_argument("--rss-saves", type=int, default=None)
     ap.add_argument("--variants", default="ettkit,torch_save,dcp_save,dcp_async,dcp_async_best")
     args = ap.parse_args()
@@ -244,7 +246,7 @@ def main() -> None:
         for _ in range(3):
             tr.compute()
             tr.optimizer_step()
-        tr.calibrate(args.step_ms)
+        tr.calibrate(args.fwd_bwd_ms)
         base = statistics.median([_timed_step(tr) for _ in range(5)])
         os.makedirs(args.dir, exist_ok=True)
         disk = disk_seq_GBps(args.dir, nbytes(state))
@@ -252,31 +254,47 @@ def main() -> None:
         results.setdefault(f"state_MB[state={case}]", {})["all"] = nbytes(state) / 1e6
         results.setdefault(f"tensors[state={case}]", {})["all"] = len(tensors_of(state)) + len(state["optim"])
         results.setdefault(f"step_ms[state={case}]", {})["no_save"] = base * 1e3
+        print(f"{case}: {nbytes(state) / 1e6:.0f} MB, disk {disk:.3f} GB/s, step {base * 1e3:.1f} ms "
+              f"({tr.matmuls} matmuls)", flush=True)
         for v in args.variants.split(","):
             d = os.path.join(args.dir, v)
             if v == "dcp_async_best":
                 r = run_dcp_best(state, d, saves, base, tr.matmuls, case)
             else:
                 r = run_variant(v, state, d, saves, base, tr.matmuls)
-            shutil.rmtree(d, ignore_errors=True)
+            for leftover in [d] + [f"{d}-{i}" for i in range(len(DCP_CANDIDATES))]:
+                shutil.rmtree(leftover, ignore_errors=True)
             for metric, value in r.items():
                 results.setdefault(f"{metric}[state={case}]", {})[v] = value
             print(f"{case} {v}: " + ", ".join(f"{k}={x:.4g}" for k, x in r.items()), flush=True)
         # The disk again, after the variants: the figure persist_GBps is read against.
         disk2 = disk_seq_GBps(args.dir, nbytes(state))
         results[f"disk_seq_GBps[state={case}]"]["disk_after"] = disk2
+        print(f"{case}: disk after the variants {disk2:.3f} GB/s", flush=True)
         if "ettkit" in args.variants:
             # RSS over many saves: one arena allocated once, reused.
             from ettkit.checkpoint import AsyncCheckpointer
 
+            # The same loop, with no training beside it, also gives the writer's own throughput
+            # (save call -> committed) next to the disk probe taken just before.
             d = os.path.join(args.dir, "rss")
             shutil.rmtree(d, ignore_errors=True)
+            idle_disk = disk_seq_GBps(args.dir, nbytes(state))
             with AsyncCheckpointer(d, keep_last=1, recorder=None, preempt_signals=()) as ck:
                 ck.save(0, state).wait()
                 r0 = rss_bytes()
+                durations = []
                 for i in range(1, rss_saves + 1):
+                    t0 = time.perf_counter()
                     ck.save(i, state).wait()
+                    durations.append(time.perf_counter() - t0)
                 results.setdefault(f"rss_growth_over_saves_MB[state={case}]", {})["ettkit"] = (rss_bytes() - r0) / 1e6
+                results.setdefault(f"persist_idle_GBps[state={case}]", {})["ettkit"] = \
+                    nbytes(state) / statistics.median(durations) / 1e9
+                results[f"persist_idle_GBps[state={case}]"]["disk"] = idle_disk
+                print(f"{case}: no training beside it, ettkit save -> committed "
+                      f"{nbytes(state) / statistics.median(durations) / 1e9:.3f} GB/s, disk {idle_disk:.3f} GB/s",
+                      flush=True)
                 results.setdefault(f"arena_MB[state={case}]", {})["ettkit"] = ck.arena_bytes / 1e6
                 results.setdefault(f"arena_allocations[state={case}]", {})["ettkit"] = ck.arena_allocations
                 results.setdefault(f"rss_saves[state={case}]", {})["ettkit"] = rss_saves
@@ -286,7 +304,7 @@ def main() -> None:
     print_table("checkpoint", results)
     if args.json:
         write_json(args.json, "checkpoint", {"quick": args.quick, "saves": saves, "torch": torch.__version__,
-                                             "step_ms_target": args.step_ms,
+                                             "fwd_bwd_ms_target": args.fwd_bwd_ms,
                                              "dcp_async_best_options": BEST_OPTIONS}, results)
 
 
