@@ -13,13 +13,14 @@ import sys
 
 import pytest
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ARMS = ("baseline", "ettkit")
 
 
 @pytest.fixture(scope="module")
-def demo(repo, tmp_path_factory):
+def demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
-    proc = subprocess.run([sys.executable, os.path.join(repo, "examples", "python", "ett_demo.py"), "--quick",
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "examples", "python", "ett_demo.py"), "--quick",
                            "--out", str(out)], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     with open(out / "config.json") as f:
