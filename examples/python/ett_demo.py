@@ -34,7 +34,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DEMO = os.path.join(HERE, "demo")
 sys.path.insert(0, DEMO)
 
-from clicklogs import write_click_logs  # noqa: E402
+from clicklogs import write_click_logs
 
 ARMS = ("baseline", "ettkit")
 
@@ -50,7 +50,14 @@ FULL = {
         {"name": "user_id", "rows": 1_500_000, "sharding": "row_wise", "skew": 3.0, "signal": 0.8},
         {"name": "item_id", "rows": 1_000_000, "sharding": "row_wise", "skew": 3.0, "signal": 0.8},
         {"name": "ad_id", "rows": 400_000, "sharding": "row_wise", "skew": 3.0, "signal": 0.8},
-        {"name": "campaign", "rows": 100_000, "sharding": "table_wise", "rank": 1, "skew": 3.0, "signal": 1.0},
+        {
+            "name": "campaign",
+            "rows": 100_000,
+            "sharding": "table_wise",
+            "rank": 1,
+            "skew": 3.0,
+            "signal": 1.0,
+        },
         {"name": "site", "rows": 20_000, "sharding": "table_wise", "rank": 0, "skew": 2.0, "signal": 1.0},
         {"name": "category", "rows": 2_000, "sharding": "table_wise", "rank": 1, "skew": 2.0, "signal": 1.2},
     ],
@@ -67,17 +74,19 @@ FULL = {
 }
 
 QUICK = copy.deepcopy(FULL)
-QUICK.update({
-    "batch_size": 512,
-    "steps": 200,
-    "ckpt_every": 40,
-    "crash_at_step": 150,
-    "bottom_mlp": [64],
-    "top_mlp": [64],
-    "part_batches": 40,
-    "shuffle_batches": 8,
-    "log_every": 25,
-})
+QUICK.update(
+    {
+        "batch_size": 512,
+        "steps": 200,
+        "ckpt_every": 40,
+        "crash_at_step": 150,
+        "bottom_mlp": [64],
+        "top_mlp": [64],
+        "part_batches": 40,
+        "shuffle_batches": 8,
+        "log_every": 25,
+    }
+)
 for _t, _rows in zip(QUICK["tables"], (200_000, 100_000, 50_000, 20_000, 5_000, 1_000)):
     _t["rows"] = _rows
 
@@ -97,25 +106,49 @@ def run_arm(arm: str, out: str, cfg_path: str, data_dir: str, cfg: dict, log) ->
     # A scheduler would hand the job its allocation; here the driver's preparation of the run directory
     # stands for it (hardware_setup). The report counts the time from there to each worker's exec as the
     # launcher's start-up (torchrun, rendezvous).
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               ETTKIT_LAUNCHER_PHASES=json.dumps({"hardware_setup": [t_prepare, time.time()]}))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        ETTKIT_LAUNCHER_PHASES=json.dumps({"hardware_setup": [t_prepare, time.time()]}),
+    )
     # The workers must import the same ettkit as this process (e.g. a PYTHONPATH build).
     import ettkit
 
     pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(ettkit.__file__)))
     if pkg_root not in site.getsitepackages():
-        env["PYTHONPATH"] = os.pathsep.join([pkg_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-           f"--nproc-per-node={cfg['world_size']}", "--max-restarts=1", "--monitor-interval=0.2",
-           os.path.join(DEMO, "train.py"), "--arm", arm, "--config", cfg_path, "--run-dir", run_dir,
-           "--data-dir", data_dir]
-    log(f"demo: [{arm}] torchrun, {cfg['world_size']} ranks, {cfg['steps']} steps; rank {cfg['crash_rank']} is "
-        f"killed at step {cfg['crash_at_step']}")
+        env["PYTHONPATH"] = os.pathsep.join(
+            [pkg_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nnodes=1",
+        f"--nproc-per-node={cfg['world_size']}",
+        "--max-restarts=1",
+        "--monitor-interval=0.2",
+        os.path.join(DEMO, "train.py"),
+        "--arm",
+        arm,
+        "--config",
+        cfg_path,
+        "--run-dir",
+        run_dir,
+        "--data-dir",
+        data_dir,
+    ]
+    log(
+        f"demo: [{arm}] torchrun, {cfg['world_size']} ranks, {cfg['steps']} steps; rank {cfg['crash_rank']} is "
+        f"killed at step {cfg['crash_at_step']}"
+    )
     t0 = time.time()
     log_path = os.path.join(arm_dir, "torchrun.log")
     with open(log_path, "w") as logf:
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                bufsize=1)
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+        )
         for line in proc.stdout:
             logf.write(line)
             # Progress: the trainer's own lines, and torchrun's notice of the failure.
@@ -133,8 +166,13 @@ def run_arm(arm: str, out: str, cfg_path: str, data_dir: str, cfg: dict, log) ->
     with open(os.path.join(arm_dir, "report.json"), "w") as f:
         subprocess.run(report + ["--json"], stdout=f, check=True, env=env)
     with open(os.path.join(arm_dir, "report.txt"), "w") as f:
-        subprocess.run(report + ["--trace", os.path.join(arm_dir, "trace.json"), "--plot",
-                                 os.path.join(arm_dir, "ett.png")], stdout=f, check=True, env=env)
+        subprocess.run(
+            report
+            + ["--trace", os.path.join(arm_dir, "trace.json"), "--plot", os.path.join(arm_dir, "ett.png")],
+            stdout=f,
+            check=True,
+            env=env,
+        )
     with open(os.path.join(arm_dir, "report.json")) as f:
         rep = json.load(f)
     rep["_wall_s"] = wall
@@ -185,25 +223,81 @@ def side_by_side(reps: dict) -> list:
         ("unattributed %", b["unattributed_pct"], e["unattributed_pct"], "%", 2),
         ("E2E", b["e2e_s"], e["e2e_s"], " s", 1),
         ("effective training", b["effective_s"], e["effective_s"], " s", 1),
-        ("attempts / failures", f"{len(b['attempts'])} / {b['failures']}", f"{len(e['attempts'])} / {e['failures']}", "", 0),
+        (
+            "attempts / failures",
+            f"{len(b['attempts'])} / {b['failures']}",
+            f"{len(e['attempts'])} / {e['failures']}",
+            "",
+            0,
+        ),
         ("Time to Start (attempt 0)", tts(b, 0), tts(e, 0), " s", 1),
         ("Time to Start (restart)", tts(b, 1), tts(e, 1), " s", 1),
-        ("Time to Recover", (b["time_to_recover_s"] or [None])[0], (e["time_to_recover_s"] or [None])[0], " s", 1),
+        (
+            "Time to Recover",
+            (b["time_to_recover_s"] or [None])[0],
+            (e["time_to_recover_s"] or [None])[0],
+            " s",
+            1,
+        ),
         ("  detect_and_teardown", ph(b, "detect_and_teardown"), ph(e, "detect_and_teardown"), " s", 2),
         ("compile (job timeline)", ph(b, "compile"), ph(e, "compile"), " s", 1),
-        ("checkpoint_restore (job timeline)", ph(b, "checkpoint_restore"), ph(e, "checkpoint_restore"), " s", 2),
-        ("checkpoint blocking", b["checkpoint_blocking_s"]["measured"], e["checkpoint_blocking_s"]["measured"], " s", 2),
-        ("  saves / blocking per save", f"{b['_saves']} / {b['checkpoint_blocking_s']['measured'] / max(b['_saves'], 1):.3f} s",
-         f"{e['_saves']} / {e['checkpoint_blocking_s']['measured'] / max(e['_saves'], 1):.3f} s", "", 0),
-        ("  median durable latency", b["checkpoints"]["durable_latency_median_s"],
-         e["checkpoints"]["durable_latency_median_s"], " s", 2),
-        ("unsaved training (re-done)", b["unsaved_training_s"]["measured"], e["unsaved_training_s"]["measured"], " s", 1),
-        ("steps effective / re-trained", f"{b['steps']['effective']} / {b['steps']['retrained']}",
-         f"{e['steps']['effective']} / {e['steps']['retrained']}", "", 0),
-        ("median step", b["steps"]["median_step_s"] * 1e3 if b["steps"]["median_step_s"] else None,
-         e["steps"]["median_step_s"] * 1e3 if e["steps"]["median_step_s"] else None, " ms", 1),
+        (
+            "checkpoint_restore (job timeline)",
+            ph(b, "checkpoint_restore"),
+            ph(e, "checkpoint_restore"),
+            " s",
+            2,
+        ),
+        (
+            "checkpoint blocking",
+            b["checkpoint_blocking_s"]["measured"],
+            e["checkpoint_blocking_s"]["measured"],
+            " s",
+            2,
+        ),
+        (
+            "  saves / blocking per save",
+            f"{b['_saves']} / {b['checkpoint_blocking_s']['measured'] / max(b['_saves'], 1):.3f} s",
+            f"{e['_saves']} / {e['checkpoint_blocking_s']['measured'] / max(e['_saves'], 1):.3f} s",
+            "",
+            0,
+        ),
+        (
+            "  median durable latency",
+            b["checkpoints"]["durable_latency_median_s"],
+            e["checkpoints"]["durable_latency_median_s"],
+            " s",
+            2,
+        ),
+        (
+            "unsaved training (re-done)",
+            b["unsaved_training_s"]["measured"],
+            e["unsaved_training_s"]["measured"],
+            " s",
+            1,
+        ),
+        (
+            "steps effective / re-trained",
+            f"{b['steps']['effective']} / {b['steps']['retrained']}",
+            f"{e['steps']['effective']} / {e['steps']['retrained']}",
+            "",
+            0,
+        ),
+        (
+            "median step",
+            b["steps"]["median_step_s"] * 1e3 if b["steps"]["median_step_s"] else None,
+            e["steps"]["median_step_s"] * 1e3 if e["steps"]["median_step_s"] else None,
+            " ms",
+            1,
+        ),
         ("recommended interval", b["recommended_interval_s"], e["recommended_interval_s"], " s", 1),
-        ("  in steps", (b["recommendation"] or {}).get("interval_steps"), (e["recommendation"] or {}).get("interval_steps"), "", 0),
+        (
+            "  in steps",
+            (b["recommendation"] or {}).get("interval_steps"),
+            (e["recommendation"] or {}).get("interval_steps"),
+            "",
+            0,
+        ),
         ("driver wall time (torchrun)", b["_wall_s"], e["_wall_s"], " s", 1),
     ]
     out = []
@@ -220,8 +314,11 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="build/demo")
     p.add_argument("--quick", action="store_true", help="the reduced size (CI): smaller tables, fewer steps")
     p.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of baseline,ettkit")
-    p.add_argument("--same-host-restart", action="store_true",
-                   help="keep each rank's local Inductor cache across attempts (a restart on the same host)")
+    p.add_argument(
+        "--same-host-restart",
+        action="store_true",
+        help="keep each rank's local Inductor cache across attempts (a restart on the same host)",
+    )
     args = p.parse_args(argv)
     t_start = time.time()
 
@@ -246,15 +343,21 @@ def main(argv=None) -> int:
         return 0
     lines = side_by_side(reps)
     b, e = reps["baseline"]["ett_pct"], reps["ettkit"]["ett_pct"]
-    verdict = (f"verdict: ettkit's ETT% is {e:.1f}% against {b:.1f}% for the plain PyTorch way "
-               f"({e - b:+.1f} points; E2E {reps['ettkit']['e2e_s']:.1f} s against {reps['baseline']['e2e_s']:.1f} s "
-               f"for the same {cfg['steps']} steps)")
-    summary = "\n".join(["", "ETT reports, side by side (python -m ettkit report <arm>/run):", *lines, "", verdict])
+    verdict = (
+        f"verdict: ettkit's ETT% is {e:.1f}% against {b:.1f}% for the plain PyTorch way "
+        f"({e - b:+.1f} points; E2E {reps['ettkit']['e2e_s']:.1f} s against {reps['baseline']['e2e_s']:.1f} s "
+        f"for the same {cfg['steps']} steps)"
+    )
+    summary = "\n".join(
+        ["", "ETT reports, side by side (python -m ettkit report <arm>/run):", *lines, "", verdict]
+    )
     log(summary)
     with open(os.path.join(out, "summary.txt"), "w") as f:
         f.write(summary.lstrip("\n") + "\n")
-    log(f"\ndemo: wrote {out}/<arm>/report.json, report.txt, trace.json (open in https://ui.perfetto.dev) and "
-        f"ett.png for {', '.join(ARMS)}; total {time.time() - t_start:.1f} s")
+    log(
+        f"\ndemo: wrote {out}/<arm>/report.json, report.txt, trace.json (open in https://ui.perfetto.dev) and "
+        f"ett.png for {', '.join(ARMS)}; total {time.time() - t_start:.1f} s"
+    )
     return 0
 
 

@@ -20,8 +20,19 @@ ARMS = ("baseline", "ettkit")
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "examples", "python", "ett_demo.py"), "--quick",
-                           "--out", str(out)], capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(REPO, "examples", "python", "ett_demo.py"),
+            "--quick",
+            "--out",
+            str(out),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     with open(out / "config.json") as f:
         cfg = json.load(f)

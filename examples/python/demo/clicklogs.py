@@ -59,8 +59,12 @@ def id_effect(table_index: int, ids: np.ndarray) -> np.ndarray:
 
 def _generate_part(rng: np.random.Generator, n: int, tables: list, table_weights: list) -> bytes:
     num_tables = len(tables)
-    counts = np.minimum(rng.geometric(1.0 / np.geomspace(2, 2000, DENSE), size=(n, DENSE)) - 1, 10**DENSE_DIGITS - 1)
-    logit = -0.3 + (np.log1p(counts) - np.log1p(np.geomspace(2, 2000, DENSE))) @ np.linspace(-0.25, 0.25, DENSE)
+    counts = np.minimum(
+        rng.geometric(1.0 / np.geomspace(2, 2000, DENSE), size=(n, DENSE)) - 1, 10**DENSE_DIGITS - 1
+    )
+    logit = -0.3 + (np.log1p(counts) - np.log1p(np.geomspace(2, 2000, DENSE))) @ np.linspace(
+        -0.25, 0.25, DENSE
+    )
     raw = np.empty((n, num_tables), dtype=np.uint64)
     for t, table in enumerate(tables):
         rows = int(table["rows"])
@@ -123,11 +127,22 @@ def write_click_logs(data_dir: str, cfg: dict, log=print) -> bool:
                 f.write(body)
             total += len(body)
     with open(meta_path, "w") as f:
-        json.dump({"fingerprint": fp, "parts_per_rank": parts, "lines_per_part": per_part,
-                   "line_width": line_width(len(tables)), "bytes": total,
-                   "tables": [t["name"] for t in tables]}, f, indent=1)
-    log(f"demo: wrote {total / 1e6:.0f} MB of click logs ({cfg['world_size']} x {parts} parts) into "
-        f"{data_dir} in {time.time() - t0:.1f} s")
+        json.dump(
+            {
+                "fingerprint": fp,
+                "parts_per_rank": parts,
+                "lines_per_part": per_part,
+                "line_width": line_width(len(tables)),
+                "bytes": total,
+                "tables": [t["name"] for t in tables],
+            },
+            f,
+            indent=1,
+        )
+    log(
+        f"demo: wrote {total / 1e6:.0f} MB of click logs ({cfg['world_size']} x {parts} parts) into "
+        f"{data_dir} in {time.time() - t0:.1f} s"
+    )
     return True
 
 
@@ -143,7 +158,7 @@ def parse_lines(buf: bytes, tables: list) -> dict:
     pow10 = 10 ** np.arange(DENSE_DIGITS - 1, -1, -1, dtype=np.int64)
     dense = np.empty((a.shape[0], DENSE), dtype=np.float32)
     for j in range(DENSE):
-        digits = a[:, col + 1: col + 1 + DENSE_DIGITS].astype(np.int64) - ord("0")
+        digits = a[:, col + 1 : col + 1 + DENSE_DIGITS].astype(np.int64) - ord("0")
         dense[:, j] = np.log1p((digits @ pow10).astype(np.float32))
         col += 1 + DENSE_DIGITS
     lut = np.zeros(256, dtype=np.int64)
@@ -152,7 +167,7 @@ def parse_lines(buf: bytes, tables: list) -> dict:
     pow16 = 16 ** np.arange(HEX_DIGITS - 1, -1, -1, dtype=np.int64)
     ids = {}
     for t, table in enumerate(tables):
-        value = lut[a[:, col + 1: col + 1 + HEX_DIGITS]] @ pow16
+        value = lut[a[:, col + 1 : col + 1 + HEX_DIGITS]] @ pow16
         ids[table["name"]] = value % int(table["rows"])
         col += 1 + HEX_DIGITS
     return {"dense": dense, "ids": ids, "label": label}
@@ -193,7 +208,7 @@ class ClickLogDataset(torch.utils.data.IterableDataset):
                 step = block * block_batches + i + 1
                 if step < self.start_step or step > cfg["steps"]:
                     continue
-                sel = perm[i * B:(i + 1) * B]
+                sel = perm[i * B : (i + 1) * B]
                 yield {
                     "dense": torch.from_numpy(cols["dense"][sel]),
                     "ids": {name: torch.from_numpy(v[sel]) for name, v in cols["ids"].items()},

@@ -82,10 +82,10 @@ class ShardedEmbeddings(nn.Module):
         n = global_ids.shape[0]
         cols = []
         for t, name in enumerate(self.table_names):
-            e = self.emb[name] if name in self.emb else None
-            if e is None:
+            if name not in self.emb:  # not on this rank
                 cols.append(None)
                 continue
+            e = self.emb[name]
             s = self.shards[name]
             ids = global_ids[:, t]
             mine = ((ids >= s.row_offset) & (ids < s.row_offset + s.rows)).nonzero().squeeze(1)
@@ -112,7 +112,7 @@ class ShardedStep:
         summed = partial.detach().clone()
         dist.all_reduce(summed)
         b = local.shape[0]
-        pooled = summed[self.rank * b:(self.rank + 1) * b].clone().requires_grad_()
+        pooled = summed[self.rank * b : (self.rank + 1) * b].clone().requires_grad_()
         return partial, pooled
 
     def backward_embeddings(self, partial: torch.Tensor, pooled: torch.Tensor) -> None:
@@ -128,5 +128,5 @@ class ShardedStep:
         flat /= self.world
         offset = 0
         for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()

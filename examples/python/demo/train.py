@@ -56,22 +56,21 @@ RESTART = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 _node = f"restart-{RESTART}-rank-{RANK}" if CFG.get("fresh_node_per_attempt", True) else f"rank-{RANK}"
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(ARGS.run_dir, "node-local", _node, "torchinductor")
 
-import itertools  # noqa: E402
-import warnings  # noqa: E402
+import itertools
+import warnings
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from ettkit import ett  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from ettkit import ett
 
 if ARGS.arm == "ettkit":  # imported before the recorder starts, like torch: part of process_bootstrap
-    from ettkit import sharding, startup  # noqa: E402
-    from ettkit.checkpoint import AsyncCheckpointer  # noqa: E402
+    from ettkit import sharding, startup
+    from ettkit.checkpoint import AsyncCheckpointer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from clicklogs import ClickLogDataset  # noqa: E402
-from dlrm import DenseArch, LocalShard, ShardedEmbeddings, ShardedStep  # noqa: E402
+from clicklogs import ClickLogDataset
+from dlrm import DenseArch, LocalShard, ShardedEmbeddings, ShardedStep
 
 TABLES = CFG["tables"]
 DIM = CFG["embedding_dim"]
@@ -95,14 +94,16 @@ def init_process_group(rec) -> None:
         # (and the checkpointer's commit protocol, which uses the default store) away from the dead
         # attempt's keys.
         store, _, _ = next(dist.rendezvous("env://"))
-        dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt-{RESTART}", store), rank=RANK,
-                                world_size=WORLD)
+        dist.init_process_group(
+            "gloo", store=dist.PrefixStore(f"attempt-{RESTART}", store), rank=RANK, world_size=WORLD
+        )
 
 
 def make_loader(start_step: int):
     ds = ClickLogDataset(ARGS.data_dir, RANK, CFG, start_step=start_step)
-    return torch.utils.data.DataLoader(ds, batch_size=None, num_workers=CFG["num_workers"],
-                                       persistent_workers=True, prefetch_factor=4)
+    return torch.utils.data.DataLoader(
+        ds, batch_size=None, num_workers=CFG["num_workers"], persistent_workers=True, prefetch_factor=4
+    )
 
 
 def build_model(local_shards: list):
@@ -114,13 +115,19 @@ def build_model(local_shards: list):
 
 def make_optimizer(embeddings, dense):
     # Adagrad with sparse gradients for the tables (their accumulators double the checkpoint), as DLRM.
-    return torch.optim.Adagrad([{"params": list(embeddings.parameters()), "lr": CFG["lr_embeddings"]},
-                                {"params": list(dense.parameters()), "lr": CFG["lr_dense"]}])
+    return torch.optim.Adagrad(
+        [
+            {"params": list(embeddings.parameters()), "lr": CFG["lr_embeddings"]},
+            {"params": list(dense.parameters()), "lr": CFG["lr_dense"]},
+        ]
+    )
 
 
 def state_of(embeddings, dense, opt) -> dict:
-    return {"model": {"embeddings": embeddings.state_dict(), "dense": dense.state_dict()},
-            "optim": opt.state_dict()}
+    return {
+        "model": {"embeddings": embeddings.state_dict(), "dense": dense.state_dict()},
+        "optim": opt.state_dict(),
+    }
 
 
 # ---- shard metadata ------------------------------------------------------------------------------------------
@@ -144,15 +151,24 @@ def shards_baseline() -> tuple[list, dict]:
                 local = [ShardMetadata([lo, 0], [min(rows, lo + block) - lo, DIM], f"rank:{RANK}/cpu")]
             else:
                 local = [ShardMetadata([0, 0], [rows, DIM], f"rank:{RANK}/cpu")] if t["rank"] == RANK else []
-            md = ShardedTensorMetadata(local, torch.Size([rows, DIM]), TensorProperties(dtype=torch.float32)) \
-                if local else None
+            md = (
+                ShardedTensorMetadata(local, torch.Size([rows, DIM]), TensorProperties(dtype=torch.float32))
+                if local
+                else None
+            )
             gathered = [None] * WORLD
             dist.all_gather_object(gathered, md)
             global_md[t["name"]] = build_global_metadata(gathered)
-    local_shards = [LocalShard(name, s.shard_offsets[0], s.shard_sizes[0])
-                    for name, md in global_md.items() for s in md.shards_metadata if s.placement.rank() == RANK]
-    layout = {name: [(s.shard_offsets[0], s.shard_sizes[0], s.placement.rank()) for s in md.shards_metadata]
-              for name, md in global_md.items()}
+    local_shards = [
+        LocalShard(name, s.shard_offsets[0], s.shard_sizes[0])
+        for name, md in global_md.items()
+        for s in md.shards_metadata
+        if s.placement.rank() == RANK
+    ]
+    layout = {
+        name: [(s.shard_offsets[0], s.shard_sizes[0], s.placement.rank()) for s in md.shards_metadata]
+        for name, md in global_md.items()
+    }
     return local_shards, layout
 
 
@@ -161,13 +177,24 @@ def shards_ettkit() -> tuple[list, dict]:
     plan = None
     if RANK == 0:
         plan = sharding.ShardingPlan(
-            [sharding.Table(t["name"], t["rows"], DIM, "float32", "row_wise") if t["sharding"] == "row_wise"
-             else sharding.Table(t["name"], t["rows"], DIM, "float32", "table_wise", [t["rank"]]) for t in TABLES],
-            world_size=WORLD, ranks_per_host=WORLD, device="cpu")
+            [
+                sharding.Table(t["name"], t["rows"], DIM, "float32", "row_wise")
+                if t["sharding"] == "row_wise"
+                else sharding.Table(t["name"], t["rows"], DIM, "float32", "table_wise", [t["rank"]])
+                for t in TABLES
+            ],
+            world_size=WORLD,
+            ranks_per_host=WORLD,
+            device="cpu",
+        )
     plan = sharding.broadcast_plan(plan)  # records launcher_init/sharding
     md = sharding.build_global_metadata(plan, strict=True)  # local; records launcher_init/sharding
-    local_shards = [LocalShard(ls.table, ls.shard.offsets[0], ls.shard.sizes[0]) for ls in md.local_shards(RANK)]
-    layout = {name: [(s.offsets[0], s.sizes[0], s.rank) for s in md.tables[name].shards] for name in md.tables}
+    local_shards = [
+        LocalShard(ls.table, ls.shard.offsets[0], ls.shard.sizes[0]) for ls in md.local_shards(RANK)
+    ]
+    layout = {
+        name: [(s.offsets[0], s.sizes[0], s.rank) for s in md.tables[name].shards] for name in md.tables
+    }
     return local_shards, layout
 
 
@@ -280,8 +307,10 @@ class Trainer:
         if step % every == 0 or step == STEPS:
             window = self.losses[-every:]
             rate = (step - first_step + 1) / max(time.time() - self.t_train, 1e-9)
-            say(f"step {step:5d}/{STEPS}  loss {sum(window) / len(window):.4f}  {rate:5.1f} steps/s  "
-                f"{time.time() - T_PROCESS:6.1f} s since exec")
+            say(
+                f"step {step:5d}/{STEPS}  loss {sum(window) / len(window):.4f}  {rate:5.1f} steps/s  "
+                f"{time.time() - T_PROCESS:6.1f} s since exec"
+            )
 
     def maybe_crash(self, step: int) -> None:
         if RESTART == 0 and step == CFG["crash_at_step"] and RANK == CFG["crash_rank"]:
@@ -311,8 +340,10 @@ def run_baseline(rec) -> None:
         # The plain way: compile after the first real batch; the first step compiles forward and backward.
         tr.compiled = torch.compile(dense)
         loss = tr.forward_backward(first)
-    say(f"start-up done: {time.time() - T_PROCESS:.1f} s since exec; compile in the first step "
-        f"{time.time() - t0:.1f} s")
+    say(
+        f"start-up done: {time.time() - T_PROCESS:.1f} s since exec; compile in the first step "
+        f"{time.time() - t0:.1f} s"
+    )
     for step, batch in zip(range(start, STEPS + 1), itertools.chain([None], batches)):
         if batch is not None:
             loss = tr.forward_backward(batch)
@@ -338,8 +369,13 @@ def run_ettkit(rec) -> None:
         # preempt_signals=(): under torchrun a SIGTERM is the agent tearing the worker group down after a
         # peer failed, not a preemption; the default handler (SIGTERM when `every` is set) would keep this rank
         # alive through the teardown instead of letting it die at once as the baseline does.
-        ck = AsyncCheckpointer(ckpt_dir(), every=EVERY, keep_last=2, metadata={"shard_layout": json.dumps(layout)},
-                               preempt_signals=())
+        ck = AsyncCheckpointer(
+            ckpt_dir(),
+            every=EVERY,
+            keep_last=2,
+            metadata={"shard_layout": json.dumps(layout)},
+            preempt_signals=(),
+        )
     start = ettkit_peek_latest_step() + 1  # where the data loader starts; checked after the restore
     built: dict = {}
 
@@ -360,11 +396,16 @@ def run_ettkit(rec) -> None:
     graph.add("train_module_creation", create_tables)
     if start > 1:
         graph.add("checkpoint_restore", restore, after=["train_module_creation"])
-    spec = startup.BatchSpec({
-        "dense": startup.TensorSpec((B, 13), torch.float32),
-        "ids": {t["name"]: startup.TensorSpec((B,), torch.int64, value_range=(0, t["rows"] - 1)) for t in TABLES},
-        "label": startup.TensorSpec((B,), torch.float32, value_range=(0, 1)),
-    })
+    spec = startup.BatchSpec(
+        {
+            "dense": startup.TensorSpec((B, 13), torch.float32),
+            "ids": {
+                t["name"]: startup.TensorSpec((B,), torch.int64, value_range=(0, t["rows"] - 1))
+                for t in TABLES
+            },
+            "label": startup.TensorSpec((B,), torch.float32, value_range=(0, 1)),
+        }
+    )
 
     def warm_forward(model, batch):
         # The compiled part sees pooled embeddings, which the sharded lookup produces in training: a
@@ -372,14 +413,16 @@ def run_ettkit(rec) -> None:
         pooled = torch.randn(batch["dense"].shape[0], len(TABLES), DIM, requires_grad=True)
         return model(batch["dense"], pooled)
 
-    cache = startup.CompileCache(os.path.join(ARGS.run_dir, "compile-cache"), model=dense, spec=spec,
-                                 config={"backend": "inductor"})
+    cache = startup.CompileCache(
+        os.path.join(ARGS.run_dir, "compile-cache"), model=dense, spec=spec, config={"backend": "inductor"}
+    )
     loader = make_loader(start)
     # The stages record their own phases (compile, preproc_creation, ...) with their real intervals; this
     # scope covers the gaps between them and ends where the first step begins (see docs/demo.md).
     with rec.phase("launcher_init/startup_graph"):
-        compiled, first, report, batches = startup.overlapped_start(dense, loader, spec, loss_fn, cache,
-                                                                    forward=warm_forward, graph=graph)
+        compiled, first, report, batches = startup.overlapped_start(
+            dense, loader, spec, loss_fn, cache, forward=warm_forward, graph=graph
+        )
     embeddings, opt = built["embeddings"], built["opt"]
     restored = graph.results.get("checkpoint_restore", 0)
     if restored + 1 != start:  # the newest step failed validation and the restore fell back: re-position
@@ -393,8 +436,10 @@ def run_ettkit(rec) -> None:
     ck.attach(opt)  # a save's copies finish before the optimizer changes the tensors
     state = state_of(embeddings, dense, opt)
     s = report.summary()
-    say(f"start-up done: {time.time() - T_PROCESS:.1f} s since exec; overlapped_start {s['time_to_start_s']:.1f} s "
-        f"(compile {s['compile_s']:.1f} s, cache {s['cache']}; first batch {s['first_batch_s']:.2f} s)")
+    say(
+        f"start-up done: {time.time() - T_PROCESS:.1f} s since exec; overlapped_start {s['time_to_start_s']:.1f} s "
+        f"(compile {s['compile_s']:.1f} s, cache {s['cache']}; first batch {s['first_batch_s']:.2f} s)"
+    )
     tr = Trainer(rec, embeddings, dense, opt)
     tr.compiled = compiled
     for step, batch in zip(range(start, STEPS + 1), itertools.chain([first], batches)):
