@@ -343,10 +343,13 @@ def main(argv=None) -> int:
         return 0
     lines = side_by_side(reps)
     b, e = reps["baseline"]["ett_pct"], reps["ettkit"]["ett_pct"]
+    rb, re_ = reps["baseline"], reps["ettkit"]
     verdict = (
-        f"verdict: ettkit's ETT% is {e:.1f}% against {b:.1f}% for the plain PyTorch way "
-        f"({e - b:+.1f} points; E2E {reps['ettkit']['e2e_s']:.1f} s against {reps['baseline']['e2e_s']:.1f} s "
-        f"for the same {cfg['steps']} steps)"
+        f"verdict: ETT% {e:.1f}% with ettkit against {b:.1f}% the plain PyTorch way ({e - b:+.1f} points), "
+        f"E2E {re_['e2e_s']:.1f} s against {rb['e2e_s']:.1f} s for the same {cfg['steps']} steps; "
+        f"Time to Recover {re_['time_to_recover_s'][0]:.1f} s against {rb['time_to_recover_s'][0]:.1f} s, "
+        f"checkpoint blocking {re_['checkpoint_blocking_s']['measured']:.1f} s against "
+        f"{rb['checkpoint_blocking_s']['measured']:.1f} s"
     )
     summary = "\n".join(
         ["", "ETT reports, side by side (python -m ettkit report <arm>/run):", *lines, "", verdict]
