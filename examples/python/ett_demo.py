@@ -12,7 +12,8 @@ What happens (docs/demo.md):
        ettkit:   ShardingPlan + local metadata build, overlapped_start with a CompileCache, AsyncCheckpointer.
      Both arms record their phases with the ETT recorder.
   3. `python -m ettkit report` turns each arm's ledgers into OUT/<arm>/report.json (the --json object),
-     report.txt, trace.json (Chrome trace) and ett.png; the driver prints the two reports side by side.
+     report.txt, trace.json (Chrome trace), ett.prom (Prometheus) and ett.png; the driver prints the two
+     reports side by side.
 
     python examples/python/ett_demo.py --out build/demo            # the full demo (< 5 minutes on 2 cores)
     python examples/python/ett_demo.py --out /tmp/demo --quick     # the reduced size CI runs
@@ -168,7 +169,8 @@ def run_arm(arm: str, out: str, cfg_path: str, data_dir: str, cfg: dict, log) ->
     with open(os.path.join(arm_dir, "report.txt"), "w") as f:
         subprocess.run(
             report
-            + ["--trace", os.path.join(arm_dir, "trace.json"), "--plot", os.path.join(arm_dir, "ett.png")],
+            + ["--trace", os.path.join(arm_dir, "trace.json"), "--plot", os.path.join(arm_dir, "ett.png")]
+            + ["--prometheus", os.path.join(arm_dir, "ett.prom")],
             stdout=f,
             check=True,
             env=env,

@@ -69,7 +69,7 @@ def test_report_is_consistent(demo, arm):
     assert r["checkpoint_blocking_s"]["measured"] > 0 and r["checkpoints"]["count"] >= cfg["steps"] // every
     assert r["recommended_interval_s"] is not None and r["recommended_interval_s"] > 0
     assert r["unattributed_pct"] < 2.0  # every phase of the trainer is instrumented
-    for name in ("report.txt", "trace.json", "ett.png", "torchrun.log"):
+    for name in ("report.txt", "trace.json", "ett.png", "ett.prom", "torchrun.log"):
         assert (out / arm / name).stat().st_size > 0, name
     with open(out / arm / "trace.json") as f:
         trace = json.load(f)
