@@ -14,12 +14,14 @@ start-up             one thing after another: tables, restore,    a StageGraph: 
                      compiles lazily in the first step            synthetic batch while the loader fetches the
                                                                   first real one; a CompileCache next to the
                                                                   checkpoints makes the restart's compile warm
-checkpoint           ``torch.save`` of each rank's state (tmp +   ``AsyncCheckpointer``: copies into a reused
-                     rename), a barrier, rank 0 moves ``latest``  arena, persists and commits in the background
+checkpoint           ``torch.save`` of each rank's state (tmp,    ``AsyncCheckpointer``: copies into a reused
+                     fsync, rename), a barrier, rank 0 moves      arena, persists and commits in the background
+                     ``latest``                                   (the same durability)
 ===================  ==========================================  =============================================
 
 Each attempt compiles with an empty node-local Inductor cache (``TORCHINDUCTOR_CACHE_DIR`` per attempt and
-rank), as on a replacement node; set ``"fresh_node_per_attempt": false`` in the config to keep it.
+rank), as on a replacement node; ``"fresh_node_per_attempt": false`` in the config (the driver's
+``--same-host-restart``) keeps it across attempts.
 
     torchrun --nproc-per-node=2 --max-restarts=1 examples/python/demo/train.py --arm ettkit \
         --config CONFIG.json --run-dir RUN --data-dir DATA
