@@ -2,7 +2,8 @@
 # idempotent: a second `make build` installs and rebuilds nothing.
 #   make build     Debian packages + .venv (torch, Python deps) + build and install ettkit into .venv
 #   make test      build, then the C++ tests (ctest) and the Python tests (pytest); both summaries printed
-#   make demo      the main job: an instrumented training run, killed once and restarted, then its report
+#   make demo      the main job: one sharded training job, the plain PyTorch way and with ettkit, each killed once
+#                  and restarted; both ETT reports side by side (docs/demo.md)
 #   make bench     every benchmark with --quick; JSON into build/bench/
 #   make sanitize  the C++ tests under AddressSanitizer + UndefinedBehaviorSanitizer
 SHELL := /bin/bash

@@ -1,69 +1,368 @@
-"""`make demo`: an instrumented 2-rank training job, killed once and restarted by torchrun, then its ETT report.
+"""`make demo`: the plain PyTorch way against ettkit, on one sharded recommendation job with one crash.
 
-What happens:
-  1. torchrun starts examples/python/ett_train.py on 2 CPU ranks (gloo DDP) with --max-restarts=1.
-  2. At step --crash-at-step of the first attempt, rank 1 SIGKILLs itself. torchrun tears the job down and
-     restarts both ranks, which resume from the last checkpoint and re-train the steps after it.
-  3. `python -m ettkit report` turns the two ranks' ledgers into the ETT report: printed as a table here,
-     and written as report.json, a Chrome trace, a Prometheus file and a timeline plot into --out.
+What happens (docs/demo.md):
+  1. The driver writes synthetic click logs into OUT/data (once; reused while the config is unchanged).
+  2. For each arm, torchrun starts examples/python/demo/train.py on 2 CPU ranks (gloo) with
+     --max-restarts=1: a DLRM-like model whose embedding tables are sharded row-wise and table-wise,
+     trained from the click logs through DataLoader workers, checkpointed every K steps. At a fixed step
+     of the first attempt rank 1 SIGKILLs itself; torchrun restarts both ranks, which restore the last
+     checkpoint and finish the job.
+       baseline: all_gather_object shard metadata, serial start-up with torch.compile after the first
+                 batch, synchronous torch.save checkpoints;
+       ettkit:   ShardingPlan + local metadata build, overlapped_start with a CompileCache, AsyncCheckpointer.
+     Both arms record their phases with the ETT recorder.
+  3. `python -m ettkit report` turns each arm's ledgers into OUT/<arm>/report.json (the --json object),
+     report.txt, trace.json (Chrome trace), ett.prom (Prometheus) and ett.png; the driver prints the two
+     reports side by side.
 
-    python examples/python/ett_demo.py --out build/demo
+    python examples/python/ett_demo.py --out build/demo            # the full demo (< 5 minutes on 2 cores)
+    python examples/python/ett_demo.py --out /tmp/demo --quick     # the reduced size CI runs
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+DEMO = os.path.join(HERE, "demo")
+sys.path.insert(0, DEMO)
+
+from clicklogs import write_click_logs
+
+ARMS = ("baseline", "ettkit")
+
+FULL = {
+    "world_size": 2,
+    "batch_size": 1024,
+    "steps": 600,
+    "ckpt_every": 100,
+    "crash_at_step": 380,
+    "crash_rank": 1,
+    "embedding_dim": 32,
+    "tables": [
+        {"name": "user_id", "rows": 1_500_000, "sharding": "row_wise", "skew": 3.0, "signal": 0.8},
+        {"name": "item_id", "rows": 1_000_000, "sharding": "row_wise", "skew": 3.0, "signal": 0.8},
+        {"name": "ad_id", "rows": 400_000, "sharding": "row_wise", "skew": 3.0, "signal": 0.8},
+        {
+            "name": "campaign",
+            "rows": 100_000,
+            "sharding": "table_wise",
+            "rank": 1,
+            "skew": 3.0,
+            "signal": 1.0,
+        },
+        {"name": "site", "rows": 20_000, "sharding": "table_wise", "rank": 0, "skew": 2.0, "signal": 1.0},
+        {"name": "category", "rows": 2_000, "sharding": "table_wise", "rank": 1, "skew": 2.0, "signal": 1.2},
+    ],
+    "bottom_mlp": [256, 128],
+    "top_mlp": [256, 128],
+    "lr_embeddings": 0.05,
+    "lr_dense": 0.005,
+    "part_batches": 64,
+    "shuffle_batches": 8,
+    "num_workers": 1,
+    "log_every": 50,
+    "seed": 0,
+    "fresh_node_per_attempt": True,
+}
+
+QUICK = copy.deepcopy(FULL)
+QUICK.update(
+    {
+        "batch_size": 512,
+        "steps": 200,
+        "ckpt_every": 40,
+        "crash_at_step": 150,
+        "bottom_mlp": [64],
+        "top_mlp": [64],
+        "part_batches": 40,
+        "shuffle_batches": 8,
+        "log_every": 25,
+    }
+)
+for _t, _rows in zip(QUICK["tables"], (200_000, 100_000, 50_000, 20_000, 5_000, 1_000)):
+    _t["rows"] = _rows
 
 
-def main() -> int:
+def check_config(cfg: dict) -> None:
+    assert cfg["part_batches"] % cfg["shuffle_batches"] == 0, "a shuffle block must not span two part files"
+    assert 0 < cfg["crash_at_step"] < cfg["steps"] and cfg["crash_at_step"] % cfg["ckpt_every"] != 0
+    assert cfg["bottom_mlp"] and cfg["embedding_dim"] > 0
+
+
+def run_arm(arm: str, out: str, cfg_path: str, data_dir: str, cfg: dict, log) -> dict:
+    arm_dir = os.path.join(out, arm)
+    t_prepare = time.time()
+    shutil.rmtree(arm_dir, ignore_errors=True)
+    run_dir = os.path.join(arm_dir, "run")
+    os.makedirs(run_dir)
+    # A scheduler would hand the job its allocation; here the driver's preparation of the run directory
+    # stands for it (hardware_setup). The report counts the time from there to each worker's exec as the
+    # launcher's start-up (torchrun, rendezvous).
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        ETTKIT_LAUNCHER_PHASES=json.dumps({"hardware_setup": [t_prepare, time.time()]}),
+    )
+    # The workers must import the same ettkit as this process (e.g. a PYTHONPATH build).
+    import ettkit
+
+    pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(ettkit.__file__)))
+    if pkg_root not in site.getsitepackages():
+        env["PYTHONPATH"] = os.pathsep.join(
+            [pkg_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nnodes=1",
+        f"--nproc-per-node={cfg['world_size']}",
+        "--max-restarts=1",
+        "--monitor-interval=0.2",
+        os.path.join(DEMO, "train.py"),
+        "--arm",
+        arm,
+        "--config",
+        cfg_path,
+        "--run-dir",
+        run_dir,
+        "--data-dir",
+        data_dir,
+    ]
+    log(
+        f"demo: [{arm}] torchrun, {cfg['world_size']} ranks, {cfg['steps']} steps; rank {cfg['crash_rank']} is "
+        f"killed at step {cfg['crash_at_step']}"
+    )
+    t0 = time.time()
+    log_path = os.path.join(arm_dir, "torchrun.log")
+    with open(log_path, "w") as logf:
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+        )
+        for line in proc.stdout:
+            logf.write(line)
+            # Progress: the trainer's own lines, and torchrun's notice of the failure.
+            if line.startswith(("[baseline", "[ettkit")) or "exitcode" in line:
+                log("  " + line.rstrip()[:160])
+        rc = proc.wait()
+    wall = time.time() - t0
+    log(f"demo: [{arm}] torchrun exited with {rc} after {wall:.1f} s (log: {log_path})")
+    if rc != 0:
+        with open(log_path) as f:
+            sys.stderr.write(f.read()[-6000:])
+        raise SystemExit(f"demo: the {arm} arm failed (exit code {rc})")
+
+    report = [sys.executable, "-m", "ettkit", "report", run_dir]
+    with open(os.path.join(arm_dir, "report.json"), "w") as f:
+        subprocess.run(report + ["--json"], stdout=f, check=True, env=env)
+    with open(os.path.join(arm_dir, "report.txt"), "w") as f:
+        subprocess.run(
+            report
+            + ["--trace", os.path.join(arm_dir, "trace.json"), "--plot", os.path.join(arm_dir, "ett.png")]
+            + ["--prometheus", os.path.join(arm_dir, "ett.prom")],
+            stdout=f,
+            check=True,
+            env=env,
+        )
+    with open(os.path.join(arm_dir, "report.json")) as f:
+        rep = json.load(f)
+    rep["_wall_s"] = wall
+    rep["_saves"] = count_saves(os.path.join(run_dir, "ett", "rank-0.jsonl"))
+    return rep
+
+
+def count_saves(ledger: str) -> int:
+    """Checkpoints taken by rank 0: distinct (attempt, step) of its checkpoint_blocking records. (The report's
+    checkpoints.count counts records, and the AsyncCheckpointer writes a second one for the optimizer's
+    pre-hook wait when a save's copies are still running.)"""
+    saves, attempt = set(), -1
+    with open(ledger) as f:
+        for line in f:
+            try:
+                r = json.loads(line)
+            except ValueError:
+                continue
+            if r.get("t") == "attempt":
+                attempt += 1
+            elif r.get("t") == "phase" and r.get("name") == "checkpoint_blocking":
+                saves.add((attempt, r.get("step")))
+    return len(saves)
+
+
+def _fmt(v, unit="", digits=1):
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}{unit}"
+    return f"{v}{unit}"
+
+
+def side_by_side(reps: dict) -> list:
+    b, e = reps["baseline"], reps["ettkit"]
+
+    def ph(r, name):
+        return r["phases"].get(name, 0.0)
+
+    def tts(r, i):
+        v = r["attempts"][i]["time_to_start_s"] if len(r["attempts"]) > i else None
+        return v
+
+    rows = [
+        ("ETT %", b["ett_pct"], e["ett_pct"], "%", 2),
+        ("idle %", b["idle_pct"], e["idle_pct"], "%", 2),
+        ("failure %", b["failure_pct"], e["failure_pct"], "%", 2),
+        ("unattributed %", b["unattributed_pct"], e["unattributed_pct"], "%", 2),
+        ("E2E", b["e2e_s"], e["e2e_s"], " s", 1),
+        ("effective training", b["effective_s"], e["effective_s"], " s", 1),
+        (
+            "attempts / failures",
+            f"{len(b['attempts'])} / {b['failures']}",
+            f"{len(e['attempts'])} / {e['failures']}",
+            "",
+            0,
+        ),
+        ("Time to Start (attempt 0)", tts(b, 0), tts(e, 0), " s", 1),
+        ("Time to Start (restart)", tts(b, 1), tts(e, 1), " s", 1),
+        (
+            "Time to Recover",
+            (b["time_to_recover_s"] or [None])[0],
+            (e["time_to_recover_s"] or [None])[0],
+            " s",
+            1,
+        ),
+        ("  detect_and_teardown", ph(b, "detect_and_teardown"), ph(e, "detect_and_teardown"), " s", 2),
+        ("compile (job timeline)", ph(b, "compile"), ph(e, "compile"), " s", 1),
+        (
+            "checkpoint_restore (job timeline)",
+            ph(b, "checkpoint_restore"),
+            ph(e, "checkpoint_restore"),
+            " s",
+            2,
+        ),
+        (
+            "checkpoint blocking",
+            b["checkpoint_blocking_s"]["measured"],
+            e["checkpoint_blocking_s"]["measured"],
+            " s",
+            2,
+        ),
+        (
+            "  saves / blocking per save",
+            f"{b['_saves']} / {b['checkpoint_blocking_s']['measured'] / max(b['_saves'], 1):.3f} s",
+            f"{e['_saves']} / {e['checkpoint_blocking_s']['measured'] / max(e['_saves'], 1):.3f} s",
+            "",
+            0,
+        ),
+        (
+            "  median durable latency",
+            b["checkpoints"]["durable_latency_median_s"],
+            e["checkpoints"]["durable_latency_median_s"],
+            " s",
+            2,
+        ),
+        (
+            "unsaved training (re-done)",
+            b["unsaved_training_s"]["measured"],
+            e["unsaved_training_s"]["measured"],
+            " s",
+            1,
+        ),
+        (
+            "steps effective / re-trained",
+            f"{b['steps']['effective']} / {b['steps']['retrained']}",
+            f"{e['steps']['effective']} / {e['steps']['retrained']}",
+            "",
+            0,
+        ),
+        (
+            "median step",
+            b["steps"]["median_step_s"] * 1e3 if b["steps"]["median_step_s"] else None,
+            e["steps"]["median_step_s"] * 1e3 if e["steps"]["median_step_s"] else None,
+            " ms",
+            1,
+        ),
+        ("recommended interval", b["recommended_interval_s"], e["recommended_interval_s"], " s", 1),
+        (
+            "  in steps",
+            (b["recommendation"] or {}).get("interval_steps"),
+            (e["recommendation"] or {}).get("interval_steps"),
+            "",
+            0,
+        ),
+        ("driver wall time (torchrun)", b["_wall_s"], e["_wall_s"], " s", 1),
+    ]
+    out = []
+    w0 = max(len(r[0]) for r in rows)
+    out.append(f"{'':{w0}}  {'baseline':>16}  {'ettkit':>16}")
+    out.append(f"{'-' * w0}  {'-' * 16}  {'-' * 16}")
+    for name, bv, ev, unit, digits in rows:
+        out.append(f"{name:{w0}}  {_fmt(bv, unit, digits):>16}  {_fmt(ev, unit, digits):>16}")
+    return out
+
+
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="build/demo")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--ckpt-every", type=int, default=50)
-    p.add_argument("--crash-at-step", type=int, default=220)
-    p.add_argument("--step-sleep", type=float, default=0.02, help="extra seconds per step (a visible timeline)")
-    args = p.parse_args()
+    p.add_argument("--quick", action="store_true", help="the reduced size (CI): smaller tables, fewer steps")
+    p.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of baseline,ettkit")
+    p.add_argument(
+        "--same-host-restart",
+        action="store_true",
+        help="keep each rank's local Inductor cache across attempts (a restart on the same host)",
+    )
+    args = p.parse_args(argv)
+    t_start = time.time()
 
-    t_prepare = time.time()
+    def log(msg):
+        print(msg, flush=True)
+
+    cfg = copy.deepcopy(QUICK if args.quick else FULL)
+    cfg["fresh_node_per_attempt"] = not args.same_host_restart
+    check_config(cfg)
     out = os.path.abspath(args.out)
-    run_dir = os.path.join(out, "run")
-    shutil.rmtree(run_dir, ignore_errors=True)
-    os.makedirs(run_dir)
-    # A scheduler would hand the job its queue and allocation times; this demo has no scheduler, so it
-    # reports its own preparation (clearing the run directory) as hardware setup. The report then counts the
-    # time from there to each worker's exec as the launcher's start-up (worker_spawn: torchrun, rendezvous).
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               ETTKIT_LAUNCHER_PHASES=json.dumps({"hardware_setup": [t_prepare, time.time()]}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc-per-node=2",
-           "--max-restarts=1", "--monitor-interval=0.2", os.path.join(HERE, "ett_train.py"), "--run-dir", run_dir,
-           "--steps", str(args.steps), "--ckpt-every", str(args.ckpt_every), "--crash-at-step",
-           str(args.crash_at_step), "--crash-rank", "1", "--step-sleep", str(args.step_sleep)]
-    print(f"demo: training {args.steps} steps on 2 ranks; rank 1 is killed at step {args.crash_at_step} "
-          f"(checkpoints every {args.ckpt_every}); torchrun restarts the job once", flush=True)
-    t0 = time.time()
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    with open(os.path.join(out, "torchrun.log"), "w") as f:
-        f.write(proc.stdout)
-    print(f"demo: torchrun finished with exit code {proc.returncode} in {time.time() - t0:.1f} s "
-          f"(log: {os.path.join(out, 'torchrun.log')})", flush=True)
-    if proc.returncode != 0:
-        print(proc.stdout[-4000:], file=sys.stderr)
-        return proc.returncode
+    os.makedirs(out, exist_ok=True)
+    cfg_path = os.path.join(out, "config.json")
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f, indent=1)
+    data_dir = os.path.join(out, "data")
+    if not write_click_logs(data_dir, cfg, log=log):
+        log(f"demo: reusing the click logs in {data_dir}")
 
-    report_cmd = [sys.executable, "-m", "ettkit", "report", run_dir, "--trace", os.path.join(out, "trace.json"),
-                  "--prometheus", os.path.join(out, "ett.prom"), "--plot", os.path.join(out, "ett.png")]
-    subprocess.run(report_cmd, check=True)
-    with open(os.path.join(out, "report.json"), "w") as f:
-        subprocess.run([sys.executable, "-m", "ettkit", "report", run_dir, "--json"], stdout=f, check=True)
-    print(f"\ndemo: wrote {out}/report.json, trace.json (open in https://ui.perfetto.dev), ett.prom, ett.png")
+    arms = [a for a in args.arms.split(",") if a]
+    reps = {arm: run_arm(arm, out, cfg_path, data_dir, cfg, log) for arm in arms}
+    if set(arms) != set(ARMS):
+        return 0
+    lines = side_by_side(reps)
+    b, e = reps["baseline"]["ett_pct"], reps["ettkit"]["ett_pct"]
+    rb, re_ = reps["baseline"], reps["ettkit"]
+    verdict = (
+        f"verdict: ETT% {e:.1f}% with ettkit against {b:.1f}% the plain PyTorch way ({e - b:+.1f} points), "
+        f"E2E {re_['e2e_s']:.1f} s against {rb['e2e_s']:.1f} s for the same {cfg['steps']} steps; "
+        f"Time to Recover {re_['time_to_recover_s'][0]:.1f} s against {rb['time_to_recover_s'][0]:.1f} s, "
+        f"checkpoint blocking {re_['checkpoint_blocking_s']['measured']:.1f} s against "
+        f"{rb['checkpoint_blocking_s']['measured']:.1f} s"
+    )
+    summary = "\n".join(
+        ["", "ETT reports, side by side (python -m ettkit report <arm>/run):", *lines, "", verdict]
+    )
+    log(summary)
+    with open(os.path.join(out, "summary.txt"), "w") as f:
+        f.write(summary.lstrip("\n") + "\n")
+    log(
+        f"\ndemo: wrote {out}/<arm>/report.json, report.txt, trace.json (open in https://ui.perfetto.dev) and "
+        f"ett.png for {', '.join(ARMS)}; total {time.time() - t_start:.1f} s"
+    )
     return 0
 
 

@@ -1,0 +1,96 @@
+"""`make demo` in its reduced size: both arms run under torchrun (2 gloo ranks), lose rank 1 to a SIGKILL,
+restart once and finish; their ETT reports are consistent and the ettkit arm's ETT% is higher.
+
+About 2.5 minutes on the 2-core CI machine: each arm compiles its dense part in two attempts (the
+baseline cold twice, ettkit cold then warm from its compile cache)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ARMS = ("baseline", "ettkit")
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(REPO, "examples", "python", "ett_demo.py"),
+            "--quick",
+            "--out",
+            str(out),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    with open(out / "config.json") as f:
+        cfg = json.load(f)
+    reports = {}
+    for arm in ARMS:
+        with open(out / arm / "report.json") as f:
+            reports[arm] = json.load(f)
+    return out, cfg, reports, proc.stdout
+
+
+@pytest.mark.parametrize("arm", ARMS)
+def test_report_is_consistent(demo, arm):
+    out, cfg, reports, _ = demo
+    r = reports[arm]
+    assert r["format_version"] == 1 and r["world_size"] == 2 and r["ranks"] == [0, 1]
+    assert abs(r["ett_pct"] + r["idle_pct"] + r["failure_pct"] + r["unattributed_pct"] - 100) <= 0.01
+    assert abs(r["effective_s"] + r["idle_s"] + r["failure_s"] + r["unattributed_s"] - r["e2e_s"]) <= 1e-3
+    assert abs(sum(r["phases"].values()) - r["e2e_s"]) <= 1e-3
+    # One injected failure (rank 1's SIGKILL), two attempts, and the job finished.
+    assert len(r["attempts"]) == 2
+    assert r["failures"] == 1 and r["failures_by_category"] == {"killed": 1}
+    assert r["attempts"][0]["status"] == "killed"
+    assert r["attempts"][1]["status"] == "clean"
+    assert all(t is not None and t > 0 for t in r["time_to_start_s"]) and len(r["time_to_start_s"]) == 2
+    assert len(r["time_to_recover_s"]) == 1 and r["recoveries"][0]["recovered"]
+    assert "checkpoint_restore" in r["recoveries"][0]["breakdown"]
+    # Every step consumed new data once; the steps after the restored checkpoint were trained twice.
+    assert r["steps"]["effective"] == cfg["steps"] and r["steps"]["max_step"] == cfg["steps"]
+    every, crash = cfg["ckpt_every"], cfg["crash_at_step"]
+    retrained = r["steps"]["retrained"]
+    assert retrained >= crash - crash // every * every and (crash - retrained) % every == 0, retrained
+    assert r["attempts"][1]["first_step"] == crash - retrained + 1
+    assert r["unsaved_training_s"]["measured"] == pytest.approx(r["phases"]["wasted_training"])
+    assert r["checkpoint_blocking_s"]["measured"] > 0 and r["checkpoints"]["count"] >= cfg["steps"] // every
+    assert r["recommended_interval_s"] is not None and r["recommended_interval_s"] > 0
+    assert r["unattributed_pct"] < 2.0  # every phase of the trainer is instrumented
+    for name in ("report.txt", "trace.json", "ett.png", "ett.prom", "torchrun.log"):
+        assert (out / arm / name).stat().st_size > 0, name
+    with open(out / arm / "trace.json") as f:
+        trace = json.load(f)
+    assert any(e.get("name") == "compile" for e in trace["traceEvents"])
+
+
+def test_arms_differ_only_in_the_runtime(demo):
+    _, _, reports, _ = demo
+    b, e = reports["baseline"], reports["ettkit"]
+    assert b["checkpoints"]["interval_source"] == e["checkpoints"]["interval_source"] == "configured_steps"
+    assert "compile" in b["phases"] and "compile" in e["phases"]
+    # The ettkit arm's saves are asynchronous: only they have a background persist track.
+    assert b["checkpoints"]["durable_latency_median_s"] is None
+    assert e["checkpoints"]["durable_latency_median_s"] is not None
+
+
+def test_ettkit_arm_has_higher_ett(demo):
+    _, _, reports, stdout = demo
+    b, e = reports["baseline"], reports["ettkit"]
+    assert e["ett_pct"] > b["ett_pct"], (e["ett_pct"], b["ett_pct"])
+    # For real reasons: a warm compile on restart and less blocking.
+    assert e["time_to_recover_s"][0] < b["time_to_recover_s"][0]
+    assert e["checkpoint_blocking_s"]["measured"] < b["checkpoint_blocking_s"]["measured"]
+    assert "ETT %" in stdout and "verdict:" in stdout
