@@ -34,7 +34,7 @@ import torch
 
 from .. import _C
 from ..errors import InvalidArgumentError
-from ._flatten import check_unique, flatten, rebuild, restore_non_tensors
+from ._flatten import check_unique, flatten, restore_non_tensors
 
 __all__ = ["AsyncCheckpointer", "DcpStager", "SaveHandle", "parse_every"]
 
@@ -313,60 +313,11 @@ class AsyncCheckpointer:
     mean_time_to_durable_s = property(lambda self: self._c.mean_time_to_durable_s)
 
 
-def _async_stager_base():
-    try:
-        from torch.distributed.checkpoint.staging import AsyncStager
+def __getattr__(name: str):
+    # DcpStager subclasses DCP's AsyncStager, and importing torch.distributed.checkpoint costs ~1 s: pay it
+    # only when DcpStager is used, not on every (re)start of a job that imports ettkit.checkpoint.
+    if name == "DcpStager":
+        from ._dcp import DcpStager
 
-        return AsyncStager
-    except Exception:  # torch without distributed
-        return object
-
-
-class DcpStager(_async_stager_base()):
-    """DCP ``AsyncStager`` backed by ettkit's arena and copy engine::
-
-        fut = dcp.async_save(sd, checkpoint_id=path, async_stager=DcpStager())
-
-    ``stage`` copies every plain tensor into a reused (pinned when CUDA is available) host arena - CPU
-    tensors by parallel threads, CUDA tensors stream-ordered - and returns the state dict of arena views
-    that DCP then writes in the background. The arena is reused by the next ``stage``: as with every DCP
-    async save, wait for the previous save's future before the next ``async_save`` (or pass
-    ``double_buffer=True`` to alternate two arenas, allowing one save in flight while the next stages).
-    Non-tensor values pass through unchanged.
-    """
-
-    _synchronize_after_execute: bool = False
-
-    def __init__(self, *, memory_budget_bytes: Optional[int] = None, double_buffer: bool = False,
-                 copy_threads: int = 0):
-        self._stager = _C.checkpoint.Stager(memory_budget_bytes=int(memory_budget_bytes or 0),
-                                            num_arenas=2 if double_buffer else 1, copy_threads=int(copy_threads))
-        self._held: deque = deque()
-        self._keep = 2 if double_buffer else 1
-
-    @property
-    def should_synchronize_after_execute(self) -> bool:
-        return False
-
-    def stage(self, state_dict, **kwargs):
-        names, tensors, skeleton, _ = flatten(state_dict)
-        check_unique(names)
-        # The arena `_keep` saves ago is free again (its async_save must have completed).
-        while len(self._held) >= self._keep:
-            self._held.popleft().release()
-        snap = self._stager.stage(names, tensors, "wait")
-        snap.wait_staged()
-        self._held.append(snap)
-        return rebuild(skeleton, [t for _, t in snap.tensors()])
-
-    def synchronize_staging(self) -> None:
-        """Staging is complete when ``stage`` returns."""
-
-    def close(self) -> None:
-        while self._held:
-            self._held.popleft().release()
-
-    arena_bytes = property(lambda self: self._stager.arena_bytes)
-    arena_allocations = property(lambda self: self._stager.arena_allocations)
-    pinned = property(lambda self: self._stager.pinned)
-
+        return DcpStager
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
