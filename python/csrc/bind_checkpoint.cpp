@@ -192,16 +192,6 @@ void bind_checkpoint(py::module_& m) {
            py::arg("store") = py::none(), py::keep_alive<1, 14>(), py::keep_alive<1, 16>())
       .def(
           "save",
-          [](AsyncCheckpointer& c, int64_t step, const std::vector<std::string>& names,
-             const std::vector<at::Tensor>& tensors, const py::bytes& extra) {
-            NamedTensors nt = zip(names, tensors);
-            std::string blob = extra;
-            py::gil_scoped_release nogil;
-            return c.save(step, nt, blob);
-          },
-          py::arg("step"), py::arg("names"), py::arg("tensors"), py::arg("extra") = py::bytes())
-      .def(
-          "save",
           [](AsyncCheckpointer& c, int64_t step, TensorList& list, const py::bytes& extra) {
             std::string blob = extra;
             std::optional<SaveHandle> h;

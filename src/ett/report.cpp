@@ -113,7 +113,6 @@ json num_or_null(double v) { return std::isfinite(v) ? json(v) : json(nullptr); 
 // ("std::runtime_error: boom" -> "std::runtime_error").
 std::string exception_type_of(const std::string& detail) {
   auto sep = detail.find(": ");
-  if (sep == std::string::npos) sep = detail.find(':') == detail.size() - 1 ? detail.size() - 1 : std::string::npos;
   return sep == std::string::npos ? detail : detail.substr(0, sep);
 }
 

@@ -333,6 +333,16 @@ class StageGraph::Impl {
     }
   }
 
+  // Runs stage i's body without the lock; its exception becomes the stage's error.
+  std::exception_ptr invoke(size_t i, StageContext& ctx) {
+    try {
+      stages_[i].fn(ctx);
+    } catch (...) {
+      return std::current_exception();
+    }
+    return nullptr;
+  }
+
   void record_phase_locked(size_t i) {
     if (options_.recorder == nullptr || !records_[i].started) return;
     try {
@@ -502,12 +512,7 @@ class StageGraph::Impl {
       cv_.notify_all();  // the caller may need a new wake-up time (this stage's deadline)
       StageContext ctx(&stages_[i].name, tokens_[i]);
       lk.unlock();
-      std::exception_ptr err;
-      try {
-        stages_[i].fn(ctx);
-      } catch (...) {
-        err = std::current_exception();
-      }
+      std::exception_ptr err = invoke(i, ctx);
       auto end = Clock::now();
       lk.lock();
       self.current = kNone;
@@ -665,12 +670,7 @@ StageReport StageGraph::Impl::run() {
     begin_locked(i, -1, Clock::now());
     StageContext ctx(&stages_[i].name, tokens_[i]);
     lk.unlock();
-    std::exception_ptr err;
-    try {
-      stages_[i].fn(ctx);
-    } catch (...) {
-      err = std::current_exception();
-    }
+    std::exception_ptr err = invoke(i, ctx);
     auto end = Clock::now();
     lk.lock();
     finish_locked(i, std::move(err), end);

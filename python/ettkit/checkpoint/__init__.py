@@ -111,8 +111,6 @@ class AsyncCheckpointer:
             metadata={str(k): str(v) for k, v in (metadata or {}).items()}, store=store)
         self._last_save_step: Optional[int] = None
         self._last_save_time = time.monotonic()
-        self._last_state: Any = None
-        self._last_extra: Any = None
         self._hooks: list = []
         self._handles: deque = deque(maxlen=4)
         self._tensor_list = _C.checkpoint.TensorList()
@@ -156,7 +154,6 @@ class AsyncCheckpointer:
             self._last_save_step = int(step)
             self._last_save_time = time.monotonic()
             self._handles.append(handle)
-        self._last_state, self._last_extra = state_dict, extra
         if self._preempt_signal is not None:
             self._finish_preemption(handle)
         return handle

@@ -56,9 +56,12 @@ def flatten(state_dict: Any) -> tuple[list[str], list[torch.Tensor], Any, bool]:
     opaque: list[bool] = []
 
     def walk(obj: Any, prefix: str) -> Any:
-        if isinstance(obj, dict):
+        # Containers: one loop over (key, value) for dicts, lists and tuples; tensor children are handled
+        # inline rather than by recursion, since this runs once per tensor on the save path.
+        is_dict = isinstance(obj, dict)
+        if is_dict or isinstance(obj, (list, tuple)):
             out = {}
-            for k, v in obj.items():
+            for k, v in (obj.items() if is_dict else enumerate(obj)):
                 key = f"{prefix}.{k}" if prefix else str(k)
                 if isinstance(v, _Tensor):
                     if type(v) is not _Tensor and not isinstance(v, _Parameter):
@@ -66,26 +69,11 @@ def flatten(state_dict: Any) -> tuple[list[str], list[torch.Tensor], Any, bool]:
                     add_name(key)
                     add_tensor(v)
                     out[k] = TENSOR
-                elif isinstance(v, (dict, list, tuple)):
+                else:
                     out[k] = walk(v, key)
-                else:
-                    if type(v) not in _VALUE_TYPES:
-                        opaque.append(True)
-                    out[k] = v
-            return out
-        if isinstance(obj, (list, tuple)):
-            items = []
-            for i, v in enumerate(obj):
-                key = f"{prefix}.{i}" if prefix else str(i)
-                if isinstance(v, _Tensor):
-                    if type(v) is not _Tensor and not isinstance(v, _Parameter):
-                        _reject(v, key)
-                    add_name(key)
-                    add_tensor(v)
-                    items.append(TENSOR)
-                else:
-                    items.append(walk(v, key))
-            return items if isinstance(obj, list) else tuple(items)
+            if is_dict:
+                return out
+            return list(out.values()) if isinstance(obj, list) else tuple(out.values())
         if isinstance(obj, _Tensor):
             if type(obj) is not _Tensor and not isinstance(obj, _Parameter):
                 _reject(obj, prefix)
