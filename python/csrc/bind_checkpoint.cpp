@@ -62,6 +62,8 @@ py::object to_python_error(std::exception_ptr p) {
     std::rethrow_exception(p);
   } catch (const checkpoint::CorruptCheckpoint& e) {
     return error_class("CorruptCheckpointError")(e.what());
+  } catch (const checkpoint::TornSnapshot& e) {
+    return error_class("TornSnapshotError")(e.what());
   } catch (const InvalidArgument& e) {
     return error_class("InvalidArgumentError")(e.what());
   } catch (const CorruptData& e) {
@@ -87,19 +89,25 @@ void bind_checkpoint(py::module_& m) {
       std::rethrow_exception(p);
     } catch (const CorruptCheckpoint& e) {
       PyErr_SetString(error_class("CorruptCheckpointError").ptr(), e.what());
+    } catch (const TornSnapshot& e) {
+      PyErr_SetString(error_class("TornSnapshotError").ptr(), e.what());
     }
   });
 
-  py::class_<Snapshot, std::shared_ptr<Snapshot>>(m, "Snapshot")
+  // Destructors that wait for ettkit's threads release the GIL first: those threads never need it, but a
+  // Python thread they might wait behind could (release_gil_before_calling_cpp_dtor).
+  py::class_<Snapshot, std::shared_ptr<Snapshot>>(m, "Snapshot", py::release_gil_before_calling_cpp_dtor())
       .def("wait_staged", &Snapshot::wait_staged, py::call_guard<py::gil_scoped_release>())
       .def("wait_staged_on_current_stream", &Snapshot::wait_staged_on_current_stream,
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("staged", &Snapshot::staged)
+      .def("wait_for", &Snapshot::wait_for, py::arg("tensors"), py::call_guard<py::gil_scoped_release>())
+      .def("changed_entries", &Snapshot::changed_entries, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("total_bytes", &Snapshot::total_bytes)
       .def("tensors", &Snapshot::tensors, "Views of the arena (valid until release()).")
       .def("release", &Snapshot::release, py::call_guard<py::gil_scoped_release>());
 
-  py::class_<Stager>(m, "Stager")
+  py::class_<Stager>(m, "Stager", py::release_gil_before_calling_cpp_dtor())
       .def(py::init([](int64_t memory_budget_bytes, int num_arenas, int copy_threads, int64_t sync_copy_max_bytes,
                        int pin_memory) {
              StagerOptions o;
@@ -148,7 +156,7 @@ void bind_checkpoint(py::module_& m) {
            "names: a list, or None to keep the previous names; tensors: a list of tensors")
       .def("__len__", [](const TensorList& l) { return l.items.size(); });
 
-  py::class_<SaveHandle>(m, "SaveHandle")
+  py::class_<SaveHandle>(m, "SaveHandle", py::release_gil_before_calling_cpp_dtor())
       .def_property_readonly("step", &SaveHandle::step)
       .def_property_readonly("skipped", &SaveHandle::skipped)
       .def_property_readonly("staged", &SaveHandle::staged)
@@ -159,8 +167,9 @@ void bind_checkpoint(py::module_& m) {
       .def("wait", &SaveHandle::wait, py::arg("timeout_s") = -1.0, py::call_guard<py::gil_scoped_release>())
       .def("wait_staged", &SaveHandle::wait_staged, py::call_guard<py::gil_scoped_release>());
 
-  py::class_<AsyncCheckpointer>(m, "AsyncCheckpointer")
-      .def(py::init([](const std::string& directory, int keep_last, const std::string& on_busy, bool verify_on_load,
+  py::class_<AsyncCheckpointer>(m, "AsyncCheckpointer", py::release_gil_before_calling_cpp_dtor())
+      .def(py::init([](const std::string& directory, int keep_last, const std::string& on_busy,
+                       const std::string& overlap, bool verify_on_load,
                        int64_t memory_budget_bytes, int num_arenas, int copy_threads, int64_t sync_copy_max_bytes,
                        int pin_memory, int rank, int world_size, double commit_timeout_s, ett::Recorder* recorder,
                        std::map<std::string, std::string> metadata, py::object store) {
@@ -168,6 +177,7 @@ void bind_checkpoint(py::module_& m) {
              o.directory = directory;
              o.keep_last = keep_last;
              o.on_busy = parse_on_busy(on_busy);
+             o.overlap = parse_overlap(overlap);
              o.verify_on_load = verify_on_load;
              o.stager.memory_budget_bytes = memory_budget_bytes;
              o.stager.num_arenas = num_arenas;
@@ -185,11 +195,11 @@ void bind_checkpoint(py::module_& m) {
              return std::make_unique<AsyncCheckpointer>(std::move(o), std::move(s));
            }),
            py::arg("directory"), py::kw_only(), py::arg("keep_last") = 3, py::arg("on_busy") = "wait",
-           py::arg("verify_on_load") = true, py::arg("memory_budget_bytes") = 0, py::arg("num_arenas") = 1,
+           py::arg("overlap") = "auto", py::arg("verify_on_load") = true, py::arg("memory_budget_bytes") = 0, py::arg("num_arenas") = 1,
            py::arg("copy_threads") = 0, py::arg("sync_copy_max_bytes") = 4096, py::arg("pin_memory") = -1,
            py::arg("rank") = -1, py::arg("world_size") = -1, py::arg("commit_timeout_s") = 600.0,
            py::arg("recorder") = nullptr, py::arg("metadata") = std::map<std::string, std::string>{},
-           py::arg("store") = py::none(), py::keep_alive<1, 14>(), py::keep_alive<1, 16>())
+           py::arg("store") = py::none(), py::keep_alive<1, 15>(), py::keep_alive<1, 17>())
       .def(
           "save",
           [](AsyncCheckpointer& c, int64_t step, TensorList& list, const py::bytes& extra) {
@@ -205,6 +215,23 @@ void bind_checkpoint(py::module_& m) {
           py::arg("step"), py::arg("tensors"), py::arg("extra") = py::bytes())
       .def("wait_staged_on_current_stream", &AsyncCheckpointer::wait_staged_on_current_stream,
            py::call_guard<py::gil_scoped_release>())
+      .def("wait_for", &AsyncCheckpointer::wait_for, py::arg("tensors"), py::call_guard<py::gil_scoped_release>())
+      .def("enable_overlap", &AsyncCheckpointer::enable_overlap)
+      .def_property_readonly("overlapped", &AsyncCheckpointer::overlapped)
+      .def_property_readonly("fence_pending", &AsyncCheckpointer::fence_pending)
+      .def(
+          "set_copy_priority",
+          [](AsyncCheckpointer& c, const std::vector<at::Tensor>& tensors, const std::vector<int>& classes) {
+            ETTKIT_EXPECTS(tensors.size() == classes.size(), "got ", classes.size(), " classes for ", tensors.size(),
+                           " tensors");
+            CopyPriority p;
+            p.reserve(tensors.size());
+            for (size_t i = 0; i < tensors.size(); ++i) {
+              if (tensors[i].defined() && tensors[i].has_storage()) p.emplace_back(tensors[i].storage().data(), classes[i]);
+            }
+            c.set_copy_priority(std::move(p));
+          },
+          py::arg("tensors"), py::arg("classes"))
       .def(
           "load_latest",
           [](AsyncCheckpointer& c, const std::vector<std::string>& names,
@@ -233,7 +260,8 @@ void bind_checkpoint(py::module_& m) {
       .def_property_readonly("mean_blocking_s", &AsyncCheckpointer::mean_blocking_s)
       .def_property_readonly("mean_time_to_durable_s", &AsyncCheckpointer::mean_time_to_durable_s)
       .def_property_readonly("saves_committed", &AsyncCheckpointer::saves_committed)
-      .def_property_readonly("saves_failed", &AsyncCheckpointer::saves_failed);
+      .def_property_readonly("saves_failed", &AsyncCheckpointer::saves_failed)
+      .def_property_readonly("saves_refused", &AsyncCheckpointer::saves_refused);
 }
 
 }  // namespace ettkit::python

@@ -17,6 +17,7 @@ from ._C import WITH_CUDA, __version__
 from .errors import (
     BatchMismatchError,
     CancelledError,
+    CheckpointError,
     CorruptCheckpointError,
     CorruptDataError,
     Error,
@@ -24,6 +25,7 @@ from .errors import (
     IoError,
     StageError,
     TimeoutError,
+    TornSnapshotError,
     UnsupportedError,
 )
 
@@ -38,7 +40,9 @@ __all__ = [
     "Error",
     "InvalidArgumentError",
     "CorruptDataError",
+    "CheckpointError",
     "CorruptCheckpointError",
+    "TornSnapshotError",
     "IoError",
     "TimeoutError",
     "UnsupportedError",

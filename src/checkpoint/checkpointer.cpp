@@ -30,6 +30,13 @@ namespace ettkit::checkpoint {
 
 using namespace detail;
 
+Overlap parse_overlap(const std::string& s) {
+  if (s == "auto") return Overlap::kAuto;
+  if (s == "on") return Overlap::kOn;
+  if (s == "off") return Overlap::kOff;
+  ETTKIT_THROW(InvalidArgument, "overlap='", s, "' is not one of 'auto', 'on', 'off'");
+}
+
 // ---- SaveHandle ----------------------------------------------------------------------------------------
 
 struct SaveHandle::State {
@@ -149,6 +156,32 @@ std::string describe(std::exception_ptr e) {
   }
 }
 
+/// Why a save was refused, from the names of the tensors that changed while being copied.
+std::string torn_message(int64_t step, const std::vector<std::string>& changed) {
+  std::string names;
+  size_t shown = std::min<size_t>(changed.size(), 8);
+  for (size_t i = 0; i < shown; ++i) names += (i ? ", '" : "'") + changed[i] + "'";
+  if (changed.size() > shown) names += ", ... (" + std::to_string(changed.size() - shown) + " more)";
+  return ettkit::detail::concat("checkpoint step ", step, " was refused: ", changed.size(),
+                " saved tensor(s) changed while they were being copied, so the snapshot could mix two steps: ",
+                names, ". The previous committed step stays the latest. Fence the writers: in Python "
+                "ck.attach(model=..., optimizer=...) (or ck.attach(module) for a module that updates its own "
+                "weights), in C++ wait_for()/wait_staged_on_current_stream() before the write; or save with "
+                "overlap='off' so that save() returns only once the copies are done");
+}
+
+/// The commit result rank 0 publishes: "ok", or {"kind": "torn"|"error", "message": ...}.
+std::string result_text(std::exception_ptr e) {
+  bool torn = false;
+  try {
+    std::rethrow_exception(e);
+  } catch (const TornSnapshot&) {
+    torn = true;
+  } catch (...) {
+  }
+  return json{{"kind", torn ? "torn" : "error"}, {"message", describe(e)}}.dump();
+}
+
 struct Job {
   int64_t step;
   uint64_t seq;
@@ -170,7 +203,7 @@ struct AsyncCheckpointer::Impl {
   std::string run_id;
   std::string key_prefix;
   std::unique_ptr<Stager> stager;
-  uint32_t blocking_id = 0, persist_id = 0, staging_id = 0;
+  uint32_t blocking_id = 0, persist_id = 0, staging_id = 0, refused_id = 0;
 
   std::mutex mu;  // guards queue, closing, in_flight, stats below
   std::condition_variable cv;
@@ -180,12 +213,37 @@ struct AsyncCheckpointer::Impl {
   uint64_t seq = 0;
   uint64_t load_seq = 0;
   std::shared_ptr<SaveHandle::State> last;  // latest non-skipped save (for the step pre-hook)
+  // The latest save while some of its entries are not yet fenced (wait_for / the step pre-hook); null once
+  // a full fence has decided them all, so that the per-module hooks cost one lock when nothing is pending.
+  std::shared_ptr<Snapshot> active;
+  CopyPriority priority;
+  int64_t refused = 0;
   double blocking_sum = 0;
   int64_t blocking_n = 0;
   double durable_sum = 0;
   int64_t committed = 0;
   int64_t failed = 0;
   std::thread writer;
+  std::atomic<bool> overlap{false};
+  // Snapshots whose source tensors are still referenced. Only the caller's threads drop them
+  // (collect_sources), never the writer or the copy pool: the last reference of a Python-owned tensor
+  // needs the GIL, and a background thread waiting for the GIL while the caller holds it and waits for
+  // that thread is the deadlock of an unclosed checkpointer.
+  std::mutex sources_mu;
+  std::deque<std::shared_ptr<Snapshot>> holding_sources;
+
+  void collect_sources(bool all) {
+    std::deque<std::shared_ptr<Snapshot>> done;
+    {
+      std::lock_guard<std::mutex> lk(sources_mu);
+      while (!holding_sources.empty()) {
+        if (!all && !holding_sources.front()->staged()) break;
+        done.push_back(std::move(holding_sources.front()));
+        holding_sources.pop_front();
+      }
+    }
+    for (auto& s : done) s->drop_sources();
+  }
 
   void record_blocking(int64_t b, int64_t e, int64_t step) {
     {
@@ -219,11 +277,22 @@ struct AsyncCheckpointer::Impl {
       }
       int64_t end = epoch_us();
       if (!err && opt.recorder) opt.recorder->record_background(persist_id, job.call_us, end, job.step);
+      bool torn = false;
+      if (err) {
+        try {
+          std::rethrow_exception(err);
+        } catch (const TornSnapshot&) {
+          torn = true;
+        } catch (...) {
+        }
+      }
+      if (torn && opt.recorder) opt.recorder->record_background(refused_id, job.call_us, end, job.step);
       {
         // Statistics first, so a caller woken by the handle sees them.
         std::lock_guard<std::mutex> lk(mu);
         if (err) {
           ++failed;
+          if (torn) ++refused;
         } else {
           ++committed;
           durable_sum += static_cast<double>(end - job.call_us) * 1e-6;
@@ -272,16 +341,30 @@ struct AsyncCheckpointer::Impl {
       // The arena is free as soon as its bytes are on disk; the commit below does not need it.
       job.snapshot->release();
       mine[base + ".extra"] = write_file_durably(tmp + "/" + base + ".extra", {ConstBuffer{job.extra.data(), job.extra.size()}});
+      // The integrity verdict, as late as possible: entries no fence decided are judged now, after the
+      // (slow) durable write, so that a write that overlapped a copy has had every chance to finish and
+      // bump its counter (docs/checkpoint.md: what detection can and cannot see).
+      std::vector<std::string> changed = job.snapshot->changed_entries();
+      if (!changed.empty()) throw TornSnapshot(torn_message(job.step, changed), __FILE__, __LINE__);
       // Other ranks make their directory entries durable before reporting; rank 0's are covered by the
       // directory fsync that follows its manifest.
       if (rank != 0) fsync_directory(tmp);
     } catch (...) {
       local_error = std::current_exception();
     }
+    if (local_error) {
+      // Nothing of a failed or refused save stays behind (a refused one holds mixed bytes).
+      if (world == 1) {
+        remove_tree_quietly(tmp);
+      } else {
+        for (const char* ext : {".safetensors", ".extra"}) ::unlink((tmp + "/rank-" + std::to_string(rank) + ext).c_str());
+      }
+    }
     if (world > 1) {
       json report;
       if (local_error) {
         report["error"] = describe(local_error);
+        report["torn"] = json::parse(result_text(local_error))["kind"] == "torn";
       } else {
         for (const auto& [name, d] : mine) report["files"][name] = {{"size", d.size}, {"xxh3", d.xxh3}};
       }
@@ -292,8 +375,13 @@ struct AsyncCheckpointer::Impl {
     if (rank != 0) {
       store->wait({prefix + "result"}, timeout);
       std::string result = string_of(store->get(prefix + "result"));
-      ETTKIT_CHECK(result == "ok", IoError, "checkpoint step ", job.step, " was not committed by rank 0: ", result);
-      return;
+      if (result == "ok") return;
+      json r = json::parse(result, nullptr, /*allow_exceptions=*/false);
+      std::string why = r.is_object() && r.contains("message") && r["message"].is_string() ? r["message"].get<std::string>() : result;
+      if (r.is_object() && r.value("kind", "") == "torn") {
+        ETTKIT_THROW(checkpoint::TornSnapshot, "checkpoint step ", job.step, " was refused by the commit vote: ", why);
+      }
+      ETTKIT_THROW(IoError, "checkpoint step ", job.step, " was not committed by rank 0: ", why);
     }
     // Rank 0: gather, write the manifest, rename, fsync, latest, retention.
     try {
@@ -316,8 +404,11 @@ struct AsyncCheckpointer::Impl {
         }
         for (int r = 1; r < world; ++r) {
           json rep = json::parse(string_of(store->get(keys[static_cast<size_t>(r - 1)])));
-          ETTKIT_CHECK(!rep.contains("error"), IoError, "checkpoint step ", job.step, ": rank ", r,
-                       " failed: ", rep["error"].get<std::string>());
+          if (rep.contains("error")) {
+            std::string why = rep["error"].get<std::string>();
+            if (rep.value("torn", false)) ETTKIT_THROW(checkpoint::TornSnapshot, "rank ", r, ": ", why);
+            ETTKIT_THROW(IoError, "checkpoint step ", job.step, ": rank ", r, " failed: ", why);
+          }
           for (auto it = rep["files"].begin(); it != rep["files"].end(); ++it) {
             m.files[it.key()] = FileDigest{it.value()["size"].get<uint64_t>(), it.value()["xxh3"].get<std::string>()};
           }
@@ -340,7 +431,8 @@ struct AsyncCheckpointer::Impl {
       update_latest(dir, job.step);
       apply_retention(dir, opt.keep_last);
     } catch (...) {
-      if (world > 1) store->set(prefix + "result", bytes_of("error: " + describe(std::current_exception())));
+      remove_tree_quietly(tmp);
+      if (world > 1) store->set(prefix + "result", bytes_of(result_text(std::current_exception())));
       throw;
     }
     if (world > 1) store->set(prefix + "result", bytes_of("ok"));
@@ -383,6 +475,7 @@ AsyncCheckpointer::AsyncCheckpointer(CheckpointerOptions options, c10::intrusive
     im.blocking_id = im.opt.recorder->phase_id(ett::phase::kCheckpointBlocking);
     im.persist_id = im.opt.recorder->phase_id(ett::phase::kCheckpointPersist);
     im.staging_id = im.opt.recorder->phase_id("checkpoint_staging");
+    im.refused_id = im.opt.recorder->phase_id("checkpoint_refused");
   }
   im.stager = std::make_unique<Stager>(im.opt.stager);
   im.writer = std::thread([this] {
@@ -401,19 +494,53 @@ AsyncCheckpointer::~AsyncCheckpointer() {
 SaveHandle AsyncCheckpointer::save(int64_t step, const NamedTensors& tensors, const std::string& extra) {
   Impl& im = *impl_;
   int64_t b = epoch_us();
+  CopyPriority priority;
   {
     std::lock_guard<std::mutex> lk(im.mu);
     ETTKIT_EXPECTS(!im.closing, "save(step=", step, ") after close()");
+    priority = im.priority;
   }
   ETTKIT_EXPECTS(step >= 0, "step=", step, " must be >= 0");
   for (const auto& [name, t] : tensors) safetensors_dtype(t.scalar_type(), name);
+  {
+    // This call is a program point of the owner thread: the previous save's entries that no fence has
+    // decided yet are decided now if their copies are done (a later write would otherwise count against
+    // them at their commit and refuse a consistent snapshot).
+    std::shared_ptr<Snapshot> prev;
+    {
+      std::lock_guard<std::mutex> lk(im.mu);
+      prev = im.active;
+    }
+    if (prev && prev->staged()) {
+      try {
+        prev->wait_staged();
+      } catch (...) {  // a copy error: that save's handle reports it
+      }
+    }
+  }
+  im.collect_sources(/*all=*/false);
   auto hs = std::make_shared<SaveHandle::State>();
   hs->step = step;
-  std::shared_ptr<Snapshot> snap = im.stager->stage(tensors, im.opt.on_busy);
+  std::shared_ptr<Snapshot> snap = im.stager->stage(tensors, im.opt.on_busy, priority);
   if (!snap) {
     hs->skipped = true;
     ETTKIT_LOG_INFO("checkpoint step ", step, " skipped: the previous save is still persisting (on_busy='skip')");
     return SaveHandle(hs);
+  }
+  bool overlap = im.opt.overlap == Overlap::kOn || (im.opt.overlap == Overlap::kAuto && im.overlap.load());
+  if (!overlap) {
+    // Nobody fences the writes that follow: the copies must be done before the caller can write. On this
+    // thread the wait is also the fence that decides every entry.
+    try {
+      snap->wait_staged();
+    } catch (...) {
+      snap->release();
+      throw;
+    }
+    snap->drop_sources();
+  } else {
+    std::lock_guard<std::mutex> lk(im.sources_mu);
+    im.holding_sources.push_back(snap);
   }
   hs->snapshot = snap;
   {
@@ -421,6 +548,7 @@ SaveHandle AsyncCheckpointer::save(int64_t step, const NamedTensors& tensors, co
     im.queue.push_back(Job{step, im.seq++, b, snap, extra, hs});
     ++im.in_flight;
     im.last = hs;
+    im.active = overlap ? snap : nullptr;
     ++im.blocking_n;
   }
   im.cv.notify_all();
@@ -432,27 +560,65 @@ SaveHandle AsyncCheckpointer::save(int64_t step, const NamedTensors& tensors, co
 
 void AsyncCheckpointer::wait_staged_on_current_stream() {
   Impl& im = *impl_;
-  std::shared_ptr<SaveHandle::State> last;
   std::shared_ptr<Snapshot> snap;
+  int64_t step = -1;
   {
     std::lock_guard<std::mutex> lk(im.mu);
-    last = im.last;
+    snap = im.active;
+    if (im.last) step = im.last->step;
   }
-  if (!last) return;
-  {
-    std::lock_guard<std::mutex> lk(last->mu);
-    if (last->staged_seen) return;
-    snap = last->snapshot;
-  }
-  if (!snap || snap->staged()) return;
+  if (!snap) return;
+  bool waited = !snap->staged();
   int64_t b = epoch_us();
   snap->wait_staged_on_current_stream();
-  im.record_blocking(b, epoch_us(), last->step);
+  if (waited) im.record_blocking(b, epoch_us(), step);
+  {
+    // Every entry is decided: later hooks have nothing to wait for.
+    std::lock_guard<std::mutex> lk(im.mu);
+    if (im.active == snap) im.active = nullptr;
+  }
+}
+
+void AsyncCheckpointer::wait_for(const std::vector<at::Tensor>& tensors) {
+  Impl& im = *impl_;
+  std::shared_ptr<Snapshot> snap;
+  int64_t step = -1;
+  {
+    std::lock_guard<std::mutex> lk(im.mu);
+    snap = im.active;
+    if (im.last) step = im.last->step;
+  }
+  if (!snap) return;
+  int64_t b = epoch_us();
+  if (snap->wait_for(tensors)) im.record_blocking(b, epoch_us(), step);
+  if (snap->all_decided()) {
+    std::lock_guard<std::mutex> lk(im.mu);
+    if (im.active == snap) im.active = nullptr;
+  }
+}
+
+bool AsyncCheckpointer::fence_pending() const {
+  std::lock_guard<std::mutex> lk(impl_->mu);
+  return impl_->active && !impl_->active->all_decided();
+}
+
+void AsyncCheckpointer::enable_overlap() { impl_->overlap = true; }
+
+bool AsyncCheckpointer::overlapped() const {
+  return impl_->opt.overlap == Overlap::kOn || (impl_->opt.overlap == Overlap::kAuto && impl_->overlap.load());
+}
+
+void AsyncCheckpointer::set_copy_priority(CopyPriority priority) {
+  std::lock_guard<std::mutex> lk(impl_->mu);
+  impl_->priority = std::move(priority);
 }
 
 void AsyncCheckpointer::wait_all() {
-  std::unique_lock<std::mutex> lk(impl_->mu);
-  impl_->cv.wait(lk, [&] { return impl_->in_flight == 0; });
+  {
+    std::unique_lock<std::mutex> lk(impl_->mu);
+    impl_->cv.wait(lk, [&] { return impl_->in_flight == 0; });
+  }
+  impl_->collect_sources(/*all=*/true);
 }
 
 void AsyncCheckpointer::close() {
@@ -464,6 +630,10 @@ void AsyncCheckpointer::close() {
   }
   im.cv.notify_all();
   if (im.writer.joinable()) im.writer.join();
+  im.collect_sources(/*all=*/true);
+  std::lock_guard<std::mutex> lk(im.mu);
+  im.active.reset();
+  im.last.reset();
 }
 
 int AsyncCheckpointer::rank() const { return impl_->rank; }
@@ -485,6 +655,10 @@ int64_t AsyncCheckpointer::saves_committed() const {
 int64_t AsyncCheckpointer::saves_failed() const {
   std::lock_guard<std::mutex> lk(impl_->mu);
   return impl_->failed;
+}
+int64_t AsyncCheckpointer::saves_refused() const {
+  std::lock_guard<std::mutex> lk(impl_->mu);
+  return impl_->refused;
 }
 
 // ---- load ----------------------------------------------------------------------------------------------
