@@ -217,6 +217,8 @@ void bind_checkpoint(py::module_& m) {
            py::call_guard<py::gil_scoped_release>())
       .def("wait_for", &AsyncCheckpointer::wait_for, py::arg("tensors"), py::call_guard<py::gil_scoped_release>())
       .def("enable_overlap", &AsyncCheckpointer::enable_overlap)
+      .def("set_unfenced_sync_max_bytes", &AsyncCheckpointer::set_unfenced_sync_max_bytes, py::arg("bytes"))
+      .def("_hold_commits_for_testing", &AsyncCheckpointer::hold_commits_for_testing, py::arg("hold"))
       .def_property_readonly("overlapped", &AsyncCheckpointer::overlapped)
       .def_property_readonly("fence_pending", &AsyncCheckpointer::fence_pending)
       .def(

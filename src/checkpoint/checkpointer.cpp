@@ -218,6 +218,7 @@ struct AsyncCheckpointer::Impl {
   std::shared_ptr<Snapshot> active;
   CopyPriority priority;
   int64_t refused = 0;
+  bool hold_commits = false;  // tests: the writer waits before its integrity verdict
   double blocking_sum = 0;
   int64_t blocking_n = 0;
   double durable_sum = 0;
@@ -225,6 +226,7 @@ struct AsyncCheckpointer::Impl {
   int64_t failed = 0;
   std::thread writer;
   std::atomic<bool> overlap{false};
+  std::atomic<int64_t> unfenced_sync_max_bytes{0};
   // Snapshots whose source tensors are still referenced. Only the caller's threads drop them
   // (collect_sources), never the writer or the copy pool: the last reference of a Python-owned tensor
   // needs the GIL, and a background thread waiting for the GIL while the caller holds it and waits for
@@ -344,6 +346,10 @@ struct AsyncCheckpointer::Impl {
       // The integrity verdict, as late as possible: entries no fence decided are judged now, after the
       // (slow) durable write, so that a write that overlapped a copy has had every chance to finish and
       // bump its counter (docs/checkpoint.md: what detection can and cannot see).
+      {
+        std::unique_lock<std::mutex> lk(mu);
+        cv.wait(lk, [&] { return !hold_commits; });
+      }
       std::vector<std::string> changed = job.snapshot->changed_entries();
       if (!changed.empty()) throw TornSnapshot(torn_message(job.step, changed), __FILE__, __LINE__);
       // Other ranks make their directory entries durable before reporting; rank 0's are covered by the
@@ -445,7 +451,9 @@ AsyncCheckpointer::AsyncCheckpointer(CheckpointerOptions options, c10::intrusive
   ETTKIT_EXPECTS(!options.directory.empty(), "directory must name the checkpoint directory");
   ETTKIT_EXPECTS(options.keep_last >= 0, "keep_last=", options.keep_last, " must be >= 0 (0 keeps every step)");
   ETTKIT_EXPECTS(options.commit_timeout_s > 0, "commit_timeout_s=", options.commit_timeout_s, " must be > 0");
+  ETTKIT_EXPECTS(options.unfenced_sync_max_bytes >= 0, "unfenced_sync_max_bytes=", options.unfenced_sync_max_bytes, " must be >= 0");
   im.opt = std::move(options);
+  im.unfenced_sync_max_bytes = im.opt.unfenced_sync_max_bytes;
   im.store = std::move(store);
   im.world = im.opt.world_size > 0 ? im.opt.world_size : 1;
   im.rank = im.opt.rank >= 0 ? im.opt.rank : 0;
@@ -521,13 +529,14 @@ SaveHandle AsyncCheckpointer::save(int64_t step, const NamedTensors& tensors, co
   im.collect_sources(/*all=*/false);
   auto hs = std::make_shared<SaveHandle::State>();
   hs->step = step;
-  std::shared_ptr<Snapshot> snap = im.stager->stage(tensors, im.opt.on_busy, priority);
+  bool overlap = im.opt.overlap == Overlap::kOn || (im.opt.overlap == Overlap::kAuto && im.overlap.load());
+  std::shared_ptr<Snapshot> snap =
+      im.stager->stage(tensors, im.opt.on_busy, priority, overlap ? im.unfenced_sync_max_bytes.load() : 0);
   if (!snap) {
     hs->skipped = true;
     ETTKIT_LOG_INFO("checkpoint step ", step, " skipped: the previous save is still persisting (on_busy='skip')");
     return SaveHandle(hs);
   }
-  bool overlap = im.opt.overlap == Overlap::kOn || (im.opt.overlap == Overlap::kAuto && im.overlap.load());
   if (!overlap) {
     // Nobody fences the writes that follow: the copies must be done before the caller can write. On this
     // thread the wait is also the fence that decides every entry.
@@ -603,6 +612,19 @@ bool AsyncCheckpointer::fence_pending() const {
 }
 
 void AsyncCheckpointer::enable_overlap() { impl_->overlap = true; }
+
+void AsyncCheckpointer::set_unfenced_sync_max_bytes(int64_t bytes) {
+  ETTKIT_EXPECTS(bytes >= 0, "unfenced_sync_max_bytes=", bytes, " must be >= 0");
+  impl_->unfenced_sync_max_bytes = bytes;
+}
+
+void AsyncCheckpointer::hold_commits_for_testing(bool hold) {
+  {
+    std::lock_guard<std::mutex> lk(impl_->mu);
+    impl_->hold_commits = hold;
+  }
+  impl_->cv.notify_all();
+}
 
 bool AsyncCheckpointer::overlapped() const {
   return impl_->opt.overlap == Overlap::kOn || (impl_->opt.overlap == Overlap::kAuto && impl_->overlap.load());

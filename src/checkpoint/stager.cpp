@@ -320,7 +320,8 @@ void Stager::release_arena(int arena) {
   impl_->cv.notify_all();
 }
 
-std::shared_ptr<Snapshot> Stager::stage(const NamedTensors& tensors, OnBusy on_busy, const CopyPriority& priority) {
+std::shared_ptr<Snapshot> Stager::stage(const NamedTensors& tensors, OnBusy on_busy, const CopyPriority& priority,
+                                        int64_t sync_copy_max_bytes) {
   Impl& im = *impl_;
   int64_t begin_us = epoch_us();
   // The copies read storage; they must not become autograd history (callers pass parameters as they are).
@@ -428,6 +429,7 @@ std::shared_ptr<Snapshot> Stager::stage(const NamedTensors& tensors, OnBusy on_b
 
   // 4) Copies. Small and inference tensors now, synchronously (inference tensors have no version counter
   // to check); big CPU tensors by the pool in byte-balanced slices; CUDA tensors on the copy stream.
+  const int64_t sync_max = std::max(im.opt.sync_copy_max_bytes, sync_copy_max_bytes);
   struct Slice {
     const uint8_t* src;
     uint8_t* dst;
@@ -454,7 +456,7 @@ std::shared_ptr<Snapshot> Stager::stage(const NamedTensors& tensors, OnBusy on_b
         ETTKIT_EXPECTS(!inference, "state dict entry '", tensors[i].first,
                        "' is a CUDA inference tensor; clone it outside inference mode to checkpoint it");
         cuda.push_back(i);
-      } else if (inference || e.nbytes <= im.opt.sync_copy_max_bytes) {
+      } else if (inference || e.nbytes <= sync_max) {
         if (t.is_contiguous()) {
           std::memcpy(dst, t.const_data_ptr(), static_cast<size_t>(e.nbytes));
         } else {
@@ -464,6 +466,7 @@ std::shared_ptr<Snapshot> Stager::stage(const NamedTensors& tensors, OnBusy on_b
       } else if (t.is_contiguous()) {
         contiguous.push_back({static_cast<const uint8_t*>(t.const_data_ptr()), dst, static_cast<size_t>(e.nbytes), i});
         big_bytes += static_cast<size_t>(e.nbytes);
+
       } else {
         state->remaining[i].store(1, std::memory_order_relaxed);
         strided.push_back(i);
@@ -689,6 +692,10 @@ void Snapshot::drop_sources() {
   {
     std::unique_lock<std::mutex> lk(st.mu);
     st.wait(lk, [&] { return st.pending_jobs == 0; });  // CPU jobs read the sources until then
+    // On the owner thread this is a fence (program order): decide what is still undecided while here.
+    if (std::this_thread::get_id() == st.owner) {
+      for (size_t i = 0; i < st.verdict.size(); ++i) st.decide(i);
+    }
     dropped.swap(st.sources);
   }
   // `dropped` dies here, outside the lock, on the calling thread.

@@ -528,6 +528,7 @@ Analysis analyse(const LedgerSet& set, const std::string& run_dir, const ReportO
   // Per-rank figures come from the lowest rank (every rank runs the same loop in data-parallel jobs).
   const auto& ref_attempts = per_rank.begin()->second;
   int ckpt_count = 0;
+  int ckpt_refused = 0;  // saves the integrity check refused (tensors changed while being copied)
   std::vector<double> between_ckpt_training;  // training seconds between consecutive checkpoints
   std::vector<double> durable_latency;
   std::vector<double> step_seconds;
@@ -540,6 +541,7 @@ Analysis analyse(const LedgerSet& set, const std::string& run_dir, const ReportO
     if (auto it = a.config.find("checkpoint_interval_steps"); it != a.config.end()) cfg_interval_steps = it->second;
     for (const auto& p : a.background) {
       if (names[p.name] == phase::kCheckpointPersist) durable_latency.push_back(seconds(p.e - p.b));
+      if (names[p.name] == "checkpoint_refused") ++ckpt_refused;
     }
     std::vector<std::pair<int64_t, int64_t>> blocks;
     // One checkpoint can block more than once (the save call, then the optimizer's wait for its copies):
@@ -768,6 +770,7 @@ Analysis analyse(const LedgerSet& set, const std::string& run_dir, const ReportO
   doc["unsaved_training_s"] = {{"measured", wasted_s}, {"estimated", opt(unsaved_est)}};
   doc["checkpoint_blocking_s"] = {{"measured", blocking_measured_s}, {"estimated", opt(blocking_est)}};
   doc["checkpoints"] = {{"count", ckpt_count},
+                        {"refused", ckpt_refused},
                         {"blocking_mean_s", opt(blocking_mean)},
                         {"interval_s", opt(interval_s)},
                         {"interval_source", interval_source},

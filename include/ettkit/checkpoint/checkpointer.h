@@ -180,8 +180,9 @@ class ETTKIT_API Stager {
 
   /// Starts copying `tensors` into a free arena. Returns nullptr when on_busy == kSkip and no arena is
   /// free. Throws InvalidArgument when the state exceeds the memory budget or on_busy == kError.
+  /// `sync_copy_max_bytes` raises StagerOptions::sync_copy_max_bytes for this save.
   std::shared_ptr<Snapshot> stage(const NamedTensors& tensors, OnBusy on_busy,
-                                  const CopyPriority& priority = {});
+                                  const CopyPriority& priority = {}, int64_t sync_copy_max_bytes = 0);
 
   int64_t arena_bytes() const;
   int num_arenas() const;
@@ -227,6 +228,10 @@ struct ETTKIT_API CheckpointerOptions {
   int keep_last = 3;
   OnBusy on_busy = OnBusy::kWait;
   Overlap overlap = Overlap::kAuto;
+  /// Overlapped saves copy CPU tensors up to this size synchronously inside save(), so that writes the
+  /// version counter cannot see (BatchNorm statistics written by the next forward) cannot race their
+  /// copy; set_unfenced_sync_max_bytes(0) once those writers are fenced (the Python attach(model=...) does).
+  int64_t unfenced_sync_max_bytes = 64 * 1024;
   bool verify_on_load = true;
   StagerOptions stager;
   /// -1: from the Store's world (rank 0 / size 1 without a store).
@@ -271,6 +276,10 @@ class ETTKIT_API AsyncCheckpointer {
   bool overlapped() const;
   /// Whether the latest save has entries no fence has decided yet (hooks skip their work otherwise).
   bool fence_pending() const;
+  /// Tests only: while held, the writer stops right before a save's integrity verdict, so that a test can
+  /// write a saved tensor "during" the save deterministically. close() after releasing.
+  void hold_commits_for_testing(bool hold);
+  void set_unfenced_sync_max_bytes(int64_t bytes);
   /// Copy order for later saves (see CopyPriority); replaces the previous one.
   void set_copy_priority(CopyPriority priority);
   /// Loads the newest committed step that validates into `tensors` in place. nullopt when nothing is

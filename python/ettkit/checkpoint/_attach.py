@@ -106,7 +106,12 @@ class Fences:
                     p._post_accumulate_grad_hooks.move_to_end(h.id, last=False)  # before the user's hooks
                     handles.append(h)
                     self._early_params.append(p)
-        self._c.enable_overlap()
+        if modules:
+            # With the model's buffers fenced, save() may return before its copies are done. An optimizer
+            # alone is not enough: the next forward writes BatchNorm statistics without a version bump,
+            # which only a fence (or a byte comparison) can catch.
+            self._c.enable_overlap()
+            self._c.set_unfenced_sync_max_bytes(0)
         att = Attachment(handles)
         self.attachments.append(att)
         return att
