@@ -7,6 +7,9 @@ it byte for byte. A save may be refused (TornSnapshotError); it may never commit
 """
 
 import os
+import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -285,3 +288,23 @@ def test_attach_rejects_other_objects(tmp_path):
             ck.attach(torch.nn.Linear(2, 2), in_backward="sometimes")
         with pytest.raises(ettkit.InvalidArgumentError, match="overlap"):
             AsyncCheckpointer(str(tmp_path / "ck2"), overlap="maybe")
+
+
+# ---- several ranks: one refusal commits nothing anywhere -------------------------------------------------------
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_refusal_on_one_rank_commits_nothing_on_any_rank(tmp_path, world):
+    script = os.path.join(os.path.dirname(__file__), "checkpoint_script.py")
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, script, "tornrank", str(tmp_path / "ck"), str(r), str(world),
+                               str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(world)]
+    outs = [p.communicate(timeout=180) for p in procs]
+    for r, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, (r, out.decode(), err.decode()[-3000:])
+        assert f"rank-ok {r}".encode() in out
+    assert committed_steps(str(tmp_path / "ck")) == [1]
