@@ -17,8 +17,8 @@ before and after the variants); rss_growth_MB = RSS after the last save - after 
 persist_idle_GBps = the same save -> committed throughput with no training beside it (the RSS loop),
 next to a disk probe taken just before it.
 
-Integrity is always on. `ettkit` overlaps its saves (overlap=True: this loop fences its only writer, the
-optimizer step, with the pre-step wait); `ettkit_unfenced` is what a loop gets without attach(): save()
+Integrity is always on. `ettkit` overlaps its saves (overlap=True, unfenced_sync_max_bytes=0: this loop
+fences its only writer, the optimizer step, with the pre-step wait, and has no BatchNorm); `ettkit_unfenced` is what a loop gets without attach(): save()
 returns once the copies are done. torn_commits[in_backward_sparse] trains an EmbeddingBag updated inside
 backward (optimizer-in-backward) with attach(model=..., optimizer=...) and counts committed steps whose
 bytes (read back with safetensors) differ from the state at save() (must be 0), beside refused saves.
@@ -137,7 +137,8 @@ def run_variant(variant: str, state, directory: str, saves: int, base_step_s: fl
     if variant == "ettkit":
         from ettkit.checkpoint import AsyncCheckpointer
 
-        ck = AsyncCheckpointer(directory, keep_last=2, recorder=None, preempt_signals=(), overlap=True)
+        ck = AsyncCheckpointer(directory, keep_last=2, recorder=None, preempt_signals=(), overlap=True,
+                               unfenced_sync_max_bytes=0)
     elif variant == "ettkit_unfenced":
         from ettkit.checkpoint import AsyncCheckpointer
 

@@ -92,7 +92,9 @@ class AsyncCheckpointer:
     :meth:`attach` has installed the fences that make the writers wait for their copies, ``True`` always
     (a write that no fence orders after its copy makes that save refused with
     :class:`ettkit.TornSnapshotError`), ``False`` never. Either way a committed step is never a torn
-    snapshot of what version counters see (docs/checkpoint.md).
+    snapshot of what version counters see (docs/checkpoint.md). ``unfenced_sync_max_bytes``: while no
+    model is attached, overlapped saves copy tensors up to this size inside ``save()`` (BatchNorm
+    statistics are written without a version bump); 0 for a loop that fences every writer itself.
     """
 
     def __init__(self, directory: str | os.PathLike, *, keep_last: int = 3, memory_budget_bytes: Optional[int] = None,
@@ -100,7 +102,8 @@ class AsyncCheckpointer:
                  store=None, double_buffer: bool = False, copy_threads: int = 0, recorder: Any = "current",
                  commit_timeout_s: float = 600.0, metadata: Optional[dict] = None,
                  preempt_signals: Optional[Iterable[int]] = None, preempt_deadline_s: float = 60.0,
-                 mtbf_prior_s: float = 24 * 3600.0, pin_memory: Optional[bool] = None, overlap: Any = "auto"):
+                 mtbf_prior_s: float = 24 * 3600.0, pin_memory: Optional[bool] = None, overlap: Any = "auto",
+                 unfenced_sync_max_bytes: int = 64 * 1024):
         if on_busy not in ("wait", "skip", "error"):
             raise InvalidArgumentError(f"on_busy={on_busy!r} is not one of 'wait', 'skip', 'error'")
         if memory_budget_bytes is not None and memory_budget_bytes <= 0:
@@ -126,6 +129,9 @@ class AsyncCheckpointer:
             copy_threads=int(copy_threads), pin_memory=-1 if pin_memory is None else int(bool(pin_memory)),
             rank=rank, world_size=world, commit_timeout_s=float(commit_timeout_s), recorder=recorder,
             metadata={str(k): str(v) for k, v in (metadata or {}).items()}, store=store)
+        if unfenced_sync_max_bytes < 0:
+            raise InvalidArgumentError(f"unfenced_sync_max_bytes={unfenced_sync_max_bytes} must be >= 0")
+        self._c.set_unfenced_sync_max_bytes(int(unfenced_sync_max_bytes))
         self._last_save_step: Optional[int] = None
         self._last_save_time = time.monotonic()
         self._fences = Fences(self._c)
