@@ -776,7 +776,9 @@ StageReport StageGraph::Impl::run(const InterruptCheck& interrupted, double poll
     finish_locked(i, std::move(err), end);
   }
 
-  // 2. Everything else on the pool.
+  // 2. Everything else on the pool, unless the caller is already interrupting (e.g. Ctrl-C in a forking
+  // stage, which runs on the thread that receives signals).
+  if (!finished_ && interrupted) poll_interrupt(lk, interrupted);
   if (!finished_) apply_deadlines_locked(Clock::now());
   if (!finished_) {
     size_t threaded = 0;
@@ -788,7 +790,7 @@ StageReport StageGraph::Impl::run(const InterruptCheck& interrupted, double poll
   if (all_done_locked()) finished_ = true;
   // Wake for the earliest deadline and, with an interrupt check, at least every poll interval.
   const auto poll_every = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(poll_interval_s));
-  auto next_poll = Clock::now();
+  auto next_poll = Clock::now() + poll_every;
   while (!finished_) {
     auto now = Clock::now();
     auto next = apply_deadlines_locked(now);
