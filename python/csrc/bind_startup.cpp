@@ -6,11 +6,24 @@
 //  - A Python exception is turned into a C++ error (its type and message) while the GIL is held, so no
 //    Python object crosses into the scheduler; the Python layer keeps the original exception object.
 //  - Every py::object the graph owns is released with the GIL held (PyCallable's destructor).
+//  - Ctrl-C: run() and join() wait in slices and check for signals between them (PyErr_CheckSignals, with
+//    the GIL); a pending KeyboardInterrupt (or any exception a signal handler raises) interrupts the graph
+//    (StageGraph::run's interrupt check) and is raised promptly. So does a KeyboardInterrupt raised inside
+//    a stage (a forking stage runs on the main thread, where Python delivers signals).
+//  - Interpreter exit: the graph is built with detach_on_destroy, so destroying it never waits for a stage
+//    that outlived its deadline or an interrupt (its thread keeps the callable alive and finishes alone).
+//    While the interpreter finalizes, CPython ends a thread that asks for the GIL with pthread_exit (3.11
+//    to 3.13) or parks it (3.14+); the forced unwind passes through the stage and the scheduler, and the
+//    guards below then touch no Python state.
 // The contextvars context of the caller is applied by the Python layer (ettkit/startup/stages.py), which
 // wraps each callable before handing it here.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
 #include <limits>
 #include <memory>
 
@@ -25,9 +38,39 @@ namespace ettkit::python {
 
 namespace {
 
+// How long run() and join() wait between two signal checks: Ctrl-C lands within about this much.
+constexpr double kSignalPollS = 0.05;
+
 using startup::StageContext;
 using startup::StageGraph;
 using startup::StageReport;
+
+// True once the interpreter started to finalize: from then on a thread other than the finalizing one
+// cannot take the GIL (CPython ends or parks it), so it must not try.
+bool interpreter_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing() != 0;
+#else
+  return _Py_IsFinalizing() != 0;
+#endif
+}
+
+// The GIL for a Python stage on a C++ worker thread. py::gil_scoped_acquire would, on the forced unwind
+// CPython starts when the thread asks for the GIL during finalization, clear and delete the thread state
+// without holding the GIL; this guard leaves it alone then (the process is exiting). Holding the GIL
+// while the interpreter finalizes is impossible for this thread, so "finalizing" means "unwinding".
+class StageGil {
+ public:
+  StageGil() : state_(PyGILState_Ensure()) {}
+  StageGil(const StageGil&) = delete;
+  StageGil& operator=(const StageGil&) = delete;
+  ~StageGil() {
+    if (!interpreter_finalizing()) PyGILState_Release(state_);
+  }
+
+ private:
+  PyGILState_STATE state_;
+};
 
 // Owns one Python callable; copies share it, and the last owner drops the reference under the GIL.
 class PyCallable {
@@ -36,8 +79,10 @@ class PyCallable {
   PyCallable(const PyCallable&) = delete;
   PyCallable& operator=(const PyCallable&) = delete;
   ~PyCallable() {
-    if (Py_IsInitialized() == 0) {
-      fn_.release();  // the interpreter is gone: leak rather than touch freed state
+    if (Py_IsInitialized() == 0 || interpreter_finalizing()) {
+      // The interpreter is gone or going (the last owner may be a detached worker ending at exit):
+      // leak the reference rather than touch state that is being freed.
+      fn_.release();
       return;
     }
     py::gil_scoped_acquire gil;
@@ -49,13 +94,17 @@ class PyCallable {
   py::object fn_;
 };
 
-startup::StageFn wrap(py::object fn) {
+// Set when a stage raised KeyboardInterrupt; the graph's interrupt check reads it.
+using InterruptFlag = std::shared_ptr<std::atomic<bool>>;
+
+startup::StageFn wrap(py::object fn, InterruptFlag interrupt) {
   auto holder = std::make_shared<const PyCallable>(std::move(fn));
-  return [holder](StageContext& ctx) {
-    py::gil_scoped_acquire gil;
+  return [holder, interrupt](StageContext&) {
+    StageGil gil;
     try {
       (*holder)();
     } catch (py::error_already_set& e) {
+      if (e.matches(PyExc_KeyboardInterrupt)) interrupt->store(true);
       // Under the GIL: describe the exception, then let `e` (and its Python objects) go before we leave.
       std::string text = py::str(e.type().attr("__name__")).cast<std::string>() + ": " +
                          py::str(e.value()).cast<std::string>();
@@ -105,6 +154,7 @@ class PyStageGraph {
     o.max_workers = max_workers;
     o.timeout_s = timeout_s;
     o.fail_fast = fail_fast;
+    o.detach_on_destroy = true;  // Python stages own their callables (see the file comment)
     if (!recorder.is_none()) {
       o.recorder = recorder.cast<ett::Recorder*>();
       recorder_ = std::move(recorder);
@@ -112,16 +162,60 @@ class PyStageGraph {
     graph_ = std::make_unique<StageGraph>(o);
   }
   ~PyStageGraph() {
-    // Destroying the graph joins its workers; one may still be inside a Python stage that outlived its
-    // deadline and needs the GIL to finish, so wait without it. The callables re-take it to release.
+    // Destroying the graph joins its idle workers (quick) and detaches any still inside a stage; a worker
+    // that is leaving may need the GIL to drop its callable, so wait without it.
     py::gil_scoped_release release;
     graph_.reset();
   }
   StageGraph& graph() { return *graph_; }
+  const InterruptFlag& interrupt() const { return interrupt_; }
+
+  // Runs the graph with the GIL released, checking for signals every kSignalPollS.
+  StageReport run() {
+    bool signalled = false;
+    auto interrupted = [&] {
+      if (interrupt_->load()) return true;  // a stage raised KeyboardInterrupt
+      py::gil_scoped_acquire gil;
+      signalled = PyErr_CheckSignals() != 0;  // leaves the handler's exception set on this thread
+      return signalled;
+    };
+    try {
+      py::gil_scoped_release release;
+      return graph_->run(interrupted, kSignalPollS);
+    } catch (const Cancelled&) {
+      if (signalled) throw py::error_already_set();  // the KeyboardInterrupt the check left pending
+      if (interrupt_->load()) {
+        PyErr_SetNone(PyExc_KeyboardInterrupt);
+        throw py::error_already_set();
+      }
+      throw;
+    }
+  }
+
+  // join() in slices so that Ctrl-C interrupts a wait for a stuck stage.
+  bool join(double timeout_s) {
+    using Clock = std::chrono::steady_clock;
+    const bool forever = !(timeout_s < 1e9);  // infinity, or too far to be a deadline
+    const auto deadline =
+        forever ? Clock::time_point::max()
+                : Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                     std::chrono::duration<double>(std::max(0.0, timeout_s)));
+    while (true) {
+      const double left = forever ? kSignalPollS : std::chrono::duration<double>(deadline - Clock::now()).count();
+      bool joined = false;
+      {
+        py::gil_scoped_release release;
+        joined = graph_->join(std::clamp(left, 0.0, kSignalPollS));
+      }
+      if (joined || (!forever && left <= kSignalPollS)) return joined;
+      if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+    }
+  }
 
  private:
   std::unique_ptr<StageGraph> graph_;
   py::object recorder_;
+  InterruptFlag interrupt_ = std::make_shared<std::atomic<bool>>(false);
 };
 
 }  // namespace
@@ -157,28 +251,20 @@ void bind_startup(py::module_& m) {
             o.forks = forks;
             o.timeout_s = timeout_s;
             o.phase = std::move(phase);
-            g.graph().add(name, wrap(std::move(fn)), std::move(o));
+            g.graph().add(name, wrap(std::move(fn), g.interrupt()), std::move(o));
           },
           py::arg("name"), py::arg("fn"), py::kw_only(), py::arg("after") = std::vector<std::string>{},
           py::arg("runs_dynamo") = false, py::arg("collective_group") = "", py::arg("forks") = false,
           py::arg("timeout_s") = 0.0, py::arg("phase") = "")
       .def("validate", [](PyStageGraph& g) { g.graph().validate(); })
       .def("topological_order", [](PyStageGraph& g) { return g.graph().topological_order(); })
-      .def("run",
-           [](PyStageGraph& g) {
-             StageReport r;
-             {
-               py::gil_scoped_release release;
-               r = g.graph().run();
-             }
-             return to_dict(r);
-           })
+      .def("run", [](PyStageGraph& g) { return to_dict(g.run()); })
       .def("report", [](PyStageGraph& g) { return to_dict(g.graph().report()); })
       .def(
           "join",
           [](PyStageGraph& g, double timeout_s) {
-            py::gil_scoped_release release;
-            return g.graph().join(timeout_s);
+            if (std::isnan(timeout_s)) ETTKIT_THROW(InvalidArgument, "join timeout_s is NaN; use seconds or None");
+            return g.join(timeout_s);
           },
           py::arg("timeout_s") = std::numeric_limits<double>::infinity())
       .def(

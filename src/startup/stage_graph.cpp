@@ -1,9 +1,14 @@
 // StageGraph scheduler. One mutex (Impl::mu_) guards all run state; it is never held while a stage's
 // callable runs, so a callable may block on anything (a Python stage blocks on the GIL). Workers and the
 // calling thread wait on one condition variable (cv_) with predicates; every state change notifies it.
+// Worker threads share ownership of the Impl with the StageGraph, so a detached worker (detach_on_destroy)
+// can finish a stage that outlived the graph.
 #include "ettkit/startup/stage_graph.h"
 
+#include <cxxabi.h>
+
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -104,7 +109,7 @@ void StageContext::throw_if_cancelled() const {
 
 // ---- Impl ----------------------------------------------------------------------------------------------
 
-class StageGraph::Impl {
+class StageGraph::Impl : public std::enable_shared_from_this<StageGraph::Impl> {
  public:
   explicit Impl(StageGraphOptions options) : options_(options) {
     ETTKIT_EXPECTS(options_.max_workers >= 1 && options_.max_workers <= 64, "StageGraph max_workers=",
@@ -113,10 +118,22 @@ class StageGraph::Impl {
                    options_.timeout_s, " is invalid; use 0 (no deadline) or a positive number of seconds");
   }
 
-  ~Impl() {
-    // A thread cannot be abandoned while it runs one of our callables: wait for stages that outlived
-    // their deadline, however long they take.
-    join_workers(std::nullopt);
+  // Called by ~StageGraph, while it still owns the Impl. By default a thread cannot be abandoned while it
+  // runs one of our callables (a C++ stage may capture the caller's locals): wait for stages that
+  // outlived their deadline, however long they take. With detach_on_destroy the callables own what they
+  // touch, so a worker still inside a stage is detached; it holds the Impl until it leaves.
+  void shutdown() {
+    if (!options_.detach_on_destroy) {
+      join_workers(std::nullopt);
+      return;
+    }
+    join_idle_workers();
+    for (auto& w : workers_) {
+      if (!w->joined) {
+        w->thread.detach();
+        w->joined = true;
+      }
+    }
   }
 
   struct Stage {
@@ -252,7 +269,7 @@ class StageGraph::Impl {
     return names;
   }
 
-  StageReport run();
+  StageReport run(const InterruptCheck& interrupted, double poll_interval_s);
   StageReport report() const {
     std::lock_guard<std::mutex> lk(mu_);
     return report_;
@@ -337,6 +354,10 @@ class StageGraph::Impl {
   std::exception_ptr invoke(size_t i, StageContext& ctx) {
     try {
       stages_[i].fn(ctx);
+    } catch (const abi::__forced_unwind&) {
+      // pthread_exit or pthread_cancel (CPython ends a thread that asks for the GIL during interpreter
+      // exit this way): the unwind must reach the thread's start, or glibc aborts the process.
+      throw;
     } catch (...) {
       return std::current_exception();
     }
@@ -484,6 +505,57 @@ class StageGraph::Impl {
     return next;
   }
 
+  // run()'s interrupt check said stop: nothing more starts, running stages are asked to cancel and are
+  // reported cancelled now (their late results are dropped, like a timed-out stage's).
+  void interrupt_locked(Clock::time_point now) {
+    const std::string why = "the start-up graph was interrupted";
+    for (size_t i = 0; i < stages_.size(); ++i) cancel_locked(i, why + " before it could start");
+    for (size_t i = 0; i < stages_.size(); ++i) {
+      if (state_[i] != State::kRunning) continue;
+      interrupted_running_.push_back(stages_[i].name);
+      auto& r = records_[i];
+      state_[i] = State::kDone;
+      r.status = StageStatus::kCancelled;
+      r.end_s = rel_s(now);
+      r.end_epoch_us = epoch_of(now);
+      r.error = why + " while it ran";
+      tokens_[i]->cancel();
+      record_phase_locked(i);
+    }
+    interrupted_ = true;
+    finished_ = true;
+  }
+
+  // Calls the caller's interrupt check without the lock (it may take the GIL, which a stage holding our
+  // lock could be waiting for). True when the run was interrupted.
+  bool poll_interrupt(std::unique_lock<std::mutex>& lk, const InterruptCheck& interrupted) {
+    lk.unlock();
+    bool stop = false;
+    try {
+      stop = interrupted();
+    } catch (const abi::__forced_unwind&) {
+      throw;  // the calling thread is being ended; `lk` is unlocked, nothing to restore
+    } catch (...) {
+      interrupt_error_ = std::current_exception();
+      stop = true;
+    }
+    lk.lock();
+    if (stop && !finished_) interrupt_locked(Clock::now());
+    return stop;
+  }
+
+  // A worker's thread ended inside stage i (a forced unwind: pthread_exit, pthread_cancel) while the
+  // graph still waited for it: the stage fails, so run() does not wait forever.
+  void abandon_locked(size_t i) {
+    if (state_[i] != State::kRunning) return;  // timed out or interrupted: already reported
+    finish_locked(i,
+                  std::make_exception_ptr(Cancelled("start-up stage '" + stages_[i].name +
+                                                        "' ended its thread (pthread_exit or pthread_cancel) "
+                                                        "before it returned",
+                                                    __FILE__, __LINE__)),
+                  Clock::now());
+  }
+
   static std::string format_s(double s) {
     char buf[32];
     std::snprintf(buf, sizeof buf, "%g", s);
@@ -493,12 +565,36 @@ class StageGraph::Impl {
   void spawn_worker_locked() {
     int w = static_cast<int>(workers_.size());
     workers_.push_back(std::make_unique<Worker>());
-    workers_.back()->thread = std::thread([this, w] { worker_main(w); });
+    workers_.back()->thread = std::thread([self = shared_from_this(), w] { self->worker_main(w); });
   }
+
+  // Marks a worker gone however its thread leaves worker_main: at the end of the loop, or by a forced
+  // unwind out of a stage (then `lk` is unlocked and the stage is still current).
+  class WorkerExit {
+   public:
+    WorkerExit(Impl& impl, Worker& self, std::unique_lock<std::mutex>& lk) : impl_(impl), self_(self), lk_(lk) {}
+    WorkerExit(const WorkerExit&) = delete;
+    WorkerExit& operator=(const WorkerExit&) = delete;
+    ~WorkerExit() {
+      if (!lk_.owns_lock()) lk_.lock();
+      if (self_.current != kNone) {
+        impl_.abandon_locked(self_.current);
+        self_.current = kNone;
+      }
+      self_.exited = true;
+      impl_.cv_.notify_all();
+    }
+
+   private:
+    Impl& impl_;
+    Worker& self_;
+    std::unique_lock<std::mutex>& lk_;
+  };
 
   void worker_main(int w) {
     std::unique_lock<std::mutex> lk(mu_);
     Worker& self = *workers_[w];
+    WorkerExit exit_mark(*this, self, lk);
     while (true) {
       size_t i = kNone;
       cv_.wait(lk, [&] {
@@ -519,8 +615,6 @@ class StageGraph::Impl {
       finish_locked(i, std::move(err), end);
       cv_.notify_all();
     }
-    self.exited = true;
-    cv_.notify_all();
   }
 
   // Joins exited workers; waits up to `timeout_s` (forever when nullopt) for the others to exit.
@@ -600,6 +694,9 @@ class StageGraph::Impl {
   std::vector<bool> held_seen_;
   size_t dynamo_running_ = kNone;  // index of the dynamo stage whose thread is inside it
   bool finished_ = false;
+  bool interrupted_ = false;                  // run()'s interrupt check said stop
+  std::vector<std::string> interrupted_running_;  // stages that were running when it did
+  std::exception_ptr interrupt_error_;        // what the interrupt check threw, if it threw
   std::exception_ptr first_error_;
   size_t first_error_stage_ = kNone;
   bool first_error_is_timeout_ = false;
@@ -607,8 +704,10 @@ class StageGraph::Impl {
   StageReport report_;
 };
 
-StageReport StageGraph::Impl::run() {
+StageReport StageGraph::Impl::run(const InterruptCheck& interrupted, double poll_interval_s) {
   ETTKIT_EXPECTS(!ran_, "StageGraph::run() was already called; a StageGraph runs once (build a new one)");
+  ETTKIT_EXPECTS(std::isfinite(poll_interval_s) && poll_interval_s > 0, "StageGraph::run poll_interval_s=",
+                 poll_interval_s, " is invalid; use a positive number of seconds");
   validate();
   size_t n = stages_.size();
 
@@ -664,6 +763,7 @@ StageReport StageGraph::Impl::run() {
   for (size_t i : order_) {
     if (!stages_[i].options.forks || state_[i] != State::kPending) continue;
     if (apply_deadlines_locked(Clock::now()), finished_) break;
+    if (interrupted && poll_interrupt(lk, interrupted)) break;
     bool deps_ok = std::all_of(explicit_[i].begin(), explicit_[i].end(),
                                [&](size_t p) { return records_[p].status == StageStatus::kSucceeded; });
     if (!deps_ok) continue;  // cancelled via cancel_dependents_locked already
@@ -676,7 +776,9 @@ StageReport StageGraph::Impl::run() {
     finish_locked(i, std::move(err), end);
   }
 
-  // 2. Everything else on the pool.
+  // 2. Everything else on the pool, unless the caller is already interrupting (e.g. Ctrl-C in a forking
+  // stage, which runs on the thread that receives signals).
+  if (!finished_ && interrupted) poll_interrupt(lk, interrupted);
   if (!finished_) apply_deadlines_locked(Clock::now());
   if (!finished_) {
     size_t threaded = 0;
@@ -686,9 +788,21 @@ StageReport StageGraph::Impl::run() {
     if (want == 0) finished_ = all_done_locked();
   }
   if (all_done_locked()) finished_ = true;
+  // Wake for the earliest deadline and, with an interrupt check, at least every poll interval.
+  const auto poll_every = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(poll_interval_s));
+  auto next_poll = Clock::now() + poll_every;
   while (!finished_) {
-    auto next = apply_deadlines_locked(Clock::now());
+    auto now = Clock::now();
+    auto next = apply_deadlines_locked(now);
     if (finished_) break;
+    if (interrupted) {
+      if (now >= next_poll) {
+        if (poll_interrupt(lk, interrupted)) break;
+        next_poll = Clock::now() + poll_every;
+        continue;  // the lock was released: look at the state again
+      }
+      if (!next || next_poll < *next) next = next_poll;
+    }
     if (next) {
       cv_.wait_until(lk, *next);
     } else {
@@ -709,12 +823,25 @@ StageReport StageGraph::Impl::run() {
   auto err = first_error_;
   size_t err_stage = first_error_stage_;
   bool is_timeout = first_error_is_timeout_;
+  const bool was_interrupted = interrupted_;
+  auto interrupt_error = interrupt_error_;
+  const auto interrupted_running = interrupted_running_;
   StageReport out = report_;
   lk.unlock();
 
-  // Idle workers exit promptly now; threads still inside a timed-out stage are left to join()/~Impl.
+  // Idle workers exit promptly now; threads still inside a timed-out or interrupted stage are left to
+  // join() or the destructor.
   join_idle_workers();
 
+  if (was_interrupted) {
+    // An interrupt wins over a stage error: the caller asked to stop, and that is what it gets.
+    if (interrupt_error) std::rethrow_exception(interrupt_error);
+    ETTKIT_THROW(Cancelled, "start-up graph was interrupted (",
+                 interrupted_running.empty() ? std::string("no stage was running")
+                                             : "still running: " + join_names(interrupted_running) +
+                                                    "; asked to cancel, their threads are left to join()",
+                 ")");
+  }
   if (err) {
     if (is_timeout) std::rethrow_exception(err);
     throw StageFailed(stages_[err_stage].name, err, describe(err), __FILE__, __LINE__);
@@ -724,14 +851,17 @@ StageReport StageGraph::Impl::run() {
 
 // ---- StageGraph ----------------------------------------------------------------------------------------
 
-StageGraph::StageGraph(StageGraphOptions options) : impl_(std::make_unique<Impl>(options)) {}
-StageGraph::~StageGraph() = default;
+StageGraph::StageGraph(StageGraphOptions options) : impl_(std::make_shared<Impl>(options)) {}
+StageGraph::~StageGraph() { impl_->shutdown(); }
 void StageGraph::add(const std::string& name, StageFn fn, StageOptions options) {
   impl_->add(name, std::move(fn), std::move(options));
 }
 void StageGraph::validate() const { impl_->validate(); }
 std::vector<std::string> StageGraph::topological_order() const { return impl_->topological_order(); }
-StageReport StageGraph::run() { return impl_->run(); }
+StageReport StageGraph::run() { return impl_->run({}, 0.05); }
+StageReport StageGraph::run(const InterruptCheck& interrupted, double poll_interval_s) {
+  return impl_->run(interrupted, poll_interval_s);
+}
 StageReport StageGraph::report() const { return impl_->report(); }
 bool StageGraph::join(double timeout_s) { return impl_->join(timeout_s); }
 size_t StageGraph::size() const { return impl_->size(); }

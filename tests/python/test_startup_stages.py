@@ -5,10 +5,13 @@ from __future__ import annotations
 import contextvars
 import json
 import os
+import select
+import signal
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import ettkit
 import pytest
@@ -251,3 +254,167 @@ def test_python_stages_on_several_threads_finish_without_deadlock(tmp_path):
         pytest.fail(f"Python stages deadlocked (no exit within 120 s): {exc.stderr}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("OK"), proc.stdout
+
+
+def test_a_keyboard_interrupt_in_a_forking_stage_cancels_the_graph_at_once():
+    # A forking stage runs on the main thread, where Python delivers Ctrl-C: the graph must stop there,
+    # not run the other stages to the end and then report a StageError.
+    release = threading.Event()
+
+    def loader_iter():
+        raise KeyboardInterrupt
+
+    graph = StageGraph(max_workers=2)
+    graph.add("loader_iter", loader_iter, forks=True)
+    graph.add("compile", lambda: release.wait(60))
+    with pytest.raises(KeyboardInterrupt):
+        graph.run()
+    stages = graph.report.stages
+    assert stages["loader_iter"].status == "failed"
+    assert stages["compile"].status == "cancelled" and not stages["compile"].started
+    assert stages["compile"].error == "the start-up graph was interrupted before it could start"
+    assert graph.join(10.0)
+
+
+def _popen_script(tmp_path, text: str, *args: str) -> subprocess.Popen:
+    script = tmp_path / "script.py"
+    script.write_text(text)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE] + sys.path))
+    return subprocess.Popen(
+        [sys.executable, str(script), *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def _read_line(proc: subprocess.Popen, timeout_s: float) -> str:
+    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    if not ready:
+        proc.kill()
+        pytest.fail(f"no handshake from the child within {timeout_s} s: {proc.communicate()[1][-3000:]}")
+    return proc.stdout.readline().strip()
+
+
+EXIT_AFTER_TIMEOUT_SCRIPT = textwrap.dedent(
+    """
+    import _thread, os, sys, threading, time, types
+    import ettkit
+    from ettkit.startup import StageGraph
+
+    blocked = _thread.allocate_lock(); blocked.acquire()   # the stage waits on it, ignoring cancellation
+    started = _thread.allocate_lock(); started.acquire()
+    worker = {}
+
+    def stuck():
+        worker["tid"] = threading.get_native_id()
+        started.release()
+        blocked.acquire()
+
+    class WakeTheStageDuringFinalization:
+        # Freed when the interpreter removes its module, after it started to finalize: from then on
+        # CPython ends a thread that asks for the GIL with pthread_exit, a forced unwind through the stage
+        # and the scheduler. Wake the stage then, and wait (bounded) until its thread is gone. Only
+        # builtins and default arguments here: module globals may already be cleared.
+        def __del__(self, stat=os.stat, write=os.write, sleep=time.sleep, now=time.monotonic,
+                    blocked=blocked, worker=worker, parks=sys.version_info >= (3, 14)):  # 3.14+ parks it
+            blocked.release()
+            task = f"/proc/self/task/{worker['tid']}"
+            deadline = now() + 30
+            while not parks and now() < deadline:
+                try:
+                    stat(task)
+                except OSError:
+                    write(1, b"worker thread ended\\n")
+                    return
+                sleep(0.01)
+            write(1, b"worker thread did not end\\n")
+
+    # Not in __main__: the stage's __globals__ keep __main__'s dict alive through the interpreter's exit.
+    sys.modules["wake_at_exit"] = types.ModuleType("wake_at_exit")
+    sys.modules["wake_at_exit"].waker = WakeTheStageDuringFinalization()
+
+    graph = StageGraph(max_workers=2)
+    graph.add("stuck", stuck, timeout_s=0.2)
+    graph.add("ok", lambda: "ok")
+    try:
+        graph.run()
+    except ettkit.TimeoutError:
+        assert started.acquire(timeout=60), "the stage never started"
+        print("timed out:", [s.name for s in graph.report.stages.values() if s.status == "timed_out"], flush=True)
+    if sys.argv[1] == "deleted":
+        del graph   # the graph goes first: it must not wait for the stuck stage, which outlives it
+        print("graph deleted", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("graph", ["alive", "deleted"])
+def test_interpreter_exit_after_a_stage_timed_out_is_clean(tmp_path, graph):
+    proc = _popen_script(tmp_path, EXIT_AFTER_TIMEOUT_SCRIPT, graph)
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"interpreter exit hung on a timed-out stage: {proc.communicate()[1][-3000:]}")
+    assert "FATAL" not in err, err[-3000:]
+    assert proc.returncode == 0, (proc.returncode, err[-3000:])
+    assert "timed out: ['stuck']" in out, out
+    assert ("graph deleted" in out) == (graph == "deleted"), out
+    if sys.version_info < (3, 14):
+        assert "worker thread ended" in out, (out, err[-3000:])
+
+
+CTRL_C_SCRIPT = textwrap.dedent(
+    """
+    import sys, threading, time
+    import ettkit
+    from ettkit.startup import StageGraph
+
+    wait = sys.argv[1]
+    release = threading.Event()
+
+    def load_checkpoint():          # stuck in I/O: ignores the cancellation
+        if wait == "run":
+            print("waiting", flush=True)
+        release.wait(120)
+
+    graph = StageGraph(max_workers=2)
+    graph.add("load_checkpoint", load_checkpoint, timeout_s=0.2 if wait == "join" else None)
+    graph.add("first_step", lambda: None, after=["load_checkpoint"])
+    try:
+        if wait == "run":
+            graph.run()
+        else:
+            try:
+                graph.run()
+            except ettkit.TimeoutError:
+                print("waiting", flush=True)
+            graph.join()
+    except KeyboardInterrupt:
+        print("interrupted", time.monotonic(), flush=True)
+        print("status", graph.report.stages["load_checkpoint"].status, graph.report.stages["first_step"].status,
+              flush=True)
+        raise
+    """
+)
+
+
+@pytest.mark.parametrize("wait", ["run", "join"])
+def test_ctrl_c_while_the_graph_waits_raises_keyboard_interrupt_promptly(tmp_path, wait):
+    proc = _popen_script(tmp_path, CTRL_C_SCRIPT, wait)
+    try:
+        assert _read_line(proc, 120) == "waiting"  # the stage runs; run() (or join()) waits for it
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)  # the stage itself takes 120 s
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"Ctrl-C was not delivered while the graph waited: {proc.communicate()[1][-3000:]}")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    lines = dict(line.split(" ", 1) for line in out.splitlines() if " " in line)
+    assert proc.returncode == -signal.SIGINT, (proc.returncode, err[-3000:])
+    assert "Traceback" in err and err.rstrip().endswith("KeyboardInterrupt"), err[-3000:]
+    latency = float(lines["interrupted"]) - sent  # time.monotonic is system-wide on Linux
+    assert latency < 5.0, f"KeyboardInterrupt took {latency:.2f} s"
+    expected = "cancelled cancelled" if wait == "run" else "timed_out cancelled"
+    assert lines["status"] == expected, out

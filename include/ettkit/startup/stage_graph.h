@@ -24,7 +24,13 @@
 //  - Deadlines: a stage that runs longer than its `timeout_s`, or a graph that runs longer than the
 //    graph's `timeout_s`, is reported as timed out: its StageContext is cancelled, its dependents are
 //    cancelled and run() throws Timeout naming the stage. A thread cannot be killed, so a stage that
-//    ignores the cancellation keeps its worker thread; that thread is joined by join() or the destructor.
+//    ignores the cancellation keeps its worker thread; that thread is joined by join() or the destructor
+//    (or, with `detach_on_destroy`, left to finish on its own: it keeps the graph's state alive).
+//  - Interrupts: run(interrupted, poll_interval_s) calls `interrupted` on the calling thread while it
+//    waits; when it returns true, every stage is cancelled (running ones are asked to stop) and run()
+//    throws Cancelled promptly. A binding uses it to deliver Ctrl-C without the core knowing Python.
+//  - Thread exit: a forced unwind (pthread_exit, pthread_cancel; CPython ends threads that way at
+//    interpreter exit) passes through a stage untouched and ends its worker cleanly.
 //  - Every stage that ran is recorded into the ETT recorder, when one is given, as a phase named by the
 //    stage's `phase` (default: the stage name), with its real begin and end.
 //  - run() returns a StageReport: per-stage begin/end/status, the critical path, the serial sum and the
@@ -113,7 +119,8 @@ enum class StageStatus : uint8_t {
   kNotRun,     ///< the graph never reached it (run() not called, or aborted before it became ready)
   kSucceeded,  ///< returned normally
   kFailed,     ///< threw
-  kCancelled,  ///< a dependency failed, timed out or was cancelled, or fail_fast aborted the graph
+  kCancelled,  ///< a dependency failed, timed out or was cancelled, fail_fast aborted the graph, or run() was
+               ///< interrupted (a running stage is then cancelled too)
   kTimedOut,   ///< passed its own or the graph's deadline while running
 };
 ETTKIT_API const char* to_string(StageStatus status);
@@ -168,7 +175,18 @@ struct ETTKIT_API StageGraphOptions {
   bool fail_fast = false;
   /// Borrowed; each stage that ran is recorded as a phase. May be null.
   ett::Recorder* recorder = nullptr;
+  /// What the destructor does with a worker still inside a stage (one that outlived its deadline or an
+  /// interrupt): false waits for it to return, however long that takes; true detaches it, and the thread
+  /// keeps the scheduler's state and the stage's callable alive until it returns (it records nothing
+  /// more). Set it only when every stage owns what it touches (the Python binding does): a C++ stage that
+  /// captures locals by reference must be waited for.
+  bool detach_on_destroy = false;
 };
+
+/// Polled by StageGraph::run() on the calling thread, without the scheduler's lock, while it waits:
+/// returns true to interrupt the run. Should not throw; if it does, run() interrupts the graph and
+/// rethrows that exception instead of Cancelled.
+using InterruptCheck = std::function<bool()>;
 
 class ETTKIT_API StageGraph {
  public:
@@ -193,6 +211,12 @@ class ETTKIT_API StageGraph {
   /// then available from report()). Throws InvalidArgument if called twice or if validate() fails.
   StageReport run();
 
+  /// run() that calls `interrupted` before each forking stage and at least every `poll_interval_s`
+  /// while it waits. When it returns true, pending stages are cancelled, running ones are cancelled
+  /// (their contexts report cancel_requested(); their threads are left to join() or the destructor, and
+  /// a late result is dropped) and run() throws Cancelled naming what was still running.
+  StageReport run(const InterruptCheck& interrupted, double poll_interval_s = 0.05);
+
   /// The report of the last run() (also after it threw); empty before.
   StageReport report() const;
 
@@ -209,7 +233,9 @@ class ETTKIT_API StageGraph {
   class Impl;
 
  private:
-  std::unique_ptr<Impl> impl_;
+  // Shared with the worker threads, so that a detached worker (detach_on_destroy) can finish its stage
+  // after the graph is gone.
+  std::shared_ptr<Impl> impl_;
 };
 
 }  // namespace ettkit::startup

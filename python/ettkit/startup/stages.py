@@ -14,7 +14,10 @@ What this layer adds to the C++ graph:
 - **A watchdog report.** When a deadline passes, the :class:`ettkit.TimeoutError` lists the Python stack
   of every other thread, so the stuck stage shows where it is stuck.
 
-The GIL is released while ``run()`` waits and taken by a worker only while a Python stage runs.
+The GIL is released while ``run()`` waits and taken by a worker only while a Python stage runs. ``run()``
+and ``join()`` check for signals every 50 ms while they wait: Ctrl-C cancels the graph and raises
+``KeyboardInterrupt`` at once. A stage still running after a deadline or an interrupt never delays
+interpreter exit: the graph's destruction leaves its thread to finish on its own.
 """
 
 from __future__ import annotations
@@ -186,8 +189,9 @@ class StageGraph:
 
     ``recorder`` (default: the process's :func:`ettkit.ett.current` recorder, if any) receives one phase
     per stage. A graph runs once. ``run()`` raises :class:`ettkit.errors.StageError` (a stage failed; its
-    dependents were cancelled), :class:`ettkit.TimeoutError` (a deadline passed) or
-    :class:`ettkit.InvalidArgumentError` (a cycle or an unknown dependency, before anything ran).
+    dependents were cancelled), :class:`ettkit.TimeoutError` (a deadline passed),
+    :class:`ettkit.InvalidArgumentError` (a cycle or an unknown dependency, before anything ran) or
+    ``KeyboardInterrupt`` (Ctrl-C; every stage was cancelled, :attr:`report` says which were running).
     """
 
     def __init__(
@@ -273,6 +277,11 @@ class StageGraph:
             err = errors.StageError(str(exc))
             err.stage = exc.stage
             raise err from cause
+        except KeyboardInterrupt:
+            # Ctrl-C while the graph ran (or a stage raised KeyboardInterrupt): nothing more starts and the
+            # running stages were asked to cancel; they keep their threads until they return (join()).
+            self.report = StageReport.from_dict(self._graph.report())
+            raise
         except errors.TimeoutError as exc:
             self.report = StageReport.from_dict(self._graph.report())
             running = [s.name for s in self.report.stages.values() if s.status == "timed_out"]

@@ -1,11 +1,14 @@
 #include "ettkit/startup/stage_graph.h"
 
 #include <gtest/gtest.h>
+#include <pthread.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -394,6 +397,109 @@ TEST(StageGraph, CancelledContextThrowsCancelled) {
   EXPECT_THROW(graph.run(), Timeout);
   EXPECT_TRUE(graph.join(10.0));
   EXPECT_TRUE(threw);
+}
+
+TEST(StageGraph, AnInterruptCancelsRunningAndPendingStagesAndThrowsCancelled) {
+  StageGraph graph({.max_workers = 2});
+  std::atomic<bool> compiling{false};
+  std::atomic<bool> saw_cancel{false};
+  graph.add("compile", [&](StageContext& ctx) {
+    compiling = true;
+    saw_cancel = ctx.wait_cancelled(30.0);
+  });
+  graph.add("first_step", noop(), after({"compile"}));
+  int polls = 0;
+  // The check says "stop" once the stage is inside its body: a handshake, not a sleep.
+  auto interrupted = [&] {
+    ++polls;
+    return compiling.load();
+  };
+  try {
+    graph.run(interrupted, 0.01);
+    FAIL() << "expected Cancelled";
+  } catch (const Cancelled& e) {
+    EXPECT_NE(e.message().find("start-up graph was interrupted (still running: 'compile'"), std::string::npos)
+        << e.message();
+  }
+  EXPECT_GE(polls, 1);
+  EXPECT_TRUE(graph.join(10.0)) << "the stage saw its cancellation and returned";
+  EXPECT_TRUE(saw_cancel);
+  StageReport report = graph.report();
+  EXPECT_EQ(report.find("compile")->status, StageStatus::kCancelled);
+  EXPECT_EQ(report.find("compile")->error, "the start-up graph was interrupted while it ran");
+  EXPECT_EQ(report.find("first_step")->status, StageStatus::kCancelled);
+  EXPECT_FALSE(report.find("first_step")->started);
+}
+
+TEST(StageGraph, AnInterruptBeforeAForkingStageRunsNothing) {
+  StageGraph graph;
+  StageOptions forks;
+  forks.forks = true;
+  std::atomic<int> ran{0};
+  graph.add("loader_iter", [&](StageContext&) { ++ran; }, forks);
+  graph.add("compile", [&](StageContext&) { ++ran; });
+  EXPECT_THROW(graph.run([] { return true; }), Cancelled);
+  EXPECT_EQ(ran.load(), 0);
+  EXPECT_EQ(graph.report().find("loader_iter")->status, StageStatus::kCancelled);
+  EXPECT_EQ(graph.report().find("compile")->status, StageStatus::kCancelled);
+}
+
+TEST(StageGraph, AnInterruptCheckThatThrowsInterruptsAndIsRethrown) {
+  StageGraph graph;
+  graph.add("stuck", [&](StageContext& ctx) { ctx.wait_cancelled(30.0); });
+  try {
+    graph.run([]() -> bool { throw std::runtime_error("signal handler raised"); }, 0.01);
+    FAIL() << "expected the check's exception";
+  } catch (const std::runtime_error& e) {
+    EXPECT_STREQ(e.what(), "signal handler raised");
+  }
+  EXPECT_TRUE(graph.join(10.0));
+  EXPECT_EQ(graph.report().find("stuck")->status, StageStatus::kCancelled);
+  StageGraph fresh;
+  EXPECT_THROW(fresh.run([] { return false; }, 0.0), InvalidArgument);
+}
+
+TEST(StageGraph, DetachOnDestroyLeavesAStuckStageToFinishOnItsOwn) {
+  // Everything the stage touches is owned by the stage (as in the Python binding).
+  auto release = std::make_shared<Gate>();
+  auto returned = std::make_shared<std::atomic<bool>>(false);
+  const int threads_before = thread_count();
+  {
+    StageGraph graph({.max_workers = 1, .timeout_s = 0.05, .detach_on_destroy = true});
+    graph.add("stuck", [release, returned](StageContext&) {
+      release->wait(30s);  // ignores cancellation
+      *returned = true;
+    });
+    EXPECT_THROW(graph.run(), Timeout);
+  }  // without detach_on_destroy this would wait until the gate opens (30 s), then `returned` would be true
+  EXPECT_FALSE(*returned) << "the destructor waited for the stuck stage";
+  release->open();
+  for (int i = 0; i < 1000 && thread_count() > threads_before; ++i) std::this_thread::sleep_for(10ms);
+  EXPECT_TRUE(*returned) << "the detached stage finished after the graph was gone";
+  EXPECT_EQ(thread_count(), threads_before) << "the detached worker thread ended";
+}
+
+TEST(StageGraphDeathTest, AForcedUnwindOutOfAStageEndsItsWorkerCleanly) {
+  // pthread_exit inside a stage is what CPython does to a thread that asks for the GIL during interpreter
+  // exit. A catch (...) that swallows the unwind makes glibc abort ("FATAL: exception not rethrown").
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        StageGraph graph({.max_workers = 1});
+        graph.add("exits_its_thread", [](StageContext&) { pthread_exit(nullptr); });
+        graph.add("after_it", noop(), after({"exits_its_thread"}));
+        int code = 10;
+        try {
+          graph.run();
+        } catch (const StageFailed& e) {
+          code = e.stage() == "exits_its_thread" && e.message().find("ended its thread") != std::string::npos ? 0 : 11;
+        }
+        if (code == 0 && !graph.join(10.0)) code = 12;  // the worker's exit was recorded
+        if (code == 0 && graph.report().find("after_it")->status != StageStatus::kCancelled) code = 13;
+        std::fflush(nullptr);
+        std::_Exit(code);
+      },
+      ::testing::ExitedWithCode(0), "");
 }
 
 TEST(StageGraph, RecordsEveryStageIntoTheEttRecorder) {
