@@ -2,12 +2,14 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <xxhash.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <climits>
 #include <cstdlib>
@@ -379,10 +381,11 @@ struct ManifestReader {
     if (shown.size() > 80) shown = shown.substr(0, 77) + "...";
     ETTKIT_THROW(CorruptData, "manifest '", source, "': field '", field, "' is ", shown, "; expected ", want);
   }
-  const json* find(const json& obj, const std::string& field, bool required) const {
+  /// `field` inside `obj`; `path` is how the message names it (e.g. files.rank-0.extra.size).
+  const json* find(const json& obj, const std::string& field, bool required, const std::string& path = "") const {
     auto it = obj.find(field);
     if (it != obj.end()) return &*it;
-    ETTKIT_CHECK(!required, CorruptData, "manifest '", source, "' lacks the field '", field, "'");
+    ETTKIT_CHECK(!required, CorruptData, "manifest '", source, "' lacks the field '", path.empty() ? field : path, "'");
     return nullptr;
   }
   int64_t integer(const json& v, const std::string& field, int64_t lo, int64_t hi) const {
@@ -441,8 +444,8 @@ Manifest decode_manifest(const std::string& text, const std::string& source) {
     const json& f = it.value();
     if (!f.is_object()) r.bad(field, f, "an object {size, xxh3}");
     FileDigest d;
-    d.size = r.unsigned_integer(*r.find(f, "size", true), field + ".size");
-    d.xxh3 = r.string(*r.find(f, "xxh3", true), field + ".xxh3");
+    d.size = r.unsigned_integer(*r.find(f, "size", true, field + ".size"), field + ".size");
+    d.xxh3 = r.string(*r.find(f, "xxh3", true, field + ".xxh3"), field + ".xxh3");
     if (!is_xxh3_hex(d.xxh3)) r.bad(field + ".xxh3", f["xxh3"], "16 lowercase hex digits");
     m.files[it.key()] = std::move(d);
   }
@@ -738,6 +741,37 @@ std::string describe_holder(const std::string& record) {
   }
   return out;
 }
+
+// A forked child (a DataLoader worker, say) inherits the lock's file descriptor, and a flock lives until
+// every descriptor of its open file is closed: the child would keep the directory locked after its parent
+// closed the checkpointer or died. Children close their copies at fork (close() is async-signal-safe and
+// the slots are lock-free atomics, as a fork handler needs). Slots hold fd + 1; 0 is free.
+constexpr int kLockSlots = 64;
+std::atomic<int> g_lock_slots[kLockSlots];
+
+void close_locks_in_child() {
+  for (auto& slot : g_lock_slots) {
+    int v = slot.exchange(0);
+    if (v > 0) ::close(v - 1);
+  }
+}
+
+void remember_lock_fd(int fd) {
+  static std::once_flag once;
+  std::call_once(once, [] { ::pthread_atfork(nullptr, nullptr, close_locks_in_child); });
+  for (auto& slot : g_lock_slots) {
+    int free_slot = 0;
+    if (slot.compare_exchange_strong(free_slot, fd + 1)) return;
+  }
+  // More than kLockSlots locks at once: a forked child may then hold this one until it exits.
+}
+
+void forget_lock_fd(int fd) {
+  for (auto& slot : g_lock_slots) {
+    int mine = fd + 1;
+    if (slot.compare_exchange_strong(mine, 0)) return;
+  }
+}
 }  // namespace
 
 DirectoryLock& DirectoryLock::operator=(DirectoryLock&& o) noexcept {
@@ -779,14 +813,19 @@ std::optional<std::string> DirectoryLock::try_acquire(const std::string& dir) {
     ETTKIT_LOG_WARN("checkpoint: could not record the holder in '", path, "': ", std::strerror(errno));
   }
   fd_ = fd;
+  remember_lock_fd(fd);
   return std::nullopt;
 }
 
 void DirectoryLock::release() {
   if (fd_ < 0) return;
+  forget_lock_fd(fd_);
   // Emptied while still held: a later holder's record is never clobbered.
   if (::ftruncate(fd_, 0) != 0) ETTKIT_LOG_DEBUG("checkpoint: could not empty the directory lock record");
-  ::close(fd_);  // releases the flock
+  // LOCK_UN releases the lock even if a descriptor of this open file survives elsewhere (a child forked
+  // between the registration and now).
+  ::flock(fd_, LOCK_UN);
+  ::close(fd_);
   fd_ = -1;
 }
 

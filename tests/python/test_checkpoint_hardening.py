@@ -24,6 +24,18 @@ print("ready", flush=True)
 time.sleep(120)
 """
 
+HOLDER_WITH_CHILD = r"""
+import os, sys, time
+from ettkit.checkpoint import AsyncCheckpointer
+ck = AsyncCheckpointer(sys.argv[1], recorder=None)
+child = os.fork()  # a DataLoader worker, say: it inherits every open descriptor
+if child == 0:
+    time.sleep(120)
+    os._exit(0)
+print(child, flush=True)
+time.sleep(120)
+"""
+
 WRITER = r"""
 import sys, torch
 from ettkit.checkpoint import AsyncCheckpointer
@@ -304,6 +316,37 @@ def test_a_second_job_fails_naming_the_holder_and_a_dead_holders_lock_is_taken_o
         assert json.loads((tmp_path / ".lock").read_text())["pid"] == os.getpid()
         assert not inflight.exists()
         assert ck.save(1, state(1), extra=1).wait()
+
+
+def test_a_forked_child_never_keeps_the_directory_locked(tmp_path):
+    # The parent closes: its next checkpointer gets the lock although the child still runs.
+    ck = AsyncCheckpointer(tmp_path, recorder=None)
+    child = os.fork()
+    if child == 0:
+        time.sleep(60)
+        os._exit(0)
+    try:
+        ck.close()
+        with AsyncCheckpointer(tmp_path, recorder=None) as again:
+            assert again.save(1, state(1), extra=1).wait()
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+    # The parent dies while its forked child lives on: the lock is free at once.
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER_WITH_CHILD, str(tmp_path)], stdout=subprocess.PIPE)
+    grandchild = int(proc.stdout.readline())
+    try:
+        with pytest.raises(ettkit.CheckpointLockedError):
+            AsyncCheckpointer(tmp_path, recorder=None)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        os.kill(grandchild, 0)  # still alive
+        with AsyncCheckpointer(tmp_path, recorder=None) as ck:
+            assert ck.save(2, state(2), extra=2).wait()
+    finally:
+        proc.kill()
+        proc.wait()
+        os.kill(grandchild, signal.SIGKILL)
 
 
 def test_a_read_only_loader_never_fails_while_retention_runs(tmp_path):
