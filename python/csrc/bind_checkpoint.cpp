@@ -44,7 +44,10 @@ struct TensorList {
     for (size_t i = 0; i < n; ++i) {
       PyObject* o = PyList_GET_ITEM(tensors.ptr(), static_cast<Py_ssize_t>(i));
       ETTKIT_EXPECTS(THPVariable_Check(o), "state dict entry '", items[i].first, "' is not a tensor");
-      items[i].second = THPVariable_Unpack(o);
+      const at::Tensor& t = THPVariable_Unpack(o);
+      // A conjugate or negative-bit view's storage holds other values than it shows, and staging copies
+      // storage bytes: save its values (a copy made here, inside save()). Two bit tests per tensor.
+      items[i].second = t.is_conj() || t.is_neg() ? t.detach().resolve_conj().resolve_neg() : t;
     }
   }
   /// Drops the tensor references (the names stay for the next save).
@@ -64,6 +67,8 @@ py::object to_python_error(std::exception_ptr p) {
     return error_class("CorruptCheckpointError")(e.what());
   } catch (const checkpoint::TornSnapshot& e) {
     return error_class("TornSnapshotError")(e.what());
+  } catch (const checkpoint::DirectoryLocked& e) {
+    return error_class("CheckpointLockedError")(e.what());
   } catch (const InvalidArgument& e) {
     return error_class("InvalidArgumentError")(e.what());
   } catch (const CorruptData& e) {
@@ -91,6 +96,8 @@ void bind_checkpoint(py::module_& m) {
       PyErr_SetString(error_class("CorruptCheckpointError").ptr(), e.what());
     } catch (const TornSnapshot& e) {
       PyErr_SetString(error_class("TornSnapshotError").ptr(), e.what());
+    } catch (const DirectoryLocked& e) {
+      PyErr_SetString(error_class("CheckpointLockedError").ptr(), e.what());
     }
   });
 
@@ -172,7 +179,7 @@ void bind_checkpoint(py::module_& m) {
                        const std::string& overlap, bool verify_on_load,
                        int64_t memory_budget_bytes, int num_arenas, int copy_threads, int64_t sync_copy_max_bytes,
                        int pin_memory, int rank, int world_size, double commit_timeout_s, ett::Recorder* recorder,
-                       std::map<std::string, std::string> metadata, py::object store) {
+                       std::map<std::string, std::string> metadata, py::object store, bool read_only) {
              CheckpointerOptions o;
              o.directory = directory;
              o.keep_last = keep_last;
@@ -189,6 +196,7 @@ void bind_checkpoint(py::module_& m) {
              o.commit_timeout_s = commit_timeout_s;
              o.recorder = recorder;
              o.metadata = std::move(metadata);
+             o.read_only = read_only;
              c10::intrusive_ptr<c10d::Store> s;
              if (!store.is_none()) s = store.cast<c10::intrusive_ptr<c10d::Store>>();
              py::gil_scoped_release nogil;
@@ -199,7 +207,8 @@ void bind_checkpoint(py::module_& m) {
            py::arg("copy_threads") = 0, py::arg("sync_copy_max_bytes") = 4096, py::arg("pin_memory") = -1,
            py::arg("rank") = -1, py::arg("world_size") = -1, py::arg("commit_timeout_s") = 600.0,
            py::arg("recorder") = nullptr, py::arg("metadata") = std::map<std::string, std::string>{},
-           py::arg("store") = py::none(), py::keep_alive<1, 15>(), py::keep_alive<1, 17>())
+           py::arg("store") = py::none(), py::arg("read_only") = false, py::keep_alive<1, 15>(),
+           py::keep_alive<1, 17>())
       .def(
           "save",
           [](AsyncCheckpointer& c, int64_t step, TensorList& list, const py::bytes& extra) {
@@ -236,18 +245,30 @@ void bind_checkpoint(py::module_& m) {
           py::arg("tensors"), py::arg("classes"))
       .def(
           "load_latest",
-          [](AsyncCheckpointer& c, const std::vector<std::string>& names,
-             const std::vector<at::Tensor>& tensors) -> py::object {
+          [](AsyncCheckpointer& c, const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
+             const py::object& validate_extra) -> py::object {
             NamedTensors nt = zip(names, tensors);
+            std::function<void(const std::string&)> validate;
+            if (!validate_extra.is_none()) {
+              // Called on this thread (GIL released around load_latest) before any tensor is copied.
+              validate = [&validate_extra](const std::string& blob) {
+                py::gil_scoped_acquire gil;
+                try {
+                  validate_extra(py::bytes(blob));
+                } catch (py::error_already_set& e) {
+                  ETTKIT_THROW(CorruptData, e.what());
+                }
+              };
+            }
             std::optional<LoadResult> r;
             {
               py::gil_scoped_release nogil;
-              r = c.load_latest(nt);
+              r = c.load_latest(nt, validate);
             }
             if (!r) return py::none();
             return py::make_tuple(r->step, py::bytes(r->extra), r->skipped_steps);
           },
-          py::arg("names"), py::arg("tensors"))
+          py::arg("names"), py::arg("tensors"), py::arg("validate_extra") = py::none())
       .def("wait_all", &AsyncCheckpointer::wait_all, py::call_guard<py::gil_scoped_release>())
       .def("close", &AsyncCheckpointer::close, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("rank", &AsyncCheckpointer::rank)

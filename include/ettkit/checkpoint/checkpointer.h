@@ -40,6 +40,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -65,6 +66,12 @@ class ETTKIT_API CorruptCheckpoint : public CorruptData {
 /// A save was refused because saved tensors changed while they were being copied: committing it could
 /// have mixed two steps (Python: ettkit.TornSnapshotError). The message names the tensors.
 class ETTKIT_API TornSnapshot : public Error {
+  using Error::Error;
+};
+
+/// Another checkpointer (another job, or another AsyncCheckpointer of this process) holds the directory's
+/// lock (Python: ettkit.CheckpointLockedError). The message names the holder.
+class ETTKIT_API DirectoryLocked : public Error {
   using Error::Error;
 };
 
@@ -244,6 +251,9 @@ struct ETTKIT_API CheckpointerOptions {
   ett::Recorder* recorder = nullptr;
   /// Written into every manifest.
   std::map<std::string, std::string> metadata;
+  /// Only loads: takes no directory lock, removes nothing, and save() throws InvalidArgument. For jobs and
+  /// tools that read a directory another job writes.
+  bool read_only = false;
 };
 
 struct LoadResult {
@@ -254,15 +264,20 @@ struct LoadResult {
 
 class ETTKIT_API AsyncCheckpointer {
  public:
-  /// Creates the directory, agrees on a run id through the store (world > 1), and (rank 0) removes
-  /// temporaries left by earlier runs.
+  /// Creates the directory, (rank 0) takes the directory lock for the checkpointer's life (DirectoryLocked
+  /// naming the holder when another checkpointer has it; released by close()), agrees on a run id through
+  /// the store (world > 1), and (rank 0) removes temporaries left by earlier runs. read_only: no lock, no
+  /// removal.
   AsyncCheckpointer(CheckpointerOptions options, c10::intrusive_ptr<c10d::Store> store = {});
   ~AsyncCheckpointer();
   AsyncCheckpointer(const AsyncCheckpointer&) = delete;
   AsyncCheckpointer& operator=(const AsyncCheckpointer&) = delete;
 
   /// Stages `tensors` and queues their persistence as step `step`, with `extra` (opaque bytes) as the
-  /// rank's non-tensor state. Blocking time (including waits for a busy arena) is recorded.
+  /// rank's non-tensor state. Blocking time (including waits for a busy arena) is recorded. Throws
+  /// InvalidArgument for a step outside [0, 10^18), the name "__metadata__" (reserved by safetensors), a
+  /// dtype safetensors cannot store, or a conjugate / negative-bit view (resolve_conj() / resolve_neg() it:
+  /// its storage holds other values than it shows).
   SaveHandle save(int64_t step, const NamedTensors& tensors, const std::string& extra = {});
   /// Makes the caller's current stream (GPU) or the host (CPU) wait until the latest save is staged, and
   /// records the wait as checkpoint_blocking. Call before mutating saved tensors.
@@ -282,13 +297,17 @@ class ETTKIT_API AsyncCheckpointer {
   void set_unfenced_sync_max_bytes(int64_t bytes);
   /// Copy order for later saves (see CopyPriority); replaces the previous one.
   void set_copy_priority(CopyPriority priority);
-  /// Loads the newest committed step that validates into `tensors` in place. nullopt when nothing is
-  /// committed; CorruptCheckpoint when steps exist but none validates; InvalidArgument naming the key
-  /// when the state dict does not match the checkpoint.
-  std::optional<LoadResult> load_latest(const NamedTensors& tensors);
+  /// Loads the most recently committed step that validates into `tensors` in place. nullopt when nothing
+  /// is committed; CorruptCheckpoint when steps exist but none validates; InvalidArgument naming the key
+  /// when the state dict does not match the checkpoint. `validate_extra` (optional) is called with each
+  /// candidate's extra bytes before any tensor is copied; an exception from it makes that step not
+  /// loadable (fallback to an older one, as for a bad checksum). A step that retention removes while it is
+  /// being considered is skipped silently and the directory is listed again.
+  std::optional<LoadResult> load_latest(const NamedTensors& tensors,
+                                        const std::function<void(const std::string&)>& validate_extra = {});
   /// Waits for every queued save (durable or failed); rethrows nothing.
   void wait_all();
-  /// wait_all() and stop the writer. Idempotent.
+  /// wait_all() and stop the writer, then release the directory lock. Idempotent.
   void close();
 
   int rank() const;

@@ -76,6 +76,18 @@ def parse_every(every: Any) -> tuple[str, float]:
         f"every={every!r} is not valid: give steps (e.g. 100), a duration (e.g. '90s', '10min', '1h') or 'auto'")
 
 
+def _decode_extra(blob: bytes) -> Optional[tuple[Any, Any]]:
+    """``(skeleton, extra)`` of a ``rank-<r>.extra`` written from Python; ``None`` for the C++ checkpointer's
+    opaque bytes. Raises when the record does not decode."""
+    if not blob.startswith(_PY_EXTRA_MAGIC):
+        return None
+    payload = pickle.loads(memoryview(blob)[len(_PY_EXTRA_MAGIC):])
+    if not (isinstance(payload, dict) and isinstance(payload.get("skeleton_pickle"), bytes) and "extra" in payload):
+        raise ValueError(f"an ettkit extra record is a dict with 'skeleton_pickle' and 'extra', not a "
+                         f"{type(payload).__name__}")
+    return pickle.loads(payload["skeleton_pickle"]), payload["extra"]
+
+
 class AsyncCheckpointer:
     """Asynchronous, crash-consistent checkpointer (one per rank). See the module docstring.
 
@@ -95,6 +107,10 @@ class AsyncCheckpointer:
     snapshot of what version counters see (docs/checkpoint.md). ``unfenced_sync_max_bytes``: while no
     model is attached, overlapped saves copy tensors up to this size inside ``save()`` (BatchNorm
     statistics are written without a version bump); 0 for a loop that fences every writer itself.
+
+    Rank 0 holds the directory's lock (``CKPT_DIR/.lock``) from here to :meth:`close`: a second checkpointer
+    on the same directory, in another job or in this process, raises :class:`ettkit.CheckpointLockedError`
+    naming the holder. ``read_only=True`` only loads: no lock, nothing removed, ``save()`` raises.
     """
 
     def __init__(self, directory: str | os.PathLike, *, keep_last: int = 3, memory_budget_bytes: Optional[int] = None,
@@ -103,7 +119,7 @@ class AsyncCheckpointer:
                  commit_timeout_s: float = 600.0, metadata: Optional[dict] = None,
                  preempt_signals: Optional[Iterable[int]] = None, preempt_deadline_s: float = 60.0,
                  mtbf_prior_s: float = 24 * 3600.0, pin_memory: Optional[bool] = None, overlap: Any = "auto",
-                 unfenced_sync_max_bytes: int = 64 * 1024):
+                 unfenced_sync_max_bytes: int = 64 * 1024, read_only: bool = False):
         if on_busy not in ("wait", "skip", "error"):
             raise InvalidArgumentError(f"on_busy={on_busy!r} is not one of 'wait', 'skip', 'error'")
         if memory_budget_bytes is not None and memory_budget_bytes <= 0:
@@ -128,7 +144,7 @@ class AsyncCheckpointer:
             memory_budget_bytes=int(memory_budget_bytes or 0), num_arenas=2 if double_buffer else 1,
             copy_threads=int(copy_threads), pin_memory=-1 if pin_memory is None else int(bool(pin_memory)),
             rank=rank, world_size=world, commit_timeout_s=float(commit_timeout_s), recorder=recorder,
-            metadata={str(k): str(v) for k, v in (metadata or {}).items()}, store=store)
+            metadata={str(k): str(v) for k, v in (metadata or {}).items()}, store=store, read_only=bool(read_only))
         if unfenced_sync_max_bytes < 0:
             raise InvalidArgumentError(f"unfenced_sync_max_bytes={unfenced_sync_max_bytes} must be >= 0")
         self._c.set_unfenced_sync_max_bytes(int(unfenced_sync_max_bytes))
@@ -309,7 +325,14 @@ class AsyncCheckpointer:
         by the C++ ``AsyncCheckpointer`` loads too; its ``extra`` comes back as the raw bytes."""
         names, tensors, _, _ = flatten(state_dict)
         check_unique(names)
-        res = self._c.load_latest(names, tensors)
+        decoded: dict = {}
+
+        def validate(blob: bytes) -> None:
+            # Runs for each candidate before any tensor is copied: an extra that does not unpickle makes the
+            # step fall back like any corrupt step instead of failing after the tensors were overwritten.
+            decoded["blob"], decoded["value"] = blob, _decode_extra(blob)
+
+        res = self._c.load_latest(names, tensors, validate)
         if res is None:
             return None
         step, blob, skipped = res
@@ -318,14 +341,14 @@ class AsyncCheckpointer:
 
             warnings.warn(f"ettkit.checkpoint: newer steps {skipped} in {self._c.directory} failed validation; "
                           f"loaded step {step}", RuntimeWarning, stacklevel=2)
-        if not blob.startswith(_PY_EXTRA_MAGIC):
-            # Written by the C++ AsyncCheckpointer: `extra` is its opaque bytes and there is no skeleton.
-            self._last_save_step = int(step)
-            return int(step), bytes(blob)
-        payload = pickle.loads(blob[len(_PY_EXTRA_MAGIC):])
-        restore_non_tensors(state_dict, pickle.loads(payload["skeleton_pickle"]))
+        value = decoded["value"] if decoded.get("blob") == blob else _decode_extra(blob)
         self._last_save_step = int(step)
-        return int(step), payload["extra"]
+        if value is None:
+            # Written by the C++ AsyncCheckpointer: `extra` is its opaque bytes and there is no skeleton.
+            return int(step), bytes(blob)
+        skeleton, extra = value
+        restore_non_tensors(state_dict, skeleton)
+        return int(step), extra
 
     # ---- lifetime ---------------------------------------------------------------------------------------
     def close(self) -> None:
