@@ -69,6 +69,8 @@ py::object to_python_error(std::exception_ptr p) {
     return error_class("TornSnapshotError")(e.what());
   } catch (const checkpoint::DirectoryLocked& e) {
     return error_class("CheckpointLockedError")(e.what());
+  } catch (const checkpoint::PeerLost& e) {
+    return error_class("PeerLostError")(e.what());
   } catch (const InvalidArgument& e) {
     return error_class("InvalidArgumentError")(e.what());
   } catch (const CorruptData& e) {
@@ -98,6 +100,8 @@ void bind_checkpoint(py::module_& m) {
       PyErr_SetString(error_class("TornSnapshotError").ptr(), e.what());
     } catch (const DirectoryLocked& e) {
       PyErr_SetString(error_class("CheckpointLockedError").ptr(), e.what());
+    } catch (const PeerLost& e) {
+      PyErr_SetString(error_class("PeerLostError").ptr(), e.what());
     }
   });
 
@@ -179,7 +183,8 @@ void bind_checkpoint(py::module_& m) {
                        const std::string& overlap, bool verify_on_load,
                        int64_t memory_budget_bytes, int num_arenas, int copy_threads, int64_t sync_copy_max_bytes,
                        int pin_memory, int rank, int world_size, double commit_timeout_s, ett::Recorder* recorder,
-                       std::map<std::string, std::string> metadata, py::object store, bool read_only) {
+                       std::map<std::string, std::string> metadata, py::object store, bool read_only,
+                       double peer_timeout_s) {
              CheckpointerOptions o;
              o.directory = directory;
              o.keep_last = keep_last;
@@ -197,6 +202,7 @@ void bind_checkpoint(py::module_& m) {
              o.recorder = recorder;
              o.metadata = std::move(metadata);
              o.read_only = read_only;
+             o.peer_timeout_s = peer_timeout_s;
              c10::intrusive_ptr<c10d::Store> s;
              if (!store.is_none()) s = store.cast<c10::intrusive_ptr<c10d::Store>>();
              py::gil_scoped_release nogil;
@@ -207,7 +213,8 @@ void bind_checkpoint(py::module_& m) {
            py::arg("copy_threads") = 0, py::arg("sync_copy_max_bytes") = 4096, py::arg("pin_memory") = -1,
            py::arg("rank") = -1, py::arg("world_size") = -1, py::arg("commit_timeout_s") = 600.0,
            py::arg("recorder") = nullptr, py::arg("metadata") = std::map<std::string, std::string>{},
-           py::arg("store") = py::none(), py::arg("read_only") = false, py::keep_alive<1, 15>(),
+           py::arg("store") = py::none(), py::arg("read_only") = false, py::arg("peer_timeout_s") = 3.0,
+           py::keep_alive<1, 15>(),
            py::keep_alive<1, 17>())
       .def(
           "save",

@@ -25,6 +25,11 @@ class CorruptCheckpointError(CorruptDataError, CheckpointError):
     """No committed checkpoint passes verification."""
 
 
+class PeerLostError(CheckpointError):
+    """A rank that a checkpoint commit needs is gone (its heartbeat stopped, it closed without taking part,
+    or the c10d Store is unreachable). Every queued save fails with it at once; the job should exit."""
+
+
 class CheckpointLockedError(CheckpointError):
     """Another checkpointer (another job, or an unclosed ``AsyncCheckpointer`` of this process) holds the
     checkpoint directory's lock; the message names the holder (pid, host, job). Open the directory with

@@ -16,6 +16,7 @@
 #include <set>
 #include <thread>
 
+#include "checkpoint/peer_monitor.h"
 #include "checkpoint/storage.h"
 #include "common/background_thread.h"
 #include "common/logging.h"
@@ -166,6 +167,8 @@ std::string describe(std::exception_ptr e) {
     std::rethrow_exception(e);
   } catch (const Error& x) {
     return x.message();
+  } catch (const c10::Error& x) {
+    return detail::first_line(x);
   } catch (const std::exception& x) {
     return x.what();
   } catch (...) {
@@ -187,16 +190,18 @@ std::string torn_message(int64_t step, const std::vector<std::string>& changed) 
                 "overlap='off' so that save() returns only once the copies are done");
 }
 
-/// The commit result rank 0 publishes: "ok", or {"kind": "torn"|"error", "message": ...}.
+/// The commit result rank 0 publishes: "ok", or {"kind": "torn"|"peer_lost"|"error", "message": ...}.
 std::string result_text(std::exception_ptr e) {
-  bool torn = false;
+  const char* kind = "error";
   try {
     std::rethrow_exception(e);
   } catch (const TornSnapshot&) {
-    torn = true;
+    kind = "torn";
+  } catch (const PeerLost&) {
+    kind = "peer_lost";
   } catch (...) {
   }
-  return json{{"kind", torn ? "torn" : "error"}, {"message", describe(e)}}.dump();
+  return json{{"kind", kind}, {"message", describe(e)}}.dump();
 }
 
 struct Job {
@@ -236,6 +241,8 @@ struct AsyncCheckpointer::Impl {
   CopyPriority priority;
   int64_t refused = 0;
   bool hold_commits = false;  // tests: the writer waits before its integrity verdict
+  std::exception_ptr peer_lost;  // once set, every queued and later save fails with it at once
+  std::unique_ptr<PeerMonitor> peers;  // world > 1
   double blocking_sum = 0;
   int64_t blocking_n = 0;
   double durable_sum = 0;
@@ -285,11 +292,21 @@ struct AsyncCheckpointer::Impl {
         queue.pop_front();
       }
       std::exception_ptr err;
-      try {
-        persist(job);
-      } catch (...) {
-        err = std::current_exception();
-        ETTKIT_LOG_ERROR("checkpoint step ", job.step, " failed: ", describe(err));
+      {
+        std::lock_guard<std::mutex> lk(mu);
+        err = peer_lost;
+      }
+      if (!err) {
+        try {
+          persist(job);
+        } catch (const PeerLost&) {
+          err = std::current_exception();
+          std::lock_guard<std::mutex> lk(mu);
+          if (!peer_lost) peer_lost = err;
+        } catch (...) {
+          err = std::current_exception();
+        }
+        if (err) ETTKIT_LOG_ERROR("checkpoint step ", job.step, " failed: ", describe(err));
       }
       if (job.snapshot) job.snapshot->release();
       {
@@ -393,19 +410,21 @@ struct AsyncCheckpointer::Impl {
       } else {
         for (const auto& [name, d] : mine) report["files"][name] = {{"size", d.size}, {"xxh3", d.xxh3}};
       }
-      store->set(prefix + "rank/" + std::to_string(rank), bytes_of(report.dump()));
+      peers->set(prefix + "rank/" + std::to_string(rank), report.dump());
     }
     if (local_error && (world == 1 || rank != 0)) std::rethrow_exception(local_error);
-    auto timeout = std::chrono::milliseconds(static_cast<int64_t>(opt.commit_timeout_s * 1000));
     if (rank != 0) {
-      store->wait({prefix + "result"}, timeout);
+      peers->wait_keys({prefix + "result"}, {0}, opt.commit_timeout_s,
+                       "checkpoint step " + std::to_string(job.step) + ": rank 0's commit result");
       std::string result = string_of(store->get(prefix + "result"));
       if (result == "ok") return;
       json r = json::parse(result, nullptr, /*allow_exceptions=*/false);
       std::string why = r.is_object() && r.contains("message") && r["message"].is_string() ? r["message"].get<std::string>() : result;
-      if (r.is_object() && r.value("kind", "") == "torn") {
+      std::string kind = r.is_object() && r.contains("kind") && r["kind"].is_string() ? r["kind"].get<std::string>() : "";
+      if (kind == "torn") {
         ETTKIT_THROW(checkpoint::TornSnapshot, "checkpoint step ", job.step, " was refused by the commit vote: ", why);
       }
+      if (kind == "peer_lost") ETTKIT_THROW(checkpoint::PeerLost, "rank 0: ", why);
       ETTKIT_THROW(IoError, "checkpoint step ", job.step, " was not committed by rank 0: ", why);
     }
     // Rank 0: gather, write the manifest, rename, fsync, latest, retention.
@@ -420,13 +439,13 @@ struct AsyncCheckpointer::Impl {
       m.files = mine;
       if (world > 1) {
         std::vector<std::string> keys;
-        for (int r = 1; r < world; ++r) keys.push_back(prefix + "rank/" + std::to_string(r));
-        try {
-          store->wait(keys, timeout);
-        } catch (const std::exception& e) {
-          ETTKIT_THROW(Timeout, "checkpoint step ", job.step, ": not every rank reported within ",
-                       opt.commit_timeout_s, " s: ", e.what());
+        std::vector<int> others;
+        for (int r = 1; r < world; ++r) {
+          keys.push_back(prefix + "rank/" + std::to_string(r));
+          others.push_back(r);
         }
+        peers->wait_keys(keys, others, opt.commit_timeout_s,
+                         "checkpoint step " + std::to_string(job.step) + ": the votes of the other ranks");
         for (int r = 1; r < world; ++r) {
           json rep = json::parse(string_of(store->get(keys[static_cast<size_t>(r - 1)])));
           if (rep.contains("error")) {
@@ -446,12 +465,17 @@ struct AsyncCheckpointer::Impl {
       commit_step_directory(dir, tmp, job.step);
     } catch (...) {
       remove_tree_quietly(tmp);
-      if (world > 1) store->set(prefix + "result", bytes_of(result_text(std::current_exception())));
+      if (world > 1) {
+        try {
+          peers->set(prefix + "result", result_text(std::current_exception()));
+        } catch (...) {  // the Store is gone too: the original error says more
+        }
+      }
       throw;
     }
     // Committed and durable: `latest` and retention cannot fail the step (they warn instead).
     history.after_commit(dir, job.step, opt.keep_last);
-    if (world > 1) store->set(prefix + "result", bytes_of("ok"));
+    if (world > 1) peers->set(prefix + "result", "ok");
   }
 };
 
@@ -483,7 +507,7 @@ AsyncCheckpointer::AsyncCheckpointer(CheckpointerOptions options, c10::intrusive
   }
   if (im.world > 1) {
     // Agree on a run id: the n-th AsyncCheckpointer that the ranks open on this directory shares one.
-    std::string base = "ettkit_ckpt/" + im.opt.directory + "/";
+    std::string base = "ettkit_ckpt:" + im.opt.directory + "/";
     int64_t n = im.store->add(base + "opens", 1);
     std::string key = base + "gen/" + std::to_string((n - 1) / im.world) + "/run_id";
     if (im.rank == 0) {
@@ -495,6 +519,8 @@ AsyncCheckpointer::AsyncCheckpointer(CheckpointerOptions options, c10::intrusive
       im.run_id = string_of(im.store->get(key));
     }
     im.key_prefix = base + im.run_id + "/";
+    ETTKIT_EXPECTS(im.opt.peer_timeout_s > 0, "peer_timeout_s=", im.opt.peer_timeout_s, " must be > 0");
+    im.peers = std::make_unique<PeerMonitor>(im.store, im.key_prefix, im.rank, im.world, im.opt.peer_timeout_s);
   } else {
     im.run_id = random_id();
     if (!im.opt.read_only) remove_stale_temporaries(im.opt.directory, im.run_id);
@@ -526,6 +552,7 @@ SaveHandle AsyncCheckpointer::save(int64_t step, const NamedTensors& tensors, co
   {
     std::lock_guard<std::mutex> lk(im.mu);
     ETTKIT_EXPECTS(!im.closing, "save(step=", step, ") after close()");
+    if (im.peer_lost) std::rethrow_exception(im.peer_lost);
     priority = im.priority;
   }
   check_save_arguments(step, tensors, im.opt.read_only);
@@ -671,6 +698,14 @@ void AsyncCheckpointer::close() {
   }
   im.cv.notify_all();
   if (im.writer.joinable()) im.writer.join();
+  if (im.peers) {
+    bool lost;
+    {
+      std::lock_guard<std::mutex> lk(im.mu);
+      lost = static_cast<bool>(im.peer_lost);
+    }
+    im.peers->close(/*clean=*/!lost);
+  }
   im.collect_sources(/*all=*/true);
   im.lock.release();
   std::lock_guard<std::mutex> lk(im.mu);
@@ -852,7 +887,7 @@ std::optional<LoadResult> AsyncCheckpointer::load_latest(const NamedTensors& ten
       if (im.rank == 0) {
         im.store->set(key, bytes_of(json(steps).dump()));
       } else {
-        im.store->wait({key}, timeout);
+        im.peers->wait_keys({key}, {0}, im.opt.commit_timeout_s, "load_latest: rank 0's list of steps");
         steps = json::parse(string_of(im.store->get(key))).get<std::vector<int64_t>>();
       }
     }
@@ -872,7 +907,12 @@ std::optional<LoadResult> AsyncCheckpointer::load_latest(const NamedTensors& ten
         im.store->set(p + std::to_string(im.rank), bytes_of(mine.dump()));
         std::vector<std::string> keys;
         for (int r = 0; r < im.world; ++r) keys.push_back(p + std::to_string(r));
-        im.store->wait(keys, timeout);
+        std::vector<int> others;
+        for (int r = 0; r < im.world; ++r) {
+          if (r != im.rank) others.push_back(r);
+        }
+        im.peers->wait_keys(keys, others, im.opt.commit_timeout_s,
+                            "load_latest: the other ranks' verdicts on step " + std::to_string(step));
         for (int r = 0; r < im.world; ++r) {
           json rep = json::parse(string_of(im.store->get(keys[static_cast<size_t>(r)])));
           auto v = static_cast<Verdict>(rep["v"].get<int>());

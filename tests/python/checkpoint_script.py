@@ -189,6 +189,41 @@ def main() -> int:
         dist.destroy_process_group()
         print("rank-ok", rank, flush=True)
         return 0
+    if mode == "peerdeath":
+        # One rank dies (SIGKILL) after step 1 is committed; the survivors keep saving and must get
+        # PeerLostError, and close() must return, within seconds (default peer_timeout_s).
+        import time
+
+        import torch.distributed as dist
+
+        rank, world, port, victim, store_mode = (int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]),
+                                                 int(sys.argv[6]), sys.argv[7])
+        if store_mode == "launcher":
+            store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+        else:
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        state = {"w": torch.full((1 << 16,), float(rank))}
+        ck = AsyncCheckpointer(path, recorder=None, keep_last=0, commit_timeout_s=600)
+        assert ck.save(1, state).wait()
+        dist.barrier()  # every rank has step 1 durable
+        if rank == victim:
+            with open(os.path.join(path, "death"), "w") as f:
+                f.write(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        while not os.path.exists(os.path.join(path, "death")):
+            time.sleep(0.005)
+        errors = []
+        for step in (2, 3, 4):
+            try:
+                ck.save(step, state).wait()
+                errors.append("committed")
+            except ettkit.PeerLostError as e:
+                errors.append(type(e).__name__)
+        ck.close()
+        print("survivor", rank, errors, flush=True)
+        sys.stdout.flush()
+        os._exit(0 if all(e == "PeerLostError" for e in errors) else 5)
     if mode == "tornrank":
         # The last rank writes a saved tensor while its save of step 2 is held before the verdict: every
         # rank's handle must raise TornSnapshotError and step 1 must stay the latest everywhere.

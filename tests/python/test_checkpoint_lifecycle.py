@@ -42,3 +42,50 @@ def test_uncaught_exception_with_a_save_in_flight_exits_1_with_the_traceback():
 def test_random_mix_of_handle_and_checkpointer_calls_from_two_threads(seed):
     r = run_case("threads", seed, timeout=240)
     assert r.returncode == 0 and "lifecycle-ok" in r.stdout, r.stderr[-2000:]
+
+
+# ---- a peer dies: the survivors fail fast ----------------------------------------------------------------------
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("world,victim,store_mode", [(2, 1, "rank0"), (3, 2, "rank0"), (3, 1, "launcher"),
+                                                     (2, 0, "launcher"), (2, 0, "rank0")])
+def test_survivors_exit_within_seconds_after_a_peer_dies(tmp_path, world, victim, store_mode):
+    import time
+
+    import torch.distributed as dist
+
+    port = _free_port()
+    server = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False) \
+        if store_mode == "launcher" else None
+    path = tmp_path / "ck"
+    path.mkdir()
+    procs = {r: subprocess.Popen([sys.executable, SCRIPT, "peerdeath", str(path), str(r), str(world), str(port),
+                                  str(victim), store_mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(world)}
+    exited = {}
+    deadline = time.monotonic() + 120
+    while len(exited) < world and time.monotonic() < deadline:
+        for r, p in procs.items():
+            if r not in exited and p.poll() is not None:
+                exited[r] = time.time()
+        time.sleep(0.01)
+    for p in procs.values():
+        p.kill()
+    outs = {r: p.communicate() for r, p in procs.items()}
+    assert len(exited) == world, f"survivors still running after 120 s: {outs}"
+    death = float((path / "death").read_text())
+    for r, p in procs.items():
+        if r == victim:
+            continue
+        assert p.returncode == 0, (r, outs[r][0], outs[r][1][-3000:])
+        # Target 5 s from the death to the survivor's exit (peer_timeout_s=3 plus the heartbeat period);
+        # the assertion leaves room for a loaded machine.
+        print(f"world={world} victim={victim} store={store_mode} rank {r}: exit {exited[r] - death:.2f} s after the death")
+        assert exited[r] - death < 10.0, (r, exited[r] - death)
+    del server

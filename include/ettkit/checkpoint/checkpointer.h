@@ -75,6 +75,12 @@ class ETTKIT_API DirectoryLocked : public Error {
   using Error::Error;
 };
 
+/// A rank this save needs is gone (its heartbeat stopped, it closed without taking part, or the c10d Store
+/// is unreachable): every queued save fails with it at once (Python: ettkit.PeerLostError).
+class ETTKIT_API PeerLost : public Error {
+  using Error::Error;
+};
+
 /// Whether save() may return before its copies are complete.
 enum class Overlap : uint8_t {
   kAuto,  ///< blocking until enable_overlap() is called (the caller fences its mutations), then overlapped
@@ -246,6 +252,10 @@ struct ETTKIT_API CheckpointerOptions {
   int world_size = -1;
   /// How long a rank waits for the others at commit (seconds).
   double commit_timeout_s = 600.0;
+  /// A peer whose heartbeat (published through the Store every peer_timeout_s / 6) stops for this long is
+  /// gone: the commit it blocks, and every queued save, fail with PeerLost instead of waiting out
+  /// commit_timeout_s.
+  double peer_timeout_s = 3.0;
   /// Non-owning; must outlive the checkpointer. Receives checkpoint_blocking (foreground) and
   /// checkpoint_staging / checkpoint_persist (background) records.
   ett::Recorder* recorder = nullptr;

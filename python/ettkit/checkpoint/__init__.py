@@ -119,7 +119,7 @@ class AsyncCheckpointer:
                  commit_timeout_s: float = 600.0, metadata: Optional[dict] = None,
                  preempt_signals: Optional[Iterable[int]] = None, preempt_deadline_s: float = 60.0,
                  mtbf_prior_s: float = 24 * 3600.0, pin_memory: Optional[bool] = None, overlap: Any = "auto",
-                 unfenced_sync_max_bytes: int = 64 * 1024, read_only: bool = False):
+                 unfenced_sync_max_bytes: int = 64 * 1024, read_only: bool = False, peer_timeout_s: float = 3.0):
         if on_busy not in ("wait", "skip", "error"):
             raise InvalidArgumentError(f"on_busy={on_busy!r} is not one of 'wait', 'skip', 'error'")
         if memory_budget_bytes is not None and memory_budget_bytes <= 0:
@@ -132,7 +132,7 @@ class AsyncCheckpointer:
             rank = dist.get_rank(process_group)
             world = dist.get_world_size(process_group)
             if store is None and world > 1:
-                store = dist.PrefixStore("ettkit_ckpt/", dist.distributed_c10d._get_default_store())
+                store = dist.distributed_c10d._get_default_store()  # keys are namespaced in C++
         if recorder == "current":
             from ..ett import current
 
@@ -144,7 +144,8 @@ class AsyncCheckpointer:
             memory_budget_bytes=int(memory_budget_bytes or 0), num_arenas=2 if double_buffer else 1,
             copy_threads=int(copy_threads), pin_memory=-1 if pin_memory is None else int(bool(pin_memory)),
             rank=rank, world_size=world, commit_timeout_s=float(commit_timeout_s), recorder=recorder,
-            metadata={str(k): str(v) for k, v in (metadata or {}).items()}, store=store, read_only=bool(read_only))
+            metadata={str(k): str(v) for k, v in (metadata or {}).items()}, store=store, read_only=bool(read_only),
+            peer_timeout_s=float(peer_timeout_s))
         if unfenced_sync_max_bytes < 0:
             raise InvalidArgumentError(f"unfenced_sync_max_bytes={unfenced_sync_max_bytes} must be >= 0")
         self._c.set_unfenced_sync_max_bytes(int(unfenced_sync_max_bytes))
