@@ -27,6 +27,7 @@
 
 #include <cxxabi.h>
 #include <ettkit/checkpoint/checkpointer.h>
+#include <ettkit/checkpoint/training_state.h>
 #include <ettkit/ett/phases.h>
 #include <ettkit/ett/recorder.h>
 #include <ettkit/ett/report.h>
@@ -158,55 +159,11 @@ Options parse_args(int argc, char** argv) {
 
 // ---- what a checkpoint holds ---------------------------------------------------------------------------
 
-// Adam rather than state-free SGD, because a resumable trainer must restore optimizer state too. The
-// C++ Adam keeps its moments as tensors that step() updates in place, so they can be saved and loaded
-// in place like the parameters; only its step count is a plain int64_t, mirrored into a tensor.
-// Adam creates that state lazily in its first step(), but load_latest() copies into existing tensors,
-// so create it up front exactly as step() would (count 0, zero moments): training is unchanged.
-void create_adam_state(torch::optim::Adam& optimizer) {
-  for (auto& group : optimizer.param_groups()) {
-    for (auto& p : group.params()) {
-      auto st = std::make_unique<torch::optim::AdamParamState>();
-      st->step(0);
-      st->exp_avg(torch::zeros_like(p, torch::MemoryFormat::Preserve));
-      st->exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Preserve));
-      optimizer.state()[p.unsafeGetTensorImpl()] = std::move(st);
-    }
-  }
-}
-
-/// The tensors of one checkpoint, named like a Python state dict ("model.0.weight",
-/// "optim.0.weight.exp_avg"). Built once: the checkpointer caches its snapshot plan for these tensors.
-class TrainState {
- public:
-  TrainState() = default;
-  TrainState(torch::nn::Sequential& model, torch::optim::Adam& optimizer) {
-    for (const auto& item : model->named_parameters()) {
-      const std::string& name = item.key();
-      const torch::Tensor& p = item.value();
-      auto& st = static_cast<torch::optim::AdamParamState&>(*optimizer.state().at(p.unsafeGetTensorImpl()));
-      tensors_.emplace_back("model." + name, p);
-      tensors_.emplace_back("optim." + name + ".exp_avg", st.exp_avg());
-      tensors_.emplace_back("optim." + name + ".exp_avg_sq", st.exp_avg_sq());
-      torch::Tensor count = torch::zeros({}, torch::kInt64);
-      tensors_.emplace_back("optim." + name + ".step", count);
-      counts_.emplace_back(&st, count);
-    }
-  }
-  const ckpt::NamedTensors& tensors() const { return tensors_; }
-  /// Mirrors Adam's step counts into their tensors; call before save().
-  void before_save() {
-    for (auto& [st, count] : counts_) count.fill_(st->step());
-  }
-  /// Copies the loaded step counts back into Adam; call after load_latest().
-  void after_load() {
-    for (auto& [st, count] : counts_) st->step(count.item<int64_t>());
-  }
-
- private:
-  ckpt::NamedTensors tensors_;
-  std::vector<std::pair<torch::optim::AdamParamState*, torch::Tensor>> counts_;
-};
+// Adam rather than state-free SGD, because a resumable trainer must restore optimizer state too.
+// ettkit::checkpoint::TrainingState names the model's and Adam's tensors like a Python state dict
+// ("model.0.weight", "optim.0.weight.exp_avg", "optim.0.weight.step"), creates the moments Adam would
+// create lazily in its first step (so load_latest() has tensors to load into), and mirrors the step
+// counts, plain integers in LibTorch, into int64 tensors.
 
 double parameter_sum(torch::nn::Sequential& model) {
   torch::NoGradGuard no_grad;
@@ -254,7 +211,7 @@ ett::ScopedPhase train(const Options& o, ett::Recorder& rec) {
   // Filled by the start-up stages; each is written by one stage and read after graph.run() returns.
   torch::nn::Sequential model{nullptr};
   std::optional<torch::optim::Adam> optimizer;
-  TrainState state;
+  std::optional<ckpt::TrainingState> state;
   Dataset data;
   std::optional<ckpt::AsyncCheckpointer> checkpointer;
   int64_t start = 1;
@@ -265,8 +222,7 @@ ett::ScopedPhase train(const Options& o, ett::Recorder& rec) {
       [&](startup::StageContext&) {
         model = trainer_example::make_model(o.task, device);
         optimizer.emplace(model->parameters(), torch::optim::AdamOptions(o.lr));
-        create_adam_state(*optimizer);
-        state = TrainState(model, *optimizer);
+        state.emplace(*model, *optimizer);
       },
       stage_options("train_module_creation"));
   // Runs beside "model". The whole synthetic data set is drawn here, so this is the time until the
@@ -286,12 +242,11 @@ ett::ScopedPhase train(const Options& o, ett::Recorder& rec) {
         co.recorder = &rec;  // records checkpoint_blocking, checkpoint_persist and checkpoint_restore
         co.metadata = {{"writer", "ettkit examples/cpp/trainer"}};
         checkpointer.emplace(std::move(co));  // also removes temporaries a killed attempt left behind
-        // This loop fences its only in-place writer (the optimizer step, below) with
-        // wait_staged_on_current_stream(), and the model has no buffers that a forward writes: saves may
-        // return before their copies are done. A save whose tensors still changed is refused, never torn.
-        checkpointer->enable_overlap();
-        if (auto loaded = checkpointer->load_latest(state.tensors())) {
-          state.after_load();
+        // The loop fences its writers (state->before_forward for the buffers a forward writes, before_step
+        // for the optimizer step): saves return before their copies are done. A save whose tensors still
+        // changed is refused, never torn.
+        state->attach(*checkpointer);
+        if (auto loaded = state->load_latest(*checkpointer)) {
           start = loaded->step + 1;
           std::printf("resumed from checkpoint step %lld (%s)\n", static_cast<long long>(loaded->step),
                       loaded->extra.c_str());
@@ -310,12 +265,13 @@ ett::ScopedPhase train(const Options& o, ett::Recorder& rec) {
   for (int64_t step = start; step <= o.steps; ++step) {
     auto [x, y] = data.batch(step);
     optimizer->zero_grad();
+    state->before_forward(*checkpointer);  // a forward writes the model's buffers (none in this MLP)
     torch::Tensor loss = torch::nn::functional::mse_loss(model->forward(x), y);
     loss.backward();
     // The latest save may still be copying the parameters and the Adam moments into its host arena, and
     // step() updates them in place: wait until that copy is done (returns at once when it is; on a GPU it
     // orders the streams instead of blocking the host). Waiting time is recorded as checkpoint_blocking.
-    checkpointer->wait_staged_on_current_stream();
+    state->before_step(*checkpointer);
     optimizer->step();
 
     const bool log = step == start || step % o.log_every == 0 || step == o.steps;
@@ -323,10 +279,9 @@ ett::ScopedPhase train(const Options& o, ett::Recorder& rec) {
     if (log || save) loss_value = loss.item<double>();
     if (log) std::printf("step %lld loss %.6f\n", static_cast<long long>(step), loss_value);
     if (save) {
-      state.before_save();
       char extra[64];
       std::snprintf(extra, sizeof(extra), "loss at save %.6f", loss_value);
-      last_save = checkpointer->save(step, state.tensors(), extra);
+      last_save = checkpointer->save(step, state->tensors(), extra);
       std::printf("checkpoint step %lld saved (blocked %.3f ms)\n", static_cast<long long>(step),
                   last_save->blocking_s() * 1e3);
     }
