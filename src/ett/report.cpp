@@ -72,6 +72,12 @@ struct Segment {
 
 struct RankAttempt {
   const AttemptLedger* ledger = nullptr;
+  std::optional<int64_t> proc_start;          // the ledger's, raised to process_start_floor
+  int64_t process_start_floor = INT64_MIN;  // see process_start_floor()
+  // A phase's begin; process_bootstrap begins at proc_start, so it is raised to the same floor.
+  int64_t phase_begin(const detail::PhaseRecord& p, const std::vector<std::string>& names) const {
+    return names[p.name] == phase::kProcessBootstrap ? std::max(p.b, process_start_floor) : p.b;
+  }
   int64_t begin = 0;        // earliest record (scheduling included)
   int64_t alloc_begin = 0;  // earliest record excluding scheduling
   int64_t end = 0;
@@ -80,6 +86,17 @@ struct RankAttempt {
   std::optional<int64_t> first_training;
   std::vector<Segment> segments;
 };
+
+// The earliest time an attempt's process can have started, given that the same rank's previous attempt
+// ended at `previous_end`. On one rank, attempts are consecutive processes. proc_start, from /proc, has
+// clock-tick resolution (10 ms), and ledgers of earlier ettkit versions took the boot time in whole seconds
+// (up to 1 s early). A process start before the previous attempt's end is that imprecision, so the start is
+// raised to that end; otherwise this attempt's process_bootstrap would cover the end of the previous attempt
+// and, as recovery time, override it in the job view. Only when the attempt's own recorder start (ts) is
+// after that end: otherwise the two attempts' clocks disagree and nothing is moved (see e2e_begin_of).
+int64_t process_start_floor(const AttemptLedger& a, int64_t previous_end) {
+  return a.proc_start && *a.proc_start < previous_end && previous_end <= a.ts ? previous_end : INT64_MIN;
+}
 
 struct JobAttempt {
   int attempt = 0;
@@ -118,14 +135,25 @@ std::string exception_type_of(const std::string& detail) {
   return sep == std::string::npos ? detail : detail.substr(0, sep);
 }
 
-// Flattens labelled intervals into non-overlapping segments within [lo, hi]; uncovered time gets
-// `gap_name`/`gap_kind`. Among intervals covering a point, the latest begin wins (ties: earliest end).
+// Which records take precedence where records of one rank overlap (docs/ett.md §4): a recorded phase over
+// a step (a step is only the time between two marks, so whatever is recorded inside it is carved out),
+// and a step over the report's own start-up fillers (worker_spawn, a derived process_bootstrap), which
+// stand for time that nothing recorded covers.
+enum class Layer : uint8_t { kFiller = 0, kStep = 1, kPhase = 2 };
+
 struct Labelled {
   int64_t b, e;
   std::string name;
   Kind kind;
+  Layer layer;
 };
 
+// Flattens labelled intervals into non-overlapping segments within [lo, hi]; uncovered time gets the name
+// "unattributed". At each instant the covering interval of the highest layer wins; within a layer, the one
+// that ends first, then the one that began last, then the one listed first. Ending first makes the
+// innermost of nested intervals win (a checkpoint inside a step, a sub-stage inside launcher_init), and
+// of two concurrent intervals that overlap without nesting, the one that started first keeps its time until
+// it ends: a stage is never cut short by one that started after it and outlived it.
 std::vector<Segment> flatten(std::vector<Labelled> items, int64_t lo, int64_t hi) {
   std::vector<Segment> out;
   if (hi <= lo) return out;
@@ -134,7 +162,8 @@ std::vector<Segment> flatten(std::vector<Labelled> items, int64_t lo, int64_t hi
     it.e = std::clamp(it.e, lo, hi);
   }
   std::erase_if(items, [](const Labelled& l) { return l.e <= l.b; });
-  std::sort(items.begin(), items.end(), [](const Labelled& x, const Labelled& y) { return x.b < y.b; });
+  // Stable: "listed first" (file order) stays the last tie-break.
+  std::stable_sort(items.begin(), items.end(), [](const Labelled& x, const Labelled& y) { return x.b < y.b; });
   std::vector<int64_t> points;
   points.reserve(items.size() * 2 + 2);
   points.push_back(lo);
@@ -145,16 +174,22 @@ std::vector<Segment> flatten(std::vector<Labelled> items, int64_t lo, int64_t hi
   }
   std::sort(points.begin(), points.end());
   points.erase(std::unique(points.begin(), points.end()), points.end());
-  auto cmp = [&](size_t x, size_t y) {
-    if (items[x].b != items[y].b) return items[x].b < items[y].b;  // max-heap: latest begin on top
-    return items[x].e > items[y].e;                                // then the innermost (earliest end)
+  // std::priority_queue puts the "largest" on top: `outranked(x, y)` says y wins over x.
+  auto outranked = [&](size_t x, size_t y) {
+    const Labelled& a = items[x];
+    const Labelled& b = items[y];
+    if (a.layer != b.layer) return a.layer < b.layer;
+    if (a.e != b.e) return a.e > b.e;
+    if (a.b != b.b) return a.b < b.b;
+    return x > y;
   };
-  std::priority_queue<size_t, std::vector<size_t>, decltype(cmp)> active(cmp);
+  std::priority_queue<size_t, std::vector<size_t>, decltype(outranked)> active(outranked);
   size_t next = 0;
   for (size_t i = 0; i + 1 < points.size(); ++i) {
     int64_t p = points[i];
     int64_t q = points[i + 1];
     while (next < items.size() && items[next].b <= p) active.push(next++);
+    // Lazy deletion: an interval that ended is dropped once it reaches the top.
     while (!active.empty() && items[active.top()].e <= p) active.pop();
     Segment seg{p, q, "", Kind::kUnattributed};
     if (!active.empty()) {
@@ -223,15 +258,19 @@ Analysis analyse(const LedgerSet& set, const std::string& run_dir, const ReportO
     for (const auto& a : rl.attempts) {
       RankAttempt ra;
       ra.ledger = &a;
+      ra.proc_start = a.proc_start;
+      if (!vec.empty()) ra.process_start_floor = process_start_floor(a, vec.back().end);
+      if (ra.proc_start) ra.proc_start = std::max(*ra.proc_start, ra.process_start_floor);
       int64_t begin = a.ts;
       int64_t alloc = a.ts;
-      if (a.proc_start) {
-        begin = std::min(begin, *a.proc_start);
-        alloc = std::min(alloc, *a.proc_start);
+      if (ra.proc_start) {
+        begin = std::min(begin, *ra.proc_start);
+        alloc = std::min(alloc, *ra.proc_start);
       }
       for (const auto& p : a.phases) {
-        begin = std::min(begin, p.b);
-        if (names[p.name] != kScheduling) alloc = std::min(alloc, p.b);
+        const int64_t b = ra.phase_begin(p, names);
+        begin = std::min(begin, b);
+        if (names[p.name] != kScheduling) alloc = std::min(alloc, b);
       }
       for (const auto& s : a.steps) begin = std::min(begin, s.b);
       ra.begin = begin;
@@ -284,23 +323,26 @@ Analysis analyse(const LedgerSet& set, const std::string& run_dir, const ReportO
         Kind kind = n == phase::kTraining ? Kind::kTraining
                     : n == phase::kWastedTraining ? Kind::kWasted
                                                   : Kind::kPhase;
-        items.push_back({p.b, p.e, n, kind});
+        items.push_back({ra.phase_begin(p, names), p.e, n, kind, Layer::kPhase});
       }
       // Time between the launcher's phases (allocation) and this process's exec is the launcher's own
       // start-up (torchrun agent, rendezvous, spawning workers); launcher phases override where they lie.
-      if (a.proc_start && *a.proc_start > ra.begin) {
-        items.push_back({ra.begin, *a.proc_start, std::string(phase::kWorkerSpawn), Kind::kPhase});
+      if (ra.proc_start && *ra.proc_start > ra.begin) {
+        items.push_back({ra.begin, *ra.proc_start, std::string(phase::kWorkerSpawn), Kind::kPhase, Layer::kFiller});
       }
-      if (a.proc_start && *a.proc_start < a.ts) {
+      if (ra.proc_start && *ra.proc_start < a.ts) {
         bool has_bootstrap = false;
         for (const auto& p : a.phases) has_bootstrap = has_bootstrap || names[p.name] == phase::kProcessBootstrap;
-        if (!has_bootstrap) items.push_back({*a.proc_start, a.ts, std::string(phase::kProcessBootstrap), Kind::kPhase});
+        if (!has_bootstrap) {
+          items.push_back(
+              {*ra.proc_start, a.ts, std::string(phase::kProcessBootstrap), Kind::kPhase, Layer::kFiller});
+        }
       }
       int64_t attempt_max = INT64_MIN;
       for (const auto& s : a.steps) {
         bool wasted = s.n <= high_water;
         items.push_back({s.b, s.e, std::string(wasted ? phase::kWastedTraining : phase::kTraining),
-                         wasted ? Kind::kWasted : Kind::kTraining});
+                         wasted ? Kind::kWasted : Kind::kTraining, Layer::kStep});
         attempt_max = std::max(attempt_max, s.n);
       }
       auto flat = flatten(std::move(items), ra.begin, ra.end);
