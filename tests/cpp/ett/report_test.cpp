@@ -278,6 +278,34 @@ TEST(Report, AProcessStartBeforeThePreviousAttemptEndedDoesNotReachBackIntoIt) {
   EXPECT_NEAR(bucket_sum(r), 100.0, 1e-9);
 }
 
+TEST(Report, ACrashLoopRecoversAtTheFirstAttemptThatTrainsAgain) {
+  TempDir dir;
+  LedgerFile f(dir, 0);
+  // Attempt 0 trains and is killed; attempts 1-3 die in start-up; attempt 4 trains again. (The recovering
+  // attempt is now found by a search over attempt ranges instead of a scan of every later attempt.)
+  f.attempt(0, 0).step(1, 0, 10).hb(10);
+  f.attempt(1, 12).phase("compile", 12, 14).hb(14);
+  f.attempt(2, 16).phase("compile", 16, 18).hb(18);
+  f.attempt(3, 20).phase("compile", 20, 22).hb(22);
+  f.attempt(4, 24).phase("compile", 24, 26).step(2, 26, 36).end(36);
+  auto r = report(dir);
+  ASSERT_EQ(r["failures"], 4);
+  const auto& rec = r["recoveries"];
+  for (int k = 0; k < 3; ++k) {  // each start-up failure ends the previous window unrecovered
+    EXPECT_FALSE(rec[k]["recovered"]) << k;
+    EXPECT_TRUE(rec[k]["resumed_attempt"].is_null()) << k;
+  }
+  EXPECT_TRUE(rec[3]["recovered"]);
+  EXPECT_EQ(rec[3]["resumed_attempt"], 4);
+  EXPECT_EQ(rec[3]["resumed_us"], s(26));
+  EXPECT_DOUBLE_EQ(rec[3]["total_s"], 26.0 - 22.0);
+  EXPECT_DOUBLE_EQ(rec[0]["total_s"], 14.0 - 10.0);
+  EXPECT_DOUBLE_EQ(rec[0]["breakdown"]["detect_and_teardown"], 2.0);
+  EXPECT_DOUBLE_EQ(rec[0]["breakdown"]["compile"], 2.0);
+  EXPECT_EQ(r["rank_skew"]["attempt_start_skew_s"].size(), 5u);
+  EXPECT_NEAR(bucket_sum(r), 100.0, 1e-9);
+}
+
 TEST(Report, SummaryMatchesTheJson) {
   TempDir dir;
   LedgerFile f(dir, 0);
