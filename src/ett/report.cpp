@@ -1,9 +1,9 @@
 // The ETT report: ledger records -> per-rank timelines -> one job timeline -> buckets and metrics.
 //
 // 1. Per rank and attempt, the recorded intervals (phases, steps) are flattened into non-overlapping
-//    segments: where intervals nest, the one that began last wins (a checkpoint_blocking phase inside a
-//    step is checkpoint time, not training). Uncovered time is "unattributed", or "lost_in_flight" after
-//    the last record of an attempt that failed.
+//    segments: a phase wins over a step (a checkpoint_blocking phase inside a step is checkpoint time, not
+//    training), and among overlapping phases (or steps) the one that ends first wins (see flatten()).
+//    Uncovered time is "unattributed", or "lost_in_flight" after the last record of an attempt that failed.
 // 2. Steps at or below the step high-water mark of the rank's earlier attempts are wasted_training.
 // 3. Each segment gets a bucket. Time in a recovery attempt (one that follows a failed attempt) before the
 //    job trains again is failure time (Time to Recover), whatever the phase; otherwise phases are idle.
