@@ -35,8 +35,10 @@ def write_step_ledger(run_dir: str, steps: int) -> None:
         if n % 100 == 0:
             lines.append('{"v":1,"t":"hb","ts":%d}' % t)
         if n % 1000 == 0:
-            lines.append('{"v":1,"t":"phase","name":"checkpoint_blocking","b":%d,"e":%d,"step":%d}' % (t - 2000, t, n))
-            lines.append('{"v":1,"t":"bg","name":"checkpoint_persist","b":%d,"e":%d,"step":%d}' % (t, t + 50000, n))
+            lines.append('{"v":1,"t":"phase","name":"checkpoint_blocking","b":%d,"e":%d,"step":%d}'
+                         % (t - 2000, t, n))
+            lines.append('{"v":1,"t":"bg","name":"checkpoint_persist","b":%d,"e":%d,"step":%d}'
+                         % (t, t + 50000, n))
     lines.append('{"v":1,"t":"end","ts":%d,"status":"clean","detail":""}' % t)
     with open(os.path.join(run_dir, "ett", "rank-0.jsonl"), "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -74,7 +76,8 @@ def timed_cli(args: list[str], pythonpath: str | None) -> tuple[float, float, fl
     wall = re.search(r"Elapsed \(wall clock\) time.*: (?:(\d+):)?(\d+):([\d.]+)", p.stderr)
     h, m, sec = wall.groups()
     rss_kb = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", p.stderr).group(1))
-    cpu = sum(float(re.search(rf"{kind} time \(seconds\): ([\d.]+)", p.stderr).group(1)) for kind in ("User", "System"))
+    cpu = sum(float(re.search(rf"{kind} time \(seconds\): ([\d.]+)", p.stderr).group(1))
+              for kind in ("User", "System"))
     return int(h or 0) * 3600 + int(m) * 60 + float(sec), cpu, rss_kb / 1024
 
 

@@ -14,8 +14,8 @@ def _report(args: argparse.Namespace) -> int:
     try:
         # The trace is streamed by the C++ report while it is built; only the plot needs the timelines here.
         report = build_report(args.run_dir, include_initial_queue=args.include_initial_queue,
-                              mtbf_prior_s=args.mtbf_prior, method=args.method, include_timeline=bool(args.plot),
-                              trace_path=args.trace)
+                              mtbf_prior_s=args.mtbf_prior, method=args.method,
+                              include_timeline=bool(args.plot), trace_path=args.trace)
     except (errors.Error, OSError) as e:
         print(f"ettkit report: error: {e}", file=sys.stderr)
         return 2

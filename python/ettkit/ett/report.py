@@ -26,5 +26,9 @@ def build_report(run_dir: str | os.PathLike, *, include_initial_queue: bool = Fa
     text = _C.ett.build_report_json(os.fspath(run_dir), include_initial_queue=include_initial_queue,
                                     mtbf_prior_s=float(mtbf_prior_s), method=method,
                                     include_timeline=include_timeline,
-                                    chrome_trace_path="" if trace_path is None else os.path.abspath(trace_path))
+                                    chrome_trace_path=_trace_path(trace_path))
     return json.loads(text)
+
+
+def _trace_path(path: str | os.PathLike | None) -> str:
+    return "" if path is None else os.path.abspath(path)
