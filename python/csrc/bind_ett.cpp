@@ -138,17 +138,18 @@ void bind_ett(py::module_& m) {
   m.def(
       "build_report_json",
       [](const std::string& run_dir, bool include_initial_queue, double mtbf_prior_s, const std::string& method,
-         bool include_timeline) {
+         bool include_timeline, const std::string& chrome_trace_path) {
         ett::ReportOptions o;
         o.include_initial_queue = include_initial_queue;
         o.mtbf_prior_s = mtbf_prior_s;
         o.method = ett::parse_interval_method(method);
         o.include_timeline = include_timeline;
+        o.chrome_trace_path = chrome_trace_path;
         py::gil_scoped_release release;
         return ett::build_report_json(run_dir, o);
       },
       py::arg("run_dir"), py::kw_only(), py::arg("include_initial_queue") = false, py::arg("mtbf_prior_s") = 0.0,
-      py::arg("method") = "young", py::arg("include_timeline") = true);
+      py::arg("method") = "young", py::arg("include_timeline") = true, py::arg("chrome_trace_path") = "");
 
   m.def(
       "recommend_interval",

@@ -11,17 +11,14 @@ def _report(args: argparse.Namespace) -> int:
     from . import errors
     from .ett import build_report, format_report
 
-    needs_timeline = bool(args.trace or args.plot)
     try:
+        # The trace is streamed by the C++ report while it is built; only the plot needs the timelines here.
         report = build_report(args.run_dir, include_initial_queue=args.include_initial_queue,
-                              mtbf_prior_s=args.mtbf_prior, method=args.method, include_timeline=needs_timeline)
+                              mtbf_prior_s=args.mtbf_prior, method=args.method,
+                              include_timeline=bool(args.plot), trace_path=args.trace)
     except (errors.Error, OSError) as e:
         print(f"ettkit report: error: {e}", file=sys.stderr)
         return 2
-    if args.trace:
-        from .ett.trace import write_chrome_trace
-
-        write_chrome_trace(report, args.trace)
     if args.prometheus:
         from .ett.prometheus import write_prometheus
 

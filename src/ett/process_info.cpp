@@ -1,5 +1,6 @@
 #include "ett/process_info.h"
 
+#include <time.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -9,9 +10,19 @@
 
 namespace ettkit::ett::detail {
 
+namespace {
+
+int64_t clock_ns(clockid_t clock) {
+  timespec t{};
+  clock_gettime(clock, &t);
+  return static_cast<int64_t>(t.tv_sec) * 1'000'000'000 + t.tv_nsec;
+}
+
+}  // namespace
+
 std::optional<int64_t> process_start_epoch_us() {
-  // /proc/self/stat field 22 is the start time in clock ticks after boot; /proc/stat's btime is the boot
-  // time in epoch seconds. The command name (field 2) may contain spaces, so parse after its ')'.
+  // /proc/self/stat field 22 is the start time in clock ticks after boot (on CLOCK_BOOTTIME). The command
+  // name (field 2) may contain spaces, so parse after its ')'.
   std::ifstream stat("/proc/self/stat");
   std::string line;
   if (!stat || !std::getline(stat, line)) return std::nullopt;
@@ -24,17 +35,12 @@ std::optional<int64_t> process_start_epoch_us() {
     if (!(fields >> field)) return std::nullopt;
   }
   long long start_ticks = std::strtoll(field.c_str(), nullptr, 10);
-  std::ifstream proc_stat("/proc/stat");
-  long long btime = -1;
-  while (std::getline(proc_stat, line)) {
-    if (line.rfind("btime ", 0) == 0) {
-      btime = std::strtoll(line.c_str() + 6, nullptr, 10);
-      break;
-    }
-  }
   long ticks_per_s = sysconf(_SC_CLK_TCK);
-  if (btime < 0 || ticks_per_s <= 0) return std::nullopt;
-  return static_cast<int64_t>(btime) * 1000000 + static_cast<int64_t>(start_ticks) * 1000000 / ticks_per_s;
+  if (ticks_per_s <= 0) return std::nullopt;
+  // The boot time in epoch nanoseconds, from two clocks read now. /proc/stat's btime is whole seconds, which
+  // put every process start up to 1 s early: before the end of the previous attempt it followed.
+  const int64_t boot_epoch_ns = clock_ns(CLOCK_REALTIME) - clock_ns(CLOCK_BOOTTIME);
+  return boot_epoch_ns / 1000 + static_cast<int64_t>(start_ticks) * 1000000 / ticks_per_s;
 }
 
 std::string host_name() {

@@ -7,8 +7,9 @@
 
 namespace ettkit::ett::detail {
 
-/// When this process started, in UTC epoch microseconds (from /proc: boot time + start ticks; 10 ms
-/// resolution). std::nullopt where /proc is unavailable.
+/// When this process started (was forked), in UTC epoch microseconds: the boot time (CLOCK_REALTIME minus
+/// CLOCK_BOOTTIME) plus the start ticks from /proc; one clock tick (10 ms) resolution, never later than the
+/// actual start. std::nullopt where /proc is unavailable.
 std::optional<int64_t> process_start_epoch_us();
 
 /// The host name (empty on failure).

@@ -1,9 +1,9 @@
 // The ETT report: ledger records -> per-rank timelines -> one job timeline -> buckets and metrics.
 //
 // 1. Per rank and attempt, the recorded intervals (phases, steps) are flattened into non-overlapping
-//    segments: where intervals nest, the one that began last wins (a checkpoint_blocking phase inside a
-//    step is checkpoint time, not training). Uncovered time is "unattributed", or "lost_in_flight" after
-//    the last record of an attempt that failed.
+//    segments: a phase wins over a step (a checkpoint_blocking phase inside a step is checkpoint time, not
+//    training), and among overlapping phases (or steps) the one that ends first wins (see flatten()).
+//    Uncovered time is "unattributed", or "lost_in_flight" after the last record of an attempt that failed.
 // 2. Steps at or below the step high-water mark of the rank's earlier attempts are wasted_training.
 // 3. Each segment gets a bucket. Time in a recovery attempt (one that follows a failed attempt) before the
 //    job trains again is failure time (Time to Recover), whatever the phase; otherwise phases are idle.
@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "common/logging.h"
+#include "ett/chrome_trace.h"
 #include "ett/ledger_reader.h"
 #include "ettkit/common/error.h"
 #include "ettkit/ett/interval.h"
@@ -72,6 +73,12 @@ struct Segment {
 
 struct RankAttempt {
   const AttemptLedger* ledger = nullptr;
+  std::optional<int64_t> proc_start;          // the ledger's, raised to process_start_floor
+  int64_t process_start_floor = INT64_MIN;  // see process_start_floor()
+  // A phase's begin; process_bootstrap begins at proc_start, so it is raised to the same floor.
+  int64_t phase_begin(const detail::PhaseRecord& p, const std::vector<std::string>& names) const {
+    return names[p.name] == phase::kProcessBootstrap ? std::max(p.b, process_start_floor) : p.b;
+  }
   int64_t begin = 0;        // earliest record (scheduling included)
   int64_t alloc_begin = 0;  // earliest record excluding scheduling
   int64_t end = 0;
@@ -80,6 +87,17 @@ struct RankAttempt {
   std::optional<int64_t> first_training;
   std::vector<Segment> segments;
 };
+
+// The earliest time an attempt's process can have started, given that the same rank's previous attempt
+// ended at `previous_end`. On one rank, attempts are consecutive processes. proc_start, from /proc, has
+// clock-tick resolution (10 ms), and ledgers of earlier ettkit versions took the boot time in whole seconds
+// (up to 1 s early). A process start before the previous attempt's end is that imprecision, so the start is
+// raised to that end; otherwise this attempt's process_bootstrap would cover the end of the previous attempt
+// and, as recovery time, override it in the job view. Only when the attempt's own recorder start (ts) is
+// after that end: otherwise the two attempts' clocks disagree and nothing is moved (see e2e_begin_of).
+int64_t process_start_floor(const AttemptLedger& a, int64_t previous_end) {
+  return a.proc_start && *a.proc_start < previous_end && previous_end <= a.ts ? previous_end : INT64_MIN;
+}
 
 struct JobAttempt {
   int attempt = 0;
@@ -118,14 +136,25 @@ std::string exception_type_of(const std::string& detail) {
   return sep == std::string::npos ? detail : detail.substr(0, sep);
 }
 
-// Flattens labelled intervals into non-overlapping segments within [lo, hi]; uncovered time gets
-// `gap_name`/`gap_kind`. Among intervals covering a point, the latest begin wins (ties: earliest end).
+// Which records take precedence where records of one rank overlap (docs/ett.md §4): a recorded phase over
+// a step (a step is only the time between two marks, so whatever is recorded inside it is carved out),
+// and a step over the report's own start-up fillers (worker_spawn, a derived process_bootstrap), which
+// stand for time that nothing recorded covers.
+enum class Layer : uint8_t { kFiller = 0, kStep = 1, kPhase = 2 };
+
 struct Labelled {
   int64_t b, e;
   std::string name;
   Kind kind;
+  Layer layer;
 };
 
+// Flattens labelled intervals into non-overlapping segments within [lo, hi]; uncovered time gets the name
+// "unattributed". At each instant the covering interval of the highest layer wins; within a layer, the one
+// that ends first, then the one that began last, then the one listed first. Ending first makes the
+// innermost of nested intervals win (a checkpoint inside a step, a sub-stage inside launcher_init), and
+// of two concurrent intervals that overlap without nesting, the one that started first keeps its time until
+// it ends: a stage is never cut short by one that started after it and outlived it.
 std::vector<Segment> flatten(std::vector<Labelled> items, int64_t lo, int64_t hi) {
   std::vector<Segment> out;
   if (hi <= lo) return out;
@@ -134,7 +163,8 @@ std::vector<Segment> flatten(std::vector<Labelled> items, int64_t lo, int64_t hi
     it.e = std::clamp(it.e, lo, hi);
   }
   std::erase_if(items, [](const Labelled& l) { return l.e <= l.b; });
-  std::sort(items.begin(), items.end(), [](const Labelled& x, const Labelled& y) { return x.b < y.b; });
+  // Stable: "listed first" (file order) stays the last tie-break.
+  std::stable_sort(items.begin(), items.end(), [](const Labelled& x, const Labelled& y) { return x.b < y.b; });
   std::vector<int64_t> points;
   points.reserve(items.size() * 2 + 2);
   points.push_back(lo);
@@ -145,16 +175,22 @@ std::vector<Segment> flatten(std::vector<Labelled> items, int64_t lo, int64_t hi
   }
   std::sort(points.begin(), points.end());
   points.erase(std::unique(points.begin(), points.end()), points.end());
-  auto cmp = [&](size_t x, size_t y) {
-    if (items[x].b != items[y].b) return items[x].b < items[y].b;  // max-heap: latest begin on top
-    return items[x].e > items[y].e;                                // then the innermost (earliest end)
+  // std::priority_queue puts the "largest" on top: `outranked(x, y)` says y wins over x.
+  auto outranked = [&](size_t x, size_t y) {
+    const Labelled& a = items[x];
+    const Labelled& b = items[y];
+    if (a.layer != b.layer) return a.layer < b.layer;
+    if (a.e != b.e) return a.e > b.e;
+    if (a.b != b.b) return a.b < b.b;
+    return x > y;
   };
-  std::priority_queue<size_t, std::vector<size_t>, decltype(cmp)> active(cmp);
+  std::priority_queue<size_t, std::vector<size_t>, decltype(outranked)> active(outranked);
   size_t next = 0;
   for (size_t i = 0; i + 1 < points.size(); ++i) {
     int64_t p = points[i];
     int64_t q = points[i + 1];
     while (next < items.size() && items[next].b <= p) active.push(next++);
+    // Lazy deletion: an interval that ended is dropped once it reaches the top.
     while (!active.empty() && items[active.top()].e <= p) active.pop();
     Segment seg{p, q, "", Kind::kUnattributed};
     if (!active.empty()) {
@@ -206,6 +242,119 @@ int64_t e2e_begin_of(const std::map<int, JobAttempt>& jobs, const ReportOptions&
   return begin;
 }
 
+// The first attempt after a failed one whose job first trains after the failure point: where a failure
+// is recovered. A sparse table of the maximum first-training time over attempt ranges turns each question
+// into a binary search: O(log A) instead of a scan of the later attempts (quadratic in a crash loop).
+class NextTraining {
+ public:
+  explicit NextTraining(const std::map<int, JobAttempt>& jobs) {
+    std::vector<int64_t> first_training;
+    for (const auto& [n, job] : jobs) {
+      numbers_.push_back(n);
+      first_training.push_back(job.first_training.value_or(INT64_MIN));
+    }
+    table_.push_back(std::move(first_training));
+    for (size_t width = 1; 2 * width <= numbers_.size(); width *= 2) {
+      const auto& prev = table_.back();
+      std::vector<int64_t> level(numbers_.size() - 2 * width + 1);
+      for (size_t i = 0; i < level.size(); ++i) level[i] = std::max(prev[i], prev[i + width]);
+      table_.push_back(std::move(level));
+    }
+  }
+
+  /// The number of the first attempt after `attempt` that first trains later than `t`, or -1.
+  int after(int attempt, int64_t t) const {
+    size_t lo = std::upper_bound(numbers_.begin(), numbers_.end(), attempt) - numbers_.begin();
+    if (lo == numbers_.size() || range_max(lo, numbers_.size()) <= t) return -1;
+    // Invariant: the range [lo, hi) holds such an attempt; narrow it to its first one.
+    size_t hi = numbers_.size();
+    while (hi - lo > 1) {
+      size_t mid = lo + (hi - lo) / 2;
+      if (range_max(lo, mid) > t) {
+        hi = mid;
+      } else {
+        lo = mid;
+      }
+    }
+    return numbers_[lo];
+  }
+
+ private:
+  // Maximum first-training time of the attempts [lo, hi), hi > lo: two overlapping power-of-two windows.
+  int64_t range_max(size_t lo, size_t hi) const {
+    size_t level = 0;
+    while ((size_t{2} << level) <= hi - lo) ++level;
+    return std::max(table_[level][lo], table_[level][hi - (size_t{1} << level)]);
+  }
+
+  std::vector<int> numbers_;                 // attempt numbers, ascending
+  std::vector<std::vector<int64_t>> table_;  // table_[k][i]: max first training of attempts [i, i + 2^k)
+};
+
+// Streams the Chrome trace (docs/ett.md §9) from the analysis' segments, in the layout of
+// python/ettkit/ett/trace.py: a process per rank (thread 0 its segments, thread 1 its background records),
+// one for the job, attempt markers and the ETT% counter. Nothing of the timeline is copied: a 10^6-step
+// report writes its trace in bounded memory.
+void stream_chrome_trace(const std::string& path, const std::string& run_dir, int job_pid, int64_t origin,
+                         int64_t e2e_end, double ett_pct, const std::map<int, std::vector<RankAttempt>>& per_rank,
+                         const std::vector<Segment>& job_timeline, const std::map<int, JobAttempt>& jobs,
+                         const std::vector<std::string>& names) {
+  detail::ChromeTraceFile out(path);
+  for (const auto& [rank, vec] : per_rank) {
+    out.process(rank, "rank " + std::to_string(rank));
+    out.thread(rank, 0, "phases");
+    out.thread(rank, 1, "background");
+  }
+  out.process(job_pid, "job");
+  out.thread(job_pid, 0, "phases");
+
+  // Each track in time order; attempts are in file order, which a clock reset can make differ.
+  for (const auto& [rank, vec] : per_rank) {
+    std::vector<const Segment*> track;
+    for (const auto& ra : vec) {
+      for (const auto& seg : ra.segments) track.push_back(&seg);
+    }
+    std::stable_sort(track.begin(), track.end(), [](const Segment* x, const Segment* y) { return x->b < y->b; });
+    for (const Segment* seg : track) {
+      const char* bucket = bucket_name(seg->bucket);
+      out.complete(rank, 0, seg->name, bucket, seg->b - origin, seg->e - seg->b, seg->attempt, bucket, std::nullopt);
+    }
+  }
+  for (const auto& [rank, vec] : per_rank) {
+    std::vector<std::pair<const detail::PhaseRecord*, int>> track;  // (record, attempt)
+    for (const auto& ra : vec) {
+      for (const auto& p : ra.ledger->background) track.emplace_back(&p, ra.ledger->attempt);
+    }
+    std::stable_sort(track.begin(), track.end(), [](const auto& x, const auto& y) { return x.first->b < y.first->b; });
+    for (const auto& [p, attempt] : track) {
+      out.complete(rank, 1, names[p->name], "background", p->b - origin, p->e - p->b, attempt, "",
+                   p->step >= 0 ? std::optional<int64_t>(p->step) : std::nullopt);
+    }
+  }
+  for (const auto& seg : job_timeline) {
+    const char* bucket = bucket_name(seg.bucket);
+    out.complete(job_pid, 0, seg.name, bucket, seg.b - origin, seg.e - seg.b, seg.attempt, bucket, std::nullopt);
+  }
+  for (const auto& [n, job] : jobs) {
+    std::vector<int> pids = job.ranks;
+    pids.push_back(job_pid);
+    const json begin_args = {{"attempt", n}};
+    const json end_args = {{"attempt", n},
+                           {"status", job.status},
+                           {"exception_type", job.exception_type.empty() ? json(nullptr) : json(job.exception_type)},
+                           {"detail", job.detail.empty() ? json(nullptr) : json(job.detail)}};
+    const std::string begin_text = begin_args.dump(-1, ' ', false, json::error_handler_t::replace);
+    const std::string end_text = end_args.dump(-1, ' ', false, json::error_handler_t::replace);
+    const std::string begin_name = "attempt " + std::to_string(n) + " begin";
+    const std::string end_name = "attempt " + std::to_string(n) + " end (" + job.status + ")";
+    for (int pid : pids) out.instant(pid, 0, begin_name, "attempt", job.begin - origin, begin_text);
+    for (int pid : pids) out.instant(pid, 0, end_name, "attempt", job.end - origin, end_text);
+  }
+  out.counter(job_pid, 0, "ETT%", e2e_end - origin, ett_pct);
+  const json other = {{"run_dir", run_dir}, {"e2e_begin_us", origin}, {"ett_pct", ett_pct}};
+  out.commit(other.dump(-1, ' ', false, json::error_handler_t::replace));
+}
+
 struct Analysis {
   json doc;
   ReportSummary summary;
@@ -223,15 +372,19 @@ Analysis analyse(const LedgerSet& set, const std::string& run_dir, const ReportO
     for (const auto& a : rl.attempts) {
       RankAttempt ra;
       ra.ledger = &a;
+      ra.proc_start = a.proc_start;
+      if (!vec.empty()) ra.process_start_floor = process_start_floor(a, vec.back().end);
+      if (ra.proc_start) ra.proc_start = std::max(*ra.proc_start, ra.process_start_floor);
       int64_t begin = a.ts;
       int64_t alloc = a.ts;
-      if (a.proc_start) {
-        begin = std::min(begin, *a.proc_start);
-        alloc = std::min(alloc, *a.proc_start);
+      if (ra.proc_start) {
+        begin = std::min(begin, *ra.proc_start);
+        alloc = std::min(alloc, *ra.proc_start);
       }
       for (const auto& p : a.phases) {
-        begin = std::min(begin, p.b);
-        if (names[p.name] != kScheduling) alloc = std::min(alloc, p.b);
+        const int64_t b = ra.phase_begin(p, names);
+        begin = std::min(begin, b);
+        if (names[p.name] != kScheduling) alloc = std::min(alloc, b);
       }
       for (const auto& s : a.steps) begin = std::min(begin, s.b);
       ra.begin = begin;
@@ -264,8 +417,6 @@ Analysis analyse(const LedgerSet& set, const std::string& run_dir, const ReportO
       }
     }
   }
-  std::vector<int> attempt_numbers;
-  for (const auto& [n, job] : jobs) attempt_numbers.push_back(n);
   auto previous_failed = [&](int attempt) {
     auto it = jobs.find(attempt);
     if (it == jobs.begin() || it == jobs.end()) return false;
@@ -284,23 +435,26 @@ Analysis analyse(const LedgerSet& set, const std::string& run_dir, const ReportO
         Kind kind = n == phase::kTraining ? Kind::kTraining
                     : n == phase::kWastedTraining ? Kind::kWasted
                                                   : Kind::kPhase;
-        items.push_back({p.b, p.e, n, kind});
+        items.push_back({ra.phase_begin(p, names), p.e, n, kind, Layer::kPhase});
       }
       // Time between the launcher's phases (allocation) and this process's exec is the launcher's own
       // start-up (torchrun agent, rendezvous, spawning workers); launcher phases override where they lie.
-      if (a.proc_start && *a.proc_start > ra.begin) {
-        items.push_back({ra.begin, *a.proc_start, std::string(phase::kWorkerSpawn), Kind::kPhase});
+      if (ra.proc_start && *ra.proc_start > ra.begin) {
+        items.push_back({ra.begin, *ra.proc_start, std::string(phase::kWorkerSpawn), Kind::kPhase, Layer::kFiller});
       }
-      if (a.proc_start && *a.proc_start < a.ts) {
+      if (ra.proc_start && *ra.proc_start < a.ts) {
         bool has_bootstrap = false;
         for (const auto& p : a.phases) has_bootstrap = has_bootstrap || names[p.name] == phase::kProcessBootstrap;
-        if (!has_bootstrap) items.push_back({*a.proc_start, a.ts, std::string(phase::kProcessBootstrap), Kind::kPhase});
+        if (!has_bootstrap) {
+          items.push_back(
+              {*ra.proc_start, a.ts, std::string(phase::kProcessBootstrap), Kind::kPhase, Layer::kFiller});
+        }
       }
       int64_t attempt_max = INT64_MIN;
       for (const auto& s : a.steps) {
         bool wasted = s.n <= high_water;
         items.push_back({s.b, s.e, std::string(wasted ? phase::kWastedTraining : phase::kTraining),
-                         wasted ? Kind::kWasted : Kind::kTraining});
+                         wasted ? Kind::kWasted : Kind::kTraining, Layer::kStep});
         attempt_max = std::max(attempt_max, s.n);
       }
       auto flat = flatten(std::move(items), ra.begin, ra.end);
@@ -415,9 +569,20 @@ Analysis analyse(const LedgerSet& set, const std::string& run_dir, const ReportO
   };
   std::priority_queue<const Segment*, std::vector<const Segment*>, decltype(cmp)> active(cmp);
   std::vector<Segment> job_timeline;
+  // For time no rank covers: the highest-numbered attempt that has ended by p. p only grows, so one sweep
+  // over the attempts in end order answers every point (a scan of all attempts per point was quadratic).
+  std::vector<std::pair<int64_t, int>> ends;  // (end, attempt)
+  ends.reserve(jobs.size());
+  for (const auto& [n, job] : jobs) ends.emplace_back(job.end, n);
+  std::sort(ends.begin(), ends.end());
+  size_t ended = 0;
+  int prev_attempt = -1;
   size_t next = 0;
   for (size_t i = 0; i + 1 < points.size(); ++i) {
     int64_t p = points[i], q = points[i + 1];
+    for (; ended < ends.size() && ends[ended].first <= p; ++ended) {
+      prev_attempt = std::max(prev_attempt, ends[ended].second);
+    }
     while (next < all.size() && all[next]->b <= p) {
       active.push(all[next++]);
     }
@@ -432,11 +597,7 @@ Analysis analyse(const LedgerSet& set, const std::string& run_dir, const ReportO
       seg.bucket = top->bucket;
       seg.attempt = top->attempt;
     } else {
-      // Between attempts: which attempt ended last before p?
-      int prev_attempt = -1;
-      for (const auto& [n, job] : jobs) {
-        if (job.end <= p) prev_attempt = n;
-      }
+      // Between attempts: did the attempt that ended last before p fail?
       bool after_failure = prev_attempt >= 0 && jobs[prev_attempt].failed;
       seg.name = std::string(after_failure ? phase::kDetectAndTeardown : phase::kRestartGap);
       seg.bucket = after_failure ? Bucket::kFailure : Bucket::kIdle;
@@ -501,6 +662,11 @@ Analysis analyse(const LedgerSet& set, const std::string& run_dir, const ReportO
     if (job.failed) failure_points.emplace_back(*job.failure_point, n);
   }
   std::sort(failure_points.begin(), failure_points.end());
+  const NextTraining next_training(jobs);
+  std::map<int, int64_t> wasted_us_by_attempt;  // job-timeline re-training per attempt
+  for (const auto& seg : job_timeline) {
+    if (seg.kind == Kind::kWasted) wasted_us_by_attempt[seg.attempt] += seg.e - seg.b;
+  }
   for (size_t k = 0; k < failure_points.size(); ++k) {
     auto [f, attempt] = failure_points[k];
     const JobAttempt& job = jobs[attempt];
@@ -508,14 +674,8 @@ Analysis analyse(const LedgerSet& set, const std::string& run_dir, const ReportO
     std::string category = job.status == "exception" ? "exception:" + job.exception_type : job.status;
     failures_by_category[category]++;
     std::optional<int64_t> resumed;
-    int resumed_attempt = -1;
-    for (const auto& [m, later] : jobs) {
-      if (m > attempt && later.first_training && *later.first_training > f) {
-        resumed = later.first_training;
-        resumed_attempt = m;
-        break;
-      }
-    }
+    const int resumed_attempt = next_training.after(attempt, f);
+    if (resumed_attempt >= 0) resumed = jobs.at(resumed_attempt).first_training;
     int64_t stop = resumed ? *resumed : e2e_end;
     bool recovered = resumed.has_value();
     if (k + 1 < failure_points.size() && failure_points[k + 1].first < stop) {
@@ -523,15 +683,17 @@ Analysis analyse(const LedgerSet& set, const std::string& run_dir, const ReportO
       recovered = false;
     }
     std::map<std::string, int64_t> breakdown_us;
-    for (const auto& seg : job_timeline) {
-      int64_t b = std::max(seg.b, f), e = std::min(seg.e, stop);
-      if (e > b) breakdown_us[top_level_phase(seg.name)] += e - b;
+    // The job timeline is sorted and gap-free: start at the segment that contains f.
+    auto first = std::upper_bound(job_timeline.begin(), job_timeline.end(), f,
+                                  [](int64_t t, const Segment& seg) { return t < seg.e; });
+    for (auto it = first; it != job_timeline.end() && it->b < stop; ++it) {
+      int64_t b = std::max(it->b, f), e = std::min(it->e, stop);
+      if (e > b) breakdown_us[top_level_phase(it->name)] += e - b;
     }
     int64_t retrain_us = 0;
     if (recovered) {
-      for (const auto& seg : job_timeline) {
-        if (seg.attempt == resumed_attempt && seg.kind == Kind::kWasted) retrain_us += seg.e - seg.b;
-      }
+      auto w = wasted_us_by_attempt.find(resumed_attempt);
+      if (w != wasted_us_by_attempt.end()) retrain_us = w->second;
     }
     json breakdown = json::object();
     for (const auto& [name, us] : breakdown_us) breakdown[name] = seconds(us);
@@ -736,18 +898,19 @@ Analysis analyse(const LedgerSet& set, const std::string& run_dir, const ReportO
     auto [mn, mx] = std::minmax_element(v.begin(), v.end());
     skew_phases[name] = {{"min", *mn}, {"median", median(v)}, {"max", *mx}, {"skew_s", *mx - *mn}};
   }
-  json start_skew = json::array();
-  for (const auto& n : attempt_numbers) {
-    int64_t lo = INT64_MAX, hi = INT64_MIN;
-    for (const auto& [rank, vec] : per_rank) {
-      for (const auto& ra : vec) {
-        if (ra.ledger->attempt != n) continue;
-        lo = std::min(lo, ra.ledger->ts);
-        hi = std::max(hi, ra.ledger->ts);
+  // Spread of Recorder start times per attempt, in one pass over all rank attempts.
+  std::map<int, std::pair<int64_t, int64_t>> start_range;  // attempt -> (earliest ts, latest ts)
+  for (const auto& [rank, vec] : per_rank) {
+    for (const auto& ra : vec) {
+      auto [it, inserted] = start_range.try_emplace(ra.ledger->attempt, ra.ledger->ts, ra.ledger->ts);
+      if (!inserted) {
+        it->second.first = std::min(it->second.first, ra.ledger->ts);
+        it->second.second = std::max(it->second.second, ra.ledger->ts);
       }
     }
-    start_skew.push_back(seconds(hi - lo));
   }
+  json start_skew = json::array();
+  for (const auto& [n, range] : start_range) start_skew.push_back(seconds(range.second - range.first));
 
   // ---- 9. the document -----------------------------------------------------------------------------------
   json phases = json::object(), phase_buckets = json::object(), substages = json::object();
@@ -817,6 +980,10 @@ Analysis analyse(const LedgerSet& set, const std::string& run_dir, const ReportO
                    {"orphan_records", set.orphan_records},
                    {"dropped_events", dropped},
                    {"warnings", warnings}};
+  if (!options.chrome_trace_path.empty()) {
+    stream_chrome_trace(options.chrome_trace_path, run_dir, doc["world_size"].get<int>(), e2e_begin, e2e_end,
+                        doc["ett_pct"].get<double>(), per_rank, job_timeline, jobs, names);
+  }
   if (options.include_timeline) {
     json timeline = json::array();
     json background = json::array();

@@ -1,5 +1,6 @@
 """`make demo` in its reduced size: both arms run under torchrun (2 gloo ranks), lose rank 1 to a SIGKILL,
-restart once and finish; their ETT reports are consistent and the ettkit arm's ETT% is higher.
+restart once and finish; their ETT reports are consistent, and the ettkit arm blocks less per save and
+restarts with a warm compile.
 
 About 2.5 minutes on the 2-core CI machine: each arm compiles its dense part in two attempts (the
 baseline cold twice, ettkit cold then warm from its compile cache)."""
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -86,11 +88,27 @@ def test_arms_differ_only_in_the_runtime(demo):
     assert e["checkpoints"]["durable_latency_median_s"] is not None
 
 
-def test_ettkit_arm_has_higher_ett(demo):
-    _, _, reports, stdout = demo
+def test_ettkit_arm_loses_less_time_where_the_runtime_acts(demo):
+    """Not `ettkit ETT% > baseline ETT%`: that flipped once under load. The arms run one after the other, so
+    CPU contention can land on one arm only, and at the quick size ETT% is mostly compile time (CPU-bound)
+    and step speed (a slower step counts as more effective time). Compared instead: what the runtime
+    changes, with margins far inside what load can move."""
+    out, _, reports, stdout = demo
     b, e = reports["baseline"], reports["ettkit"]
-    assert e["ett_pct"] > b["ett_pct"], (e["ett_pct"], b["ett_pct"])
-    # For real reasons: a warm compile on restart and less blocking.
-    assert e["time_to_recover_s"][0] < b["time_to_recover_s"][0]
-    assert e["checkpoint_blocking_s"]["measured"] < b["checkpoint_blocking_s"]["measured"]
+
+    # Saves: the ettkit arm blocks for the hand-over to the stager, the baseline for the whole write.
+    # Measured 0.015 s against 0.312 s per save at the quick size (21x; 0.9 s against 11.1 s in all at the
+    # full size, docs/demo.md): a factor of 4 fails if saving blocks on the write again, and no load that
+    # slows one arm's threads a few times over flips it.
+    def blocking_per_save(r):
+        return r["checkpoint_blocking_s"]["measured"] / r["checkpoints"]["count"]
+
+    assert b["checkpoints"]["count"] == e["checkpoints"]["count"] > 0
+    assert 4 * blocking_per_save(e) < blocking_per_save(b), (blocking_per_save(e), blocking_per_save(b))
+
+    # The restart: the ettkit arm compiles warm from its CompileCache (attempt 0 found none). A cache hit is
+    # a fact of the run, not a duration, so load cannot flip it; Time to Recover (13.9 s against 27.8 s
+    # measured) is mostly that compile.
+    log = (out / "ettkit" / "torchrun.log").read_text()
+    assert re.findall(r"start-up done: .*\bcache (\w+);", log) == ["miss", "hit"], log[-3000:]
     assert "ETT %" in stdout and "verdict:" in stdout

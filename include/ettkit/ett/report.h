@@ -23,8 +23,11 @@ struct ETTKIT_API ReportOptions {
   double mtbf_prior_s = 0.0;
   /// The method the headline recommendation uses.
   IntervalMethod method = IntervalMethod::kYoung;
-  /// Include the per-rank and job timelines (needed by the trace and plot exporters).
+  /// Include the per-rank and job timelines (needed by the Python trace and plot exporters).
   bool include_timeline = true;
+  /// When not empty, also write the report's Chrome trace to this file (atomically). It is streamed from
+  /// the analysis, event by event, so it needs neither include_timeline nor memory for the timeline.
+  std::string chrome_trace_path;
 };
 
 /// The headline numbers, for C++ trainers; the full report is the JSON.

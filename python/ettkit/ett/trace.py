@@ -12,6 +12,12 @@ The file loads in Perfetto (ui.perfetto.dev) and chrome://tracing. Layout:
 
 Timestamps are microseconds since the report's `e2e_begin_us`, so the run starts at 0; a segment that
 precedes it (the initial queue) has a negative `ts`.
+
+This module writes the trace of a report dict that holds the timelines. `python -m ettkit report --trace`
+(`build_report(..., trace_path=...)`) does not come through here: the C++ report streams the same events
+while it is built (`stream_chrome_trace` in src/ett/report.cpp), so a million-step trace never exists in
+memory. Change the layout in both places; test_ett_cli.py::test_streamed_trace_is_the_python_exporters_trace
+checks that the two event lists are equal.
 """
 
 from __future__ import annotations

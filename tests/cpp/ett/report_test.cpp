@@ -26,6 +26,10 @@ class LedgerFile {
   LedgerFile& attempt(int n, double ts) {
     return line({{"t", "attempt"}, {"attempt", n}, {"rank", rank_}, {"world", 2}, {"ts", s(ts)}});
   }
+  LedgerFile& attempt(int n, double ts, double proc_start) {
+    return line({{"t", "attempt"}, {"attempt", n}, {"rank", rank_}, {"world", 2}, {"ts", s(ts)},
+                 {"proc_start", s(proc_start)}});
+  }
   LedgerFile& phase(const std::string& name, double b, double e) {
     return line({{"t", "phase"}, {"name", name}, {"b", s(b)}, {"e", s(e)}});
   }
@@ -215,6 +219,91 @@ TEST(Report, AnAttemptWhoseClockStartsBeforeAttemptZeroStaysInE2EWithAWarning) {
       EXPECT_GE(a["time_to_start_s"].get<double>(), 0.0);
     }
   }
+}
+
+TEST(Report, ConcurrentStagesKeepTheirTimeUntilTheyEnd) {
+  TempDir dir;
+  LedgerFile f(dir, 0);
+  // The C++ example's start-up (seconds for ms): model and data are built concurrently, the restore
+  // follows the model, and launcher_init encloses them all. Data began after the model and outlived it;
+  // under "the latest begin wins" it took 15.6 of the model's 16 s.
+  f.attempt(0, 0)
+      .phase("train_module_creation", 4, 20)
+      .phase("checkpoint_restore", 20.5, 21.5)
+      .phase("get_first_batch_data", 4.4, 46)
+      .phase("launcher_init", 0, 52)
+      .step(1, 52, 62)
+      .end(62);
+  auto r = report(dir);
+  EXPECT_DOUBLE_EQ(r["substages"]["launcher_init/train_module_creation"], 16.0);  // its whole run
+  EXPECT_DOUBLE_EQ(r["phases"]["checkpoint_restore"], 1.0);                        // nested in data: all of it
+  EXPECT_DOUBLE_EQ(r["substages"]["launcher_init/get_first_batch_data"], 46.0 - 20.0 - 1.0);
+  EXPECT_DOUBLE_EQ(r["phases"]["launcher_init"], 52.0 - 1.0);  // sub-stages roll up; the restore does not
+  double total = 0;
+  for (const auto& [name, sec] : r["phases"].items()) total += sec.get<double>();
+  EXPECT_DOUBLE_EQ(total, r["e2e_s"].get<double>());
+  EXPECT_NEAR(bucket_sum(r), 100.0, 1e-9);
+}
+
+TEST(Report, APhaseTakesPrecedenceOverEveryStepItOverlaps) {
+  TempDir dir;
+  LedgerFile f(dir, 0);
+  // A GPU-timed eval that began in step 1 and ran past its mark into step 2.
+  f.attempt(0, 0).step(1, 0, 10).phase("eval", 8, 12).step(2, 10, 20).end(20);
+  auto r = report(dir);
+  EXPECT_DOUBLE_EQ(r["phases"]["eval"], 4.0);  // was 2: step 2, which began later, took 10..12
+  EXPECT_DOUBLE_EQ(r["phases"]["training"], 16.0);
+}
+
+TEST(Report, AProcessStartBeforeThePreviousAttemptEndedDoesNotReachBackIntoIt) {
+  TempDir dir;
+  LedgerFile f(dir, 0);
+  // Attempt 0 restores nothing (idle), trains and is killed at 6. Attempt 1's proc_start, taken with a
+  // boot time in whole seconds, reads 0.5: 5.5 s before attempt 0 ended. Its process_bootstrap, recovery
+  // time and so the most severe, covered attempt 0's restore and made the phase "failure" only.
+  f.attempt(0, 0).phase("checkpoint_restore", 1, 2).phase("launcher_init", 0, 3).step(1, 3, 6).hb(6);
+  f.attempt(1, 7, 0.5)
+      .phase("process_bootstrap", 0.5, 7)
+      .phase("checkpoint_restore", 8, 9)
+      .phase("launcher_init", 7, 9)
+      .step(1, 9, 12)
+      .end(12);
+  auto r = report(dir);
+  EXPECT_EQ(r["phase_buckets"]["checkpoint_restore"], "mixed");  // idle in attempt 0, failure in 1
+  EXPECT_DOUBLE_EQ(r["phases"]["checkpoint_restore"], 2.0);
+  EXPECT_EQ(r["attempts"][1]["begin_us"], s(6));
+  EXPECT_DOUBLE_EQ(r["substages"]["launcher_init/process_bootstrap"], 1.0);  // 6..7
+  EXPECT_DOUBLE_EQ(r["time_to_recover_s"][0], 9.0 - 6.0);
+  EXPECT_DOUBLE_EQ(r["e2e_s"], 12.0);
+  EXPECT_NEAR(bucket_sum(r), 100.0, 1e-9);
+}
+
+TEST(Report, ACrashLoopRecoversAtTheFirstAttemptThatTrainsAgain) {
+  TempDir dir;
+  LedgerFile f(dir, 0);
+  // Attempt 0 trains and is killed; attempts 1-3 die in start-up; attempt 4 trains again. (The recovering
+  // attempt is now found by a search over attempt ranges instead of a scan of every later attempt.)
+  f.attempt(0, 0).step(1, 0, 10).hb(10);
+  f.attempt(1, 12).phase("compile", 12, 14).hb(14);
+  f.attempt(2, 16).phase("compile", 16, 18).hb(18);
+  f.attempt(3, 20).phase("compile", 20, 22).hb(22);
+  f.attempt(4, 24).phase("compile", 24, 26).step(2, 26, 36).end(36);
+  auto r = report(dir);
+  ASSERT_EQ(r["failures"], 4);
+  const auto& rec = r["recoveries"];
+  for (int k = 0; k < 3; ++k) {  // each start-up failure ends the previous window unrecovered
+    EXPECT_FALSE(rec[k]["recovered"]) << k;
+    EXPECT_TRUE(rec[k]["resumed_attempt"].is_null()) << k;
+  }
+  EXPECT_TRUE(rec[3]["recovered"]);
+  EXPECT_EQ(rec[3]["resumed_attempt"], 4);
+  EXPECT_EQ(rec[3]["resumed_us"], s(26));
+  EXPECT_DOUBLE_EQ(rec[3]["total_s"], 26.0 - 22.0);
+  EXPECT_DOUBLE_EQ(rec[0]["total_s"], 14.0 - 10.0);
+  EXPECT_DOUBLE_EQ(rec[0]["breakdown"]["detect_and_teardown"], 2.0);
+  EXPECT_DOUBLE_EQ(rec[0]["breakdown"]["compile"], 2.0);
+  EXPECT_EQ(r["rank_skew"]["attempt_start_skew_s"].size(), 5u);
+  EXPECT_NEAR(bucket_sum(r), 100.0, 1e-9);
 }
 
 TEST(Report, SummaryMatchesTheJson) {
