@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import ettkit
+import ettkit.ett  # noqa: F401  (ettkit.ett is a submodule: import it, do not rely on another test)
 from ettkit.checkpoint import AsyncCheckpointer, DcpStager, parse_every
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "checkpoint_script.py")
