@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -357,16 +358,19 @@ def test_a_read_only_loader_never_fails_while_retention_runs(tmp_path):
         while not steps_on_disk(tmp_path) and time.monotonic() < deadline:
             time.sleep(0.01)
         loaded = []
-        with AsyncCheckpointer(tmp_path, recorder=None, read_only=True) as ck:
-            # At least 40 loads, and on until retention has moved at least once under the loader (bounded:
-            # how fast the writer advances depends on the machine's load, the loader's correctness not).
+        with AsyncCheckpointer(tmp_path, recorder=None, read_only=True) as ck, warnings.catch_warnings():
+            # Load while the writer commits and retires: every load must succeed, whatever it races, and a
+            # step retired under the loader is not reported as a corrupt one. On until retention has moved
+            # several times (bounded: how fast the writer advances depends on the machine's load, the
+            # loader's correctness not).
+            warnings.simplefilter("error", RuntimeWarning)
             deadline = time.monotonic() + 120
-            while len(loaded) < 40 or (loaded[-1] == loaded[0] and time.monotonic() < deadline):
+            while len(set(loaded)) < 6 and time.monotonic() < deadline:
                 target = {"w": torch.zeros(20_000)}
                 step, extra = ck.load_latest(target)
                 assert extra == step and torch.equal(target["w"], torch.full((20_000,), float(step)))
                 loaded.append(step)
-        assert loaded == sorted(loaded) and loaded[-1] > loaded[0]
+        assert loaded == sorted(loaded) and len(set(loaded)) >= 6
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
