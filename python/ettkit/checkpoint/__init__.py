@@ -144,7 +144,8 @@ class AsyncCheckpointer:
             memory_budget_bytes=int(memory_budget_bytes or 0), num_arenas=2 if double_buffer else 1,
             copy_threads=int(copy_threads), pin_memory=-1 if pin_memory is None else int(bool(pin_memory)),
             rank=rank, world_size=world, commit_timeout_s=float(commit_timeout_s), recorder=recorder,
-            metadata={str(k): str(v) for k, v in (metadata or {}).items()}, store=store, read_only=bool(read_only))
+            metadata={str(k): str(v) for k, v in (metadata or {}).items()}, store=store,
+            read_only=bool(read_only))
         if unfenced_sync_max_bytes < 0:
             raise InvalidArgumentError(f"unfenced_sync_max_bytes={unfenced_sync_max_bytes} must be >= 0")
         self._c.set_unfenced_sync_max_bytes(int(unfenced_sync_max_bytes))
