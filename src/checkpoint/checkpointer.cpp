@@ -147,7 +147,8 @@ std::string safetensors_dtype(at::ScalarType t, const std::string& key) {
 /// values than they show (the copy is of storage bytes).
 void check_save_arguments(int64_t step, const NamedTensors& tensors, bool read_only) {
   ETTKIT_EXPECTS(!read_only, "save(step=", step, ") on a read_only checkpointer: it only loads");
-  ETTKIT_EXPECTS(step >= 0 && step <= kMaxStep, "step=", step, " must be >= 0 and < 10^18 (step-<N> names have at most 18 digits)");
+  ETTKIT_EXPECTS(step >= 0 && step <= kMaxStep, "step=", step,
+                 " must be >= 0 and < 10^18 (step-<N> names have at most 18 digits)");
   for (const auto& [name, t] : tensors) {
     ETTKIT_EXPECTS(name != "__metadata__", "state dict key '__metadata__' is reserved: safetensors keeps the "
                    "file's metadata under that name, so a tensor saved as it could never be read back; rename it");

@@ -411,7 +411,8 @@ struct ManifestReader {
 };
 
 bool is_xxh3_hex(const std::string& s) {
-  return s.size() == 16 && std::all_of(s.begin(), s.end(), [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); });
+  auto hex = [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); };
+  return s.size() == 16 && std::all_of(s.begin(), s.end(), hex);
 }
 }  // namespace
 
@@ -451,7 +452,9 @@ Manifest decode_manifest(const std::string& text, const std::string& source) {
   }
   if (const json* meta = r.find(j, "metadata", false)) {
     if (!meta->is_object()) r.bad("metadata", *meta, "an object of strings");
-    for (auto it = meta->begin(); it != meta->end(); ++it) m.metadata[it.key()] = r.string(it.value(), "metadata." + it.key());
+    for (auto it = meta->begin(); it != meta->end(); ++it) {
+      m.metadata[it.key()] = r.string(it.value(), "metadata." + it.key());
+    }
   }
   return m;
 }

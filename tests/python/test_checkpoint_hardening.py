@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -75,7 +76,7 @@ def load(path, **kw):
     return res
 
 
-# ---- 1: retention by commit order ---------------------------------------------------------------------------
+# ---- 1: retention by commit order --------------------------------------------------------------------------
 
 def test_saving_a_lower_step_number_keeps_it_and_it_is_the_latest(tmp_path):
     save_steps(tmp_path, [100, 200, 300])
@@ -127,7 +128,8 @@ def test_foreign_entries_are_never_counted_or_deleted(tmp_path, capfd):
     with AsyncCheckpointer(tmp_path, recorder=None, keep_last=1) as ck:
         for s in (2, 3):
             assert ck.save(s, state(s), extra=s).wait()
-    assert steps_on_disk(tmp_path) == sorted(["step-001", "step-3", "step-7", "step-8", "step-9", "step-" + "9" * 19])
+    left_alone = ["step-001", "step-7", "step-8", "step-9", "step-" + "9" * 19]
+    assert steps_on_disk(tmp_path) == sorted(left_alone + ["step-3"])
     err = capfd.readouterr().err
     assert "step-001" in err and "step-7" in err and "step-9" in err
     assert err.count("leaving 'step-001'") == 1  # warned once per checkpointer, not at every save
@@ -145,7 +147,7 @@ def test_steps_at_or_above_the_limit_are_refused_at_save(tmp_path):
         assert ck.load_latest(target)[0] == 10**18 - 1
 
 
-# ---- 2: `latest` failing after the commit -------------------------------------------------------------------
+# ---- 2: `latest` failing after the commit ------------------------------------------------------------------
 
 def test_a_latest_pointer_that_cannot_be_written_does_not_fail_the_committed_step(tmp_path, capfd):
     (tmp_path / "latest").mkdir()  # rename(latest.tmp, latest) fails with EISDIR after every commit
@@ -197,7 +199,7 @@ def test_a_manifest_that_is_a_number_or_a_list_falls_back(tmp_path):
         assert load(tmp_path)[0] == 1
 
 
-# ---- 4: reserved names --------------------------------------------------------------------------------------
+# ---- 4: reserved names -------------------------------------------------------------------------------------
 
 def test_reserved_safetensors_key_is_refused_at_save(tmp_path):
     with AsyncCheckpointer(tmp_path, recorder=None) as ck:
@@ -208,10 +210,11 @@ def test_reserved_safetensors_key_is_refused_at_save(tmp_path):
     assert not (tmp_path / "step-1").exists()
     from safetensors.torch import load_file
 
-    assert torch.equal(load_file(str(tmp_path / "step-2" / "rank-0.safetensors"))["a.__metadata__"], torch.ones(3))
+    loaded = load_file(str(tmp_path / "step-2" / "rank-0.safetensors"))
+    assert torch.equal(loaded["a.__metadata__"], torch.ones(3))
 
 
-# ---- 5: conjugate and negative views ------------------------------------------------------------------------
+# ---- 5: conjugate and negative views -----------------------------------------------------------------------
 
 def test_conjugate_and_negative_views_are_saved_as_their_values(tmp_path):
     z = torch.complex(torch.arange(6.0), torch.arange(6.0) + 10)
@@ -240,7 +243,7 @@ def test_conjugate_and_negative_views_are_saved_as_their_values(tmp_path):
     assert torch.equal(view_target["neg"].resolve_neg(), expect["neg"])
 
 
-# ---- 7: a corrupt .extra is found before any tensor is copied -----------------------------------------------
+# ---- 7: a corrupt .extra is found before any tensor is copied ----------------------------------------------
 
 def _corrupt_extra(path, step):
     f = path / f"step-{step}" / "rank-0.extra"
@@ -261,7 +264,8 @@ def test_corrupt_extra_without_verification_falls_back_before_copying(tmp_path):
     with AsyncCheckpointer(tmp_path, recorder=None, verify_on_load=False) as ck:
         with pytest.raises(ettkit.CorruptCheckpointError, match="rank-0.extra"):
             ck.load_latest(target)
-    assert torch.equal(target["w"], torch.zeros(1000)) and torch.equal(target["i"], torch.zeros(10, dtype=torch.int64))
+    assert torch.equal(target["w"], torch.zeros(1000))
+    assert torch.equal(target["i"], torch.zeros(10, dtype=torch.int64))
 
 
 def test_extra_that_unpickles_to_the_wrong_shape_falls_back(tmp_path):
@@ -275,7 +279,7 @@ def test_extra_that_unpickles_to_the_wrong_shape_falls_back(tmp_path):
         assert load(tmp_path, verify_on_load=False)[0] == 1
 
 
-# ---- 12: one job per checkpoint directory -------------------------------------------------------------------
+# ---- 12: one job per checkpoint directory ------------------------------------------------------------------
 
 def test_two_checkpointers_in_one_process_on_one_directory(tmp_path):
     first = AsyncCheckpointer(tmp_path, recorder=None)
@@ -357,16 +361,19 @@ def test_a_read_only_loader_never_fails_while_retention_runs(tmp_path):
         while not steps_on_disk(tmp_path) and time.monotonic() < deadline:
             time.sleep(0.01)
         loaded = []
-        with AsyncCheckpointer(tmp_path, recorder=None, read_only=True) as ck:
-            # At least 40 loads, and on until retention has moved at least once under the loader (bounded:
-            # how fast the writer advances depends on the machine's load, the loader's correctness not).
+        with AsyncCheckpointer(tmp_path, recorder=None, read_only=True) as ck, warnings.catch_warnings():
+            # Load while the writer commits and retires: every load must succeed, whatever it races, and a
+            # step retired under the loader is not reported as a corrupt one. On until retention has moved
+            # several times (bounded: how fast the writer advances depends on the machine's load, the
+            # loader's correctness not).
+            warnings.simplefilter("error", RuntimeWarning)
             deadline = time.monotonic() + 120
-            while len(loaded) < 40 or (loaded[-1] == loaded[0] and time.monotonic() < deadline):
+            while len(set(loaded)) < 6 and time.monotonic() < deadline:
                 target = {"w": torch.zeros(20_000)}
                 step, extra = ck.load_latest(target)
                 assert extra == step and torch.equal(target["w"], torch.full((20_000,), float(step)))
                 loaded.append(step)
-        assert loaded == sorted(loaded) and loaded[-1] > loaded[0]
+        assert loaded == sorted(loaded) and len(set(loaded)) >= 6
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()

@@ -98,8 +98,8 @@ def check_unique(names: list[str]) -> None:
     unique = set(names)
     for reserved in RESERVED_NAMES & unique:
         raise InvalidArgumentError(
-            f"state dict key '{reserved}' is reserved: safetensors keeps the file's metadata under that name, so "
-            "a tensor saved as it could never be read back; rename it")
+            f"state dict key '{reserved}' is reserved: safetensors keeps the file's metadata under that "
+            "name, so a tensor saved as it could never be read back; rename it")
     if len(unique) != len(names):
         seen: set[str] = set()
         for n in names:

@@ -127,7 +127,9 @@ TEST(CheckpointHardening, ManifestFieldsAreTypedAndRangeChecked) {
   EXPECT_THROW(ckd::decode_manifest(j.dump(), "m.json"), Unsupported);
   j["version"] = 18446744073709551615ULL;
   EXPECT_THROW(ckd::decode_manifest(j.dump(), "m.json"), Unsupported);
-  for (const char* text : {"3", "[1]", "null", "\"x\"", ""}) EXPECT_THROW(ckd::decode_manifest(text, "m.json"), CorruptData);
+  for (const char* text : {"3", "[1]", "null", "\"x\"", ""}) {
+    EXPECT_THROW(ckd::decode_manifest(text, "m.json"), CorruptData) << text;
+  }
 }
 
 TEST(CheckpointHardening, ManifestMutationsOnlyEverThrowTypedErrors) {
@@ -170,7 +172,8 @@ TEST(CheckpointHardening, SafetensorsShapeThatOverflowsIsCorrupt) {
     return std::make_pair(path, out.size());
   };
   // 2^32 * 2^32 elements wraps to 0 in 64 bits: with data_offsets [0, 0] it used to be accepted.
-  auto [p1, s1] = write({{"a", {{"dtype", "F32"}, {"shape", {4294967296ULL, 4294967296ULL}}, {"data_offsets", {0, 0}}}}}, 0);
+  auto [p1, s1] =
+      write({{"a", {{"dtype", "F32"}, {"shape", {4294967296ULL, 4294967296ULL}}, {"data_offsets", {0, 0}}}}}, 0);
   EXPECT_THROW(ckd::read_safetensors_index(p1, s1), CorruptData);
   auto [p2, s2] = write({{"a", {{"dtype", "U8"}, {"shape", {9223372036854775808ULL}}, {"data_offsets", {0, 0}}}}}, 0);
   EXPECT_THROW(ckd::read_safetensors_index(p2, s2), CorruptData);
@@ -180,7 +183,8 @@ TEST(CheckpointHardening, SafetensorsShapeThatOverflowsIsCorrupt) {
   EXPECT_THROW(ckd::read_safetensors_index(p4, s4), CorruptData);
   auto [p5, s5] = write({{"a", {{"dtype", "U8"}, {"shape", {1.0}}, {"data_offsets", {0, 1}}}}}, 1);
   EXPECT_THROW(ckd::read_safetensors_index(p5, s5), CorruptData);
-  auto [p6, s6] = write({{"__metadata__", {{"format", "pt"}}}, {"a", {{"dtype", "U8"}, {"shape", {2}}, {"data_offsets", {0, 2}}}}}, 2);
+  auto [p6, s6] = write(
+      {{"__metadata__", {{"format", "pt"}}}, {"a", {{"dtype", "U8"}, {"shape", {2}}, {"data_offsets", {0, 2}}}}}, 2);
   EXPECT_EQ(ckd::read_safetensors_index(p6, s6).tensors.at("a").end, 2u);
 }
 
@@ -302,7 +306,9 @@ TEST(CheckpointHardening, LatestPointerFailureLeavesTheStepDurableAndRetentionRu
   }
   EXPECT_EQ(ck.saves_committed(), 2);
   EXPECT_EQ(ckd::list_step_dirs(d.path), (std::vector<int64_t>{2}));
-  for (const auto& e : fs::directory_iterator(d.path)) EXPECT_NE(e.path().filename().string().rfind("latest.tmp", 0), 0u);
+  for (const auto& e : fs::directory_iterator(d.path)) {
+    EXPECT_NE(e.path().filename().string().rfind("latest.tmp", 0), 0u) << e.path();
+  }
   NamedTensors target = zeros();
   EXPECT_EQ(ck.load_latest(target)->step, 2);
 }
