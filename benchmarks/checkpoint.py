@@ -16,6 +16,12 @@ time_to_durable beside disk_seq_GBps (sequential 64 MiB writes + one fsync of th
 before and after the variants); rss_growth_MB = RSS after the last save - after the first;
 persist_idle_GBps = the same save -> committed throughput with no training beside it (the RSS loop),
 next to a disk probe taken just before it.
+
+Integrity is always on. `ettkit` overlaps its saves (overlap=True, unfenced_sync_max_bytes=0: this loop
+fences its only writer, the optimizer step, with the pre-step wait, and has no BatchNorm); `ettkit_unfenced` is what a loop gets without attach(): save()
+returns once the copies are done. torn_commits[in_backward_sparse] trains an EmbeddingBag updated inside
+backward (optimizer-in-backward) with attach(model=..., optimizer=...) and counts committed steps whose
+bytes (read back with safetensors) differ from the state at save() (must be 0), beside refused saves.
 """
 
 from __future__ import annotations
@@ -131,6 +137,11 @@ def run_variant(variant: str, state, directory: str, saves: int, base_step_s: fl
     if variant == "ettkit":
         from ettkit.checkpoint import AsyncCheckpointer
 
+        ck = AsyncCheckpointer(directory, keep_last=2, recorder=None, preempt_signals=(), overlap=True,
+                               unfenced_sync_max_bytes=0)
+    elif variant == "ettkit_unfenced":
+        from ettkit.checkpoint import AsyncCheckpointer
+
         ck = AsyncCheckpointer(directory, keep_last=2, recorder=None, preempt_signals=())
     elif variant == "dcp_async_best":
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -143,7 +154,7 @@ def run_variant(variant: str, state, directory: str, saves: int, base_step_s: fl
             tr.compute()
             t0 = time.perf_counter()
             path = os.path.join(directory, f"step-{i}")
-            if variant == "ettkit":
+            if variant.startswith("ettkit"):
                 h = ck.save(i, state)
                 is_durable = lambda: h.durable  # noqa: E731
                 wait_staged = ck.wait_staged
@@ -182,7 +193,7 @@ def run_variant(variant: str, state, directory: str, saves: int, base_step_s: fl
                 tr.compute()
                 tr.optimizer_step()
                 steps.append(time.perf_counter() - s0)
-            if variant == "ettkit":
+            if variant.startswith("ettkit"):
                 h.wait()
             elif prev is not None:
                 prev.result()
@@ -225,6 +236,49 @@ def run_dcp_best(state, directory: str, saves: int, base_step_s: float, matmuls:
     raise RuntimeError("no DCP StagingOptions worked: " + "; ".join(errors))
 
 
+def torn_commits_in_backward(directory: str, quick: bool) -> dict:
+    """An EmbeddingBag updated inside backward, saved every other step with attach(model, optimizer)."""
+    from safetensors.torch import load_file
+
+    from ettkit import TornSnapshotError
+    from ettkit.checkpoint import AsyncCheckpointer
+
+    rows = 100_000 if quick else 500_000
+    torch.manual_seed(0)
+    emb = torch.nn.EmbeddingBag(rows, 128, mode="sum", sparse=True)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+
+    def hook(p):
+        opt.step()
+        opt.zero_grad()
+
+    emb.weight.register_post_accumulate_grad_hook(hook)
+    shutil.rmtree(directory, ignore_errors=True)
+    expected, handles = {}, []
+    with AsyncCheckpointer(directory, keep_last=0, recorder=None, preempt_signals=()) as ck:
+        ck.attach(model=emb, optimizer=opt)
+        state = {"emb": emb.state_dict()}
+        for step in range(1, (8 if quick else 20) * 2 + 1):
+            idx = torch.arange(rows)
+            emb(idx, torch.arange(0, rows, 64)).sum().backward()
+            if step % 2 == 0:
+                expected[step] = emb.weight.detach().clone()
+                handles.append(ck.save(step, state))
+        refused = 0
+        for h in handles:
+            try:
+                h.wait()
+            except TornSnapshotError:
+                refused += 1
+    torn = 0
+    for p in os.listdir(directory):
+        if p.startswith("step-"):
+            got = load_file(os.path.join(directory, p, "rank-0.safetensors"))["emb.weight"]
+            torn += int(not torch.equal(got, expected[int(p[5:])]))
+    shutil.rmtree(directory, ignore_errors=True)
+    return {"torn_commits": torn, "refused_saves": refused, "saves": len(handles)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true")
@@ -235,7 +289,7 @@ def main() -> None:
     ap.add_argument("--fwd-bwd-ms", type=float, default=200.0,
                     help="target time of one step's forward/backward (the optimizer step comes on top)")
     ap.add_argument("--rss-saves", type=int, default=None)
-    ap.add_argument("--variants", default="ettkit,torch_save,dcp_save,dcp_async,dcp_async_best")
+    ap.add_argument("--variants", default="ettkit,ettkit_unfenced,torch_save,dcp_save,dcp_async,dcp_async_best")
     args = ap.parse_args()
     saves = args.saves or (3 if args.quick else 5)
     rss_saves = args.rss_saves or (10 if args.quick else 50)
@@ -300,6 +354,11 @@ def main() -> None:
                 results.setdefault(f"rss_saves[state={case}]", {})["ettkit"] = rss_saves
             shutil.rmtree(d, ignore_errors=True)
         del state, tr
+    if "ettkit" in args.variants:
+        t = torn_commits_in_backward(os.path.join(args.dir, "torn"), args.quick)
+        for metric, value in t.items():
+            results.setdefault(f"{metric}[in_backward_sparse]", {})["ettkit"] = value
+        print(f"in-backward sparse update: {t}", flush=True)
     shutil.rmtree(args.dir, ignore_errors=True)
     print_table("checkpoint", results)
     if args.json:

@@ -286,6 +286,10 @@ ett::ScopedPhase train(const Options& o, ett::Recorder& rec) {
         co.recorder = &rec;  // records checkpoint_blocking, checkpoint_persist and checkpoint_restore
         co.metadata = {{"writer", "ettkit examples/cpp/trainer"}};
         checkpointer.emplace(std::move(co));  // also removes temporaries a killed attempt left behind
+        // This loop fences its only in-place writer (the optimizer step, below) with
+        // wait_staged_on_current_stream(), and the model has no buffers that a forward writes: saves may
+        // return before their copies are done. A save whose tensors still changed is refused, never torn.
+        checkpointer->enable_overlap();
         if (auto loaded = checkpointer->load_latest(state.tensors())) {
           state.after_load();
           start = loaded->step + 1;

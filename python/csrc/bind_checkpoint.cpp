@@ -44,7 +44,10 @@ struct TensorList {
     for (size_t i = 0; i < n; ++i) {
       PyObject* o = PyList_GET_ITEM(tensors.ptr(), static_cast<Py_ssize_t>(i));
       ETTKIT_EXPECTS(THPVariable_Check(o), "state dict entry '", items[i].first, "' is not a tensor");
-      items[i].second = THPVariable_Unpack(o);
+      const at::Tensor& t = THPVariable_Unpack(o);
+      // A conjugate or negative-bit view's storage holds other values than it shows, and staging copies
+      // storage bytes: save its values (a copy made here, inside save()). Two bit tests per tensor.
+      items[i].second = t.is_conj() || t.is_neg() ? t.detach().resolve_conj().resolve_neg() : t;
     }
   }
   /// Drops the tensor references (the names stay for the next save).
@@ -62,6 +65,10 @@ py::object to_python_error(std::exception_ptr p) {
     std::rethrow_exception(p);
   } catch (const checkpoint::CorruptCheckpoint& e) {
     return error_class("CorruptCheckpointError")(e.what());
+  } catch (const checkpoint::TornSnapshot& e) {
+    return error_class("TornSnapshotError")(e.what());
+  } catch (const checkpoint::DirectoryLocked& e) {
+    return error_class("CheckpointLockedError")(e.what());
   } catch (const InvalidArgument& e) {
     return error_class("InvalidArgumentError")(e.what());
   } catch (const CorruptData& e) {
@@ -87,19 +94,27 @@ void bind_checkpoint(py::module_& m) {
       std::rethrow_exception(p);
     } catch (const CorruptCheckpoint& e) {
       PyErr_SetString(error_class("CorruptCheckpointError").ptr(), e.what());
+    } catch (const TornSnapshot& e) {
+      PyErr_SetString(error_class("TornSnapshotError").ptr(), e.what());
+    } catch (const DirectoryLocked& e) {
+      PyErr_SetString(error_class("CheckpointLockedError").ptr(), e.what());
     }
   });
 
-  py::class_<Snapshot, std::shared_ptr<Snapshot>>(m, "Snapshot")
+  // Destructors that wait for ettkit's threads release the GIL first: those threads never need it, but a
+  // Python thread they might wait behind could (release_gil_before_calling_cpp_dtor).
+  py::class_<Snapshot, std::shared_ptr<Snapshot>>(m, "Snapshot", py::release_gil_before_calling_cpp_dtor())
       .def("wait_staged", &Snapshot::wait_staged, py::call_guard<py::gil_scoped_release>())
       .def("wait_staged_on_current_stream", &Snapshot::wait_staged_on_current_stream,
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("staged", &Snapshot::staged)
+      .def("wait_for", &Snapshot::wait_for, py::arg("tensors"), py::call_guard<py::gil_scoped_release>())
+      .def("changed_entries", &Snapshot::changed_entries, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("total_bytes", &Snapshot::total_bytes)
       .def("tensors", &Snapshot::tensors, "Views of the arena (valid until release()).")
       .def("release", &Snapshot::release, py::call_guard<py::gil_scoped_release>());
 
-  py::class_<Stager>(m, "Stager")
+  py::class_<Stager>(m, "Stager", py::release_gil_before_calling_cpp_dtor())
       .def(py::init([](int64_t memory_budget_bytes, int num_arenas, int copy_threads, int64_t sync_copy_max_bytes,
                        int pin_memory) {
              StagerOptions o;
@@ -148,7 +163,7 @@ void bind_checkpoint(py::module_& m) {
            "names: a list, or None to keep the previous names; tensors: a list of tensors")
       .def("__len__", [](const TensorList& l) { return l.items.size(); });
 
-  py::class_<SaveHandle>(m, "SaveHandle")
+  py::class_<SaveHandle>(m, "SaveHandle", py::release_gil_before_calling_cpp_dtor())
       .def_property_readonly("step", &SaveHandle::step)
       .def_property_readonly("skipped", &SaveHandle::skipped)
       .def_property_readonly("staged", &SaveHandle::staged)
@@ -159,15 +174,17 @@ void bind_checkpoint(py::module_& m) {
       .def("wait", &SaveHandle::wait, py::arg("timeout_s") = -1.0, py::call_guard<py::gil_scoped_release>())
       .def("wait_staged", &SaveHandle::wait_staged, py::call_guard<py::gil_scoped_release>());
 
-  py::class_<AsyncCheckpointer>(m, "AsyncCheckpointer")
-      .def(py::init([](const std::string& directory, int keep_last, const std::string& on_busy, bool verify_on_load,
+  py::class_<AsyncCheckpointer>(m, "AsyncCheckpointer", py::release_gil_before_calling_cpp_dtor())
+      .def(py::init([](const std::string& directory, int keep_last, const std::string& on_busy,
+                       const std::string& overlap, bool verify_on_load,
                        int64_t memory_budget_bytes, int num_arenas, int copy_threads, int64_t sync_copy_max_bytes,
                        int pin_memory, int rank, int world_size, double commit_timeout_s, ett::Recorder* recorder,
-                       std::map<std::string, std::string> metadata, py::object store) {
+                       std::map<std::string, std::string> metadata, py::object store, bool read_only) {
              CheckpointerOptions o;
              o.directory = directory;
              o.keep_last = keep_last;
              o.on_busy = parse_on_busy(on_busy);
+             o.overlap = parse_overlap(overlap);
              o.verify_on_load = verify_on_load;
              o.stager.memory_budget_bytes = memory_budget_bytes;
              o.stager.num_arenas = num_arenas;
@@ -179,17 +196,19 @@ void bind_checkpoint(py::module_& m) {
              o.commit_timeout_s = commit_timeout_s;
              o.recorder = recorder;
              o.metadata = std::move(metadata);
+             o.read_only = read_only;
              c10::intrusive_ptr<c10d::Store> s;
              if (!store.is_none()) s = store.cast<c10::intrusive_ptr<c10d::Store>>();
              py::gil_scoped_release nogil;
              return std::make_unique<AsyncCheckpointer>(std::move(o), std::move(s));
            }),
            py::arg("directory"), py::kw_only(), py::arg("keep_last") = 3, py::arg("on_busy") = "wait",
-           py::arg("verify_on_load") = true, py::arg("memory_budget_bytes") = 0, py::arg("num_arenas") = 1,
+           py::arg("overlap") = "auto", py::arg("verify_on_load") = true, py::arg("memory_budget_bytes") = 0, py::arg("num_arenas") = 1,
            py::arg("copy_threads") = 0, py::arg("sync_copy_max_bytes") = 4096, py::arg("pin_memory") = -1,
            py::arg("rank") = -1, py::arg("world_size") = -1, py::arg("commit_timeout_s") = 600.0,
            py::arg("recorder") = nullptr, py::arg("metadata") = std::map<std::string, std::string>{},
-           py::arg("store") = py::none(), py::keep_alive<1, 14>(), py::keep_alive<1, 16>())
+           py::arg("store") = py::none(), py::arg("read_only") = false, py::keep_alive<1, 15>(),
+           py::keep_alive<1, 17>())
       .def(
           "save",
           [](AsyncCheckpointer& c, int64_t step, TensorList& list, const py::bytes& extra) {
@@ -205,20 +224,51 @@ void bind_checkpoint(py::module_& m) {
           py::arg("step"), py::arg("tensors"), py::arg("extra") = py::bytes())
       .def("wait_staged_on_current_stream", &AsyncCheckpointer::wait_staged_on_current_stream,
            py::call_guard<py::gil_scoped_release>())
+      .def("wait_for", &AsyncCheckpointer::wait_for, py::arg("tensors"), py::call_guard<py::gil_scoped_release>())
+      .def("enable_overlap", &AsyncCheckpointer::enable_overlap)
+      .def("set_unfenced_sync_max_bytes", &AsyncCheckpointer::set_unfenced_sync_max_bytes, py::arg("bytes"))
+      .def("_hold_commits_for_testing", &AsyncCheckpointer::hold_commits_for_testing, py::arg("hold"))
+      .def_property_readonly("overlapped", &AsyncCheckpointer::overlapped)
+      .def_property_readonly("fence_pending", &AsyncCheckpointer::fence_pending)
+      .def(
+          "set_copy_priority",
+          [](AsyncCheckpointer& c, const std::vector<at::Tensor>& tensors, const std::vector<int>& classes) {
+            ETTKIT_EXPECTS(tensors.size() == classes.size(), "got ", classes.size(), " classes for ", tensors.size(),
+                           " tensors");
+            CopyPriority p;
+            p.reserve(tensors.size());
+            for (size_t i = 0; i < tensors.size(); ++i) {
+              if (tensors[i].defined() && tensors[i].has_storage()) p.emplace_back(tensors[i].storage().data(), classes[i]);
+            }
+            c.set_copy_priority(std::move(p));
+          },
+          py::arg("tensors"), py::arg("classes"))
       .def(
           "load_latest",
-          [](AsyncCheckpointer& c, const std::vector<std::string>& names,
-             const std::vector<at::Tensor>& tensors) -> py::object {
+          [](AsyncCheckpointer& c, const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
+             const py::object& validate_extra) -> py::object {
             NamedTensors nt = zip(names, tensors);
+            std::function<void(const std::string&)> validate;
+            if (!validate_extra.is_none()) {
+              // Called on this thread (GIL released around load_latest) before any tensor is copied.
+              validate = [&validate_extra](const std::string& blob) {
+                py::gil_scoped_acquire gil;
+                try {
+                  validate_extra(py::bytes(blob));
+                } catch (py::error_already_set& e) {
+                  ETTKIT_THROW(CorruptData, e.what());
+                }
+              };
+            }
             std::optional<LoadResult> r;
             {
               py::gil_scoped_release nogil;
-              r = c.load_latest(nt);
+              r = c.load_latest(nt, validate);
             }
             if (!r) return py::none();
             return py::make_tuple(r->step, py::bytes(r->extra), r->skipped_steps);
           },
-          py::arg("names"), py::arg("tensors"))
+          py::arg("names"), py::arg("tensors"), py::arg("validate_extra") = py::none())
       .def("wait_all", &AsyncCheckpointer::wait_all, py::call_guard<py::gil_scoped_release>())
       .def("close", &AsyncCheckpointer::close, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("rank", &AsyncCheckpointer::rank)
@@ -233,7 +283,8 @@ void bind_checkpoint(py::module_& m) {
       .def_property_readonly("mean_blocking_s", &AsyncCheckpointer::mean_blocking_s)
       .def_property_readonly("mean_time_to_durable_s", &AsyncCheckpointer::mean_time_to_durable_s)
       .def_property_readonly("saves_committed", &AsyncCheckpointer::saves_committed)
-      .def_property_readonly("saves_failed", &AsyncCheckpointer::saves_failed);
+      .def_property_readonly("saves_failed", &AsyncCheckpointer::saves_failed)
+      .def_property_readonly("saves_refused", &AsyncCheckpointer::saves_refused);
 }
 
 }  // namespace ettkit::python

@@ -17,6 +17,8 @@ from ._C import WITH_CUDA, __version__
 from .errors import (
     BatchMismatchError,
     CancelledError,
+    CheckpointError,
+    CheckpointLockedError,
     CorruptCheckpointError,
     CorruptDataError,
     Error,
@@ -24,6 +26,7 @@ from .errors import (
     IoError,
     StageError,
     TimeoutError,
+    TornSnapshotError,
     UnsupportedError,
 )
 
@@ -38,7 +41,10 @@ __all__ = [
     "Error",
     "InvalidArgumentError",
     "CorruptDataError",
+    "CheckpointError",
+    "CheckpointLockedError",
     "CorruptCheckpointError",
+    "TornSnapshotError",
     "IoError",
     "TimeoutError",
     "UnsupportedError",

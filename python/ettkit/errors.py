@@ -17,8 +17,24 @@ class CorruptDataError(Error, ValueError):
     """Data read from disk is malformed; the message names the file and record."""
 
 
-class CorruptCheckpointError(CorruptDataError):
+class CheckpointError(Error):
+    """Base class of the checkpoint-specific errors."""
+
+
+class CorruptCheckpointError(CorruptDataError, CheckpointError):
     """No committed checkpoint passes verification."""
+
+
+class CheckpointLockedError(CheckpointError):
+    """Another checkpointer (another job, or an unclosed ``AsyncCheckpointer`` of this process) holds the
+    checkpoint directory's lock; the message names the holder (pid, host, job). Open the directory with
+    ``read_only=True`` to only load from it."""
+
+
+class TornSnapshotError(CheckpointError):
+    """A save was refused, not committed: saved tensors changed while they were being copied, so the
+    snapshot could mix two steps. The message names the tensors and how to protect them; the previous
+    committed step stays the latest."""
 
 
 class IoError(Error, OSError):

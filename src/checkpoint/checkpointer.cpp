@@ -30,6 +30,13 @@ namespace ettkit::checkpoint {
 
 using namespace detail;
 
+Overlap parse_overlap(const std::string& s) {
+  if (s == "auto") return Overlap::kAuto;
+  if (s == "on") return Overlap::kOn;
+  if (s == "off") return Overlap::kOff;
+  ETTKIT_THROW(InvalidArgument, "overlap='", s, "' is not one of 'auto', 'on', 'off'");
+}
+
 // ---- SaveHandle ----------------------------------------------------------------------------------------
 
 struct SaveHandle::State {
@@ -134,6 +141,23 @@ std::string safetensors_dtype(at::ScalarType t, const std::string& key) {
   ETTKIT_THROW(InvalidArgument, "state dict entry '", key, "' has dtype ", t, ", which safetensors cannot store");
 }
 
+/// save()'s argument checks that need no stager: the step's range (step-<N> names have at most 18
+/// digits), the name safetensors reserves for its metadata, dtypes, and views whose storage holds other
+/// values than they show (the copy is of storage bytes).
+void check_save_arguments(int64_t step, const NamedTensors& tensors, bool read_only) {
+  ETTKIT_EXPECTS(!read_only, "save(step=", step, ") on a read_only checkpointer: it only loads");
+  ETTKIT_EXPECTS(step >= 0 && step <= kMaxStep, "step=", step, " must be >= 0 and < 10^18 (step-<N> names have at most 18 digits)");
+  for (const auto& [name, t] : tensors) {
+    ETTKIT_EXPECTS(name != "__metadata__", "state dict key '__metadata__' is reserved: safetensors keeps the "
+                   "file's metadata under that name, so a tensor saved as it could never be read back; rename it");
+    safetensors_dtype(t.scalar_type(), name);
+    ETTKIT_EXPECTS(!t.is_conj() && !t.is_neg(), "state dict entry '", name, "' is a ",
+                   t.is_conj() ? "conjugate" : "negative-bit", " view: its storage holds ",
+                   t.is_conj() ? "the conjugate" : "the negation", " of the values it shows; save ",
+                   t.is_conj() ? "resolve_conj()" : "resolve_neg()", " of it instead");
+  }
+}
+
 std::vector<uint8_t> bytes_of(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
 std::string string_of(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
 
@@ -147,6 +171,32 @@ std::string describe(std::exception_ptr e) {
   } catch (...) {
     return "unknown error";
   }
+}
+
+/// Why a save was refused, from the names of the tensors that changed while being copied.
+std::string torn_message(int64_t step, const std::vector<std::string>& changed) {
+  std::string names;
+  size_t shown = std::min<size_t>(changed.size(), 8);
+  for (size_t i = 0; i < shown; ++i) names += (i ? ", '" : "'") + changed[i] + "'";
+  if (changed.size() > shown) names += ", ... (" + std::to_string(changed.size() - shown) + " more)";
+  return ettkit::detail::concat("checkpoint step ", step, " was refused: ", changed.size(),
+                " saved tensor(s) changed while they were being copied, so the snapshot could mix two steps: ",
+                names, ". The previous committed step stays the latest. Fence the writers: in Python "
+                "ck.attach(model=..., optimizer=...) (or ck.attach(module) for a module that updates its own "
+                "weights), in C++ wait_for()/wait_staged_on_current_stream() before the write; or save with "
+                "overlap='off' so that save() returns only once the copies are done");
+}
+
+/// The commit result rank 0 publishes: "ok", or {"kind": "torn"|"error", "message": ...}.
+std::string result_text(std::exception_ptr e) {
+  bool torn = false;
+  try {
+    std::rethrow_exception(e);
+  } catch (const TornSnapshot&) {
+    torn = true;
+  } catch (...) {
+  }
+  return json{{"kind", torn ? "torn" : "error"}, {"message", describe(e)}}.dump();
 }
 
 struct Job {
@@ -170,7 +220,7 @@ struct AsyncCheckpointer::Impl {
   std::string run_id;
   std::string key_prefix;
   std::unique_ptr<Stager> stager;
-  uint32_t blocking_id = 0, persist_id = 0, staging_id = 0;
+  uint32_t blocking_id = 0, persist_id = 0, staging_id = 0, refused_id = 0;
 
   std::mutex mu;  // guards queue, closing, in_flight, stats below
   std::condition_variable cv;
@@ -180,12 +230,41 @@ struct AsyncCheckpointer::Impl {
   uint64_t seq = 0;
   uint64_t load_seq = 0;
   std::shared_ptr<SaveHandle::State> last;  // latest non-skipped save (for the step pre-hook)
+  // The latest save while some of its entries are not yet fenced (wait_for / the step pre-hook); null once
+  // a full fence has decided them all, so that the per-module hooks cost one lock when nothing is pending.
+  std::shared_ptr<Snapshot> active;
+  CopyPriority priority;
+  int64_t refused = 0;
+  bool hold_commits = false;  // tests: the writer waits before its integrity verdict
   double blocking_sum = 0;
   int64_t blocking_n = 0;
   double durable_sum = 0;
   int64_t committed = 0;
   int64_t failed = 0;
   std::thread writer;
+  std::atomic<bool> overlap{false};
+  std::atomic<int64_t> unfenced_sync_max_bytes{0};
+  DirectoryLock lock;     // rank 0 of a writer: held from the constructor to close()
+  CommitHistory history;  // rank 0: commit sequence and retention (writer thread only)
+  // Snapshots whose source tensors are still referenced. Only the caller's threads drop them
+  // (collect_sources), never the writer or the copy pool: the last reference of a Python-owned tensor
+  // needs the GIL, and a background thread waiting for the GIL while the caller holds it and waits for
+  // that thread is the deadlock of an unclosed checkpointer.
+  std::mutex sources_mu;
+  std::deque<std::shared_ptr<Snapshot>> holding_sources;
+
+  void collect_sources(bool all) {
+    std::deque<std::shared_ptr<Snapshot>> done;
+    {
+      std::lock_guard<std::mutex> lk(sources_mu);
+      while (!holding_sources.empty()) {
+        if (!all && !holding_sources.front()->staged()) break;
+        done.push_back(std::move(holding_sources.front()));
+        holding_sources.pop_front();
+      }
+    }
+    for (auto& s : done) s->drop_sources();
+  }
 
   void record_blocking(int64_t b, int64_t e, int64_t step) {
     {
@@ -219,11 +298,22 @@ struct AsyncCheckpointer::Impl {
       }
       int64_t end = epoch_us();
       if (!err && opt.recorder) opt.recorder->record_background(persist_id, job.call_us, end, job.step);
+      bool torn = false;
+      if (err) {
+        try {
+          std::rethrow_exception(err);
+        } catch (const TornSnapshot&) {
+          torn = true;
+        } catch (...) {
+        }
+      }
+      if (torn && opt.recorder) opt.recorder->record_background(refused_id, job.call_us, end, job.step);
       {
         // Statistics first, so a caller woken by the handle sees them.
         std::lock_guard<std::mutex> lk(mu);
         if (err) {
           ++failed;
+          if (torn) ++refused;
         } else {
           ++committed;
           durable_sum += static_cast<double>(end - job.call_us) * 1e-6;
@@ -272,16 +362,34 @@ struct AsyncCheckpointer::Impl {
       // The arena is free as soon as its bytes are on disk; the commit below does not need it.
       job.snapshot->release();
       mine[base + ".extra"] = write_file_durably(tmp + "/" + base + ".extra", {ConstBuffer{job.extra.data(), job.extra.size()}});
+      // The integrity verdict, as late as possible: entries no fence decided are judged now, after the
+      // (slow) durable write, so that a write that overlapped a copy has had every chance to finish and
+      // bump its counter (docs/checkpoint.md: what detection can and cannot see).
+      {
+        std::unique_lock<std::mutex> lk(mu);
+        cv.wait(lk, [&] { return !hold_commits; });
+      }
+      std::vector<std::string> changed = job.snapshot->changed_entries();
+      if (!changed.empty()) throw TornSnapshot(torn_message(job.step, changed), __FILE__, __LINE__);
       // Other ranks make their directory entries durable before reporting; rank 0's are covered by the
       // directory fsync that follows its manifest.
       if (rank != 0) fsync_directory(tmp);
     } catch (...) {
       local_error = std::current_exception();
     }
+    if (local_error) {
+      // Nothing of a failed or refused save stays behind (a refused one holds mixed bytes).
+      if (world == 1) {
+        remove_tree_quietly(tmp);
+      } else {
+        for (const char* ext : {".safetensors", ".extra"}) ::unlink((tmp + "/rank-" + std::to_string(rank) + ext).c_str());
+      }
+    }
     if (world > 1) {
       json report;
       if (local_error) {
         report["error"] = describe(local_error);
+        report["torn"] = json::parse(result_text(local_error))["kind"] == "torn";
       } else {
         for (const auto& [name, d] : mine) report["files"][name] = {{"size", d.size}, {"xxh3", d.xxh3}};
       }
@@ -292,8 +400,13 @@ struct AsyncCheckpointer::Impl {
     if (rank != 0) {
       store->wait({prefix + "result"}, timeout);
       std::string result = string_of(store->get(prefix + "result"));
-      ETTKIT_CHECK(result == "ok", IoError, "checkpoint step ", job.step, " was not committed by rank 0: ", result);
-      return;
+      if (result == "ok") return;
+      json r = json::parse(result, nullptr, /*allow_exceptions=*/false);
+      std::string why = r.is_object() && r.contains("message") && r["message"].is_string() ? r["message"].get<std::string>() : result;
+      if (r.is_object() && r.value("kind", "") == "torn") {
+        ETTKIT_THROW(checkpoint::TornSnapshot, "checkpoint step ", job.step, " was refused by the commit vote: ", why);
+      }
+      ETTKIT_THROW(IoError, "checkpoint step ", job.step, " was not committed by rank 0: ", why);
     }
     // Rank 0: gather, write the manifest, rename, fsync, latest, retention.
     try {
@@ -316,33 +429,28 @@ struct AsyncCheckpointer::Impl {
         }
         for (int r = 1; r < world; ++r) {
           json rep = json::parse(string_of(store->get(keys[static_cast<size_t>(r - 1)])));
-          ETTKIT_CHECK(!rep.contains("error"), IoError, "checkpoint step ", job.step, ": rank ", r,
-                       " failed: ", rep["error"].get<std::string>());
+          if (rep.contains("error")) {
+            std::string why = rep["error"].get<std::string>();
+            if (rep.value("torn", false)) ETTKIT_THROW(checkpoint::TornSnapshot, "rank ", r, ": ", why);
+            ETTKIT_THROW(IoError, "checkpoint step ", job.step, ": rank ", r, " failed: ", why);
+          }
           for (auto it = rep["files"].begin(); it != rep["files"].end(); ++it) {
             m.files[it.key()] = FileDigest{it.value()["size"].get<uint64_t>(), it.value()["xxh3"].get<std::string>()};
           }
         }
       }
+      m.commit_seq = history.next_seq(dir);
       std::string text = encode_manifest(m);
       write_file_durably(tmp + "/manifest.json", {ConstBuffer{text.data(), text.size()}});
       fsync_directory(tmp);
-      std::string final_dir = dir + "/" + step_dir_name(job.step);
-      if (fs::exists(final_dir)) {
-        // Saving a step again replaces it: retire the old one by rename (atomic) before the new rename.
-        std::string trash = dir + "/.trash-" + step_dir_name(job.step) + "-" + random_id();
-        ETTKIT_CHECK(::rename(final_dir.c_str(), trash.c_str()) == 0, IoError, "retiring '", final_dir,
-                     "' failed: ", std::strerror(errno));
-        remove_tree_quietly(trash);
-      }
-      ETTKIT_CHECK(::rename(tmp.c_str(), final_dir.c_str()) == 0, IoError, "renaming '", tmp, "' to '", final_dir,
-                   "' failed: ", std::strerror(errno));
-      fsync_directory(dir);
-      update_latest(dir, job.step);
-      apply_retention(dir, opt.keep_last);
+      commit_step_directory(dir, tmp, job.step);
     } catch (...) {
-      if (world > 1) store->set(prefix + "result", bytes_of("error: " + describe(std::current_exception())));
+      remove_tree_quietly(tmp);
+      if (world > 1) store->set(prefix + "result", bytes_of(result_text(std::current_exception())));
       throw;
     }
+    // Committed and durable: `latest` and retention cannot fail the step (they warn instead).
+    history.after_commit(dir, job.step, opt.keep_last);
     if (world > 1) store->set(prefix + "result", bytes_of("ok"));
   }
 };
@@ -353,7 +461,9 @@ AsyncCheckpointer::AsyncCheckpointer(CheckpointerOptions options, c10::intrusive
   ETTKIT_EXPECTS(!options.directory.empty(), "directory must name the checkpoint directory");
   ETTKIT_EXPECTS(options.keep_last >= 0, "keep_last=", options.keep_last, " must be >= 0 (0 keeps every step)");
   ETTKIT_EXPECTS(options.commit_timeout_s > 0, "commit_timeout_s=", options.commit_timeout_s, " must be > 0");
+  ETTKIT_EXPECTS(options.unfenced_sync_max_bytes >= 0, "unfenced_sync_max_bytes=", options.unfenced_sync_max_bytes, " must be >= 0");
   im.opt = std::move(options);
+  im.unfenced_sync_max_bytes = im.opt.unfenced_sync_max_bytes;
   im.store = std::move(store);
   im.world = im.opt.world_size > 0 ? im.opt.world_size : 1;
   im.rank = im.opt.rank >= 0 ? im.opt.rank : 0;
@@ -361,6 +471,16 @@ AsyncCheckpointer::AsyncCheckpointer(CheckpointerOptions options, c10::intrusive
   ETTKIT_EXPECTS(im.world == 1 || im.store, "world_size=", im.world, " needs a c10d Store to coordinate the commit");
   make_directories(im.opt.directory);
   im.opt.directory = fs::canonical(im.opt.directory).string();
+  // Before anything below touches the directory: a second job must not remove this one's temporaries.
+  if (im.rank == 0 && !im.opt.read_only) {
+    if (auto holder = im.lock.try_acquire(im.opt.directory)) {
+      ETTKIT_THROW(checkpoint::DirectoryLocked, "checkpoint directory '", im.opt.directory,
+                   "' is in use by another checkpointer: ", *holder, " holds '", im.opt.directory,
+                   "/.lock'. Two jobs writing one directory delete each other's saves: give this job its own "
+                   "directory, or stop the other one (a dead holder's lock is released by the kernel); to only "
+                   "load, open it with read_only=true");
+    }
+  }
   if (im.world > 1) {
     // Agree on a run id: the n-th AsyncCheckpointer that the ranks open on this directory shares one.
     std::string base = "ettkit_ckpt/" + im.opt.directory + "/";
@@ -368,7 +488,7 @@ AsyncCheckpointer::AsyncCheckpointer(CheckpointerOptions options, c10::intrusive
     std::string key = base + "gen/" + std::to_string((n - 1) / im.world) + "/run_id";
     if (im.rank == 0) {
       im.run_id = random_id();
-      remove_stale_temporaries(im.opt.directory, im.run_id);
+      if (!im.opt.read_only) remove_stale_temporaries(im.opt.directory, im.run_id);
       im.store->set(key, bytes_of(im.run_id));
     } else {
       im.store->wait({key}, std::chrono::milliseconds(static_cast<int64_t>(im.opt.commit_timeout_s * 1000)));
@@ -377,12 +497,13 @@ AsyncCheckpointer::AsyncCheckpointer(CheckpointerOptions options, c10::intrusive
     im.key_prefix = base + im.run_id + "/";
   } else {
     im.run_id = random_id();
-    remove_stale_temporaries(im.opt.directory, im.run_id);
+    if (!im.opt.read_only) remove_stale_temporaries(im.opt.directory, im.run_id);
   }
   if (im.opt.recorder) {
     im.blocking_id = im.opt.recorder->phase_id(ett::phase::kCheckpointBlocking);
     im.persist_id = im.opt.recorder->phase_id(ett::phase::kCheckpointPersist);
     im.staging_id = im.opt.recorder->phase_id("checkpoint_staging");
+    im.refused_id = im.opt.recorder->phase_id("checkpoint_refused");
   }
   im.stager = std::make_unique<Stager>(im.opt.stager);
   im.writer = std::thread([this] {
@@ -401,19 +522,53 @@ AsyncCheckpointer::~AsyncCheckpointer() {
 SaveHandle AsyncCheckpointer::save(int64_t step, const NamedTensors& tensors, const std::string& extra) {
   Impl& im = *impl_;
   int64_t b = epoch_us();
+  CopyPriority priority;
   {
     std::lock_guard<std::mutex> lk(im.mu);
     ETTKIT_EXPECTS(!im.closing, "save(step=", step, ") after close()");
+    priority = im.priority;
   }
-  ETTKIT_EXPECTS(step >= 0, "step=", step, " must be >= 0");
-  for (const auto& [name, t] : tensors) safetensors_dtype(t.scalar_type(), name);
+  check_save_arguments(step, tensors, im.opt.read_only);
+  {
+    // This call is a program point of the owner thread: the previous save's entries that no fence has
+    // decided yet are decided now if their copies are done (a later write would otherwise count against
+    // them at their commit and refuse a consistent snapshot).
+    std::shared_ptr<Snapshot> prev;
+    {
+      std::lock_guard<std::mutex> lk(im.mu);
+      prev = im.active;
+    }
+    if (prev && prev->staged()) {
+      try {
+        prev->wait_staged();
+      } catch (...) {  // a copy error: that save's handle reports it
+      }
+    }
+  }
+  im.collect_sources(/*all=*/false);
   auto hs = std::make_shared<SaveHandle::State>();
   hs->step = step;
-  std::shared_ptr<Snapshot> snap = im.stager->stage(tensors, im.opt.on_busy);
+  bool overlap = im.opt.overlap == Overlap::kOn || (im.opt.overlap == Overlap::kAuto && im.overlap.load());
+  std::shared_ptr<Snapshot> snap =
+      im.stager->stage(tensors, im.opt.on_busy, priority, overlap ? im.unfenced_sync_max_bytes.load() : 0);
   if (!snap) {
     hs->skipped = true;
     ETTKIT_LOG_INFO("checkpoint step ", step, " skipped: the previous save is still persisting (on_busy='skip')");
     return SaveHandle(hs);
+  }
+  if (!overlap) {
+    // Nobody fences the writes that follow: the copies must be done before the caller can write. On this
+    // thread the wait is also the fence that decides every entry.
+    try {
+      snap->wait_staged();
+    } catch (...) {
+      snap->release();
+      throw;
+    }
+    snap->drop_sources();
+  } else {
+    std::lock_guard<std::mutex> lk(im.sources_mu);
+    im.holding_sources.push_back(snap);
   }
   hs->snapshot = snap;
   {
@@ -421,6 +576,7 @@ SaveHandle AsyncCheckpointer::save(int64_t step, const NamedTensors& tensors, co
     im.queue.push_back(Job{step, im.seq++, b, snap, extra, hs});
     ++im.in_flight;
     im.last = hs;
+    im.active = overlap ? snap : nullptr;
     ++im.blocking_n;
   }
   im.cv.notify_all();
@@ -432,27 +588,78 @@ SaveHandle AsyncCheckpointer::save(int64_t step, const NamedTensors& tensors, co
 
 void AsyncCheckpointer::wait_staged_on_current_stream() {
   Impl& im = *impl_;
-  std::shared_ptr<SaveHandle::State> last;
   std::shared_ptr<Snapshot> snap;
+  int64_t step = -1;
   {
     std::lock_guard<std::mutex> lk(im.mu);
-    last = im.last;
+    snap = im.active;
+    if (im.last) step = im.last->step;
   }
-  if (!last) return;
-  {
-    std::lock_guard<std::mutex> lk(last->mu);
-    if (last->staged_seen) return;
-    snap = last->snapshot;
-  }
-  if (!snap || snap->staged()) return;
+  if (!snap) return;
+  bool waited = !snap->staged();
   int64_t b = epoch_us();
   snap->wait_staged_on_current_stream();
-  im.record_blocking(b, epoch_us(), last->step);
+  if (waited) im.record_blocking(b, epoch_us(), step);
+  {
+    // Every entry is decided: later hooks have nothing to wait for.
+    std::lock_guard<std::mutex> lk(im.mu);
+    if (im.active == snap) im.active = nullptr;
+  }
+}
+
+void AsyncCheckpointer::wait_for(const std::vector<at::Tensor>& tensors) {
+  Impl& im = *impl_;
+  std::shared_ptr<Snapshot> snap;
+  int64_t step = -1;
+  {
+    std::lock_guard<std::mutex> lk(im.mu);
+    snap = im.active;
+    if (im.last) step = im.last->step;
+  }
+  if (!snap) return;
+  int64_t b = epoch_us();
+  if (snap->wait_for(tensors)) im.record_blocking(b, epoch_us(), step);
+  if (snap->all_decided()) {
+    std::lock_guard<std::mutex> lk(im.mu);
+    if (im.active == snap) im.active = nullptr;
+  }
+}
+
+bool AsyncCheckpointer::fence_pending() const {
+  std::lock_guard<std::mutex> lk(impl_->mu);
+  return impl_->active && !impl_->active->all_decided();
+}
+
+void AsyncCheckpointer::enable_overlap() { impl_->overlap = true; }
+
+void AsyncCheckpointer::set_unfenced_sync_max_bytes(int64_t bytes) {
+  ETTKIT_EXPECTS(bytes >= 0, "unfenced_sync_max_bytes=", bytes, " must be >= 0");
+  impl_->unfenced_sync_max_bytes = bytes;
+}
+
+void AsyncCheckpointer::hold_commits_for_testing(bool hold) {
+  {
+    std::lock_guard<std::mutex> lk(impl_->mu);
+    impl_->hold_commits = hold;
+  }
+  impl_->cv.notify_all();
+}
+
+bool AsyncCheckpointer::overlapped() const {
+  return impl_->opt.overlap == Overlap::kOn || (impl_->opt.overlap == Overlap::kAuto && impl_->overlap.load());
+}
+
+void AsyncCheckpointer::set_copy_priority(CopyPriority priority) {
+  std::lock_guard<std::mutex> lk(impl_->mu);
+  impl_->priority = std::move(priority);
 }
 
 void AsyncCheckpointer::wait_all() {
-  std::unique_lock<std::mutex> lk(impl_->mu);
-  impl_->cv.wait(lk, [&] { return impl_->in_flight == 0; });
+  {
+    std::unique_lock<std::mutex> lk(impl_->mu);
+    impl_->cv.wait(lk, [&] { return impl_->in_flight == 0; });
+  }
+  impl_->collect_sources(/*all=*/true);
 }
 
 void AsyncCheckpointer::close() {
@@ -464,6 +671,11 @@ void AsyncCheckpointer::close() {
   }
   im.cv.notify_all();
   if (im.writer.joinable()) im.writer.join();
+  im.collect_sources(/*all=*/true);
+  im.lock.release();
+  std::lock_guard<std::mutex> lk(im.mu);
+  im.active.reset();
+  im.last.reset();
 }
 
 int AsyncCheckpointer::rank() const { return impl_->rank; }
@@ -486,54 +698,85 @@ int64_t AsyncCheckpointer::saves_failed() const {
   std::lock_guard<std::mutex> lk(impl_->mu);
   return impl_->failed;
 }
+int64_t AsyncCheckpointer::saves_refused() const {
+  std::lock_guard<std::mutex> lk(impl_->mu);
+  return impl_->refused;
+}
 
 // ---- load ----------------------------------------------------------------------------------------------
 
 namespace {
 
-enum class Verdict { kOk, kBad, kMismatch };
+// kVanished: retention (another process's, or a later commit's) removed the step while it was being
+// considered; not a corruption, and the directory is listed again.
+enum class Verdict { kOk, kBad, kMismatch, kVanished };
+
+/// How verdicts combine across ranks: the worst wins.
+int severity(Verdict v) {
+  switch (v) {
+    case Verdict::kOk: return 0;
+    case Verdict::kVanished: return 1;
+    case Verdict::kBad: return 2;
+    case Verdict::kMismatch: return 3;
+  }
+  return 2;
+}
 
 struct Candidate {
   Verdict verdict = Verdict::kBad;
   std::string reason;
-  std::string data_path;
-  std::string extra_path;
+  std::optional<OpenedStep> files;  // open: retention may remove the step, these still read whole
   SafetensorsIndex index;
+  std::string extra;
 };
 
 Candidate check_candidate(const std::string& dir, int64_t step, int rank, int world, bool verify,
-                          const NamedTensors& tensors) {
+                          const NamedTensors& tensors, const std::function<void(const std::string&)>& validate_extra) {
   Candidate c;
-  std::string sd = dir + "/" + step_dir_name(step);
   try {
-    std::string mpath = sd + "/manifest.json";
-    ETTKIT_CHECK(file_size(mpath).has_value(), CorruptData, "'", mpath, "' is missing");
-    Manifest m = decode_manifest(read_small_file(mpath), mpath);
-    ETTKIT_CHECK(m.step == step, CorruptData, "manifest '", mpath, "' says step ", m.step);
-    ETTKIT_CHECK(m.world_size == world, CorruptData, "step ", step, " was written by ", m.world_size,
+    c.files = open_step(dir, step, rank);
+    if (!c.files) {
+      c.verdict = Verdict::kVanished;
+      c.reason = "step " + std::to_string(step) + " was removed while it was being loaded";
+      return c;
+    }
+    const OpenedStep& f = *c.files;
+    ETTKIT_CHECK(f.manifest.world_size == world, CorruptData, "step ", step, " was written by ", f.manifest.world_size,
                  " ranks; this job has ", world, " (resharding is not supported)");
-    std::string base = "rank-" + std::to_string(rank);
-    for (const char* ext : {".safetensors", ".extra"}) {
-      std::string name = base + ext;
-      auto it = m.files.find(name);
-      ETTKIT_CHECK(it != m.files.end(), CorruptData, "manifest '", mpath, "' lists no '", name, "'");
-      std::string path = sd + "/" + name;
-      auto size = file_size(path);
-      ETTKIT_CHECK(size.has_value(), CorruptData, "'", path, "' is missing");
-      ETTKIT_CHECK(*size == it->second.size, CorruptData, "'", path, "' has ", *size, " bytes; the manifest says ",
-                   it->second.size);
-      if (verify) {
-        std::string h = file_xxh3(path);
-        ETTKIT_CHECK(h == it->second.xxh3, CorruptData, "'", path, "' has XXH3 ", h, "; the manifest says ",
-                     it->second.xxh3);
+    for (const ReadFile* file : {&f.data, &f.extra}) {
+      std::string name = file->path().substr(f.path.size() + 1);
+      auto it = f.manifest.files.find(name);
+      ETTKIT_CHECK(it != f.manifest.files.end(), CorruptData, "manifest '", f.manifest_path, "' lists no '", name, "'");
+      uint64_t size = file->size();
+      ETTKIT_CHECK(size == it->second.size, CorruptData, "'", file->path(), "' has ", size,
+                   " bytes; the manifest says ", it->second.size);
+      std::string h;
+      if (file == &f.extra) {
+        c.extra = file->read_all();
+        ETTKIT_CHECK(c.extra.size() == size, CorruptData, "'", file->path(), "' changed size while being read");
+        if (verify) h = xxh3_of(c.extra);
+      } else if (verify) {
+        h = file_xxh3(*file);
+      }
+      ETTKIT_CHECK(!verify || h == it->second.xxh3, CorruptData, "'", file->path(), "' has XXH3 ", h,
+                   "; the manifest says ", it->second.xxh3);
+    }
+    c.index = read_safetensors_index(f.data);
+    // The non-tensor state must decode before any tensor is overwritten: a step whose extra is unreadable
+    // falls back like any corrupt step (checksums off, this is the only check that would see it).
+    if (validate_extra) {
+      try {
+        validate_extra(c.extra);
+      } catch (const std::exception& e) {
+        std::string why = e.what();
+        if (const auto* err = dynamic_cast<const Error*>(&e)) why = err->message();
+        ETTKIT_THROW(CorruptData, "'", f.extra.path(), "' cannot be decoded: ", why);
       }
     }
-    c.data_path = sd + "/" + base + ".safetensors";
-    c.extra_path = sd + "/" + base + ".extra";
-    c.index = read_safetensors_index(c.data_path, *file_size(c.data_path));
   } catch (const Error& e) {
     c.verdict = Verdict::kBad;
     c.reason = e.message();
+    c.files.reset();
     return c;
   }
   // The caller's state dict must match the checkpoint exactly (a user error, not a corrupt step).
@@ -541,7 +784,7 @@ Candidate check_candidate(const std::string& dir, int64_t step, int rank, int wo
     for (const auto& [name, t] : tensors) {
       auto it = c.index.tensors.find(name);
       ETTKIT_CHECK(it != c.index.tensors.end(), InvalidArgument, "state dict key '", name,
-                   "' is not in checkpoint step ", step, " ('", c.data_path, "')");
+                   "' is not in checkpoint step ", step, " ('", c.files->data.path(), "')");
       std::string want = safetensors_dtype(t.scalar_type(), name);
       ETTKIT_CHECK(it->second.dtype == want, InvalidArgument, "state dict key '", name, "' has dtype ", want,
                    " but checkpoint step ", step, " stores ", it->second.dtype);
@@ -566,83 +809,102 @@ Candidate check_candidate(const std::string& dir, int64_t step, int rank, int wo
   return c;
 }
 
+/// Copies the candidate's tensors into `tensors` in place.
+void copy_in_place(const Candidate& c, const NamedTensors& tensors) {
+  const ReadFile& data = c.files->data;
+  at::NoGradGuard no_grad;
+  for (const auto& [name, t] : tensors) {
+    const SafetensorsEntry& e = c.index.tensors.at(name);
+    uint64_t off = c.index.data_offset + e.begin;
+    uint64_t n = e.end - e.begin;
+    // A conjugate or negative view's storage holds other values than it shows: copy_ writes what it shows.
+    if (t.device().is_cpu() && t.is_contiguous() && !t.is_conj() && !t.is_neg()) {
+      read_exact(data.fd(), t.data_ptr(), n, off, data.path());
+    } else {
+      at::Tensor tmp = at::empty(t.sizes(), t.options().device(c10::kCPU).memory_format(at::MemoryFormat::Contiguous));
+      read_exact(data.fd(), tmp.data_ptr(), n, off, data.path());
+      t.copy_(tmp);
+    }
+  }
+}
+
 }  // namespace
 
-std::optional<LoadResult> AsyncCheckpointer::load_latest(const NamedTensors& tensors) {
+std::optional<LoadResult> AsyncCheckpointer::load_latest(const NamedTensors& tensors,
+                                                        const std::function<void(const std::string&)>& validate_extra) {
   Impl& im = *impl_;
   wait_all();
   int64_t b = epoch_us();
-  std::vector<int64_t> steps = list_step_dirs(im.opt.directory);
-  if (im.world > 1) {
-    // Every rank must see the same candidate list: take rank 0's.
-    std::string key = im.key_prefix + "load/" + std::to_string(im.load_seq) + "/steps";
-    if (im.rank == 0) {
-      im.store->set(key, bytes_of(json(steps).dump()));
-    } else {
-      im.store->wait({key}, std::chrono::milliseconds(static_cast<int64_t>(im.opt.commit_timeout_s * 1000)));
-      steps = json::parse(string_of(im.store->get(key))).get<std::vector<int64_t>>();
-    }
-  }
-  uint64_t lseq = im.load_seq++;
+  auto timeout = std::chrono::milliseconds(static_cast<int64_t>(im.opt.commit_timeout_s * 1000));
   LoadResult out;
   std::string reasons;
-  for (int64_t step : steps) {
-    Candidate c = check_candidate(im.opt.directory, step, im.rank, im.world, im.opt.verify_on_load, tensors);
-    Verdict all = c.verdict;
-    std::string why = c.reason;
+  bool listed_any = false;
+  // A round tries every candidate of one listing. Only retention removing steps under the loader (a writer
+  // in another job) makes a new round necessary: the steps it committed meanwhile are in the next listing.
+  constexpr int kRounds = 8;
+  for (int round = 0; round < kRounds; ++round) {
+    std::vector<int64_t> steps;
+    uint64_t lseq = im.load_seq++;
+    if (im.rank == 0) steps = load_candidates(im.opt.directory);
     if (im.world > 1) {
-      std::string p = im.key_prefix + "load/" + std::to_string(lseq) + "/" + std::to_string(step) + "/";
-      json mine = {{"v", static_cast<int>(c.verdict)}, {"why", c.reason}};
-      im.store->set(p + std::to_string(im.rank), bytes_of(mine.dump()));
-      std::vector<std::string> keys;
-      for (int r = 0; r < im.world; ++r) keys.push_back(p + std::to_string(r));
-      im.store->wait(keys, std::chrono::milliseconds(static_cast<int64_t>(im.opt.commit_timeout_s * 1000)));
-      for (int r = 0; r < im.world; ++r) {
-        json rep = json::parse(string_of(im.store->get(keys[static_cast<size_t>(r)])));
-        auto v = static_cast<Verdict>(rep["v"].get<int>());
-        if (v == Verdict::kMismatch || (v == Verdict::kBad && all == Verdict::kOk)) {
-          all = v;
-          why = "rank " + std::to_string(r) + ": " + rep["why"].get<std::string>();
-        }
+      // Every rank must see the same candidate list: take rank 0's.
+      std::string key = im.key_prefix + "load/" + std::to_string(lseq) + "/steps";
+      if (im.rank == 0) {
+        im.store->set(key, bytes_of(json(steps).dump()));
+      } else {
+        im.store->wait({key}, timeout);
+        steps = json::parse(string_of(im.store->get(key))).get<std::vector<int64_t>>();
       }
     }
-    if (all == Verdict::kMismatch) ETTKIT_THROW(InvalidArgument, why);
-    if (all == Verdict::kBad) {
-      ETTKIT_LOG_WARN("checkpoint step ", step, " in '", im.opt.directory, "' is not loadable, falling back: ", why);
-      out.skipped_steps.push_back(step);
-      reasons += "\n  step " + std::to_string(step) + ": " + why;
-      continue;
-    }
-    // Copy in place.
-    int fd = ::open(c.data_path.c_str(), O_RDONLY | O_CLOEXEC);
-    ETTKIT_CHECK(fd >= 0, IoError, "opening '", c.data_path, "' failed: ", std::strerror(errno));
-    try {
-      at::NoGradGuard no_grad;
-      for (const auto& [name, t] : tensors) {
-        const SafetensorsEntry& e = c.index.tensors.at(name);
-        uint64_t off = c.index.data_offset + e.begin;
-        uint64_t n = e.end - e.begin;
-        if (t.device().is_cpu() && t.is_contiguous()) {
-          read_exact(fd, t.data_ptr(), n, off, c.data_path);
-        } else {
-          at::Tensor tmp = at::empty(t.sizes(), t.options().device(c10::kCPU));
-          read_exact(fd, tmp.data_ptr(), n, off, c.data_path);
-          t.copy_(tmp);
+    listed_any = listed_any || !steps.empty();
+    bool vanished = false;
+    for (int64_t step : steps) {
+      // Known bad from an earlier round (every rank agrees on it: the verdict was voted).
+      if (std::find(out.skipped_steps.begin(), out.skipped_steps.end(), step) != out.skipped_steps.end()) continue;
+      run_before_open_step_hook(step);
+      Candidate c = check_candidate(im.opt.directory, step, im.rank, im.world, im.opt.verify_on_load, tensors,
+                                    validate_extra);
+      Verdict all = c.verdict;
+      std::string why = c.reason;
+      if (im.world > 1) {
+        std::string p = im.key_prefix + "load/" + std::to_string(lseq) + "/" + std::to_string(step) + "/";
+        json mine = {{"v", static_cast<int>(c.verdict)}, {"why", c.reason}};
+        im.store->set(p + std::to_string(im.rank), bytes_of(mine.dump()));
+        std::vector<std::string> keys;
+        for (int r = 0; r < im.world; ++r) keys.push_back(p + std::to_string(r));
+        im.store->wait(keys, timeout);
+        for (int r = 0; r < im.world; ++r) {
+          json rep = json::parse(string_of(im.store->get(keys[static_cast<size_t>(r)])));
+          auto v = static_cast<Verdict>(rep["v"].get<int>());
+          if (severity(v) > severity(all)) {
+            all = v;
+            why = "rank " + std::to_string(r) + ": " + rep["why"].get<std::string>();
+          }
         }
       }
-    } catch (...) {
-      ::close(fd);
-      throw;
+      if (all == Verdict::kMismatch) ETTKIT_THROW(InvalidArgument, why);
+      if (all == Verdict::kVanished) {
+        ETTKIT_LOG_INFO("checkpoint load: ", why, "; trying the next one");
+        vanished = true;
+        continue;
+      }
+      if (all == Verdict::kBad) {
+        ETTKIT_LOG_WARN("checkpoint step ", step, " in '", im.opt.directory, "' is not loadable, falling back: ", why);
+        out.skipped_steps.push_back(step);
+        reasons += "\n  step " + std::to_string(step) + ": " + why;
+        continue;
+      }
+      copy_in_place(c, tensors);
+      out.step = step;
+      out.extra = std::move(c.extra);
+      if (im.opt.recorder) {
+        im.opt.recorder->record_phase(im.opt.recorder->phase_id(ett::phase::kCheckpointRestore), b, epoch_us(), step);
+      }
+      return out;
     }
-    ::close(fd);
-    out.step = step;
-    out.extra = read_small_file(c.extra_path);
-    if (im.opt.recorder) {
-      im.opt.recorder->record_phase(im.opt.recorder->phase_id(ett::phase::kCheckpointRestore), b, epoch_us(), step);
-    }
-    return out;
+    if (!vanished) break;
   }
-  if (steps.empty()) return std::nullopt;
+  if (!listed_any || out.skipped_steps.empty()) return std::nullopt;
   ETTKIT_THROW(checkpoint::CorruptCheckpoint, "no committed checkpoint in '", im.opt.directory, "' is valid:", reasons);
 }
 

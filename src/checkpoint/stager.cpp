@@ -12,6 +12,7 @@
 #include <deque>
 #include <functional>
 #include <thread>
+#include <unordered_map>
 
 #include "common/background_thread.h"
 #include "common/logging.h"
@@ -165,29 +166,84 @@ bool same_structure(const std::vector<PlanEntry>& plan, const NamedTensors& tens
   return true;
 }
 
+/// The key CopyPriority and wait_for() match tensors by: their storage. A parameter and the detached
+/// tensor a state dict holds share it; so do the per-table views of a fused embedding storage.
+const void* storage_key(const at::Tensor& t) {
+  if (!t.defined() || !t.has_storage()) return nullptr;
+  return t.storage().data();
+}
+
+/// How an entry's copy is judged: its version counter compared with the one recorded at save().
+enum Verdict : uint8_t { kUndecided = 0, kClean = 1, kChanged = 2 };
+
+/// The copy class of entries not named in a CopyPriority: after every named class.
+constexpr int kRestClass = 2;
+
 }  // namespace
 
+// One save's copies. Shared by the Snapshot, the copy jobs (CPU) and nobody else. Per-entry vectors are
+// sized in stage() and not resized afterwards; `remaining` and `staged_us` are atomics; everything else
+// that changes is guarded by `mu`.
 struct Snapshot::State {
-  std::mutex mu;  // guards pending, error, staged_us
+  mutable std::mutex mu;  // guards pending_jobs, error, verdict, sources
   std::condition_variable cv;
-  int pending = 0;  // CPU copy jobs not finished
+  std::atomic<int> waiters{0};  // threads blocked in cv (copy jobs notify only when someone waits)
+  int pending_jobs = 0;         // CPU copy jobs not finished
   std::exception_ptr error;
   std::atomic<int64_t> staged_us{0};
-  std::vector<at::Tensor> keep_alive;  // sources stay alive until their copies finish
+  std::thread::id owner;  // the thread that called stage()
+
+  std::vector<c10::VariableVersion> versions;  // shares each source's counter (disabled: copied in save())
+  std::vector<uint32_t> version_at_save;
+  std::unique_ptr<std::atomic<int32_t>[]> remaining;  // CPU slices still to copy per entry (0: copied)
+  std::vector<uint8_t> verdict;
+  size_t undecided = 0;                // entries whose verdict is kUndecided
+  std::vector<int8_t> cuda_class;      // index into cuda_events; -1 for CPU entries
+  std::vector<const void*> storages;   // storage_key per entry
+  std::vector<at::Tensor> sources;     // the caller's tensors, until drop_sources() on the owner thread
 #if ETTKIT_WITH_CUDA
-  std::unique_ptr<CudaEvent> cuda_done;
+  std::vector<std::unique_ptr<CudaEvent>> cuda_events;  // one per copy class, in stream order
 #endif
-  void job_done(std::exception_ptr e) {
-    std::lock_guard<std::mutex> lk(mu);
-    if (e && !error) error = e;
-    if (--pending == 0) cv.notify_all();
+  std::once_flag index_once;
+  std::unordered_map<const void*, std::vector<int>> by_storage;  // built on the first wait_for()
+
+  void notify_waiters() {
+    if (waiters.load() > 0) {
+      { std::lock_guard<std::mutex> lk(mu); }
+      cv.notify_all();
+    }
   }
-  bool cuda_finished() {
+  void entry_copied(size_t i) {
+    if (remaining[i].fetch_sub(1) == 1) notify_waiters();
+  }
+  void job_done(std::exception_ptr e) {
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      if (e && !error) error = e;
+      --pending_jobs;
+    }
+    cv.notify_all();
+  }
+  /// Blocks until `pred` holds (called with `lk` on mu held).
+  template <typename Pred>
+  void wait(std::unique_lock<std::mutex>& lk, Pred pred) {
+    waiters.fetch_add(1);
+    cv.wait(lk, pred);
+    waiters.fetch_sub(1);
+  }
+  bool cuda_finished() const {
 #if ETTKIT_WITH_CUDA
-    return !cuda_done || cuda_done->query();
+    return cuda_events.empty() || cuda_events.back()->query();
 #else
     return true;
 #endif
+  }
+  /// Decides entry i from its counter now (mu held). Only valid once no write that overlapped the copy
+  /// can still be running unseen: see the callers.
+  void decide(size_t i) {
+    if (verdict[i] != kUndecided) return;
+    verdict[i] = versions[i].current_version() == version_at_save[i] ? kClean : kChanged;
+    --undecided;
   }
 };
 
@@ -264,7 +320,8 @@ void Stager::release_arena(int arena) {
   impl_->cv.notify_all();
 }
 
-std::shared_ptr<Snapshot> Stager::stage(const NamedTensors& tensors, OnBusy on_busy) {
+std::shared_ptr<Snapshot> Stager::stage(const NamedTensors& tensors, OnBusy on_busy, const CopyPriority& priority,
+                                        int64_t sync_copy_max_bytes) {
   Impl& im = *impl_;
   int64_t begin_us = epoch_us();
   // The copies read storage; they must not become autograd history (callers pass parameters as they are).
@@ -342,41 +399,86 @@ std::shared_ptr<Snapshot> Stager::stage(const NamedTensors& tensors, OnBusy on_b
   snap->stage_begin_us_ = begin_us;
   auto state = std::make_shared<Snapshot::State>();
   snap->state_ = state;
+  const size_t n = tensors.size();
+  state->owner = std::this_thread::get_id();
+  state->versions.resize(n);
+  state->version_at_save.assign(n, 0);
+  state->remaining = std::make_unique<std::atomic<int32_t>[]>(n);
+  state->verdict.assign(n, kUndecided);
+  state->cuda_class.assign(n, -1);
+  state->storages.resize(n);
 
-  // 3) Copies. Small tensors now, synchronously; big CPU tensors by the pool in byte-balanced slices;
-  // CUDA tensors on the copy stream.
+  // 3) Copy order: the classes of `priority` first, then the rest; within a class, plan order.
+  std::vector<uint8_t> cls;
+  std::vector<size_t> order(n);
+  for (size_t i = 0; i < n; ++i) order[i] = i;
+  if (!priority.empty()) {
+    std::unordered_map<const void*, int> rank_of;
+    rank_of.reserve(priority.size());
+    for (const auto& [key, c] : priority) {
+      if (key) rank_of.emplace(key, std::clamp(c, 0, kRestClass));
+    }
+    cls.assign(n, kRestClass);
+    for (size_t i = 0; i < n; ++i) {
+      auto it = rank_of.find(storage_key(tensors[i].second));
+      if (it != rank_of.end()) cls[i] = static_cast<uint8_t>(it->second);
+    }
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return cls[a] < cls[b]; });
+  }
+  auto class_of = [&](size_t i) -> int { return cls.empty() ? 0 : cls[i]; };
+
+  // 4) Copies. Small and inference tensors now, synchronously (inference tensors have no version counter
+  // to check); big CPU tensors by the pool in byte-balanced slices; CUDA tensors on the copy stream.
+  const int64_t sync_max = std::max(im.opt.sync_copy_max_bytes, sync_copy_max_bytes);
   struct Slice {
     const uint8_t* src;
     uint8_t* dst;
     size_t n;
+    size_t entry;
   };
   std::vector<Slice> contiguous;
   std::vector<size_t> strided;  // indices of non-contiguous CPU tensors
-  std::vector<size_t> cuda;
+  std::vector<size_t> cuda;     // in copy order
   size_t big_bytes = 0;
   try {
-    for (size_t i = 0; i < tensors.size(); ++i) {
+    for (size_t i : order) {
       const at::Tensor& t = tensors[i].second;
       const PlanEntry& e = (*plan)[i];
       uint8_t* dst = base + e.offset;
+      state->storages[i] = storage_key(t);
+      state->remaining[i].store(0, std::memory_order_relaxed);
+      bool inference = t.is_inference();
+      if (!inference) {
+        state->versions[i] = t.unsafeGetTensorImpl()->version_counter();
+        state->version_at_save[i] = state->versions[i].current_version();
+      }
       if (t.device().is_cuda()) {
+        ETTKIT_EXPECTS(!inference, "state dict entry '", tensors[i].first,
+                       "' is a CUDA inference tensor; clone it outside inference mode to checkpoint it");
         cuda.push_back(i);
-      } else if (e.nbytes <= im.opt.sync_copy_max_bytes) {
+      } else if (inference || e.nbytes <= sync_max) {
         if (t.is_contiguous()) {
           std::memcpy(dst, t.const_data_ptr(), static_cast<size_t>(e.nbytes));
         } else {
           at::from_blob(dst, e.shape, t.options()).copy_(t);
         }
+        state->verdict[i] = kClean;  // copied before save() returns: nothing could overlap it
       } else if (t.is_contiguous()) {
-        contiguous.push_back({static_cast<const uint8_t*>(t.const_data_ptr()), dst, static_cast<size_t>(e.nbytes)});
+        contiguous.push_back({static_cast<const uint8_t*>(t.const_data_ptr()), dst, static_cast<size_t>(e.nbytes), i});
         big_bytes += static_cast<size_t>(e.nbytes);
+
       } else {
+        state->remaining[i].store(1, std::memory_order_relaxed);
         strided.push_back(i);
       }
     }
   } catch (...) {
     snap->release();
     throw;
+  }
+  if (!contiguous.empty() || !strided.empty() || !cuda.empty()) state->sources.reserve(n);
+  if (!contiguous.empty() || !strided.empty() || !cuda.empty()) {
+    for (const auto& item : tensors) state->sources.push_back(item.second);
   }
   if (!cuda.empty()) {
 #if ETTKIT_WITH_CUDA
@@ -394,7 +496,8 @@ std::shared_ptr<Snapshot> Stager::stage(const NamedTensors& tensors, OnBusy on_b
     ready.block(stream);
     {
       c10::cuda::CUDAStreamGuard sg(stream);
-      for (size_t i : cuda) {
+      for (size_t k = 0; k < cuda.size(); ++k) {
+        size_t i = cuda[k];
         const at::Tensor& t = tensors[i].second;
         const PlanEntry& e = (*plan)[i];
         uint8_t* dst = base + e.offset;
@@ -406,10 +509,14 @@ std::shared_ptr<Snapshot> Stager::stage(const NamedTensors& tensors, OnBusy on_b
         }
         // The caching allocator must not hand this memory to another stream before the copy is done.
         c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream);
+        state->cuda_class[i] = static_cast<int8_t>(state->cuda_events.size());
+        // One event per copy class, so a fence on the first class does not wait for the rest.
+        if (k + 1 == cuda.size() || class_of(cuda[k + 1]) != class_of(i)) {
+          state->cuda_events.push_back(std::make_unique<CudaEvent>(dev.index()));
+          state->cuda_events.back()->record(stream);
+        }
       }
     }
-    state->cuda_done = std::make_unique<CudaEvent>(dev.index());
-    state->cuda_done->record(stream);
 #else
     snap->release();
     ETTKIT_THROW(InvalidArgument, "state dict entry '", tensors[cuda[0]].first,
@@ -419,14 +526,16 @@ std::shared_ptr<Snapshot> Stager::stage(const NamedTensors& tensors, OnBusy on_b
   int workers = im.pool->size();
   std::vector<std::vector<Slice>> groups;
   if (!contiguous.empty()) {
-    // Cut the byte stream into `workers` equal ranges (big tensors are split across threads).
+    // Cut the byte stream (in copy order) into `workers` equal ranges (big tensors are split across
+    // threads); every slice counts towards its entry's `remaining`.
     size_t per = std::max<size_t>((big_bytes + static_cast<size_t>(workers) - 1) / static_cast<size_t>(workers), 1 << 20);
     groups.emplace_back();
     size_t room = per;
     for (Slice s : contiguous) {
       while (s.n > 0) {
         size_t take = std::min(s.n, room);
-        groups.back().push_back({s.src, s.dst, take});
+        groups.back().push_back({s.src, s.dst, take, s.entry});
+        state->remaining[s.entry].fetch_add(1, std::memory_order_relaxed);
         s.src += take;
         s.dst += take;
         s.n -= take;
@@ -441,38 +550,36 @@ std::shared_ptr<Snapshot> Stager::stage(const NamedTensors& tensors, OnBusy on_b
   }
   {
     std::lock_guard<std::mutex> slk(state->mu);
-    state->pending = static_cast<int>(groups.size() + strided.size());
+    state->pending_jobs = static_cast<int>(groups.size() + strided.size());
   }
-  if (state->pending > 0 || !cuda.empty()) {
-    state->keep_alive.reserve(tensors.size());
-    for (const auto& item : tensors) state->keep_alive.push_back(item.second);
-  }
+  // Jobs hold the state (not the tensors: a job's closure may die on the pool thread, and the last
+  // reference of a Python-owned tensor must not).
   for (auto& g : groups) {
     im.pool->submit([state, g = std::move(g)] {
-      std::exception_ptr err;
-      try {
-        for (const Slice& s : g) std::memcpy(s.dst, s.src, s.n);
-      } catch (...) {
-        err = std::current_exception();
+      for (const Slice& s : g) {
+        std::memcpy(s.dst, s.src, s.n);
+        state->entry_copied(s.entry);
       }
-      state->job_done(err);
+      state->job_done(nullptr);
     });
   }
   for (size_t i : strided) {
     const PlanEntry& e = (*plan)[i];
-    at::Tensor src = tensors[i].second;
     uint8_t* dst = base + e.offset;
-    im.pool->submit([state, src, dst, shape = e.shape] {
+    im.pool->submit([state, i, dst, shape = e.shape] {
       std::exception_ptr err;
       try {
         at::NoGradGuard no_grad;
+        const at::Tensor& src = state->sources[i];  // not touched by the owner while jobs are pending
         at::from_blob(dst, shape, src.options()).copy_(src);
       } catch (...) {
         err = std::current_exception();
       }
+      state->entry_copied(i);
       state->job_done(err);
     });
   }
+  state->undecided = static_cast<size_t>(std::count(state->verdict.begin(), state->verdict.end(), kUndecided));
   if (groups.empty() && strided.empty() && cuda.empty()) state->staged_us = epoch_us();
   return snap;
 }
@@ -482,36 +589,121 @@ Snapshot::~Snapshot() {
     release();
   } catch (...) {
   }
+  // The caller's thread, or whoever held the snapshot last; the checkpointer drops sources on its owner
+  // thread before that (AsyncCheckpointer::Impl::collect_sources).
+  drop_sources();
 }
 
 bool Snapshot::staged() const {
   std::lock_guard<std::mutex> lk(state_->mu);
-  return state_->pending == 0 && state_->cuda_finished();
+  return state_->pending_jobs == 0 && state_->cuda_finished();
+}
+
+void Snapshot::wait_copies() const {
+  State& st = *state_;
+  {
+    std::unique_lock<std::mutex> lk(st.mu);
+    st.wait(lk, [&] { return st.pending_jobs == 0; });
+  }
+#if ETTKIT_WITH_CUDA
+  if (!st.cuda_events.empty()) st.cuda_events.back()->synchronize();
+#endif
+  if (st.staged_us.load() == 0) st.staged_us = epoch_us();
 }
 
 void Snapshot::wait_staged() {
-  {
-    std::unique_lock<std::mutex> lk(state_->mu);
-    state_->cv.wait(lk, [&] { return state_->pending == 0; });
+  wait_copies();
+  State& st = *state_;
+  bool owner = std::this_thread::get_id() == st.owner;
+  std::lock_guard<std::mutex> lk(st.mu);
+  for (size_t i = 0; i < st.verdict.size(); ++i) {
+    // CUDA entries: the copy is observed complete, so a write queued from now on runs after it. CPU
+    // entries: on the owner thread every write issued before this call has returned (program order);
+    // on another thread a write may still be running, so they stay undecided until changed_entries().
+    if (st.cuda_class[i] >= 0 || owner) st.decide(i);
   }
-#if ETTKIT_WITH_CUDA
-  if (state_->cuda_done) state_->cuda_done->synchronize();
-#endif
-  if (state_->staged_us.load() == 0) state_->staged_us = epoch_us();
-  state_->keep_alive.clear();
-  if (state_->error) std::rethrow_exception(state_->error);
+  if (st.error) std::rethrow_exception(st.error);
 }
 
 void Snapshot::wait_staged_on_current_stream() {
+  State& st = *state_;
 #if ETTKIT_WITH_CUDA
-  if (state_->cuda_done) {
+  if (!st.cuda_events.empty()) {
     // GPU-side wait: the compute stream waits on the copy completion; the host does not block.
-    state_->cuda_done->block(c10::cuda::getCurrentCUDAStream(state_->cuda_done->device()));
+    st.cuda_events.back()->block(c10::cuda::getCurrentCUDAStream(st.cuda_events.back()->device()));
   }
 #endif
-  std::unique_lock<std::mutex> lk(state_->mu);
-  state_->cv.wait(lk, [&] { return state_->pending == 0; });
-  if (state_->error) std::rethrow_exception(state_->error);
+  std::unique_lock<std::mutex> lk(st.mu);
+  st.wait(lk, [&] { return st.pending_jobs == 0; });
+  // A fence: what this thread (or its stream) writes from now on is ordered after every copy.
+  for (size_t i = 0; i < st.verdict.size(); ++i) st.decide(i);
+  if (st.error) std::rethrow_exception(st.error);
+}
+
+bool Snapshot::wait_for(const std::vector<at::Tensor>& tensors) {
+  State& st = *state_;
+  std::call_once(st.index_once, [&] {
+    for (size_t i = 0; i < st.storages.size(); ++i) {
+      if (st.storages[i] && st.verdict[i] == kUndecided) st.by_storage[st.storages[i]].push_back(static_cast<int>(i));
+    }
+  });
+  std::vector<int> entries;
+  for (const at::Tensor& t : tensors) {
+    auto it = st.by_storage.find(storage_key(t));
+    if (it != st.by_storage.end()) entries.insert(entries.end(), it->second.begin(), it->second.end());
+  }
+  if (entries.empty()) return false;
+  bool waited = false;
+#if ETTKIT_WITH_CUDA
+  int cls = -1;
+  for (int i : entries) cls = std::max<int>(cls, st.cuda_class[static_cast<size_t>(i)]);
+  if (cls >= 0) {
+    CudaEvent& ev = *st.cuda_events[static_cast<size_t>(cls)];
+    waited = !ev.query();
+    ev.block(c10::cuda::getCurrentCUDAStream(ev.device()));
+  }
+#endif
+  auto copied = [&] {
+    return std::all_of(entries.begin(), entries.end(), [&](int i) { return st.remaining[static_cast<size_t>(i)].load() == 0; });
+  };
+  std::unique_lock<std::mutex> lk(st.mu);
+  if (!copied()) {
+    waited = true;
+    st.wait(lk, copied);
+  }
+  for (int i : entries) st.decide(static_cast<size_t>(i));
+  return waited;
+}
+
+std::vector<std::string> Snapshot::changed_entries() {
+  State& st = *state_;
+  std::vector<std::string> out;
+  std::lock_guard<std::mutex> lk(st.mu);
+  for (size_t i = 0; i < st.verdict.size(); ++i) {
+    st.decide(i);
+    if (st.verdict[i] == kChanged) out.push_back((*plan_)[i].name);
+  }
+  return out;
+}
+
+void Snapshot::drop_sources() {
+  State& st = *state_;
+  std::vector<at::Tensor> dropped;
+  {
+    std::unique_lock<std::mutex> lk(st.mu);
+    st.wait(lk, [&] { return st.pending_jobs == 0; });  // CPU jobs read the sources until then
+    // On the owner thread this is a fence (program order): decide what is still undecided while here.
+    if (std::this_thread::get_id() == st.owner) {
+      for (size_t i = 0; i < st.verdict.size(); ++i) st.decide(i);
+    }
+    dropped.swap(st.sources);
+  }
+  // `dropped` dies here, outside the lock, on the calling thread.
+}
+
+bool Snapshot::all_decided() const {
+  std::lock_guard<std::mutex> lk(state_->mu);
+  return state_->undecided == 0;
 }
 
 int64_t Snapshot::staged_us() const { return state_->staged_us.load(); }
@@ -530,12 +722,8 @@ NamedTensors Snapshot::tensors() {
 }
 
 void Snapshot::release() {
-  if (released_ || !stager_) return;
-  released_ = true;
-  try {
-    wait_staged();
-  } catch (...) {
-  }
+  if (!stager_ || released_.exchange(true)) return;
+  wait_copies();
   stager_->release_arena(arena_);
 }
 

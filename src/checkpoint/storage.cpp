@@ -2,19 +2,26 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <pthread.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <xxhash.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
+#include <climits>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <mutex>
 #include <random>
 
 #include "common/logging.h"
+#include "ettkit/common/clock.h"
 #include "ettkit/common/error.h"
 
 namespace fs = std::filesystem;
@@ -54,6 +61,43 @@ std::string hex64(uint64_t v) {
   char buf[17];
   std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
   return buf;
+}
+
+std::string xxh3_of(const std::string& bytes) { return hex64(XXH3_64bits(bytes.data(), bytes.size())); }
+
+ReadFile::~ReadFile() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+ReadFile& ReadFile::operator=(ReadFile&& o) noexcept {
+  if (this != &o) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = std::exchange(o.fd_, -1);
+    path_ = std::move(o.path_);
+  }
+  return *this;
+}
+
+uint64_t ReadFile::size() const {
+  struct stat st {};
+  if (::fstat(fd_, &st) != 0) throw_errno("stat of", path_, errno);
+  return static_cast<uint64_t>(st.st_size);
+}
+
+std::string ReadFile::read_all() const {
+  std::string out;
+  char buf[65536];
+  for (uint64_t off = 0;;) {
+    ssize_t n = ::pread(fd_, buf, sizeof buf, static_cast<off_t>(off));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      throw_errno("reading", path_, errno);
+    }
+    if (n == 0) break;
+    out.append(buf, static_cast<size_t>(n));
+    off += static_cast<uint64_t>(n);
+  }
+  return out;
 }
 
 FileDigest write_file_durably(const std::string& path, const std::vector<ConstBuffer>& buffers) {
@@ -119,19 +163,23 @@ FileDigest write_file_durably(const std::string& path, const std::vector<ConstBu
 }
 
 std::string file_xxh3(const std::string& path) {
-  Fd f;
-  f.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (f.fd < 0) throw_errno("opening", path, errno);
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw_errno("opening", path, errno);
+  return file_xxh3(ReadFile(fd, path));
+}
+
+std::string file_xxh3(const ReadFile& f) {
   Xxh3 h;
   std::unique_ptr<char[]> buf(new char[size_t{8} << 20]);
-  for (;;) {
-    ssize_t n = ::read(f.fd, buf.get(), size_t{8} << 20);
+  for (uint64_t off = 0;;) {
+    ssize_t n = ::pread(f.fd(), buf.get(), size_t{8} << 20, static_cast<off_t>(off));
     if (n < 0) {
       if (errno == EINTR) continue;
-      throw_errno("reading", path, errno);
+      throw_errno("reading", f.path(), errno);
     }
     if (n == 0) break;
     h.update(buf.get(), static_cast<size_t>(n));
+    off += static_cast<uint64_t>(n);
   }
   return hex64(h.digest());
 }
@@ -224,17 +272,27 @@ std::string encode_safetensors_header(const std::vector<SafetensorsEntry>& entri
 
 SafetensorsIndex read_safetensors_index(const std::string& path, uint64_t size) {
   ETTKIT_CHECK(size >= 8, CorruptData, "safetensors file '", path, "' has ", size, " bytes; at least 8 needed");
-  Fd f;
-  f.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (f.fd < 0) throw_errno("opening", path, errno);
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw_errno("opening", path, errno);
+  ReadFile f(fd, path);
+  ETTKIT_CHECK(f.size() == size, CorruptData, "safetensors file '", path, "' has ", f.size(), " bytes, not ", size);
+  return read_safetensors_index(f);
+}
+
+SafetensorsIndex read_safetensors_index(const ReadFile& file) {
+  const std::string& path = file.path();
+  const uint64_t size = file.size();
+  ETTKIT_CHECK(size >= 8, CorruptData, "safetensors file '", path, "' has ", size, " bytes; at least 8 needed");
   unsigned char len_bytes[8];
-  read_exact(f.fd, len_bytes, 8, 0, path);
+  read_exact(file.fd(), len_bytes, 8, 0, path);
   uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | len_bytes[i];
   ETTKIT_CHECK(n <= size - 8 && n <= (uint64_t{100} << 20), CorruptData, "safetensors file '", path,
                "' declares a header of ", n, " bytes but the file has ", size, " bytes");
   std::string text(n, '\0');
-  read_exact(f.fd, text.data(), n, 8, path);
+  read_exact(file.fd(), text.data(), n, 8, path);
+  // Every field read below is type- and range-checked first: nothing from the file reaches a typed
+  // nlohmann getter that could throw its own exception or silently convert (a float, a negative number).
   json h = json::parse(text, nullptr, /*allow_exceptions=*/false);
   ETTKIT_CHECK(h.is_object(), CorruptData, "safetensors file '", path, "' has a header that is not a JSON object");
   SafetensorsIndex idx;
@@ -242,30 +300,43 @@ SafetensorsIndex read_safetensors_index(const std::string& path, uint64_t size) 
   idx.data_size = size - idx.data_offset;
   std::vector<std::pair<uint64_t, uint64_t>> ranges;
   for (auto it = h.begin(); it != h.end(); ++it) {
-    if (it.key() == "__metadata__") continue;
     const json& v = it.value();
-    bool ok = v.is_object() && v.contains("dtype") && v["dtype"].is_string() && v.contains("shape") &&
-              v["shape"].is_array() && v.contains("data_offsets") && v["data_offsets"].is_array() &&
-              v["data_offsets"].size() == 2 && v["data_offsets"][0].is_number_unsigned() &&
-              v["data_offsets"][1].is_number_unsigned();
+    if (it.key() == "__metadata__") {
+      bool ok = v.is_object() && std::all_of(v.begin(), v.end(), [](const json& x) { return x.is_string(); });
+      ETTKIT_CHECK(ok, CorruptData, "safetensors file '", path,
+                   "': '__metadata__' must map strings to strings (the format's rule)");
+      continue;
+    }
+    auto field = [&](const char* name) -> const json* {
+      auto f = v.find(name);
+      return f == v.end() ? nullptr : &*f;
+    };
+    const json* dtype = v.is_object() ? field("dtype") : nullptr;
+    const json* shape = v.is_object() ? field("shape") : nullptr;
+    const json* offsets = v.is_object() ? field("data_offsets") : nullptr;
+    bool ok = dtype && dtype->is_string() && shape && shape->is_array() && offsets && offsets->is_array() &&
+              offsets->size() == 2 && (*offsets)[0].is_number_unsigned() && (*offsets)[1].is_number_unsigned();
     ETTKIT_CHECK(ok, CorruptData, "safetensors file '", path, "': entry '", it.key(),
-                 "' lacks dtype/shape/data_offsets");
+                 "' lacks a string dtype, an array shape or two unsigned data_offsets");
     SafetensorsEntry e;
     e.name = it.key();
-    e.dtype = v["dtype"].get<std::string>();
-    uint64_t elems = 1;
-    for (const json& d : v["shape"]) {
-      ETTKIT_CHECK(d.is_number_unsigned(), CorruptData, "safetensors file '", path, "': entry '", e.name,
-                   "' has a bad shape");
-      e.shape.push_back(d.get<int64_t>());
-      elems *= d.get<uint64_t>();
-    }
-    e.begin = v["data_offsets"][0].get<uint64_t>();
-    e.end = v["data_offsets"][1].get<uint64_t>();
+    e.dtype = dtype->get<std::string>();
     int es = safetensors_dtype_size(e.dtype);
     ETTKIT_CHECK(es > 0, CorruptData, "safetensors file '", path, "': entry '", e.name, "' has unknown dtype '",
                  e.dtype, "'");
-    ETTKIT_CHECK(e.begin <= e.end && e.end <= idx.data_size && e.end - e.begin == elems * es, CorruptData,
+    uint64_t bytes = static_cast<uint64_t>(es);
+    for (const json& d : *shape) {
+      // A dimension must fit int64 (torch sizes) and the byte count must not overflow: a product that wraps
+      // would let a huge shape pass the size check below.
+      bool dim_ok = d.is_number_unsigned() && d.get<uint64_t>() <= static_cast<uint64_t>(INT64_MAX) &&
+                    !__builtin_mul_overflow(bytes, d.get<uint64_t>(), &bytes);
+      ETTKIT_CHECK(dim_ok, CorruptData, "safetensors file '", path, "': entry '", e.name, "' has a bad shape ",
+                   shape->dump());
+      e.shape.push_back(static_cast<int64_t>(d.get<uint64_t>()));
+    }
+    e.begin = (*offsets)[0].get<uint64_t>();
+    e.end = (*offsets)[1].get<uint64_t>();
+    ETTKIT_CHECK(e.begin <= e.end && e.end <= idx.data_size && e.end - e.begin == bytes, CorruptData,
                  "safetensors file '", path, "': entry '", e.name, "' has data_offsets [", e.begin, ", ", e.end,
                  "] inconsistent with its shape or the data size ", idx.data_size);
     ranges.emplace_back(e.begin, e.end);
@@ -288,6 +359,7 @@ std::string encode_manifest(const Manifest& m) {
   j["step"] = m.step;
   j["world_size"] = m.world_size;
   j["created_unix_us"] = m.created_unix_us;
+  j["commit_seq"] = m.commit_seq;
   j["torch_version"] = m.torch_version;
   json files = json::object();
   for (const auto& [name, d] : m.files) files[name] = {{"size", d.size}, {"xxh3", d.xxh3}};
@@ -296,29 +368,91 @@ std::string encode_manifest(const Manifest& m) {
   return j.dump(2) + "\n";
 }
 
-Manifest decode_manifest(const std::string& text, const std::string& source) {
-  json j = json::parse(text, nullptr, false);
-  ETTKIT_CHECK(j.is_object(), CorruptData, "manifest '", source, "' is not a JSON object");
-  ETTKIT_CHECK(j.value("format", "") == "ettkit-checkpoint", CorruptData, "manifest '", source,
-               "' lacks format=ettkit-checkpoint");
-  ETTKIT_CHECK(j.contains("version") && j["version"].is_number_integer(), CorruptData, "manifest '", source,
-               "' lacks an integer 'version'");
-  ETTKIT_CHECK(j["version"].get<int>() <= 1, Unsupported, "manifest '", source, "' has version ",
-               j["version"].get<int>(), "; this ettkit reads version 1");
-  Manifest m;
-  try {
-    m.step = j.at("step").get<int64_t>();
-    m.world_size = j.at("world_size").get<int>();
-    m.created_unix_us = j.value("created_unix_us", int64_t{0});
-    m.torch_version = j.value("torch_version", "");
-    for (auto it = j.at("files").begin(); it != j.at("files").end(); ++it) {
-      m.files[it.key()] = FileDigest{it.value().at("size").get<uint64_t>(), it.value().at("xxh3").get<std::string>()};
-    }
-    if (j.contains("metadata")) m.metadata = j["metadata"].get<std::map<std::string, std::string>>();
-  } catch (const json::exception& e) {
-    ETTKIT_THROW(CorruptData, "manifest '", source, "' has a missing or mistyped field: ", e.what());
+namespace {
+/// Typed, range-checked reads of manifest fields: a wrong type or an out-of-range value is CorruptData
+/// naming the file and the field, never a JSON-library exception or a silent conversion (a float step, a
+/// version that wraps to 1 in an int).
+struct ManifestReader {
+  const json& j;
+  const std::string& source;
+
+  [[noreturn]] void bad(const std::string& field, const json& v, const char* want) const {
+    std::string shown = v.dump();
+    if (shown.size() > 80) shown = shown.substr(0, 77) + "...";
+    ETTKIT_THROW(CorruptData, "manifest '", source, "': field '", field, "' is ", shown, "; expected ", want);
   }
-  ETTKIT_CHECK(m.world_size > 0, CorruptData, "manifest '", source, "' has world_size=", m.world_size);
+  /// `field` inside `obj`; `path` is how the message names it (e.g. files.rank-0.extra.size).
+  const json* find(const json& obj, const std::string& field, bool required, const std::string& path = "") const {
+    auto it = obj.find(field);
+    if (it != obj.end()) return &*it;
+    ETTKIT_CHECK(!required, CorruptData, "manifest '", source, "' lacks the field '", path.empty() ? field : path, "'");
+    return nullptr;
+  }
+  int64_t integer(const json& v, const std::string& field, int64_t lo, int64_t hi) const {
+    if (v.is_number_unsigned()) {
+      uint64_t u = v.get<uint64_t>();
+      if (hi >= 0 && u <= static_cast<uint64_t>(hi) && static_cast<int64_t>(u) >= lo) return static_cast<int64_t>(u);
+    } else if (v.is_number_integer()) {
+      int64_t x = v.get<int64_t>();
+      if (x >= lo && x <= hi) return x;
+    } else {
+      bad(field, v, "an integer");
+    }
+    bad(field, v, ettkit::detail::concat("an integer in [", lo, ", ", hi, "]").c_str());
+  }
+  uint64_t unsigned_integer(const json& v, const std::string& field) const {
+    if (!v.is_number_unsigned()) bad(field, v, "a non-negative integer");
+    return v.get<uint64_t>();
+  }
+  std::string string(const json& v, const std::string& field) const {
+    if (!v.is_string()) bad(field, v, "a string");
+    return v.get<std::string>();
+  }
+};
+
+bool is_xxh3_hex(const std::string& s) {
+  return s.size() == 16 && std::all_of(s.begin(), s.end(), [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); });
+}
+}  // namespace
+
+Manifest decode_manifest(const std::string& text, const std::string& source) {
+  json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  ETTKIT_CHECK(j.is_object(), CorruptData, "manifest '", source, "' is not a JSON object");
+  ManifestReader r{j, source};
+  const json& format = *r.find(j, "format", true);
+  if (!format.is_string() || format.get<std::string>() != "ettkit-checkpoint") {
+    r.bad("format", format, "\"ettkit-checkpoint\"");
+  }
+  const json& version = *r.find(j, "version", true);
+  if (!version.is_number_integer()) r.bad("version", version, "an integer");
+  bool newer = version.is_number_unsigned() ? version.get<uint64_t>() > 1 : version.get<int64_t>() > 1;
+  ETTKIT_CHECK(!newer, Unsupported, "manifest '", source, "' has version ", version.dump(),
+               "; this ettkit reads version 1");
+  if (version.get<int64_t>() != 1) r.bad("version", version, "1");
+  Manifest m;
+  m.step = r.integer(*r.find(j, "step", true), "step", 0, kMaxStep);
+  m.world_size = static_cast<int>(r.integer(*r.find(j, "world_size", true), "world_size", 1, INT_MAX));
+  if (const json* v = r.find(j, "created_unix_us", false)) {
+    m.created_unix_us = r.integer(*v, "created_unix_us", 0, INT64_MAX);
+  }
+  if (const json* v = r.find(j, "commit_seq", false)) m.commit_seq = r.unsigned_integer(*v, "commit_seq");
+  if (const json* v = r.find(j, "torch_version", false)) m.torch_version = r.string(*v, "torch_version");
+  const json& files = *r.find(j, "files", true);
+  if (!files.is_object()) r.bad("files", files, "an object mapping file names to {size, xxh3}");
+  for (auto it = files.begin(); it != files.end(); ++it) {
+    std::string field = "files." + it.key();
+    const json& f = it.value();
+    if (!f.is_object()) r.bad(field, f, "an object {size, xxh3}");
+    FileDigest d;
+    d.size = r.unsigned_integer(*r.find(f, "size", true, field + ".size"), field + ".size");
+    d.xxh3 = r.string(*r.find(f, "xxh3", true, field + ".xxh3"), field + ".xxh3");
+    if (!is_xxh3_hex(d.xxh3)) r.bad(field + ".xxh3", f["xxh3"], "16 lowercase hex digits");
+    m.files[it.key()] = std::move(d);
+  }
+  if (const json* meta = r.find(j, "metadata", false)) {
+    if (!meta->is_object()) r.bad("metadata", *meta, "an object of strings");
+    for (auto it = meta->begin(); it != meta->end(); ++it) m.metadata[it.key()] = r.string(it.value(), "metadata." + it.key());
+  }
   return m;
 }
 
@@ -329,19 +463,151 @@ std::string temp_dir_name(int64_t step, const std::string& run_id) {
   return ".tmp-step-" + std::to_string(step) + "-" + run_id;
 }
 
-std::vector<int64_t> list_step_dirs(const std::string& dir) {
-  std::vector<int64_t> steps;
+bool committed_after(const StepEntry& a, const StepEntry& b) {
+  if (a.commit_seq != b.commit_seq) return a.commit_seq > b.commit_seq;
+  if (a.created_unix_us != b.created_unix_us) return a.created_unix_us > b.created_unix_us;
+  return a.step > b.step;
+}
+
+namespace {
+/// N when `name` is exactly step_dir_name(N) for 0 <= N <= kMaxStep (no sign, no leading zero), else -1.
+int64_t canonical_step(const std::string& name) {
+  if (name.rfind("step-", 0) != 0) return -1;
+  std::string digits = name.substr(5);
+  if (digits.empty() || digits.size() > 18 || (digits.size() > 1 && digits[0] == '0')) return -1;
+  if (!std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; })) return -1;
+  return std::stoll(digits);
+}
+}  // namespace
+
+StepListing list_steps(const std::string& dir) {
+  StepListing out;
+  std::vector<std::string> names;
   std::error_code ec;
   for (const auto& de : fs::directory_iterator(dir, ec)) {
     std::string n = de.path().filename().string();
-    if (n.rfind("step-", 0) != 0 || n.size() <= 5) continue;
-    std::string digits = n.substr(5);
-    if (!std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; })) continue;
-    if (digits.size() > 18) continue;
-    steps.push_back(std::stoll(digits));
+    if (n.rfind("step-", 0) == 0) names.push_back(std::move(n));
+  }
+  std::sort(names.begin(), names.end());
+  for (const std::string& n : names) {
+    StepEntry e;
+    e.name = n;
+    e.step = canonical_step(n);
+    std::string path = dir + "/" + n;
+    struct stat st {};
+    if (::stat(path.c_str(), &st) != 0) {
+      if (::lstat(path.c_str(), &st) != 0) continue;  // vanished since the listing
+      e.problem = "a link to nothing";
+    } else {
+      e.directory = S_ISDIR(st.st_mode);
+      if (!e.directory) e.problem = "not a directory";
+    }
+    if (e.step < 0 && e.problem.empty()) {
+      e.problem = "not a step directory name this checkpointer writes (step-<N>, N without leading zeros, N < 10^18)";
+    }
+    if (e.problem.empty()) {
+      std::string mpath = path + "/manifest.json";
+      if (!file_size(mpath)) {
+        if (::stat(path.c_str(), &st) != 0) continue;  // retired while being listed
+        e.problem = "it has no manifest.json (never committed)";
+      } else {
+        try {
+          Manifest m = decode_manifest(read_small_file(mpath), mpath);
+          ETTKIT_CHECK(m.step == e.step, CorruptData, "manifest '", mpath, "' says step ", m.step);
+          e.committed = true;
+          e.commit_seq = m.commit_seq;
+          e.created_unix_us = m.created_unix_us;
+        } catch (const Error& x) {
+          if (::stat(path.c_str(), &st) != 0) continue;
+          e.problem = x.message();
+        }
+      }
+    }
+    (e.committed ? out.committed : out.others).push_back(std::move(e));
+  }
+  std::sort(out.committed.begin(), out.committed.end(), committed_after);
+  return out;
+}
+
+std::vector<int64_t> list_step_dirs(const std::string& dir) {
+  std::vector<int64_t> steps;
+  for (const StepEntry& e : list_steps(dir).committed) steps.push_back(e.step);
+  return steps;
+}
+
+std::vector<int64_t> load_candidates(const std::string& dir) {
+  StepListing l = list_steps(dir);
+  std::vector<int64_t> steps;
+  for (const StepEntry& e : l.others) {
+    if (e.step >= 0 && e.directory) steps.push_back(e.step);
   }
   std::sort(steps.rbegin(), steps.rend());
+  for (const StepEntry& e : l.committed) steps.push_back(e.step);
   return steps;
+}
+
+namespace {
+std::mutex g_hook_mu;
+std::function<void(int64_t)> g_before_open_step;
+}  // namespace
+
+void set_before_open_step_hook(std::function<void(int64_t step)> hook) {
+  std::lock_guard<std::mutex> lk(g_hook_mu);
+  g_before_open_step = std::move(hook);
+}
+
+void run_before_open_step_hook(int64_t step) {
+  std::function<void(int64_t)> hook;
+  {
+    std::lock_guard<std::mutex> lk(g_hook_mu);
+    hook = g_before_open_step;
+  }
+  if (hook) hook(step);
+}
+
+std::optional<OpenedStep> open_step(const std::string& dir, int64_t step, int rank) {
+  OpenedStep out;
+  out.path = dir + "/" + step_dir_name(step);
+  int dfd = ::open(out.path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd < 0) {
+    if (errno == ENOENT) return std::nullopt;
+    if (errno == ENOTDIR) ETTKIT_THROW(CorruptData, "'", out.path, "' is not a directory");
+    throw_errno("opening", out.path, errno);
+  }
+  ReadFile d(dfd, out.path);
+  struct stat opened {};
+  if (::fstat(dfd, &opened) != 0) throw_errno("stat of", out.path, errno);
+  // A file missing from a directory that is no longer at its path (renamed to .trash-*, deleted) was
+  // retired under us; missing from the directory still in place, the step is damaged.
+  auto moved_away = [&] {
+    struct stat now {};
+    return ::stat(out.path.c_str(), &now) != 0 || now.st_ino != opened.st_ino || now.st_dev != opened.st_dev;
+  };
+  bool vanished = false;
+  auto open_in = [&](const std::string& name) -> ReadFile {
+    std::string path = out.path + "/" + name;
+    int fd = ::openat(dfd, name.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd >= 0) return ReadFile(fd, path);
+    int err = errno;
+    if (err == ENOENT && moved_away()) {
+      vanished = true;
+      return ReadFile();
+    }
+    if (err == ENOENT) ETTKIT_THROW(CorruptData, "'", path, "' is missing");
+    throw_errno("opening", path, err);
+  };
+  ReadFile manifest = open_in("manifest.json");
+  if (vanished) return std::nullopt;
+  out.manifest_path = manifest.path();
+  out.manifest = decode_manifest(manifest.read_all(), out.manifest_path);
+  ETTKIT_CHECK(out.manifest.step == step, CorruptData, "manifest '", out.manifest_path, "' says step ",
+               out.manifest.step);
+  std::string base = "rank-" + std::to_string(rank);
+  out.data = open_in(base + ".safetensors");
+  if (vanished) return std::nullopt;
+  out.extra = open_in(base + ".extra");
+  if (vanished) return std::nullopt;
+  return out;
 }
 
 int remove_stale_temporaries(const std::string& dir, const std::string& run_id) {
@@ -365,29 +631,202 @@ int remove_stale_temporaries(const std::string& dir, const std::string& run_id) 
 void update_latest(const std::string& dir, int64_t step) {
   std::string tmp = dir + "/latest.tmp-" + random_id();
   std::string text = step_dir_name(step) + "\n";
-  write_file_durably(tmp, {ConstBuffer{text.data(), text.size()}});
-  if (::rename(tmp.c_str(), (dir + "/latest").c_str()) != 0) throw_errno("renaming latest pointer", tmp, errno);
+  try {
+    write_file_durably(tmp, {ConstBuffer{text.data(), text.size()}});
+    if (::rename(tmp.c_str(), (dir + "/latest").c_str()) != 0) throw_errno("renaming latest pointer", tmp, errno);
+  } catch (...) {
+    ::unlink(tmp.c_str());
+    throw;
+  }
   fsync_directory(dir);
 }
 
-void apply_retention(const std::string& dir, int keep_last) {
-  if (keep_last <= 0) return;
-  std::vector<int64_t> steps = list_step_dirs(dir);
-  for (size_t i = static_cast<size_t>(keep_last); i < steps.size(); ++i) {
-    std::string from = dir + "/" + step_dir_name(steps[i]);
-    std::string to = dir + "/.trash-" + step_dir_name(steps[i]) + "-" + random_id();
+void commit_step_directory(const std::string& dir, const std::string& tmp, int64_t step) {
+  std::string final_dir = dir + "/" + step_dir_name(step);
+  std::error_code ec;
+  if (fs::exists(fs::symlink_status(final_dir, ec))) {
+    // Saving a step again replaces it: retire the old one by rename (atomic) before the new rename.
+    std::string trash = dir + "/.trash-" + step_dir_name(step) + "-" + random_id();
+    if (::rename(final_dir.c_str(), trash.c_str()) != 0) throw_errno("retiring", final_dir, errno);
+    remove_tree_quietly(trash);
+  }
+  if (::rename(tmp.c_str(), final_dir.c_str()) != 0) {
+    ETTKIT_THROW(IoError, "renaming '", tmp, "' to '", final_dir, "' failed: ", std::strerror(errno));
+  }
+  fsync_directory(dir);
+}
+
+uint64_t CommitHistory::next_seq(const std::string& dir) {
+  if (!scanned_) {
+    for (const StepEntry& e : list_steps(dir).committed) last_seq_ = std::max(last_seq_, e.commit_seq);
+    scanned_ = true;
+  }
+  return ++last_seq_;
+}
+
+std::vector<std::string> CommitHistory::after_commit(const std::string& dir, int64_t step, int keep_last) {
+  // The step is committed: nothing here may turn that into a failure. `latest` is a hint for people and
+  // tools (loaders find the newest commit themselves), and a step retention could not retire is retired by
+  // a later commit.
+  try {
+    update_latest(dir, step);
+  } catch (const Error& e) {
+    ETTKIT_LOG_WARN("checkpoint step ", step, " is committed, but the 'latest' pointer in '", dir,
+                    "' could not be updated (it may name an older step; loaders do not use it): ", e.message());
+  }
+  std::vector<std::string> retired;
+  if (keep_last <= 0) return retired;
+  StepListing l = list_steps(dir);
+  for (const StepEntry& e : l.others) {
+    if (std::find(warned_.begin(), warned_.end(), e.name) != warned_.end()) continue;
+    warned_.push_back(e.name);
+    ETTKIT_LOG_WARN("checkpoint retention: leaving '", e.name, "' in '", dir, "' alone (not counted, never deleted): ",
+                    e.problem);
+  }
+  int kept = 0;
+  for (const StepEntry& e : l.committed) {
+    if (e.step == step || kept < keep_last) {
+      ++kept;
+      continue;
+    }
+    std::string from = dir + "/" + e.name;
+    std::string to = dir + "/.trash-" + e.name + "-" + random_id();
     // Rename first: a crash mid-delete must never leave a half-deleted step-<N> that looks committed.
     if (::rename(from.c_str(), to.c_str()) != 0) {
       ETTKIT_LOG_WARN("checkpoint retention: could not retire '", from, "': ", std::strerror(errno));
       continue;
     }
+    retired.push_back(e.name);
     remove_tree_quietly(to);
   }
-  try {
-    fsync_directory(dir);
-  } catch (const Error& e) {
-    ETTKIT_LOG_WARN("checkpoint retention: ", e.message());
+  if (!retired.empty()) {
+    try {
+      fsync_directory(dir);
+    } catch (const Error& e) {
+      ETTKIT_LOG_WARN("checkpoint retention: ", e.message());
+    }
   }
+  return retired;
+}
+
+// ---- directory lock ----------------------------------------------------------------------------------
+
+namespace {
+std::string this_host() {
+  char host[256] = {0};
+  if (::gethostname(host, sizeof host - 1) != 0) return "?";
+  return host;
+}
+
+std::string this_job() {
+  for (const char* var : {"TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "JOB_ID"}) {
+    const char* v = std::getenv(var);
+    if (v && *v) return v;
+  }
+  return "";
+}
+
+std::string describe_holder(const std::string& record) {
+  json h = json::parse(record, nullptr, /*allow_exceptions=*/false);
+  if (!h.is_object()) return "an unknown holder (the lock file records none yet)";
+  auto text = [&](const char* k) {
+    auto it = h.find(k);
+    return it == h.end() ? std::string("?") : it->is_string() ? it->get<std::string>() : it->dump();
+  };
+  std::string out = "pid " + text("pid") + " on host '" + text("host") + "'";
+  if (!text("job").empty() && text("job") != "?") out += " (job '" + text("job") + "')";
+  if (h.contains("pid") && h["pid"].is_number_integer() && h["pid"].get<int64_t>() == ::getpid() &&
+      text("host") == this_host()) {
+    out += ", i.e. another AsyncCheckpointer of this process: close() it before opening a new one";
+  }
+  return out;
+}
+
+// A forked child (a DataLoader worker, say) inherits the lock's file descriptor, and a flock lives until
+// every descriptor of its open file is closed: the child would keep the directory locked after its parent
+// closed the checkpointer or died. Children close their copies at fork (close() is async-signal-safe and
+// the slots are lock-free atomics, as a fork handler needs). Slots hold fd + 1; 0 is free.
+constexpr int kLockSlots = 64;
+std::atomic<int> g_lock_slots[kLockSlots];
+
+void close_locks_in_child() {
+  for (auto& slot : g_lock_slots) {
+    int v = slot.exchange(0);
+    if (v > 0) ::close(v - 1);
+  }
+}
+
+void remember_lock_fd(int fd) {
+  static std::once_flag once;
+  std::call_once(once, [] { ::pthread_atfork(nullptr, nullptr, close_locks_in_child); });
+  for (auto& slot : g_lock_slots) {
+    int free_slot = 0;
+    if (slot.compare_exchange_strong(free_slot, fd + 1)) return;
+  }
+  // More than kLockSlots locks at once: a forked child may then hold this one until it exits.
+}
+
+void forget_lock_fd(int fd) {
+  for (auto& slot : g_lock_slots) {
+    int mine = fd + 1;
+    if (slot.compare_exchange_strong(mine, 0)) return;
+  }
+}
+}  // namespace
+
+DirectoryLock& DirectoryLock::operator=(DirectoryLock&& o) noexcept {
+  if (this != &o) {
+    release();
+    fd_ = std::exchange(o.fd_, -1);
+  }
+  return *this;
+}
+
+std::optional<std::string> DirectoryLock::try_acquire(const std::string& dir) {
+  release();
+  std::string path = dir + "/.lock";
+  // Never unlinked: removing a lock file while another process waits on its inode would let two holders
+  // lock two different files.
+  int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) throw_errno("opening the checkpoint directory lock", path, errno);
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    int err = errno;
+    if (err == EWOULDBLOCK) {
+      std::string record;
+      try {
+        record = ReadFile(fd, path).read_all();  // closes fd
+      } catch (const Error&) {
+      }
+      return describe_holder(record);
+    }
+    ::close(fd);
+    if (err == ENOLCK || err == EOPNOTSUPP || err == ENOSYS || err == EINVAL) {
+      ETTKIT_LOG_WARN("checkpoint: the file system of '", dir, "' does not support flock (", std::strerror(err),
+                      "); nothing prevents a second job from writing this directory");
+      return std::nullopt;
+    }
+    throw_errno("locking", path, err);
+  }
+  std::string record = json{{"job", this_job()}, {"host", this_host()}, {"pid", ::getpid()},
+                            {"since_unix_us", epoch_us()}}.dump() + "\n";
+  if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, record.data(), record.size(), 0) != static_cast<ssize_t>(record.size())) {
+    ETTKIT_LOG_WARN("checkpoint: could not record the holder in '", path, "': ", std::strerror(errno));
+  }
+  fd_ = fd;
+  remember_lock_fd(fd);
+  return std::nullopt;
+}
+
+void DirectoryLock::release() {
+  if (fd_ < 0) return;
+  forget_lock_fd(fd_);
+  // Emptied while still held: a later holder's record is never clobbered.
+  if (::ftruncate(fd_, 0) != 0) ETTKIT_LOG_DEBUG("checkpoint: could not empty the directory lock record");
+  // LOCK_UN releases the lock even if a descriptor of this open file survives elsewhere (a child forked
+  // between the registration and now).
+  ::flock(fd_, LOCK_UN);
+  ::close(fd_);
+  fd_ = -1;
 }
 
 std::string random_id() {

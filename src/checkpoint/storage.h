@@ -8,9 +8,17 @@
 //   step-<N>/rank-<r>.extra           the rank's non-tensor state (opaque bytes)
 //   .tmp-step-<N>-<run>/              a save in progress (removed at the next start of another run)
 //   .trash-*                          a retired step being deleted (rename first, then delete)
-//   latest                            "step-<N>\n", replaced atomically (tmp + rename + dir fsync)
+//   latest                            "step-<N>\n", replaced atomically (tmp + rename + dir fsync); a hint:
+//                                     loaders never read it, and it may lag when its write failed
+//   .lock                             the writer's advisory lock (flock) and who holds it (one JSON line)
+//
+// Commit order: every manifest carries commit_seq, one more than the highest in the directory when it was
+// written (manifests from before commit_seq: 0, then ordered by created_unix_us). "Newest" always means
+// the latest commit, never the largest step number: a job restarted from step 1 into a directory holding
+// step 300 makes step 1 the newest. Retention and load_latest both follow this order.
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -52,6 +60,31 @@ void read_exact(int fd, void* dst, uint64_t size, uint64_t offset, const std::st
 /// Reads a whole (small) file. Throws IoError.
 std::string read_small_file(const std::string& path);
 std::string hex64(uint64_t v);
+/// XXH3-64 of bytes in memory (hex).
+std::string xxh3_of(const std::string& bytes);
+
+/// A file opened read-only; closed by its owner. Reading through it is immune to a rename or unlink of
+/// the path afterwards (the open inode outlives its directory entry).
+class ReadFile {
+ public:
+  ReadFile() = default;
+  ReadFile(int fd, std::string path) : fd_(fd), path_(std::move(path)) {}
+  ~ReadFile();
+  ReadFile(ReadFile&& o) noexcept : fd_(std::exchange(o.fd_, -1)), path_(std::move(o.path_)) {}
+  ReadFile& operator=(ReadFile&& o) noexcept;
+  ReadFile(const ReadFile&) = delete;
+  ReadFile& operator=(const ReadFile&) = delete;
+  int fd() const { return fd_; }
+  const std::string& path() const { return path_; }
+  /// Size from fstat. Throws IoError.
+  uint64_t size() const;
+  /// The whole file. Throws IoError.
+  std::string read_all() const;
+
+ private:
+  int fd_ = -1;
+  std::string path_;
+};
 
 // ---- safetensors -------------------------------------------------------------------------------------
 struct SafetensorsEntry {
@@ -72,6 +105,9 @@ struct SafetensorsIndex {
 /// Parses and validates the header of the safetensors file `path` whose size is `file_size`: offsets in
 /// range, non-overlapping, element counts match dtype and shape. Throws CorruptData naming the file.
 SafetensorsIndex read_safetensors_index(const std::string& path, uint64_t file_size);
+SafetensorsIndex read_safetensors_index(const ReadFile& file);
+/// XXH3-64 of a whole open file (hex). Throws IoError.
+std::string file_xxh3(const ReadFile& file);
 /// Bytes per element of a safetensors dtype string, or 0 when unknown.
 int safetensors_dtype_size(const std::string& dtype);
 
@@ -80,26 +116,117 @@ struct Manifest {
   int64_t step = -1;
   int world_size = 0;
   int64_t created_unix_us = 0;
+  /// Position in the directory's commit history (see the commit order above); 0 in older manifests.
+  uint64_t commit_seq = 0;
   std::map<std::string, FileDigest> files;  // file name (inside the step dir) -> digest
   std::map<std::string, std::string> metadata;
   std::string torch_version;
 };
 std::string encode_manifest(const Manifest& m);
-/// Throws CorruptData naming `source` and the bad field.
+/// Checks every field's type and range. Throws CorruptData naming `source` and the bad field (Unsupported
+/// for a version newer than 1); never anything else.
 Manifest decode_manifest(const std::string& text, const std::string& source);
 
 // ---- directory layout --------------------------------------------------------------------------------
+/// The largest step: step-<N> names have at most 18 digits.
+constexpr int64_t kMaxStep = 999'999'999'999'999'999;
+
 std::string step_dir_name(int64_t step);
 std::string temp_dir_name(int64_t step, const std::string& run_id);
-/// Steps that have a step-<N> directory, newest first (committed or not: the loader validates).
+
+/// An entry of CKPT_DIR whose name starts with "step-".
+struct StepEntry {
+  std::string name;
+  int64_t step = -1;       ///< N when the name is exactly step_dir_name(N) with N <= kMaxStep; else -1
+  bool directory = false;  ///< a directory (links followed)
+  bool committed = false;  ///< a directory whose manifest decodes and names step N
+  uint64_t commit_seq = 0;
+  int64_t created_unix_us = 0;
+  std::string problem;  ///< why it is not committed
+};
+/// Whether `a` was committed after `b`: by commit_seq, then created_unix_us, then step.
+bool committed_after(const StepEntry& a, const StepEntry& b);
+struct StepListing {
+  std::vector<StepEntry> committed;  ///< newest commit first
+  std::vector<StepEntry> others;     ///< everything else named step-*, by name (never ettkit's to delete)
+};
+/// Classifies every step-* entry of `dir`, reading each step directory's manifest (not its data files).
+/// An entry that vanishes while being read is left out.
+StepListing list_steps(const std::string& dir);
+/// Committed steps, newest commit first.
 std::vector<int64_t> list_step_dirs(const std::string& dir);
+/// What load_latest tries, in order: step-<N> directories that are not committed (each is reported as not
+/// loadable), then the committed steps, newest commit first.
+std::vector<int64_t> load_candidates(const std::string& dir);
+
+/// The files of one rank of step-<N>, opened together: once open, a step that retention renames and deletes
+/// still reads whole.
+struct OpenedStep {
+  std::string path;  ///< CKPT_DIR/step-<N>
+  std::string manifest_path;
+  Manifest manifest;
+  ReadFile data;   ///< rank-<r>.safetensors
+  ReadFile extra;  ///< rank-<r>.extra
+};
+/// Opens step-<N> for `rank`. nullopt when the step directory vanished before or while it was opened
+/// (retired by the writer's retention: not a corruption). Throws CorruptData (or Unsupported) when the step
+/// exists but its manifest is bad or a file is missing, IoError for other failures.
+std::optional<OpenedStep> open_step(const std::string& dir, int64_t step, int rank);
+/// Tests only: called by load_latest before it opens each candidate (empty: none).
+void set_before_open_step_hook(std::function<void(int64_t step)> hook);
+void run_before_open_step_hook(int64_t step);
+
 /// Removes .tmp-step-* directories not belonging to `run_id` and all .trash-* entries.
 int remove_stale_temporaries(const std::string& dir, const std::string& run_id);
-/// Points `latest` at step-<N>: write latest.tmp, fsync, rename, fsync dir.
+/// Points `latest` at step-<N>: write latest.tmp, fsync, rename, fsync dir. Throws IoError (and removes its
+/// temporary file).
 void update_latest(const std::string& dir, int64_t step);
-/// Keeps the newest `keep_last` step directories (keep_last <= 0 keeps all); renames the others to
-/// .trash-* (atomic) and deletes them.
-void apply_retention(const std::string& dir, int keep_last);
+/// The commit point: retires an existing step-<N> (a re-save) by rename, renames `tmp` to step-<N>, fsyncs
+/// `dir`. Throws IoError.
+void commit_step_directory(const std::string& dir, const std::string& tmp, int64_t step);
+
+/// The directory's commit history as its one writer sees it (rank 0 of the job holding the lock; only the
+/// writer thread calls it): the next commit's sequence number, and what happens after a commit.
+class CommitHistory {
+ public:
+  /// 1 + the highest commit_seq in `dir` (read from the manifests at the first call, counted in memory
+  /// afterwards: the directory lock makes this writer the only one).
+  uint64_t next_seq(const std::string& dir);
+  /// After step `step` was committed: points `latest` at it, then keeps the `keep_last` newest committed
+  /// steps (by commit order; <= 0 keeps all) and retires the other committed ones (rename to .trash-*, then
+  /// delete). Never touches the step just committed or an entry that is not a committed step (those get a
+  /// warning, once per name). Never throws: failures are logged, the step stays committed. Returns the
+  /// names retired.
+  std::vector<std::string> after_commit(const std::string& dir, int64_t step, int keep_last);
+
+ private:
+  bool scanned_ = false;
+  uint64_t last_seq_ = 0;
+  std::vector<std::string> warned_;
+};
+
+/// An advisory lock (flock) on CKPT_DIR/.lock that the directory's writer holds for its life; the file
+/// names the holder (one JSON line: job, host, pid, since). The kernel releases it when the holder's
+/// process dies, so a dead job's lock is taken over by the next one without any staleness rule.
+class DirectoryLock {
+ public:
+  DirectoryLock() = default;
+  ~DirectoryLock() { release(); }
+  DirectoryLock(DirectoryLock&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  DirectoryLock& operator=(DirectoryLock&& o) noexcept;
+  DirectoryLock(const DirectoryLock&) = delete;
+  DirectoryLock& operator=(const DirectoryLock&) = delete;
+  /// Takes the lock of `dir` and records this process in it. Returns nullopt on success (also on a file
+  /// system without flock support: a warning, and nothing is held), else the holder's description.
+  std::optional<std::string> try_acquire(const std::string& dir);
+  /// Empties the record and releases the lock. Idempotent.
+  void release();
+  bool held() const { return fd_ >= 0; }
+
+ private:
+  int fd_ = -1;
+};
+
 /// A random 16-hex-digit id.
 std::string random_id();
 

@@ -1,6 +1,7 @@
 #include "ett/ledger_reader.h"
 
 #include <algorithm>
+#include <charconv>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -17,6 +18,18 @@ namespace ettkit::ett::detail {
 
 namespace {
 
+// A record the reader skips; what() says why (it ends up in ledger.warnings).
+class CorruptRecord : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+// UTC epoch microseconds a ledger time may take: 1970-01-01 up to 9999-12-31T23:59:59 (a whole second, so
+// that the time still prints as a date after the conversion to double seconds). A time outside this range
+// is a corrupt record. The bound also keeps every difference of two ledger times (durations, E2E) far
+// from int64 overflow.
+constexpr int64_t kMaxEpochUs = 253'402'300'799'000'000;
+
 std::optional<int64_t> opt_int(const json& j, const char* key) {
   auto it = j.find(key);
   if (it == j.end() || !it->is_number_integer()) return std::nullopt;
@@ -25,8 +38,19 @@ std::optional<int64_t> opt_int(const json& j, const char* key) {
 
 int64_t req_int(const json& j, const char* key) {
   auto v = opt_int(j, key);
-  if (!v) throw std::invalid_argument(key);
+  if (!v) throw CorruptRecord(std::string("'") + key + "' is missing or not an integer");
   return *v;
+}
+
+bool is_epoch_us(int64_t t) { return t >= 0 && t <= kMaxEpochUs; }
+
+int64_t req_time(const json& j, const char* key) {
+  int64_t t = req_int(j, key);
+  if (!is_epoch_us(t)) {
+    throw CorruptRecord(std::string("'") + key + "' = " + std::to_string(t) +
+                        " is out of range for UTC epoch microseconds (1970 to 9999)");
+  }
+  return t;
 }
 
 class NameTable {
@@ -57,13 +81,14 @@ void read_file(const fs::path& path, int rank, LedgerSet& set, NameTable& names)
     if (line.empty()) continue;
     bool last_without_newline = in.eof();
     json rec = json::parse(line, nullptr, /*allow_exceptions=*/false);
-    auto bad = [&] {
+    auto bad = [&](const std::string& why = "") {
       if (last_without_newline) {
         ++set.torn_lines;
       } else {
         ++set.corrupt_lines;
         if (++corrupt_here <= 3) {
-          set.warnings.push_back(path.string() + ":" + std::to_string(line_no) + ": corrupt record skipped");
+          set.warnings.push_back(path.string() + ":" + std::to_string(line_no) + ": corrupt record skipped" +
+                                 (why.empty() ? "" : " (" + why + ")"));
         }
       }
     };
@@ -87,8 +112,14 @@ void read_file(const fs::path& path, int rank, LedgerSet& set, NameTable& names)
         a.attempt = static_cast<int>(req_int(rec, "attempt"));
         a.rank = static_cast<int>(opt_int(rec, "rank").value_or(rank));
         a.world = static_cast<int>(opt_int(rec, "world").value_or(1));
-        a.ts = req_int(rec, "ts");
+        a.ts = req_time(rec, "ts");
         a.proc_start = opt_int(rec, "proc_start");
+        if (a.proc_start && !is_epoch_us(*a.proc_start)) {
+          // Only dates process_bootstrap / worker_spawn: the attempt itself is still usable.
+          set.warnings.push_back(path.string() + ":" + std::to_string(line_no) + ": proc_start " +
+                                 std::to_string(*a.proc_start) + " is out of range; ignored");
+          a.proc_start.reset();
+        }
         a.restart_count = opt_int(rec, "restart_count");
         a.last_ts = a.ts;
         set.world_size = std::max(set.world_size, a.world);
@@ -102,18 +133,18 @@ void read_file(const fs::path& path, int rank, LedgerSet& set, NameTable& names)
       }
       AttemptLedger& a = ledger.attempts.back();
       if (type == "step") {
-        StepRecord s{req_int(rec, "n"), req_int(rec, "b"), req_int(rec, "e")};
-        if (s.e < s.b) throw std::invalid_argument("e<b");
+        StepRecord s{req_int(rec, "n"), req_time(rec, "b"), req_time(rec, "e")};
+        if (s.e < s.b) throw CorruptRecord("ends before it begins");
         a.steps.push_back(s);
         a.activity_end = std::max(a.activity_end, s.e);
         a.last_ts = std::max(a.last_ts, s.e);
       } else if (type == "phase" || type == "bg") {
         auto name_it = rec.find("name");
-        if (name_it == rec.end() || !name_it->is_string()) throw std::invalid_argument("name");
+        if (name_it == rec.end() || !name_it->is_string()) throw CorruptRecord("'name' is missing or not a string");
         PhaseRecord p;
-        p.b = req_int(rec, "b");
-        p.e = req_int(rec, "e");
-        if (p.e < p.b) throw std::invalid_argument("e<b");
+        p.b = req_time(rec, "b");
+        p.e = req_time(rec, "e");
+        if (p.e < p.b) throw CorruptRecord("ends before it begins");
         p.step = opt_int(rec, "step").value_or(-1);
         p.name = names.intern(name_it->get<std::string>());
         auto src = rec.find("src");
@@ -126,19 +157,19 @@ void read_file(const fs::path& path, int rank, LedgerSet& set, NameTable& names)
         }
         a.last_ts = std::max(a.last_ts, p.e);
       } else if (type == "hb") {
-        a.last_ts = std::max(a.last_ts, req_int(rec, "ts"));
+        a.last_ts = std::max(a.last_ts, req_time(rec, "ts"));
       } else if (type == "config") {
         auto key = rec.find("key");
         auto value = rec.find("value");
         if (key == rec.end() || !key->is_string() || value == rec.end() || !value->is_number()) {
-          throw std::invalid_argument("config");
+          throw CorruptRecord("'key' or 'value' is missing or of the wrong type");
         }
         a.config[key->get<std::string>()] = value->get<double>();
       } else if (type == "dropped") {
         a.dropped = static_cast<uint64_t>(req_int(rec, "n"));
       } else if (type == "end") {
         a.has_end = true;
-        a.end_ts = req_int(rec, "ts");
+        a.end_ts = req_time(rec, "ts");
         a.last_ts = std::max(a.last_ts, a.end_ts);
         auto status = rec.find("status");
         a.status = status != rec.end() && status->is_string() ? status->get<std::string>() : "clean";
@@ -149,8 +180,10 @@ void read_file(const fs::path& path, int rank, LedgerSet& set, NameTable& names)
         continue;
       }
       ++set.records;
+    } catch (const CorruptRecord& e) {
+      bad(e.what());
     } catch (const std::exception&) {
-      bad();
+      bad();  // a field of the wrong JSON type
     }
   }
   if (corrupt_here > 3) {
@@ -167,6 +200,26 @@ void read_file(const fs::path& path, int rank, LedgerSet& set, NameTable& names)
   set.ranks.push_back(std::move(ledger));
 }
 
+bool is_ledger_file_name(const std::string& name) {
+  return name.size() > ledger::kFilePrefix.size() + ledger::kFileSuffix.size() &&
+         name.rfind(ledger::kFilePrefix, 0) == 0 &&
+         name.compare(name.size() - ledger::kFileSuffix.size(), ledger::kFileSuffix.size(), ledger::kFileSuffix) == 0;
+}
+
+// The rank of "rank-<r>.jsonl" exactly as the Recorder writes it (std::to_string of a non-negative int), or
+// nullopt. A stray copy ("rank-99999999999", "rank-007") must neither crash the report nor read as a
+// second file of an existing rank.
+std::optional<int> rank_of_ledger_file(const std::string& name) {
+  std::string_view digits(name);
+  digits.remove_prefix(ledger::kFilePrefix.size());
+  digits.remove_suffix(ledger::kFileSuffix.size());
+  int rank = 0;
+  auto [end, err] = std::from_chars(digits.data(), digits.data() + digits.size(), rank);
+  if (err != std::errc() || end != digits.data() + digits.size() || rank < 0) return std::nullopt;
+  if (std::to_string(rank) != digits) return std::nullopt;  // leading zeros or a sign
+  return rank;
+}
+
 }  // namespace
 
 LedgerSet read_ledger_dir(const std::string& run_dir) {
@@ -181,15 +234,15 @@ LedgerSet read_ledger_dir(const std::string& run_dir) {
   std::vector<std::pair<int, fs::path>> files;
   for (const auto& entry : fs::directory_iterator(dir, ec)) {
     std::string name = entry.path().filename().string();
-    if (!entry.is_regular_file() || name.rfind(ledger::kFilePrefix, 0) != 0 ||
-        name.size() <= ledger::kFilePrefix.size() + ledger::kFileSuffix.size() ||
-        name.compare(name.size() - ledger::kFileSuffix.size(), ledger::kFileSuffix.size(), ledger::kFileSuffix) != 0) {
+    if (!entry.is_regular_file() || !is_ledger_file_name(name)) continue;
+    std::optional<int> rank = rank_of_ledger_file(name);
+    if (!rank) {
+      set.warnings.push_back(entry.path().string() + ": skipped; a ledger file is named rank-<r>.jsonl with r a "
+                             "rank in plain decimal (0 to 2147483647, no leading zeros)");
+      ETTKIT_LOG_WARN(set.warnings.back());
       continue;
     }
-    std::string digits = name.substr(ledger::kFilePrefix.size(),
-                                     name.size() - ledger::kFilePrefix.size() - ledger::kFileSuffix.size());
-    if (digits.empty() || !std::all_of(digits.begin(), digits.end(), ::isdigit)) continue;
-    files.emplace_back(std::stoi(digits), entry.path());
+    files.emplace_back(*rank, entry.path());
   }
   ETTKIT_EXPECTS(!files.empty(), "run directory '", run_dir, "' has no ledger files (", dir.string(),
                  "/rank-<r>.jsonl); was the Recorder created with this run_dir?");

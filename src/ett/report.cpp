@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <queue>
@@ -22,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "common/logging.h"
 #include "ett/ledger_reader.h"
 #include "ettkit/common/error.h"
 #include "ettkit/ett/interval.h"
@@ -179,6 +181,29 @@ void append_coalesced(std::vector<Segment>& out, Segment seg) {
   } else {
     out.push_back(std::move(seg));
   }
+}
+
+// E2E begins at attempt 0's allocation (its queue too with include_initial_queue). A later attempt
+// normally begins after that; one that begins earlier ran on a clock behind attempt 0's (a clock reset, a
+// different host). Its time is real job time, so E2E is extended to cover it rather than clipping it
+// away unseen, and a warning says which attempt and by how much.
+int64_t e2e_begin_of(const std::map<int, JobAttempt>& jobs, const ReportOptions& options,
+                     std::vector<std::string>& warnings) {
+  const JobAttempt& first = jobs.begin()->second;
+  const int64_t first_begin = options.include_initial_queue ? first.begin : first.alloc_begin;
+  int64_t begin = first_begin;
+  for (auto it = std::next(jobs.begin()); it != jobs.end(); ++it) {
+    const JobAttempt& job = it->second;
+    if (job.begin >= first_begin) continue;
+    char lead[32];
+    std::snprintf(lead, sizeof(lead), "%.3f", seconds(first_begin - job.begin));
+    warnings.push_back("attempt " + std::to_string(job.attempt) + " begins " + lead + " s before attempt " +
+                       std::to_string(first.attempt) +
+                       " (clocks differ between attempts?); E2E starts at the earliest attempt");
+    ETTKIT_LOG_WARN(warnings.back());
+    begin = std::min(begin, job.begin);
+  }
+  return begin;
 }
 
 struct Analysis {
@@ -362,8 +387,8 @@ Analysis analyse(const LedgerSet& set, const std::string& run_dir, const ReportO
   }
 
   // ---- 4. E2E and the job timeline -----------------------------------------------------------------------
-  const JobAttempt& first_job = jobs.begin()->second;
-  int64_t e2e_begin = options.include_initial_queue ? first_job.begin : first_job.alloc_begin;
+  std::vector<std::string> warnings = set.warnings;
+  const int64_t e2e_begin = e2e_begin_of(jobs, options, warnings);
   int64_t e2e_end = INT64_MIN;
   for (const auto& [n, job] : jobs) e2e_end = std::max(e2e_end, job.end);
   e2e_end = std::max(e2e_end, e2e_begin);
@@ -528,6 +553,7 @@ Analysis analyse(const LedgerSet& set, const std::string& run_dir, const ReportO
   // Per-rank figures come from the lowest rank (every rank runs the same loop in data-parallel jobs).
   const auto& ref_attempts = per_rank.begin()->second;
   int ckpt_count = 0;
+  int ckpt_refused = 0;  // saves the integrity check refused (tensors changed while being copied)
   std::vector<double> between_ckpt_training;  // training seconds between consecutive checkpoints
   std::vector<double> durable_latency;
   std::vector<double> step_seconds;
@@ -540,6 +566,7 @@ Analysis analyse(const LedgerSet& set, const std::string& run_dir, const ReportO
     if (auto it = a.config.find("checkpoint_interval_steps"); it != a.config.end()) cfg_interval_steps = it->second;
     for (const auto& p : a.background) {
       if (names[p.name] == phase::kCheckpointPersist) durable_latency.push_back(seconds(p.e - p.b));
+      if (names[p.name] == "checkpoint_refused") ++ckpt_refused;
     }
     std::vector<std::pair<int64_t, int64_t>> blocks;
     // One checkpoint can block more than once (the save call, then the optimizer's wait for its copies):
@@ -768,6 +795,7 @@ Analysis analyse(const LedgerSet& set, const std::string& run_dir, const ReportO
   doc["unsaved_training_s"] = {{"measured", wasted_s}, {"estimated", opt(unsaved_est)}};
   doc["checkpoint_blocking_s"] = {{"measured", blocking_measured_s}, {"estimated", opt(blocking_est)}};
   doc["checkpoints"] = {{"count", ckpt_count},
+                        {"refused", ckpt_refused},
                         {"blocking_mean_s", opt(blocking_mean)},
                         {"interval_s", opt(interval_s)},
                         {"interval_source", interval_source},
@@ -788,7 +816,7 @@ Analysis analyse(const LedgerSet& set, const std::string& run_dir, const ReportO
                    {"torn_lines", set.torn_lines},
                    {"orphan_records", set.orphan_records},
                    {"dropped_events", dropped},
-                   {"warnings", set.warnings}};
+                   {"warnings", warnings}};
   if (options.include_timeline) {
     json timeline = json::array();
     json background = json::array();

@@ -2,6 +2,8 @@
 
 python checkpoint_script.py diskfull CKPT_DIR OUT_JSON
 python checkpoint_script.py loop CKPT_DIR            saves steps 1, 2, ... until killed
+python checkpoint_script.py loopwrite CKPT_DIR       the same, writing the saved tensors right after save()
+python checkpoint_script.py lifecycle CASE DIR       #25's reproductions (heap corruption, deadlock, abort)
 """
 
 import json
@@ -33,6 +35,112 @@ def main() -> int:
             while True:
                 step += 1
                 ck.save(step, loop_state(step), extra={"step": step}).wait_staged()
+    if mode == "loopwrite":
+        # One state dict, updated in place to the next step's values right after each save() returns,
+        # with overlap forced and only every other save fenced: every committed step must still hold one
+        # step's values.
+        with AsyncCheckpointer(path, recorder=None, keep_last=3, overlap=True) as ck:
+            state = {k: torch.zeros_like(v) for k, v in loop_state(0).items()}
+            res = ck.load_latest(state)
+            step = res[0] if res else 0
+            print("ready", flush=True)
+            while True:
+                step += 1
+                for k, v in loop_state(step).items():
+                    state[k].copy_(v)
+                ck.save(step, state, extra={"step": step})
+                if step % 2 == 0:
+                    ck.wait_for(state.values())  # fenced: this save commits
+                for k, v in loop_state(step + 1).items():  # otherwise races the copy: refused
+                    state[k].copy_(v)
+    if mode == "lifecycle":
+        import tempfile
+
+        case = path
+        if case == "wait_staged":
+            ck = AsyncCheckpointer(tempfile.mkdtemp(), keep_last=1, recorder=None, overlap=True)
+            for s in range(6):
+                h = ck.save(s, {"w": torch.randn(1 << 20)})
+                h.wait_staged()
+                h.wait()
+            ck.close()
+            import gc
+
+            gc.collect()
+            print("lifecycle-ok", flush=True)
+            return 0
+        if case == "unclosed":
+            def train():
+                ck = AsyncCheckpointer(tempfile.mkdtemp(), recorder=None, overlap=True)
+                ck.save(1, {"w": torch.randn(1 << 18)})
+                raise RuntimeError("training failed")
+
+            try:
+                train()
+            except RuntimeError:
+                print("caught", flush=True)
+            return 0
+        if case == "uncaught":
+            ck = AsyncCheckpointer(tempfile.mkdtemp(), recorder=None, overlap=True)  # noqa: F841
+            ck.save(1, {"w": torch.randn(1 << 22)})
+            raise RuntimeError("uncaught at module level")
+        if case == "threads":
+            # Several hundred saves; a second thread pokes the handles and the checkpointer meanwhile.
+            import random
+            import threading
+
+            rng = random.Random(int(sys.argv[3]) if len(sys.argv) > 3 else 0)
+            ck = AsyncCheckpointer(tempfile.mkdtemp(), keep_last=2, recorder=None, overlap=True)
+            handles = []
+            stop = threading.Event()
+
+            def poke():
+                r = random.Random(rng.random())
+                while not stop.is_set():
+                    if handles:
+                        h = handles[r.randrange(len(handles))]
+                        op = r.randrange(4)
+                        try:
+                            if op == 0:
+                                h.wait_staged()
+                            elif op == 1:
+                                h.wait()
+                            elif op == 2:
+                                _ = h.staged
+                            else:
+                                ck.wait_staged()
+                        except ettkit.Error:
+                            pass
+
+            t = threading.Thread(target=poke)
+            t.start()
+            w = torch.zeros(1 << 18)
+            for s in range(300):
+                h = ck.save(s, {"w": w, "i": torch.full((1 << 12,), s)})
+                handles.append(h)
+                op = rng.randrange(4)
+                if op == 0:
+                    h.wait_staged()
+                elif op == 1:
+                    try:
+                        h.wait()
+                    except ettkit.TornSnapshotError:
+                        pass
+                elif op == 2:
+                    _ = h.staged
+                else:
+                    ck.wait_staged()
+                if rng.random() < 0.3:
+                    ck.wait_for([w])
+                    w.add_(1)
+                if len(handles) > 8:
+                    handles.pop(0)
+            stop.set()
+            t.join()
+            ck.close()
+            print("lifecycle-ok", flush=True)
+            return 0
+        return 2
     if mode == "preempt":
         ck = AsyncCheckpointer(path, recorder=None, every=10**9, preempt_deadline_s=30)
         state = loop_state(0)
@@ -78,6 +186,36 @@ def main() -> int:
             assert step == 2, step
             for k, v in rank_state(2).items():
                 assert torch.equal(target[k], v), k
+        dist.destroy_process_group()
+        print("rank-ok", rank, flush=True)
+        return 0
+    if mode == "tornrank":
+        # The last rank writes a saved tensor while its save of step 2 is held before the verdict: every
+        # rank's handle must raise TornSnapshotError and step 1 must stay the latest everywhere.
+        import torch.distributed as dist
+
+        rank, world, port = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        state = {"w": torch.full((1 << 18,), float(rank))}
+        with AsyncCheckpointer(path, recorder=None, keep_last=0, overlap=True, commit_timeout_s=60) as ck:
+            ck.save(1, state).wait()
+            culprit = rank == world - 1
+            if culprit:
+                ck._c._hold_commits_for_testing(True)
+            h = ck.save(2, state)
+            if culprit:
+                state["w"][123] = -1.0
+                ck._c._hold_commits_for_testing(False)
+            try:
+                h.wait()
+                print("committed", flush=True)
+                return 4
+            except ettkit.TornSnapshotError as e:
+                assert ("'w'" in str(e)) == culprit or "refused" in str(e), str(e)
+            target = {"w": torch.zeros(1 << 18)}
+            step, _ = ck.load_latest(target)
+            assert step == 1, step
+            assert torch.equal(target["w"], torch.full((1 << 18,), float(rank)))
         dist.destroy_process_group()
         print("rank-ok", rank, flush=True)
         return 0

@@ -46,7 +46,7 @@ def test_round_trip_in_place_extra_and_non_tensor_state(tmp_path):
     assert (step, extra) == (2, {"epoch": 2})
     assert_state_equal(target, make_state(2))
     assert target["optim"]["param_groups"][0]["lr"] == pytest.approx(0.2)
-    assert sorted(os.listdir(tmp_path)) == ["latest", "step-1", "step-2"]
+    assert sorted(os.listdir(tmp_path)) == [".lock", "latest", "step-1", "step-2"]
     assert open(tmp_path / "latest").read() == "step-2\n"
     manifest = json.loads((tmp_path / "step-2" / "manifest.json").read_text())
     assert manifest["step"] == 2 and manifest["world_size"] == 1
@@ -77,7 +77,7 @@ def test_plan_cached_arena_reused_and_rebuilt_on_structure_change(tmp_path):
         bigger["model"]["extra"] = torch.ones(1000)
         ck.save(6, bigger).wait()
         assert ck.plan_builds == 2 and ck.arena_allocations == 2 and ck.arena_bytes == arena + 4000
-        assert sorted(os.listdir(tmp_path)) == ["latest", "step-5", "step-6"]  # keep_last=2
+        assert sorted(os.listdir(tmp_path)) == [".lock", "latest", "step-5", "step-6"]  # keep_last=2
 
 
 def test_nothing_committed_returns_none_and_cleans_temporaries(tmp_path):

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from ledger_script import worked_example
+from ledger_script import LedgerWriter, us, worked_example
 
 REQUIRED_KEYS = {"e2e_s", "ett_pct", "idle_pct", "failure_pct", "time_to_start_s", "time_to_recover_s", "failures",
                  "phases", "unsaved_training_s", "checkpoint_blocking_s", "recommended_interval_s"}
@@ -77,3 +77,37 @@ def test_errors_are_clear(tmp_path, setup, message):
     p = cli("report", run)
     assert p.returncode == 2
     assert message in p.stderr and "Traceback" not in p.stderr
+
+
+def test_stray_files_and_extreme_times_print_a_table_with_warnings(tmp_path):
+    """Regression: a stray rank-99999999999.jsonl crashed the report (std::stoi), and times at the int64
+    limits gave a negative E2E that the table could not print."""
+    w = LedgerWriter(tmp_path)
+    w.attempt(0, ts=0)
+    w.phase("compile", 0, 5)
+    w.step(1, 5, 10)
+    w.rec("hb", ts=2**63 - 1)
+    w.rec("phase", name="compile", b=-(2**63) + 1, e=us(5))
+    w.rec("end", ts=us(10), status="clean", detail="")
+    w.save()
+    (tmp_path / "ett" / "rank-99999999999.jsonl").write_text(w.lines[0] + "\n")
+    p = cli("report", tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert "E2E           0:00:10 (10.0 s)" in p.stdout
+    assert "corrupt lines 2" in p.stdout
+    assert "rank-99999999999.jsonl: skipped" in p.stdout
+    r = json.loads(cli("report", tmp_path, "--json").stdout)
+    assert r["e2e_s"] == 10.0 and r["ledger"]["files"] == 1
+    assert sum(r["phases"].values()) == pytest.approx(10.0)
+
+
+def test_the_latest_time_a_ledger_may_hold_prints_as_a_date(tmp_path):
+    w = LedgerWriter(tmp_path)
+    w.attempt(0, ts=0)
+    w.step(1, 0, 10)
+    w.rec("hb", ts=253_402_300_799_000_000)  # 9999-12-31T23:59:59Z, the last second the reader accepts
+    w.save()
+    p = cli("report", tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert "9999-12-31T23:59:59Z" in p.stdout
+

@@ -435,7 +435,9 @@ def run_ettkit(rec) -> None:
         first = next(batches)
     elif start > 1:
         say(f"restored step {restored}")
-    ck.attach(opt)  # a save's copies finish before the optimizer changes the tensors
+    # Fences every writer of the saved tensors (the optimizer step; the model has no buffers that a forward
+    # writes), so save() returns before its copies are done and still never commits a torn snapshot.
+    ck.attach(model=[embeddings, dense], optimizer=opt)
     state = state_of(embeddings, dense, opt)
     s = report.summary()
     say(

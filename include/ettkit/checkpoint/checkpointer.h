@@ -4,25 +4,43 @@
 // What it promises
 //  - Staging: save() copies the state into a host arena that was allocated once (exact size, pinned
 //    when CUDA is available) and is reused by every later save. CPU tensors are copied by worker threads
-//    (tensors at most `sync_copy_max_bytes` are copied synchronously inside save()); CUDA tensors are
-//    copied on a dedicated stream that first waits on an event recorded on the caller's current stream.
-//    Until a save is *staged*, the caller must not mutate the saved tensors: call
-//    wait_staged_on_current_stream() before mutating (the Python attach(optimizer) hook does this).
+//    (tensors at most `sync_copy_max_bytes`, and inference tensors, are copied synchronously inside
+//    save()); CUDA tensors are copied on a dedicated stream that first waits on an event recorded on the
+//    caller's current stream.
+//  - Integrity: a committed step is never a torn snapshot of what the version counters can see. save()
+//    records every tensor's version counter (bumped by every in-place op); a tensor whose counter moved
+//    before its copy was known complete may hold bytes of two steps, and such a save is refused on every
+//    rank (TornSnapshot, naming the tensors) instead of committed. Writes that bypass the counter
+//    (`.data`, raw pointers, kernels that write their inputs in place without autograd) are invisible:
+//    protect those tensors with wait_for() before the write. docs/checkpoint.md has the exact rules.
+//  - Overlap: with CheckpointerOptions::overlap = kAuto (default), save() returns only once the copies
+//    are complete, until the caller calls enable_overlap() to promise that it fences every mutation of a
+//    saved tensor (wait_staged_on_current_stream() before the optimizer step, wait_for() before a module
+//    writes its buffers or an in-backward update writes a parameter). The Python attach() does both.
 //  - Persistence: a background writer thread writes rank-<r>.safetensors (+ rank-<r>.extra) into
 //    CKPT_DIR/.tmp-step-<N>-<run>/, fsyncs them, and the commit follows DESIGN §4.2: every rank reports
 //    through the c10d Store, rank 0 writes + fsyncs manifest.json, renames the directory to step-<N>,
 //    fsyncs CKPT_DIR, updates `latest` atomically and applies keep_last. A step is committed exactly when
 //    step-<N>/manifest.json exists; a crash at any point leaves earlier committed steps intact.
 //  - Errors on the writer thread are values: they travel to SaveHandle::wait() / error(); training goes on.
-// Thread-safety: save/load/close are called from the training thread; SaveHandle may be used anywhere.
+//
+// Threads and ownership
+//  - The *owner* thread is the one that calls save(). Source tensors (the caller's) are referenced by a
+//    snapshot until its copies are done and are released only on the owner thread (in save(), the fences
+//    and close()), never on ettkit's threads: dropping the last reference of a Python-owned tensor needs
+//    the GIL, which a background thread must never wait for.
+//  - save/load_latest/close/enable_overlap: the owner thread. wait_staged_on_current_stream() and
+//    wait_for(): the owner or the autograd thread (hooks). SaveHandle: any thread.
 
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -44,6 +62,26 @@ namespace ettkit::checkpoint {
 class ETTKIT_API CorruptCheckpoint : public CorruptData {
   using CorruptData::CorruptData;
 };
+
+/// A save was refused because saved tensors changed while they were being copied: committing it could
+/// have mixed two steps (Python: ettkit.TornSnapshotError). The message names the tensors.
+class ETTKIT_API TornSnapshot : public Error {
+  using Error::Error;
+};
+
+/// Another checkpointer (another job, or another AsyncCheckpointer of this process) holds the directory's
+/// lock (Python: ettkit.CheckpointLockedError). The message names the holder.
+class ETTKIT_API DirectoryLocked : public Error {
+  using Error::Error;
+};
+
+/// Whether save() may return before its copies are complete.
+enum class Overlap : uint8_t {
+  kAuto,  ///< blocking until enable_overlap() is called (the caller fences its mutations), then overlapped
+  kOn,    ///< always overlapped: unfenced mutations during staging make the save refused (TornSnapshot)
+  kOff,   ///< save() always waits for the copies
+};
+ETTKIT_API Overlap parse_overlap(const std::string& s);
 
 /// What save() does while every arena is still held by earlier saves.
 enum class OnBusy : uint8_t {
@@ -69,6 +107,11 @@ struct ETTKIT_API StagerOptions {
   int pin_memory = -1;
 };
 
+/// The order in which the copies run: class 0 first (e.g. buffers a forward pass writes), then 1 (e.g.
+/// parameters updated inside backward), then the rest. Keyed by storage, so a parameter and the detached
+/// view a state dict holds match, and so do the tables that share one fused embedding storage.
+using CopyPriority = std::vector<std::pair<const void*, int>>;
+
 /// One entry of the cached snapshot plan: where a tensor lives in the arena.
 struct PlanEntry {
   std::string name;
@@ -85,13 +128,27 @@ class Stager;
 class ETTKIT_API Snapshot {
  public:
   ~Snapshot();
-  /// Blocks the host until every copy has landed in the arena (rethrows a copy error).
+  /// Blocks the host until every copy has landed in the arena (rethrows a copy error). On the thread that
+  /// staged the snapshot this is also a fence (see wait_for).
   void wait_staged();
   /// GPU copies: makes the caller's current CUDA stream wait for them (no host block); CPU copies: waits
   /// on the host.
   void wait_staged_on_current_stream();
+  /// Fences the entries whose storage is one of `tensors`' storages (tensors not in the snapshot are
+  /// ignored): CPU copies are waited for on the host, CUDA copies make the caller's current stream wait.
+  /// Afterwards the caller may write those tensors. Thread-safe (autograd hooks call it). Returns
+  /// whether anything was still being copied.
+  bool wait_for(const std::vector<at::Tensor>& tensors);
+  /// The names of entries that changed while being copied (decides the undecided ones now; call after
+  /// wait_staged()). Empty: the snapshot is consistent.
+  std::vector<std::string> changed_entries();
+  /// Waits for the CPU copies, then drops the references to the source tensors, on the calling thread
+  /// (the destructor does it too). Call it from a thread that may drop the caller's tensors.
+  void drop_sources();
   /// Non-blocking query.
   bool staged() const;
+  /// Whether every entry has its verdict (no fence has anything left to decide).
+  bool all_decided() const;
   const std::vector<PlanEntry>& plan() const { return *plan_; }
   int64_t total_bytes() const;
   /// The arena bytes (valid until release()).
@@ -109,13 +166,15 @@ class ETTKIT_API Snapshot {
   friend class Stager;
   struct State;
   Snapshot() = default;
+  /// Host wait for every copy, deciding nothing.
+  void wait_copies() const;
   Stager* stager_ = nullptr;
   int arena_ = -1;
   uint8_t* data_ = nullptr;
   std::shared_ptr<const std::vector<PlanEntry>> plan_;
   std::shared_ptr<State> state_;
   int64_t stage_begin_us_ = 0;
-  bool released_ = false;
+  std::atomic<bool> released_{false};
 };
 
 /// Arena pool + snapshot plan + copy engine. Used by AsyncCheckpointer and by the DCP adapter.
@@ -128,7 +187,9 @@ class ETTKIT_API Stager {
 
   /// Starts copying `tensors` into a free arena. Returns nullptr when on_busy == kSkip and no arena is
   /// free. Throws InvalidArgument when the state exceeds the memory budget or on_busy == kError.
-  std::shared_ptr<Snapshot> stage(const NamedTensors& tensors, OnBusy on_busy);
+  /// `sync_copy_max_bytes` raises StagerOptions::sync_copy_max_bytes for this save.
+  std::shared_ptr<Snapshot> stage(const NamedTensors& tensors, OnBusy on_busy,
+                                  const CopyPriority& priority = {}, int64_t sync_copy_max_bytes = 0);
 
   int64_t arena_bytes() const;
   int num_arenas() const;
@@ -173,6 +234,11 @@ struct ETTKIT_API CheckpointerOptions {
   std::string directory;
   int keep_last = 3;
   OnBusy on_busy = OnBusy::kWait;
+  Overlap overlap = Overlap::kAuto;
+  /// Overlapped saves copy CPU tensors up to this size synchronously inside save(), so that writes the
+  /// version counter cannot see (BatchNorm statistics written by the next forward) cannot race their
+  /// copy; set_unfenced_sync_max_bytes(0) once those writers are fenced (the Python attach(model=...) does).
+  int64_t unfenced_sync_max_bytes = 64 * 1024;
   bool verify_on_load = true;
   StagerOptions stager;
   /// -1: from the Store's world (rank 0 / size 1 without a store).
@@ -185,6 +251,9 @@ struct ETTKIT_API CheckpointerOptions {
   ett::Recorder* recorder = nullptr;
   /// Written into every manifest.
   std::map<std::string, std::string> metadata;
+  /// Only loads: takes no directory lock, removes nothing, and save() throws InvalidArgument. For jobs and
+  /// tools that read a directory another job writes.
+  bool read_only = false;
 };
 
 struct LoadResult {
@@ -195,26 +264,50 @@ struct LoadResult {
 
 class ETTKIT_API AsyncCheckpointer {
  public:
-  /// Creates the directory, agrees on a run id through the store (world > 1), and (rank 0) removes
-  /// temporaries left by earlier runs.
+  /// Creates the directory, (rank 0) takes the directory lock for the checkpointer's life (DirectoryLocked
+  /// naming the holder when another checkpointer has it; released by close()), agrees on a run id through
+  /// the store (world > 1), and (rank 0) removes temporaries left by earlier runs. read_only: no lock, no
+  /// removal.
   AsyncCheckpointer(CheckpointerOptions options, c10::intrusive_ptr<c10d::Store> store = {});
   ~AsyncCheckpointer();
   AsyncCheckpointer(const AsyncCheckpointer&) = delete;
   AsyncCheckpointer& operator=(const AsyncCheckpointer&) = delete;
 
   /// Stages `tensors` and queues their persistence as step `step`, with `extra` (opaque bytes) as the
-  /// rank's non-tensor state. Blocking time (including waits for a busy arena) is recorded.
+  /// rank's non-tensor state. Blocking time (including waits for a busy arena) is recorded. Throws
+  /// InvalidArgument for a step outside [0, 10^18), the name "__metadata__" (reserved by safetensors), a
+  /// dtype safetensors cannot store, or a conjugate / negative-bit view (resolve_conj() / resolve_neg() it:
+  /// its storage holds other values than it shows).
   SaveHandle save(int64_t step, const NamedTensors& tensors, const std::string& extra = {});
   /// Makes the caller's current stream (GPU) or the host (CPU) wait until the latest save is staged, and
   /// records the wait as checkpoint_blocking. Call before mutating saved tensors.
   void wait_staged_on_current_stream();
-  /// Loads the newest committed step that validates into `tensors` in place. nullopt when nothing is
-  /// committed; CorruptCheckpoint when steps exist but none validates; InvalidArgument naming the key
-  /// when the state dict does not match the checkpoint.
-  std::optional<LoadResult> load_latest(const NamedTensors& tensors);
+  /// The same, for the saved tensors that share storage with `tensors` only (e.g. one module's buffers
+  /// before its forward, one parameter before its in-backward update). Thread-safe.
+  void wait_for(const std::vector<at::Tensor>& tensors);
+  /// The caller promises to fence every mutation of a saved tensor (see the header comment); with
+  /// Overlap::kAuto, later saves return before their copies are complete.
+  void enable_overlap();
+  bool overlapped() const;
+  /// Whether the latest save has entries no fence has decided yet (hooks skip their work otherwise).
+  bool fence_pending() const;
+  /// Tests only: while held, the writer stops right before a save's integrity verdict, so that a test can
+  /// write a saved tensor "during" the save deterministically. close() after releasing.
+  void hold_commits_for_testing(bool hold);
+  void set_unfenced_sync_max_bytes(int64_t bytes);
+  /// Copy order for later saves (see CopyPriority); replaces the previous one.
+  void set_copy_priority(CopyPriority priority);
+  /// Loads the most recently committed step that validates into `tensors` in place. nullopt when nothing
+  /// is committed; CorruptCheckpoint when steps exist but none validates; InvalidArgument naming the key
+  /// when the state dict does not match the checkpoint. `validate_extra` (optional) is called with each
+  /// candidate's extra bytes before any tensor is copied; an exception from it makes that step not
+  /// loadable (fallback to an older one, as for a bad checksum). A step that retention removes while it is
+  /// being considered is skipped silently and the directory is listed again.
+  std::optional<LoadResult> load_latest(const NamedTensors& tensors,
+                                        const std::function<void(const std::string&)>& validate_extra = {});
   /// Waits for every queued save (durable or failed); rethrows nothing.
   void wait_all();
-  /// wait_all() and stop the writer. Idempotent.
+  /// wait_all() and stop the writer, then release the directory lock. Idempotent.
   void close();
 
   int rank() const;
@@ -226,6 +319,8 @@ class ETTKIT_API AsyncCheckpointer {
   double mean_time_to_durable_s() const;
   int64_t saves_committed() const;
   int64_t saves_failed() const;
+  /// Saves refused because tensors changed while being copied (also counted in saves_failed()).
+  int64_t saves_refused() const;
 
  private:
   struct Impl;

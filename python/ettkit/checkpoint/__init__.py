@@ -4,7 +4,7 @@
 
     from ettkit.checkpoint import AsyncCheckpointer
     with AsyncCheckpointer("ckpt", keep_last=3, every=100) as ckpt:
-        ckpt.attach(optimizer)                        # the optimizer never mutates an unstaged tensor
+        ckpt.attach(model=model, optimizer=optimizer) # save() overlaps training; writers wait for their copies
         restored = ckpt.load_latest(state)            # (step, extra) or None
         start = restored[0] + 1 if restored else 0
         for step in range(start, steps):
@@ -27,6 +27,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 from typing import Any, Iterable, Optional
 
@@ -34,9 +35,10 @@ import torch
 
 from .. import _C
 from ..errors import InvalidArgumentError
+from ._attach import Attachment, Fences, _listify
 from ._flatten import check_unique, flatten, restore_non_tensors
 
-__all__ = ["AsyncCheckpointer", "DcpStager", "SaveHandle", "parse_every"]
+__all__ = ["AsyncCheckpointer", "Attachment", "DcpStager", "SaveHandle", "parse_every"]
 
 SaveHandle = _C.checkpoint.SaveHandle
 
@@ -44,6 +46,14 @@ SaveHandle = _C.checkpoint.SaveHandle
 _PY_EXTRA_MAGIC = b"ettkit-py-extra-v1\n"
 
 _UNITS = {"s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
+
+
+def _parse_overlap(overlap: Any) -> str:
+    if overlap in ("auto", "on", "off"):
+        return overlap
+    if overlap is True or overlap is False:
+        return "on" if overlap else "off"
+    raise InvalidArgumentError(f"overlap={overlap!r} must be 'auto', True ('on') or False ('off')")
 
 
 def parse_every(every: Any) -> tuple[str, float]:
@@ -66,6 +76,18 @@ def parse_every(every: Any) -> tuple[str, float]:
         f"every={every!r} is not valid: give steps (e.g. 100), a duration (e.g. '90s', '10min', '1h') or 'auto'")
 
 
+def _decode_extra(blob: bytes) -> Optional[tuple[Any, Any]]:
+    """``(skeleton, extra)`` of a ``rank-<r>.extra`` written from Python; ``None`` for the C++ checkpointer's
+    opaque bytes. Raises when the record does not decode."""
+    if not blob.startswith(_PY_EXTRA_MAGIC):
+        return None
+    payload = pickle.loads(memoryview(blob)[len(_PY_EXTRA_MAGIC):])
+    if not (isinstance(payload, dict) and isinstance(payload.get("skeleton_pickle"), bytes) and "extra" in payload):
+        raise ValueError(f"an ettkit extra record is a dict with 'skeleton_pickle' and 'extra', not a "
+                         f"{type(payload).__name__}")
+    return pickle.loads(payload["skeleton_pickle"]), payload["extra"]
+
+
 class AsyncCheckpointer:
     """Asynchronous, crash-consistent checkpointer (one per rank). See the module docstring.
 
@@ -77,6 +99,18 @@ class AsyncCheckpointer:
     never through collectives. ``preempt_signals`` (default SIGTERM when ``every`` is set): on such a
     signal the next :meth:`should_save` returns True, that save is made durable and the process exits with
     128+signal; a save already in flight is finished first; ``preempt_deadline_s`` bounds it all.
+
+    ``overlap`` says when ``save()`` may return before its copies are done: ``"auto"`` (default) once
+    :meth:`attach` has installed the fences that make the writers wait for their copies, ``True`` always
+    (a write that no fence orders after its copy makes that save refused with
+    :class:`ettkit.TornSnapshotError`), ``False`` never. Either way a committed step is never a torn
+    snapshot of what version counters see (docs/checkpoint.md). ``unfenced_sync_max_bytes``: while no
+    model is attached, overlapped saves copy tensors up to this size inside ``save()`` (BatchNorm
+    statistics are written without a version bump); 0 for a loop that fences every writer itself.
+
+    Rank 0 holds the directory's lock (``CKPT_DIR/.lock``) from here to :meth:`close`: a second checkpointer
+    on the same directory, in another job or in this process, raises :class:`ettkit.CheckpointLockedError`
+    naming the holder. ``read_only=True`` only loads: no lock, nothing removed, ``save()`` raises.
     """
 
     def __init__(self, directory: str | os.PathLike, *, keep_last: int = 3, memory_budget_bytes: Optional[int] = None,
@@ -84,7 +118,8 @@ class AsyncCheckpointer:
                  store=None, double_buffer: bool = False, copy_threads: int = 0, recorder: Any = "current",
                  commit_timeout_s: float = 600.0, metadata: Optional[dict] = None,
                  preempt_signals: Optional[Iterable[int]] = None, preempt_deadline_s: float = 60.0,
-                 mtbf_prior_s: float = 24 * 3600.0, pin_memory: Optional[bool] = None):
+                 mtbf_prior_s: float = 24 * 3600.0, pin_memory: Optional[bool] = None, overlap: Any = "auto",
+                 unfenced_sync_max_bytes: int = 64 * 1024, read_only: bool = False):
         if on_busy not in ("wait", "skip", "error"):
             raise InvalidArgumentError(f"on_busy={on_busy!r} is not one of 'wait', 'skip', 'error'")
         if memory_budget_bytes is not None and memory_budget_bytes <= 0:
@@ -104,14 +139,18 @@ class AsyncCheckpointer:
             recorder = current()
         self._recorder = recorder
         self._c = _C.checkpoint.AsyncCheckpointer(
-            os.fspath(directory), keep_last=int(keep_last), on_busy=on_busy, verify_on_load=bool(verify_on_load),
+            os.fspath(directory), keep_last=int(keep_last), on_busy=on_busy, overlap=_parse_overlap(overlap),
+            verify_on_load=bool(verify_on_load),
             memory_budget_bytes=int(memory_budget_bytes or 0), num_arenas=2 if double_buffer else 1,
             copy_threads=int(copy_threads), pin_memory=-1 if pin_memory is None else int(bool(pin_memory)),
             rank=rank, world_size=world, commit_timeout_s=float(commit_timeout_s), recorder=recorder,
-            metadata={str(k): str(v) for k, v in (metadata or {}).items()}, store=store)
+            metadata={str(k): str(v) for k, v in (metadata or {}).items()}, store=store, read_only=bool(read_only))
+        if unfenced_sync_max_bytes < 0:
+            raise InvalidArgumentError(f"unfenced_sync_max_bytes={unfenced_sync_max_bytes} must be >= 0")
+        self._c.set_unfenced_sync_max_bytes(int(unfenced_sync_max_bytes))
         self._last_save_step: Optional[int] = None
         self._last_save_time = time.monotonic()
-        self._hooks: list = []
+        self._fences = Fences(self._c)
         self._handles: deque = deque(maxlen=4)
         self._tensor_list = _C.checkpoint.TensorList()
         self._names: Optional[list] = None
@@ -129,13 +168,20 @@ class AsyncCheckpointer:
             for sig in preempt_signals:
                 self._old_handlers[sig] = signal.signal(sig, self._on_preempt_signal)
         self._closed = False
+        # A checkpointer nobody closed (a loop that raised outside a `with` block) still finishes its queued
+        # saves when it is collected or the interpreter exits; its writer never needs the GIL to do so.
+        self._finalizer = weakref.finalize(self, self._c.close)
 
     # ---- saving -------------------------------------------------------------------------------------
     def save(self, step: int, state_dict: Any, extra: Any = None) -> SaveHandle:
         """Stages ``state_dict`` and persists it in the background as step ``step``. Returns a handle with
-        ``wait()``, ``staged``, ``durable``, ``error``. Until the handle is staged the saved tensors must
-        not be mutated (``attach(optimizer)`` enforces this)."""
+        ``wait()``, ``staged``, ``durable``, ``error``. Without :meth:`attach` (and ``overlap="auto"``) it
+        returns once the copies are done; with it, it returns once they are queued, and the attached hooks
+        make each writer wait for the copies of what it writes. A save whose tensors changed while being
+        copied is refused: its handle's ``wait()`` raises :class:`ettkit.TornSnapshotError`."""
         names, tensors, skeleton, comparable = flatten(state_dict)
+        if self._fences.attachments:
+            self._c.set_copy_priority(*self._fences.priority())
         # Names and the pickled skeleton are handed over again only when they changed: for a state dict of
         # 10^4 tensors converting the names and pickling the skeleton would dominate the blocking time.
         if names == self._names:
@@ -158,12 +204,33 @@ class AsyncCheckpointer:
             self._finish_preemption(handle)
         return handle
 
-    def attach(self, optimizer: torch.optim.Optimizer):
-        """Installs a step pre-hook: before each ``optimizer.step()`` the latest save's copies must be done
-        (GPU: the compute stream waits on the copy event; CPU: the host waits). Returns the hook handle."""
-        hook = optimizer.register_step_pre_hook(lambda *_: self._c.wait_staged_on_current_stream())
-        self._hooks.append(hook)
-        return hook
+    def attach(self, *objects: Any, model: Any = None, optimizer: Any = None,
+               in_backward: Any = "auto") -> Attachment:
+        """Fences the writers of the saved tensors, so that ``save()`` returns before its copies are done
+        (overlapping the next forward/backward) and still commits consistent snapshots.
+
+        ``objects``, ``model=`` and ``optimizer=`` take modules and optimizers (one or a list):
+
+        - an optimizer: before its ``step()`` the latest save's copies are waited for (GPU: the compute
+          stream waits on the copy event; CPU: the host waits). A ``step()`` that runs inside backward
+          (optimizer-in-backward) waits only for its own parameters and state;
+        - a module: before the forward of every submodule that owns buffers (BatchNorm statistics), the
+          copies of those buffers; TorchRec-style fused modules (a ``fused_optimizer`` attribute; they
+          update their tables inside backward) wait for all their tensors before their forward;
+          ``in_backward="auto"``: every parameter that already has a post-accumulate-grad hook (updated
+          inside backward) waits for its copy, and its optimizer state's, before that hook runs
+          (``True``: every parameter; ``False``: none).
+
+        The copies run buffers first, then what backward updates, then the rest, so the waits are short.
+        Returns an :class:`Attachment` whose ``remove()`` takes the hooks out. Other writers: call
+        :meth:`wait_for` before writing, or save with ``overlap=False``."""
+        att = self._fences.attach(list(objects) + _listify(model) + _listify(optimizer), in_backward)
+        return att
+
+    def wait_for(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Waits (GPU: the current stream waits) until the latest save's copies of ``tensors`` (matched by
+        storage) are done; afterwards they may be written. For writers :meth:`attach` does not cover."""
+        self._c.wait_for(list(tensors))
 
     def wait_staged(self) -> None:
         """Makes the caller wait (GPU: its stream) until the latest save is staged."""
@@ -258,7 +325,14 @@ class AsyncCheckpointer:
         by the C++ ``AsyncCheckpointer`` loads too; its ``extra`` comes back as the raw bytes."""
         names, tensors, _, _ = flatten(state_dict)
         check_unique(names)
-        res = self._c.load_latest(names, tensors)
+        decoded: dict = {}
+
+        def validate(blob: bytes) -> None:
+            # Runs for each candidate before any tensor is copied: an extra that does not unpickle makes the
+            # step fall back like any corrupt step instead of failing after the tensors were overwritten.
+            decoded["blob"], decoded["value"] = blob, _decode_extra(blob)
+
+        res = self._c.load_latest(names, tensors, validate)
         if res is None:
             return None
         step, blob, skipped = res
@@ -267,14 +341,14 @@ class AsyncCheckpointer:
 
             warnings.warn(f"ettkit.checkpoint: newer steps {skipped} in {self._c.directory} failed validation; "
                           f"loaded step {step}", RuntimeWarning, stacklevel=2)
-        if not blob.startswith(_PY_EXTRA_MAGIC):
-            # Written by the C++ AsyncCheckpointer: `extra` is its opaque bytes and there is no skeleton.
-            self._last_save_step = int(step)
-            return int(step), bytes(blob)
-        payload = pickle.loads(blob[len(_PY_EXTRA_MAGIC):])
-        restore_non_tensors(state_dict, pickle.loads(payload["skeleton_pickle"]))
+        value = decoded["value"] if decoded.get("blob") == blob else _decode_extra(blob)
         self._last_save_step = int(step)
-        return int(step), payload["extra"]
+        if value is None:
+            # Written by the C++ AsyncCheckpointer: `extra` is its opaque bytes and there is no skeleton.
+            return int(step), bytes(blob)
+        skeleton, extra = value
+        restore_non_tensors(state_dict, skeleton)
+        return int(step), extra
 
     # ---- lifetime ---------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -282,8 +356,9 @@ class AsyncCheckpointer:
         if self._closed:
             return
         self._closed = True
-        for h in self._hooks:
-            h.remove()
+        for att in self._fences.attachments:
+            att.remove()
+        self._finalizer.detach()
         self._c.close()
         if threading.current_thread() is threading.main_thread():
             for sig, old in self._old_handlers.items():
@@ -308,6 +383,9 @@ class AsyncCheckpointer:
     arena_allocations = property(lambda self: self._c.arena_allocations)
     mean_blocking_s = property(lambda self: self._c.mean_blocking_s)
     mean_time_to_durable_s = property(lambda self: self._c.mean_time_to_durable_s)
+    overlapped = property(lambda self: self._c.overlapped)
+    saves_committed = property(lambda self: self._c.saves_committed)
+    saves_refused = property(lambda self: self._c.saves_refused)
 
 
 def __getattr__(name: str):

@@ -88,9 +88,19 @@ def flatten(state_dict: Any) -> tuple[list[str], list[torch.Tensor], Any, bool]:
     return names, tensors, skeleton, not opaque
 
 
+# Names a safetensors header gives a meaning of its own: a tensor under one could never be read back.
+RESERVED_NAMES = frozenset({"__metadata__"})
+
+
 def check_unique(names: list[str]) -> None:
-    """Two paths can flatten to one name ({"a.b": t} and {"a": {"b": t}}): refuse rather than overwrite."""
-    if len(set(names)) != len(names):
+    """Two paths can flatten to one name ({"a.b": t} and {"a": {"b": t}}): refuse rather than overwrite.
+    Names safetensors reserves are refused too."""
+    unique = set(names)
+    for reserved in RESERVED_NAMES & unique:
+        raise InvalidArgumentError(
+            f"state dict key '{reserved}' is reserved: safetensors keeps the file's metadata under that name, so "
+            "a tensor saved as it could never be read back; rename it")
+    if len(unique) != len(names):
         seen: set[str] = set()
         for n in names:
             if n in seen:

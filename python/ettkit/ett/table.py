@@ -131,7 +131,8 @@ def _checkpointing(report: dict) -> list[str]:
         f"  unsaved training  measured {_sec(unsaved.get('measured'))} s, "
         f"estimated {_sec(unsaved.get('estimated'))} s",
         f"  checkpoints       {_text(ckpt.get('count'))}, mean blocking {_sec(ckpt.get('blocking_mean_s'))} s, "
-        f"median durable latency {_sec(ckpt.get('durable_latency_median_s'))} s",
+        f"median durable latency {_sec(ckpt.get('durable_latency_median_s'))} s"
+        + (f", {ckpt['refused']} refused (torn snapshot)" if ckpt.get("refused") else ""),
         f"  interval in use   {_sec(ckpt.get('interval_s'))} s" + (f" ({source})" if source else ""),
     ]
 

@@ -189,3 +189,72 @@ TEST(Storage, LargeWriteThroughTheWritebackPipelineIsExact) {
   EXPECT_THROW(ckd::write_file_durably(path, {{header.data(), header.size()}}), IoError);
   fs::remove_all(dir);
 }
+
+// ---- snapshot integrity ------------------------------------------------------------------------------------
+
+TEST(CheckpointerIntegrity, DefaultSaveReturnsWithTheCopiesDone) {
+  CheckpointerOptions o;
+  o.directory = temp_dir();
+  AsyncCheckpointer ck(o);
+  EXPECT_FALSE(ck.overlapped());
+  at::Tensor w = at::zeros({1 << 20});
+  SaveHandle h = ck.save(1, {{"w", w}});
+  EXPECT_TRUE(h.staged());  // nothing fences the caller's writes: save() waited for the copy
+  w.add_(1.0);
+  EXPECT_TRUE(h.wait());
+}
+
+TEST(CheckpointerIntegrity, UnfencedWriteDuringAnOverlappedSaveIsRefused) {
+  CheckpointerOptions o;
+  o.directory = temp_dir();
+  o.keep_last = 0;
+  o.overlap = Overlap::kOn;
+  AsyncCheckpointer ck(o);
+  at::Tensor w = at::zeros({1 << 20});
+  ASSERT_TRUE(ck.save(1, {{"w", w}}).wait());
+  ck.hold_commits_for_testing(true);
+  SaveHandle h = ck.save(2, {{"w", w}});
+  w.index_put_({7}, 3.0);
+  ck.hold_commits_for_testing(false);
+  try {
+    h.wait();
+    FAIL() << "a save whose tensor changed while being copied was committed";
+  } catch (const TornSnapshot& e) {
+    EXPECT_NE(std::string(e.what()).find("'w'"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(ck.saves_refused(), 1);
+  EXPECT_EQ(ckd::list_step_dirs(o.directory), (std::vector<int64_t>{1}));
+  NamedTensors target = {{"w", at::ones({1 << 20})}};
+  auto r = ck.load_latest(target);
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->step, 1);
+  EXPECT_TRUE(at::equal(target[0].second, at::zeros({1 << 20})));
+}
+
+TEST(CheckpointerIntegrity, FencedWritesCommitTheStateAtSave) {
+  CheckpointerOptions o;
+  o.directory = temp_dir();
+  o.keep_last = 0;
+  AsyncCheckpointer ck(o);
+  ck.enable_overlap();
+  ck.set_unfenced_sync_max_bytes(0);
+  EXPECT_TRUE(ck.overlapped());
+  at::Tensor a = at::zeros({1 << 20});
+  at::Tensor b = at::zeros({3000, 7}).t();  // strided: copied by a pool job
+  for (int64_t s = 1; s <= 5; ++s) {
+    ck.save(s, {{"a", a}, {"b", b}});
+    ck.wait_for({a.narrow(0, 10, 10)});  // a view: matched by storage
+    a.add_(1.0);
+    ck.wait_staged_on_current_stream();
+    b.add_(1.0);
+  }
+  ck.wait_all();
+  EXPECT_EQ(ck.saves_refused(), 0);
+  EXPECT_EQ(ck.saves_committed(), 5);
+  NamedTensors target = {{"a", at::ones({1 << 20})}, {"b", at::ones({7, 3000})}};
+  auto r = ck.load_latest(target);
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->step, 5);
+  EXPECT_TRUE(at::equal(target[0].second, at::full({1 << 20}, 4.0)));
+  EXPECT_TRUE(at::equal(target[1].second, at::full({7, 3000}, 4.0)));
+}

@@ -153,6 +153,70 @@ TEST(Report, NewerFormatVersionIsUnsupported) {
   }
 }
 
+bool has_warning(const json& r, const std::string& needle) {
+  for (const auto& w : r["ledger"]["warnings"]) {
+    if (w.get<std::string>().find(needle) != std::string::npos) return true;
+  }
+  return false;
+}
+
+TEST(Report, LedgerFilesWhoseNameIsNoRankAreSkippedWithAWarning) {
+  TempDir dir;
+  LedgerFile f(dir, 0);
+  f.attempt(0, 0).phase("compile", 0, 5).step(1, 5, 10).end(10);
+  // A stray copy whose "rank" overflows int (std::stoi threw std::out_of_range here) and a zero-padded
+  // name the Recorder never writes (it would have been read as a second rank-7 file).
+  for (const char* name : {"rank-99999999999.jsonl", "rank-007.jsonl"}) {
+    std::ofstream(dir.path() / "ett" / name)
+        << R"({"v":1,"t":"attempt","attempt":0,"rank":0,"world":1,"ts":1700000000000000})" << "\n";
+  }
+  auto r = report(dir);
+  EXPECT_EQ(r["ledger"]["files"], 1);
+  EXPECT_EQ(r["ranks"], json::array({0}));
+  EXPECT_TRUE(has_warning(r, "rank-99999999999.jsonl")) << r["ledger"]["warnings"];
+  EXPECT_TRUE(has_warning(r, "rank-007.jsonl")) << r["ledger"]["warnings"];
+  EXPECT_DOUBLE_EQ(r["e2e_s"], 10.0);
+}
+
+TEST(Report, TimestampsOutsideTheEpochRangeAreCorruptRecordsNotOverflow) {
+  TempDir dir;
+  LedgerFile f(dir, 0);
+  f.attempt(0, 0).phase("compile", 0, 5).step(1, 5, 10);
+  // E2E = INT64_MAX - INT64_MIN overflowed to a negative number.
+  f.raw(R"({"v":1,"t":"phase","name":"compile","b":-9223372036854775807,"e":5})" "\n");
+  f.raw(R"({"v":1,"t":"hb","ts":9223372036854775807})" "\n");
+  f.end(10);
+  auto r = report(dir);
+  EXPECT_DOUBLE_EQ(r["e2e_s"], 10.0);
+  EXPECT_DOUBLE_EQ(r["phases"]["compile"], 5.0);
+  EXPECT_EQ(r["ledger"]["corrupt_lines"], 2);
+  EXPECT_TRUE(has_warning(r, "out of range")) << r["ledger"]["warnings"];
+  EXPECT_NEAR(bucket_sum(r), 100.0, 1e-9);
+}
+
+TEST(Report, AnAttemptWhoseClockStartsBeforeAttemptZeroStaysInE2EWithAWarning) {
+  TempDir dir;
+  LedgerFile f(dir, 0);
+  // Attempt 1 ran on a host whose clock is 200 s behind: its records lie before attempt 0's.
+  f.attempt(0, 200).phase("compile", 200, 205).step(1, 205, 215).hb(216);
+  f.attempt(1, 0).phase("checkpoint_restore", 0, 3).step(1, 3, 13).step(2, 13, 23).end(23);
+  auto r = report(dir);
+  EXPECT_EQ(r["e2e_begin_us"], s(0));
+  EXPECT_EQ(r["e2e_end_us"], s(216));
+  EXPECT_DOUBLE_EQ(r["e2e_s"], 216.0);
+  EXPECT_DOUBLE_EQ(r["phases"]["checkpoint_restore"], 3.0);  // was dropped from E2E
+  EXPECT_TRUE(has_warning(r, "attempt 1 begins")) << r["ledger"]["warnings"];
+  double total = 0;
+  for (const auto& [name, sec] : r["phases"].items()) total += sec.get<double>();
+  EXPECT_NEAR(total, 216.0, 1e-9);
+  EXPECT_NEAR(bucket_sum(r), 100.0, 1e-9);
+  for (const auto& a : r["attempts"]) {
+    if (!a["time_to_start_s"].is_null()) {
+      EXPECT_GE(a["time_to_start_s"].get<double>(), 0.0);
+    }
+  }
+}
+
 TEST(Report, SummaryMatchesTheJson) {
   TempDir dir;
   LedgerFile f(dir, 0);

@@ -1,0 +1,369 @@
+"""AsyncCheckpointer hardening (issue 12 items 1-5, 7, 12; issue 25 item 3): retention by commit order,
+a `latest` pointer that may fail, malformed manifests, reserved names, conjugate/negative views, a corrupt
+`.extra`, and one job per checkpoint directory."""
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import ettkit
+from ettkit.checkpoint import AsyncCheckpointer
+
+HOLDER = r"""
+import sys, time
+from ettkit.checkpoint import AsyncCheckpointer
+ck = AsyncCheckpointer(sys.argv[1], recorder=None)
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+HOLDER_WITH_CHILD = r"""
+import os, sys, time
+from ettkit.checkpoint import AsyncCheckpointer
+ck = AsyncCheckpointer(sys.argv[1], recorder=None)
+child = os.fork()  # a DataLoader worker, say: it inherits every open descriptor
+if child == 0:
+    time.sleep(120)
+    os._exit(0)
+print(child, flush=True)
+time.sleep(120)
+"""
+
+WRITER = r"""
+import sys, torch
+from ettkit.checkpoint import AsyncCheckpointer
+with AsyncCheckpointer(sys.argv[1], recorder=None, keep_last=1) as ck:
+    print("ready", flush=True)
+    for step in range(1, 10**9):
+        ck.save(step, {"w": torch.full((20_000,), float(step))}, extra=step).wait()
+"""
+
+
+def state(step: int):
+    return {"w": torch.full((1000,), float(step)), "i": torch.arange(10, dtype=torch.int64) * step}
+
+
+def zeros():
+    return {"w": torch.zeros(1000), "i": torch.zeros(10, dtype=torch.int64)}
+
+
+def save_steps(path, steps, keep_last=0):
+    with AsyncCheckpointer(path, recorder=None, keep_last=keep_last) as ck:
+        for s in steps:
+            h = ck.save(s, state(s), extra=s)
+            assert h.wait() and h.durable
+
+
+def steps_on_disk(path):
+    return sorted(n for n in os.listdir(path) if n.startswith("step-"))
+
+
+def load(path, **kw):
+    target = zeros()
+    with AsyncCheckpointer(path, recorder=None, **kw) as ck:
+        res = ck.load_latest(target)
+    if res is not None:
+        assert torch.equal(target["w"], state(res[0])["w"]) and torch.equal(target["i"], state(res[0])["i"])
+        assert res[1] == res[0]
+    return res
+
+
+# ---- 1: retention by commit order ---------------------------------------------------------------------------
+
+def test_saving_a_lower_step_number_keeps_it_and_it_is_the_latest(tmp_path):
+    save_steps(tmp_path, [100, 200, 300])
+    with AsyncCheckpointer(tmp_path, recorder=None, keep_last=3) as ck:
+        h = ck.save(50, state(50), extra=50)
+        assert h.wait() and h.durable
+    # The oldest commit (100) is retired, not the step just committed.
+    assert steps_on_disk(tmp_path) == ["step-200", "step-300", "step-50"]
+    assert (tmp_path / "latest").read_text() == "step-50\n"
+    assert load(tmp_path)[0] == 50
+    manifest = json.loads((tmp_path / "step-50" / "manifest.json").read_text())
+    older = json.loads((tmp_path / "step-300" / "manifest.json").read_text())
+    assert manifest["commit_seq"] > older["commit_seq"] >= 1
+
+
+def test_keep_last_one_with_a_corrupt_higher_step_keeps_the_new_step(tmp_path, capfd):
+    save_steps(tmp_path, [10])
+    (tmp_path / "step-20").mkdir()
+    (tmp_path / "step-20" / "manifest.json").write_text("{not json")
+    with AsyncCheckpointer(tmp_path, recorder=None, keep_last=1) as ck:
+        assert ck.save(15, state(15), extra=15).wait()
+    assert steps_on_disk(tmp_path) == ["step-15", "step-20"]  # 10 retired, the corrupt 20 left alone
+    assert "step-20" in capfd.readouterr().err
+    with pytest.warns(RuntimeWarning, match=r"\[20\]"):
+        assert load(tmp_path)[0] == 15
+
+
+def test_a_job_restarted_from_step_one_advances_its_checkpoints(tmp_path):
+    save_steps(tmp_path, [100, 200, 300], keep_last=3)
+    with AsyncCheckpointer(tmp_path, recorder=None, keep_last=3) as ck:
+        for s in (1, 2, 3, 4):
+            assert ck.save(s, state(s), extra=s).wait()
+            assert load_step_in_place(ck) == s
+    assert steps_on_disk(tmp_path) == ["step-2", "step-3", "step-4"]
+
+
+def load_step_in_place(ck):
+    target = zeros()
+    return ck.load_latest(target)[0]
+
+
+def test_foreign_entries_are_never_counted_or_deleted(tmp_path, capfd):
+    save_steps(tmp_path, [1])
+    os.rename(tmp_path / "step-1", tmp_path / "step-001")            # zero-padded copy of a real step
+    (tmp_path / "step-7").write_text("a plain file")
+    os.symlink(tmp_path / "nowhere", tmp_path / "step-8")              # dangling link
+    (tmp_path / "step-9").mkdir()                                      # never committed
+    (tmp_path / ("step-" + "9" * 19)).mkdir()                          # beyond the step limit
+    with AsyncCheckpointer(tmp_path, recorder=None, keep_last=1) as ck:
+        for s in (2, 3):
+            assert ck.save(s, state(s), extra=s).wait()
+    assert steps_on_disk(tmp_path) == sorted(["step-001", "step-3", "step-7", "step-8", "step-9", "step-" + "9" * 19])
+    err = capfd.readouterr().err
+    assert "step-001" in err and "step-7" in err and "step-9" in err
+    assert err.count("leaving 'step-001'") == 1  # warned once per checkpointer, not at every save
+    with pytest.warns(RuntimeWarning):
+        assert load(tmp_path)[0] == 3
+
+
+def test_steps_at_or_above_the_limit_are_refused_at_save(tmp_path):
+    with AsyncCheckpointer(tmp_path, recorder=None) as ck:
+        with pytest.raises(ettkit.InvalidArgumentError, match="step=1000000000000000000 .*10\\^18"):
+            ck.save(10**18, state(1))
+        assert ck.save(10**18 - 1, state(1), extra=1).wait()
+    target = zeros()
+    with AsyncCheckpointer(tmp_path, recorder=None) as ck:
+        assert ck.load_latest(target)[0] == 10**18 - 1
+
+
+# ---- 2: `latest` failing after the commit -------------------------------------------------------------------
+
+def test_a_latest_pointer_that_cannot_be_written_does_not_fail_the_committed_step(tmp_path, capfd):
+    (tmp_path / "latest").mkdir()  # rename(latest.tmp, latest) fails with EISDIR after every commit
+    with AsyncCheckpointer(tmp_path, recorder=None, keep_last=1) as ck:
+        for s in (1, 2):
+            h = ck.save(s, state(s), extra=s)
+            assert h.wait() and h.durable and h.error is None
+        assert ck.saves_committed == 2
+    assert "latest" in capfd.readouterr().err
+    assert steps_on_disk(tmp_path) == ["step-2"]  # retention ran
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("latest.tmp")]
+    assert load(tmp_path)[0] == 2
+
+
+# ---- 3: malformed manifests fall back ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("field,value", [
+    ("format", 1),
+    ("version", 4294967297),
+    ("version", 0),
+    ("version", "1"),
+    ("step", 2.5),
+    ("step", -2),
+    ("world_size", 4294967297),
+    ("world_size", 1.0),
+    ("created_unix_us", "yesterday"),
+    ("commit_seq", -1),
+    ("torch_version", 2),
+    ("files", []),
+    ("files", {"rank-0.safetensors": {"size": -1, "xxh3": "0"}}),
+    ("files", {"rank-0.safetensors": {"size": 2**64, "xxh3": "0"}}),
+    ("metadata", {"a": 1}),
+])
+def test_a_mistyped_manifest_field_falls_back_to_the_older_step(tmp_path, field, value):
+    save_steps(tmp_path, [1, 2])
+    path = tmp_path / "step-2" / "manifest.json"
+    m = json.loads(path.read_text())
+    m[field] = value
+    path.write_text(json.dumps(m))
+    with pytest.warns(RuntimeWarning, match=r"newer steps \[2\]"):
+        assert load(tmp_path)[0] == 1
+
+
+def test_a_manifest_that_is_a_number_or_a_list_falls_back(tmp_path):
+    save_steps(tmp_path, [1, 2, 3])
+    (tmp_path / "step-3" / "manifest.json").write_text("3")
+    (tmp_path / "step-2" / "manifest.json").write_text("[1, 2]")
+    with pytest.warns(RuntimeWarning, match=r"\[3, 2\]"):
+        assert load(tmp_path)[0] == 1
+
+
+# ---- 4: reserved names --------------------------------------------------------------------------------------
+
+def test_reserved_safetensors_key_is_refused_at_save(tmp_path):
+    with AsyncCheckpointer(tmp_path, recorder=None) as ck:
+        with pytest.raises(ettkit.InvalidArgumentError, match="'__metadata__'.*reserved"):
+            ck.save(1, {"__metadata__": torch.ones(3), "w": torch.ones(2)})
+        # Nested, the name is "a.__metadata__": not reserved.
+        assert ck.save(2, {"a": {"__metadata__": torch.ones(3)}}).wait()
+    assert not (tmp_path / "step-1").exists()
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(str(tmp_path / "step-2" / "rank-0.safetensors"))["a.__metadata__"], torch.ones(3))
+
+
+# ---- 5: conjugate and negative views ------------------------------------------------------------------------
+
+def test_conjugate_and_negative_views_are_saved_as_their_values(tmp_path):
+    z = torch.complex(torch.arange(6.0), torch.arange(6.0) + 10)
+    x = torch.arange(5.0) + 1
+    src = {"conj": z.conj(), "neg": x._neg_view(), "conj_t": z.reshape(2, 3).conj().t()}
+    assert src["conj"].is_conj() and src["neg"].is_neg()
+    expect = {k: v.resolve_conj().resolve_neg().clone() for k, v in src.items()}
+    with AsyncCheckpointer(tmp_path, recorder=None) as ck:
+        assert ck.save(1, src).wait()
+    from safetensors.torch import load_file
+
+    on_disk = load_file(str(tmp_path / "step-1" / "rank-0.safetensors"))
+    for k, v in expect.items():
+        assert torch.equal(on_disk[k], v), k
+    target = {k: torch.zeros_like(v) for k, v in expect.items()}
+    with AsyncCheckpointer(tmp_path, recorder=None) as ck:
+        assert ck.load_latest(target)[0] == 1
+    for k, v in expect.items():
+        assert torch.equal(target[k], v), k
+    # Loading into a conjugate view writes the values it shows.
+    view_target = {"conj": torch.zeros(6, dtype=torch.complex64).conj(), "neg": torch.zeros(5)._neg_view(),
+                   "conj_t": torch.zeros(3, 2, dtype=torch.complex64)}
+    with AsyncCheckpointer(tmp_path, recorder=None) as ck:
+        ck.load_latest(view_target)
+    assert torch.equal(view_target["conj"].resolve_conj(), expect["conj"])
+    assert torch.equal(view_target["neg"].resolve_neg(), expect["neg"])
+
+
+# ---- 7: a corrupt .extra is found before any tensor is copied -----------------------------------------------
+
+def _corrupt_extra(path, step):
+    f = path / f"step-{step}" / "rank-0.extra"
+    data = bytearray(f.read_bytes())
+    magic = len(b"ettkit-py-extra-v1\n")
+    for i in range(magic, len(data)):  # same size: only the checksum (off here) would notice
+        data[i] ^= 0x5A
+    f.write_bytes(bytes(data))
+
+
+def test_corrupt_extra_without_verification_falls_back_before_copying(tmp_path):
+    save_steps(tmp_path, [1, 2])
+    _corrupt_extra(tmp_path, 2)
+    with pytest.warns(RuntimeWarning, match=r"\[2\]"):
+        assert load(tmp_path, verify_on_load=False)[0] == 1
+    _corrupt_extra(tmp_path, 1)
+    target = zeros()
+    with AsyncCheckpointer(tmp_path, recorder=None, verify_on_load=False) as ck:
+        with pytest.raises(ettkit.CorruptCheckpointError, match="rank-0.extra"):
+            ck.load_latest(target)
+    assert torch.equal(target["w"], torch.zeros(1000)) and torch.equal(target["i"], torch.zeros(10, dtype=torch.int64))
+
+
+def test_extra_that_unpickles_to_the_wrong_shape_falls_back(tmp_path):
+    save_steps(tmp_path, [1, 2])
+    f = tmp_path / "step-2" / "rank-0.extra"
+    f.write_bytes(b"ettkit-py-extra-v1\n" + pickle.dumps([1, 2, 3]))
+    m = json.loads((tmp_path / "step-2" / "manifest.json").read_text())
+    m["files"]["rank-0.extra"]["size"] = f.stat().st_size
+    (tmp_path / "step-2" / "manifest.json").write_text(json.dumps(m))
+    with pytest.warns(RuntimeWarning, match=r"\[2\]"):
+        assert load(tmp_path, verify_on_load=False)[0] == 1
+
+
+# ---- 12: one job per checkpoint directory -------------------------------------------------------------------
+
+def test_two_checkpointers_in_one_process_on_one_directory(tmp_path):
+    first = AsyncCheckpointer(tmp_path, recorder=None)
+    with pytest.raises(ettkit.CheckpointLockedError, match=f"pid {os.getpid()}"):
+        AsyncCheckpointer(tmp_path, recorder=None)
+    holder = (tmp_path / ".lock").read_text()
+    assert json.loads(holder)["pid"] == os.getpid()
+    first.close()
+    with AsyncCheckpointer(tmp_path, recorder=None) as again:  # released by close()
+        assert again.save(1, state(1), extra=1).wait()
+    del first
+    AsyncCheckpointer(tmp_path, recorder=None)  # released by destruction (the previous one was unreferenced)
+    AsyncCheckpointer(tmp_path, recorder=None)
+
+
+def test_a_second_job_fails_naming_the_holder_and_a_dead_holders_lock_is_taken_over(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline().strip() == b"ready"
+        inflight = tmp_path / ".tmp-step-5-0123456789abcdef"   # the first job's save in progress
+        inflight.mkdir()
+        with pytest.raises(ettkit.CheckpointLockedError, match=f"pid {proc.pid}") as e:
+            AsyncCheckpointer(tmp_path, recorder=None)
+        assert os.uname().nodename in str(e.value)
+        assert inflight.exists()  # the second job deleted nothing
+        # A read-only loader neither takes the lock nor cleans up.
+        save_dir_ro = AsyncCheckpointer(tmp_path, recorder=None, read_only=True)
+        assert save_dir_ro.load_latest(zeros()) is None
+        with pytest.raises(ettkit.InvalidArgumentError, match="read_only"):
+            save_dir_ro.save(1, state(1))
+        save_dir_ro.close()
+        assert inflight.exists()
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    # The holder died: the kernel released its flock, the next job takes over and cleans its leftovers.
+    with AsyncCheckpointer(tmp_path, recorder=None) as ck:
+        assert json.loads((tmp_path / ".lock").read_text())["pid"] == os.getpid()
+        assert not inflight.exists()
+        assert ck.save(1, state(1), extra=1).wait()
+
+
+def test_a_forked_child_never_keeps_the_directory_locked(tmp_path):
+    # The parent closes: its next checkpointer gets the lock although the child still runs.
+    ck = AsyncCheckpointer(tmp_path, recorder=None)
+    child = os.fork()
+    if child == 0:
+        time.sleep(60)
+        os._exit(0)
+    try:
+        ck.close()
+        with AsyncCheckpointer(tmp_path, recorder=None) as again:
+            assert again.save(1, state(1), extra=1).wait()
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+    # The parent dies while its forked child lives on: the lock is free at once.
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER_WITH_CHILD, str(tmp_path)], stdout=subprocess.PIPE)
+    grandchild = int(proc.stdout.readline())
+    try:
+        with pytest.raises(ettkit.CheckpointLockedError):
+            AsyncCheckpointer(tmp_path, recorder=None)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        os.kill(grandchild, 0)  # still alive
+        with AsyncCheckpointer(tmp_path, recorder=None) as ck:
+            assert ck.save(2, state(2), extra=2).wait()
+    finally:
+        proc.kill()
+        proc.wait()
+        os.kill(grandchild, signal.SIGKILL)
+
+
+def test_a_read_only_loader_never_fails_while_retention_runs(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline().strip() == b"ready"
+        deadline = time.monotonic() + 60
+        while not steps_on_disk(tmp_path) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        loaded = []
+        with AsyncCheckpointer(tmp_path, recorder=None, read_only=True) as ck:
+            for _ in range(40):
+                target = {"w": torch.zeros(20_000)}
+                step, extra = ck.load_latest(target)
+                assert extra == step and torch.equal(target["w"], torch.full((20_000,), float(step)))
+                loaded.append(step)
+        assert loaded == sorted(loaded) and loaded[-1] > loaded[0]
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
