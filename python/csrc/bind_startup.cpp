@@ -183,12 +183,10 @@ class PyStageGraph {
       py::gil_scoped_release release;
       return graph_->run(interrupted, kSignalPollS);
     } catch (const Cancelled&) {
-      if (signalled) throw py::error_already_set();  // the KeyboardInterrupt the check left pending
-      if (interrupt_->load()) {
-        PyErr_SetNone(PyExc_KeyboardInterrupt);
-        throw py::error_already_set();
-      }
-      throw;
+      if (!signalled && !interrupt_->load()) throw;
+      if (!signalled) PyErr_SetNone(PyExc_KeyboardInterrupt);  // a stage raised it; re-raise it here
+      // else: the exception the signal handler raised is still pending on this thread since the check
+      throw py::error_already_set();
     }
   }
 
