@@ -1,7 +1,7 @@
 // Bindings for ettkit::startup. The StageGraph runs Python callables on C++ worker threads, so the GIL
 // rules matter (../shared/reference/compile.md §8.3):
 //  - run() and join() release the GIL for their whole wait; a worker takes the GIL only while a Python
-//    callable runs (py::gil_scoped_acquire inside the stage wrapper) and never holds the scheduler's mutex
+//    callable runs (StageGil inside the stage wrapper) and never holds the scheduler's mutex
 //    while it does (the scheduler never holds its mutex while a stage runs).
 //  - A Python exception is turned into a C++ error (its type and message) while the GIL is held, so no
 //    Python object crosses into the scheduler; the Python layer keeps the original exception object.
