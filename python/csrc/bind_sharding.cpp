@@ -127,13 +127,14 @@ void bind_sharding(py::module_& m) {
 
   m.def(
       "build",
-      [](std::shared_ptr<ShardingPlan> plan, bool strict) {
+      [](std::shared_ptr<ShardingPlan> plan, bool strict, int64_t max_shards) {
         BuildOptions o;
         o.strict = strict;
+        o.max_shards = max_shards;
         py::gil_scoped_release release;
         return std::make_shared<GlobalMetadata>(build_global_metadata(std::move(plan), o));
       },
-      py::arg("plan"), py::arg("strict") = false);
+      py::arg("plan"), py::arg("strict") = false, py::arg("max_shards") = kDefaultMaxShards);
 
   m.def("encode", [](const ShardingPlan& plan) {
     std::vector<uint8_t> bytes;
@@ -156,6 +157,8 @@ void bind_sharding(py::module_& m) {
   });
   m.attr("HEADER_BYTES") = kPlanHeaderBytes;
   m.attr("CODEC_VERSION") = kPlanCodecVersion;
+  m.attr("DEFAULT_MAX_SHARDS") = kDefaultMaxShards;
+  m.attr("MAX_TOTAL_SHARDS") = kMaxTotalShards;
   m.def("_reseal_for_testing", [](const py::buffer& data) {
     py::buffer_info info;
     auto view = as_bytes(data, info);

@@ -1,7 +1,7 @@
 // Bindings for ettkit::startup. The StageGraph runs Python callables on C++ worker threads, so the GIL
 // rules matter (../shared/reference/compile.md §8.3):
 //  - run() and join() release the GIL for their whole wait; a worker takes the GIL only while a Python
-//    callable runs (py::gil_scoped_acquire inside the stage wrapper) and never holds the scheduler's mutex
+//    callable runs (StageGil inside the stage wrapper) and never holds the scheduler's mutex
 //    while it does (the scheduler never holds its mutex while a stage runs).
 //  - A Python exception is turned into a C++ error (its type and message) while the GIL is held, so no
 //    Python object crosses into the scheduler; the Python layer keeps the original exception object.
@@ -183,12 +183,10 @@ class PyStageGraph {
       py::gil_scoped_release release;
       return graph_->run(interrupted, kSignalPollS);
     } catch (const Cancelled&) {
-      if (signalled) throw py::error_already_set();  // the KeyboardInterrupt the check left pending
-      if (interrupt_->load()) {
-        PyErr_SetNone(PyExc_KeyboardInterrupt);
-        throw py::error_already_set();
-      }
-      throw;
+      if (!signalled && !interrupt_->load()) throw;
+      if (!signalled) PyErr_SetNone(PyExc_KeyboardInterrupt);  // a stage raised it; re-raise it here
+      // else: the exception the signal handler raised is still pending on this thread since the check
+      throw py::error_already_set();
     }
   }
 

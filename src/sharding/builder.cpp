@@ -15,8 +15,8 @@ namespace ettkit::sharding {
 
 namespace {
 
-// Upper bound of the shard count of one table, for the one reservation and the kMaxTotalShards guard.
-int64_t max_shards(const TableSpec& t, int32_t ws, int32_t L) {
+// Upper bound of the shard count of one table, for the one reservation and the max_shards guard.
+int64_t shard_bound(const TableSpec& t, int32_t ws, int32_t L) {
   if (!t.shards.empty()) return static_cast<int64_t>(t.shards.size());
   switch (t.type) {
     case ShardingType::kDataParallel:
@@ -37,6 +37,24 @@ void reject_empty_dims(const TableSpec& t) {
                  " table needs at least 1 row (strict mode)");
   ETTKIT_EXPECTS(t.cols > 0, to_string(t.type), " plan for table '", t.name, "' has 0 cols; a ", to_string(t.type),
                  " table needs at least 1 column (strict mode)");
+}
+
+// The plan's shard count (an upper bound), refused before anything is allocated when it passes
+// `max_shards`: a plan is a few bytes per table, its expansion 48 bytes per shard.
+int64_t checked_shard_bound(const ShardingPlan& plan, int64_t max_shards) {
+  ETTKIT_EXPECTS(max_shards >= 1 && max_shards <= kMaxTotalShards, "max_shards=", max_shards,
+                 " is out of range; valid: 1..", kMaxTotalShards);
+  constexpr int64_t kBytesPerShard = sizeof(Shard) + sizeof(ShardRef);
+  int64_t bound = 0;
+  for (const auto& t : plan.tables()) {
+    const int64_t n = shard_bound(t, plan.world_size(), plan.ranks_per_host());
+    bound += n;  // no overflow: every term is <= 2^32 and the sum stops at the first one past max_shards
+    ETTKIT_EXPECTS(bound <= max_shards, "table '", t.name, "' (", to_string(t.type), ", up to ", n,
+                   " shards) brings the plan to ", bound, " shards, more than max_shards=", max_shards, " (about ",
+                   max_shards * kBytesPerShard >> 20, " MiB of metadata); raise max_shards (at most ",
+                   kMaxTotalShards, ") if the plan is meant to be this large");
+  }
+  return bound;
 }
 
 void push_row_blocks(const std::vector<Span>& spans, int64_t col_offset, int64_t block_cols, const int32_t* ranks,
@@ -145,10 +163,7 @@ GlobalMetadata build_global_metadata(std::shared_ptr<const ShardingPlan> plan, c
   const int32_t ws = plan->world_size();
   const int32_t L = plan->ranks_per_host();
   const auto& tables = plan->tables();
-  int64_t bound = 0;
-  for (const auto& t : tables) bound += max_shards(t, ws, L);
-  ETTKIT_EXPECTS(bound <= kMaxTotalShards, "the plan expands to up to ", bound, " shards; at most ", kMaxTotalShards,
-                 " are supported in one build");
+  const int64_t bound = checked_shard_bound(*plan, options.max_shards);
 
   GlobalMetadata md;
   md.plan_ = std::move(plan);

@@ -540,7 +540,9 @@ class StageGraph::Impl : public std::enable_shared_from_this<StageGraph::Impl> {
       stop = true;
     }
     lk.lock();
-    if (stop && !finished_) interrupt_locked(Clock::now());
+    // Even when the graph finished meanwhile: the caller asked to stop (a binding may hold a pending
+    // KeyboardInterrupt), so run() must not return as if nothing happened.
+    if (stop) interrupt_locked(Clock::now());
     return stop;
   }
 

@@ -329,6 +329,26 @@ def test_codec_round_trip_and_size():
     assert pickle.loads(pickle.dumps(plan)) == plan
 
 
+def test_a_tiny_plan_cannot_expand_to_gigabytes():
+    # ~160 bytes on the wire; 16.7 million shards (~800 MB on every rank) if the build expanded it.
+    tables = [S.Table(f"t{i}", 10, 4, "float32", "data_parallel") for i in range(16)]
+    data = S.encode(S.ShardingPlan(tables, world_size=1 << 20, ranks_per_host=8))
+    assert len(data) < 300
+    with pytest.raises(
+        ettkit.InvalidArgumentError,
+        match=r"table 't4' \(data_parallel, up to 1048576 shards\) brings the plan to 5242880 shards, "
+        r"more than max_shards=4194304",
+    ):
+        S.build_global_metadata(S.decode(data))
+    assert S.DEFAULT_MAX_SHARDS == 4194304
+    small = S.ShardingPlan(tables[:2], world_size=4, ranks_per_host=2)
+    assert S.build_global_metadata(small, max_shards=8).total_shards == 8
+    with pytest.raises(ettkit.InvalidArgumentError, match=r"table 't1' .* more than max_shards=7"):
+        S.build_global_metadata(small, max_shards=7)
+    with pytest.raises(ettkit.InvalidArgumentError, match=r"max_shards=0 is out of range; valid: 1\.\.134217728"):
+        S.build_global_metadata(small, max_shards=0)
+
+
 def test_codec_corrupt_truncated_and_wrong_version():
     data = S.encode(torchrec_32_rank_plan())
     with pytest.raises(ettkit.CorruptDataError, match="truncated"):

@@ -32,9 +32,21 @@ class Recorder;
 
 namespace ettkit::sharding {
 
+/// Hard ceiling of BuildOptions::max_shards (about 6 GiB of metadata; indexes are 32-bit).
+inline constexpr int64_t kMaxTotalShards = int64_t{1} << 27;
+/// Default BuildOptions::max_shards: 4,194,304 shards, about 200 MB of metadata at 48 bytes a shard. A
+/// TorchRec plan has at most world_size shards per table, so this holds 4,096 ranks x 1,024 row-wise
+/// tables; a plan of a few hundred bytes (data_parallel tables over a 2^20-rank world) cannot make a
+/// rank allocate gigabytes.
+inline constexpr int64_t kDefaultMaxShards = int64_t{1} << 22;
+
 struct ETTKIT_API BuildOptions {
   /// Reject TorchRec's sharp edges instead of reproducing them (see the header comment).
   bool strict = false;
+  /// Most shards the build may create over all tables (1..kMaxTotalShards); a plan that expands to more
+  /// is refused with InvalidArgument naming the table that crosses the limit, before anything is
+  /// allocated. Explicit shards count too.
+  int64_t max_shards = kDefaultMaxShards;
   /// When set, the build is recorded as phase "launcher_init/sharding" (a launcher_init sub-stage).
   ett::Recorder* recorder = nullptr;
 };
@@ -45,9 +57,6 @@ struct ETTKIT_API ShardRef {
   uint32_t shard = 0;
   friend bool operator==(const ShardRef&, const ShardRef&) = default;
 };
-
-/// Upper bound on the total number of shards one build may create (about 5 GiB of metadata).
-inline constexpr int64_t kMaxTotalShards = int64_t{1} << 27;
 
 class ETTKIT_API GlobalMetadata {
  public:
@@ -81,7 +90,8 @@ class ETTKIT_API GlobalMetadata {
 };
 
 /// Builds (and validates) the global metadata of `plan`. Throws InvalidArgument naming the table and
-/// field when the plan cannot be expanded (strict-mode rules, explicit shards that overlap or leave a gap).
+/// field when the plan cannot be expanded (strict-mode rules, explicit shards that overlap or leave a gap,
+/// more shards than options.max_shards).
 ETTKIT_API GlobalMetadata build_global_metadata(std::shared_ptr<const ShardingPlan> plan,
                                                 const BuildOptions& options = {});
 

@@ -28,13 +28,14 @@ from .collective import (
     check_consistent,
     torchrec_style_plan,
 )
-from .metadata import GlobalMetadata, LocalShard, Shard, TableMetadata, build_global_metadata
+from .metadata import DEFAULT_MAX_SHARDS, GlobalMetadata, LocalShard, Shard, TableMetadata, build_global_metadata
 from .plan import SHARDING_TYPES, ShardingPlan, Table, decode, encode, plan_hash
 from .synthetic import mixed_plan
 from .torchrec_interop import from_torchrec, to_torchrec_dict
 
 __all__ = [
     "DEFAULT_FIRST_CHUNK_BYTES",
+    "DEFAULT_MAX_SHARDS",
     "SHARDING_TYPES",
     "GlobalMetadata",
     "LocalShard",

@@ -18,7 +18,17 @@ from ..errors import InvalidArgumentError
 from ..ett import recorder as _ett
 from .plan import ShardingPlan, Table
 
-__all__ = ["GlobalMetadata", "LocalShard", "Shard", "TableMetadata", "build_global_metadata"]
+__all__ = [
+    "DEFAULT_MAX_SHARDS",
+    "GlobalMetadata",
+    "LocalShard",
+    "Shard",
+    "TableMetadata",
+    "build_global_metadata",
+]
+
+#: Default ``max_shards`` of :func:`build_global_metadata`: 4,194,304 shards (about 200 MB of metadata).
+DEFAULT_MAX_SHARDS: int = _C.sharding.DEFAULT_MAX_SHARDS
 
 #: The ETT phase the sharding work is recorded under (a launcher_init sub-stage).
 ETT_PHASE = "launcher_init/sharding"
@@ -233,7 +243,9 @@ class GlobalMetadata:
         return f"GlobalMetadata({len(self.tables)} tables, {self.total_shards} shards, world_size={self.world_size})"
 
 
-def build_global_metadata(plan: ShardingPlan, strict: bool = False) -> GlobalMetadata:
+def build_global_metadata(
+    plan: ShardingPlan, strict: bool = False, *, max_shards: int | None = None
+) -> GlobalMetadata:
     """Builds every table's shards and the per-rank index from ``plan``, locally, with no collective.
 
     Shards follow TorchRec's split rules bit for bit and are validated (bounds, overflow-safe volume, no
@@ -241,9 +253,15 @@ def build_global_metadata(plan: ShardingPlan, strict: bool = False) -> GlobalMet
     column split that silently yields fewer shards than ranks, ...) with :class:`~ettkit.InvalidArgumentError`;
     otherwise they are reproduced and listed in ``warnings``. Recorded as ETT phase
     ``launcher_init/sharding`` when a default recorder exists.
+
+    ``max_shards`` (default :data:`DEFAULT_MAX_SHARDS`, at most ``2**27``) bounds the shards of all tables
+    together: a plan that would expand to more raises :class:`~ettkit.InvalidArgumentError` naming the table
+    that crosses it, before anything is allocated (a plan of a few hundred bytes can describe gigabytes).
     """
     if not isinstance(plan, ShardingPlan):
         raise InvalidArgumentError(f"build_global_metadata takes a ShardingPlan, got {type(plan).__name__}")
     with _ett.phase(ETT_PHASE):
-        c_metadata = _C.sharding.build(plan._c, bool(strict))
+        c_metadata = _C.sharding.build(
+            plan._c, bool(strict), DEFAULT_MAX_SHARDS if max_shards is None else int(max_shards)
+        )
     return GlobalMetadata(plan, c_metadata)

@@ -9,6 +9,7 @@
 #include "ett/test_dir.h"
 #include "ettkit/common/error.h"
 #include "ettkit/ett/recorder.h"
+#include "ettkit/sharding/codec.h"
 #include "ettkit/sharding/metadata.h"
 #include "sharding_test_util.h"
 
@@ -329,6 +330,53 @@ TEST(Builder, PlanFieldErrorsNameTableAndField) {
   EXPECT_EQ(parse_dtype("torch.float16"), DType::kFloat16);
   EXPECT_EQ(parse_dtype("half"), DType::kFloat16);
   EXPECT_THROW(parse_dtype("complex64", "emb"), InvalidArgument);
+}
+
+TEST(Builder, ExpansionIsCappedBeforeAllocatingAndTheErrorNamesTheTable) {
+  // 16 data_parallel tables over a 2^20-rank world: a plan of ~160 bytes that expands to 16.7 million
+  // shards (~800 MB) unless the build refuses it.
+  std::vector<TableSpec> tables;
+  for (int i = 0; i < 16; ++i) {
+    std::string name = "t";  // not "t" + to_string(i): GCC 12 warns about that falsely (-Wrestrict)
+    name += std::to_string(i);
+    tables.push_back(make_table(name, 10, 4, ShardingType::kDataParallel));
+  }
+  auto plan = std::make_shared<const ShardingPlan>(tables, 1 << 20, 8, DeviceType::kCpu);
+  EXPECT_LT(encode(*plan).size(), 300u);
+  try {
+    build_global_metadata(plan);
+    FAIL() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(e.message().find("table 't4' (data_parallel, up to 1048576 shards) brings the plan to 5242880 shards, "
+                               "more than max_shards=4194304 (about 192 MiB of metadata); raise max_shards"),
+              std::string::npos)
+        << e.message();
+  }
+  // The limit is configurable and counts every table's shards.
+  auto small = std::make_shared<const ShardingPlan>(
+      std::vector<TableSpec>{make_table("a", 100, 8, ShardingType::kRowWise), make_table("b", 100, 8, ShardingType::kRowWise)},
+      4, 2, DeviceType::kCpu);
+  BuildOptions o;
+  o.max_shards = 8;
+  EXPECT_EQ(build_global_metadata(small, o).total_shards(), 8u);
+  o.max_shards = 7;
+  EXPECT_THROW(
+      {
+        try {
+          build_global_metadata(small, o);
+        } catch (const InvalidArgument& e) {
+          EXPECT_NE(e.message().find("table 'b' (row_wise, up to 4 shards) brings the plan to 8 shards, more than "
+                                     "max_shards=7"),
+                    std::string::npos)
+              << e.message();
+          throw;
+        }
+      },
+      InvalidArgument);
+  for (int64_t bad : {int64_t{0}, kMaxTotalShards + 1}) {
+    o.max_shards = bad;
+    EXPECT_THROW(build_global_metadata(small, o), InvalidArgument) << bad;
+  }
 }
 
 TEST(Builder, ExplicitShardsAreUsedVerbatimAndValidated) {
