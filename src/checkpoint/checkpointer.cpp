@@ -496,28 +496,38 @@ AsyncCheckpointer::AsyncCheckpointer(CheckpointerOptions options, c10::intrusive
   ETTKIT_EXPECTS(im.world == 1 || im.store, "world_size=", im.world, " needs a c10d Store to coordinate the commit");
   make_directories(im.opt.directory);
   im.opt.directory = fs::canonical(im.opt.directory).string();
+  // The run id the ranks agree on: the n-th AsyncCheckpointer that the ranks open on this directory shares
+  // one. Counted before the lock, so that rank 0 can hand a lock failure to the other ranks instead of
+  // leaving them waiting for a run id.
+  std::string base = "ettkit_ckpt:" + im.opt.directory + "/";
+  std::string run_key;
+  if (im.world > 1) {
+    int64_t n = im.store->add(base + "opens", 1);
+    run_key = base + "gen/" + std::to_string((n - 1) / im.world) + "/run_id";
+  }
   // Before anything below touches the directory: a second job must not remove this one's temporaries.
   if (im.rank == 0 && !im.opt.read_only) {
     if (auto holder = im.lock.try_acquire(im.opt.directory)) {
-      ETTKIT_THROW(checkpoint::DirectoryLocked, "checkpoint directory '", im.opt.directory,
-                   "' is in use by another checkpointer: ", *holder, " holds '", im.opt.directory,
-                   "/.lock'. Two jobs writing one directory delete each other's saves: give this job its own "
-                   "directory, or stop the other one (a dead holder's lock is released by the kernel); to only "
-                   "load, open it with read_only=true");
+      std::string why = ettkit::detail::concat(
+          "checkpoint directory '", im.opt.directory, "' is in use by another checkpointer: ", *holder, " holds '",
+          im.opt.directory, "/.lock'. Two jobs writing one directory delete each other's saves: give this job its "
+          "own directory, or stop the other one (a dead holder's lock is released by the kernel); to only load, "
+          "open it with read_only=true");
+      if (im.world > 1) im.store->set(run_key, bytes_of("locked:" + why));
+      throw checkpoint::DirectoryLocked(why, __FILE__, __LINE__);
     }
   }
   if (im.world > 1) {
-    // Agree on a run id: the n-th AsyncCheckpointer that the ranks open on this directory shares one.
-    std::string base = "ettkit_ckpt:" + im.opt.directory + "/";
-    int64_t n = im.store->add(base + "opens", 1);
-    std::string key = base + "gen/" + std::to_string((n - 1) / im.world) + "/run_id";
     if (im.rank == 0) {
       im.run_id = random_id();
       if (!im.opt.read_only) remove_stale_temporaries(im.opt.directory, im.run_id);
-      im.store->set(key, bytes_of(im.run_id));
+      im.store->set(run_key, bytes_of(im.run_id));
     } else {
-      im.store->wait({key}, std::chrono::milliseconds(static_cast<int64_t>(im.opt.commit_timeout_s * 1000)));
-      im.run_id = string_of(im.store->get(key));
+      im.store->wait({run_key}, std::chrono::milliseconds(static_cast<int64_t>(im.opt.commit_timeout_s * 1000)));
+      im.run_id = string_of(im.store->get(run_key));
+      if (im.run_id.rfind("locked:", 0) == 0) {
+        throw checkpoint::DirectoryLocked("rank 0: " + im.run_id.substr(7), __FILE__, __LINE__);
+      }
     }
     im.key_prefix = base + im.run_id + "/";
     ETTKIT_EXPECTS(im.opt.peer_timeout_s > 0, "peer_timeout_s=", im.opt.peer_timeout_s, " must be > 0");

@@ -224,6 +224,23 @@ def main() -> int:
         print("survivor", rank, errors, flush=True)
         sys.stdout.flush()
         os._exit(0 if all(e == "PeerLostError" for e in errors) else 5)
+    if mode == "lockedrank":
+        # Another job holds the directory: every rank's constructor must fail with CheckpointLockedError at
+        # once (rank 0 passes the failure on through the Store instead of leaving the others waiting).
+        import time
+
+        import torch.distributed as dist
+
+        rank, world, port = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        t0 = time.monotonic()
+        try:
+            AsyncCheckpointer(path, recorder=None, commit_timeout_s=600)
+            return 4
+        except ettkit.CheckpointLockedError as e:
+            assert ".lock" in str(e), str(e)
+        print("locked-ok", rank, round(time.monotonic() - t0, 2), flush=True)
+        os._exit(0)
     if mode == "tornrank":
         # The last rank writes a saved tensor while its save of step 2 is held before the verdict: every
         # rank's handle must raise TornSnapshotError and step 1 must stay the latest everywhere.

@@ -89,3 +89,17 @@ def test_survivors_exit_within_seconds_after_a_peer_dies(tmp_path, world, victim
         print(f"world={world} victim={victim} store={store_mode} rank {r}: exit {exited[r] - death:.2f} s after the death")
         assert exited[r] - death < 10.0, (r, exited[r] - death)
     del server
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_rank_fails_fast_when_another_job_holds_the_directory(tmp_path, world):
+    from ettkit.checkpoint import AsyncCheckpointer
+
+    path = tmp_path / "ck"
+    with AsyncCheckpointer(path, recorder=None):  # the other job
+        port = _free_port()
+        procs = [subprocess.Popen([sys.executable, SCRIPT, "lockedrank", str(path), str(r), str(world), str(port)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
+        outs = [p.communicate(timeout=120) for p in procs]
+    for r, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0 and f"locked-ok {r}" in out, (r, out, err[-3000:])
