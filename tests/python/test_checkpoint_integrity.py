@@ -20,6 +20,10 @@ from ettkit import ett
 from ettkit.checkpoint import AsyncCheckpointer
 
 
+# The CUDA variants run on the GPU machine (tools/gpu_check.sh); here they are skipped.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+
+
 def committed_steps(path):
     return sorted(int(p[5:]) for p in os.listdir(path) if p.startswith("step-")
                   and os.path.exists(os.path.join(path, p, "manifest.json")))
@@ -48,7 +52,7 @@ def check_commits(path, expected):
         want = expected[step]
         assert set(got) >= set(want), (step, set(want) - set(got))
         for name, t in want.items():
-            assert torch.equal(got[name], t), f"step {step}: '{name}' holds bytes of another step"
+            assert torch.equal(got[name], t.cpu()), f"step {step}: '{name}' holds bytes of another step"
     return steps
 
 
@@ -132,10 +136,10 @@ def test_in_backward_sparse_update_forced_overlap_never_commits_torn(tmp_path):
 
 
 # ---- BatchNorm statistics written by the next forward ----------------------------------------------------
-def bn_training(tmp_path, attach_model, steps=40, every=4, overlap="auto"):
+def bn_training(tmp_path, attach_model, steps=40, every=4, overlap="auto", device="cpu"):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 8192), torch.nn.BatchNorm1d(8192), torch.nn.ReLU(),
-                                torch.nn.Linear(8192, 1))
+                                torch.nn.Linear(8192, 1)).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     path = str(tmp_path / "ck")
     ck = AsyncCheckpointer(path, keep_last=0, recorder=None, overlap=overlap)
@@ -145,7 +149,7 @@ def bn_training(tmp_path, attach_model, steps=40, every=4, overlap="auto"):
         ck.attach(opt)
     state = {"model": model.state_dict(), "optim": opt.state_dict()}
     expected, handles = {}, []
-    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(2)).to(device)
     for step in range(1, steps + 1):
         opt.zero_grad()
         model(x + step).sum().backward()
@@ -159,8 +163,9 @@ def bn_training(tmp_path, attach_model, steps=40, every=4, overlap="auto"):
     return committed, refused
 
 
-def test_batchnorm_8192_channels_with_model_attached_commits(tmp_path):
-    committed, refused = bn_training(tmp_path, attach_model=True)
+@pytest.mark.parametrize("device", DEVICES)
+def test_batchnorm_8192_channels_with_model_attached_commits(tmp_path, device):
+    committed, refused = bn_training(tmp_path, attach_model=True, device=device)
     assert len(committed) >= 9 and len(refused) <= 1, (committed, refused)
 
 
@@ -211,9 +216,11 @@ def test_ema_buffer_updated_after_the_step_commits_consistent_steps(tmp_path):
 
 
 # ---- a write right after save() -------------------------------------------------------------------------------
-def test_write_right_after_save_with_nothing_attached_is_not_torn(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_write_right_after_save_with_nothing_attached_is_not_torn(tmp_path, device):
     path = str(tmp_path / "ck")
-    state = {"w": torch.zeros(1 << 22), "v": torch.zeros(3000, 7).t()}  # one contiguous, one strided
+    state = {"w": torch.zeros(1 << 22, device=device),
+             "v": torch.zeros(3000, 7, device=device).t()}  # one contiguous, one strided
     expected = {}
     with AsyncCheckpointer(path, keep_last=0, recorder=None) as ck:
         handles = []
@@ -253,9 +260,10 @@ def test_write_during_an_overlapped_save_is_refused_and_the_previous_step_stays_
     assert rep["checkpoints"]["refused"] == 1
 
 
-def test_wait_for_fences_a_manual_writer(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_wait_for_fences_a_manual_writer(tmp_path, device):
     path = str(tmp_path / "ck")
-    state = {"w": torch.zeros(1 << 22), "other": torch.zeros(1 << 20)}
+    state = {"w": torch.zeros(1 << 22, device=device), "other": torch.zeros(1 << 20, device=device)}
     expected = {}
     with AsyncCheckpointer(path, keep_last=0, recorder=None, overlap=True) as ck:
         handles = []
