@@ -5,8 +5,6 @@
 // can finish a stage that outlived the graph.
 #include "ettkit/startup/stage_graph.h"
 
-#include <cxxabi.h>
-
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -40,6 +38,17 @@ std::string describe(const std::exception_ptr& e) {
   } catch (...) {
     return "an exception that is not a std::exception";
   }
+}
+
+// Inside a catch (...): the caught exception, or a rethrow when it is a foreign one, which no exception_ptr
+// can hold. The forced unwind of pthread_exit / pthread_cancel is foreign (CPython ends a thread that asks
+// for the GIL during interpreter exit this way): it must go on to the thread's start, or glibc aborts the
+// process ("FATAL: exception not rethrown"). Catching abi::__forced_unwind& by name would do, but binds a
+// reference to a null object (UBSan reports it).
+std::exception_ptr caught_or_rethrow() {
+  std::exception_ptr caught = std::current_exception();
+  if (!caught) throw;
+  return caught;
 }
 
 std::string join_names(const std::vector<std::string>& names) {
@@ -357,12 +366,8 @@ class StageGraph::Impl : public std::enable_shared_from_this<StageGraph::Impl> {
   __attribute__((noinline, no_sanitize("null"))) std::exception_ptr invoke(size_t i, StageContext& ctx) {
     try {
       stages_[i].fn(ctx);
-    } catch (const abi::__forced_unwind&) {
-      // pthread_exit or pthread_cancel (CPython ends a thread that asks for the GIL during interpreter
-      // exit this way): the unwind must reach the thread's start, or glibc aborts the process.
-      throw;
     } catch (...) {
-      return std::current_exception();
+      return caught_or_rethrow();
     }
     return nullptr;
   }
@@ -536,10 +541,8 @@ class StageGraph::Impl : public std::enable_shared_from_this<StageGraph::Impl> {
     bool stop = false;
     try {
       stop = interrupted();
-    } catch (const abi::__forced_unwind&) {
-      throw;  // the calling thread is being ended; `lk` is unlocked, nothing to restore
     } catch (...) {
-      interrupt_error_ = std::current_exception();
+      interrupt_error_ = caught_or_rethrow();  // a forced unwind goes on; `lk` is unlocked, nothing to restore
       stop = true;
     }
     lk.lock();
