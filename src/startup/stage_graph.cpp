@@ -359,11 +359,9 @@ class StageGraph::Impl : public std::enable_shared_from_this<StageGraph::Impl> {
     }
   }
 
-  // Runs stage i's body without the lock; its exception becomes the stage's error. no_sanitize("null"):
-  // glibc's forced unwind carries no exception object, so the `catch (const abi::__forced_unwind&)` below
-  // binds a reference to null by design (libstdc++ uses the same idiom); UBSan would report it. noinline:
-  // the attribute covers this function's own body only, not a copy inlined into worker_main.
-  __attribute__((noinline, no_sanitize("null"))) std::exception_ptr invoke(size_t i, StageContext& ctx) {
+  // Runs stage i's body without the lock; its exception becomes the stage's error (a forced unwind is
+  // rethrown by caught_or_rethrow).
+  std::exception_ptr invoke(size_t i, StageContext& ctx) {
     try {
       stages_[i].fn(ctx);
     } catch (...) {
