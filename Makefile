@@ -6,6 +6,9 @@
 #                  and restarted; both ETT reports side by side (docs/demo.md)
 #   make bench     every benchmark with --quick; JSON into build/bench/
 #   make sanitize  the C++ tests under AddressSanitizer + UndefinedBehaviorSanitizer
+#   make tsan      the C++ tests under ThreadSanitizer
+#   make asan-python  the Python tests of the checkpoint, recorder and start-up bindings, with the extension
+#                  built under ASan + UBSan and the ASan runtime preloaded into CPython (docs/sanitizers.md)
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
 .DEFAULT_GOAL := build
@@ -20,7 +23,7 @@ SOURCES := $(shell find CMakeLists.txt pyproject.toml cmake include src python t
              -o -name '*.py' -o -name '*.toml' \) 2>/dev/null)
 JOBS ?= $(shell nproc)
 
-.PHONY: build bootstrap test test-cpp test-python demo bench sanitize clean
+.PHONY: build bootstrap test test-cpp test-python demo bench sanitize tsan asan-python clean
 
 bootstrap:
 	@tools/bootstrap.sh
@@ -63,12 +66,47 @@ bench: build
 	  $(PY) $$f --quick --json build/bench/$$name.json; \
 	done
 
-# A separate instrumented build of the C++ tests (the library and the tests; torch itself is not).
+# Separate instrumented builds, one per sanitizer (the library, its tests and the Python module; torch, spdlog
+# and gtest are not instrumented). docs/sanitizers.md explains every option below.
+# Stress and randomized tests run ETTKIT_TEST_SCALE times their trials: the same kinds of test, fewer rounds.
+SAN_CMAKE := -G Ninja -DPython_EXECUTABLE=$(PY) -DETTKIT_BUILD_BENCHMARKS=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo
 sanitize: bootstrap
-	cmake -S . -B build/asan -G Ninja -DPython_EXECUTABLE=$(PY) -DETTKIT_SANITIZE=ON \
-	  -DETTKIT_BUILD_BENCHMARKS=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+	cmake -S . -B build/asan $(SAN_CMAKE) -DETTKIT_SANITIZE=address >/dev/null
 	cmake --build build/asan -j $(JOBS)
 	ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 ctest --test-dir build/asan --output-on-failure -j $(JOBS)
+
+# A TSan report makes the test's process exit 66, so ctest fails it. tools/tsan.supp holds the (third-party
+# only) suppressions, each explained.
+TSAN_OPTIONS_ETTKIT := suppressions=$(abspath tools/tsan.supp) second_deadlock_stack=1 exitcode=66
+tsan: bootstrap
+	cmake -S . -B build/tsan $(SAN_CMAKE) -DETTKIT_SANITIZE=thread >/dev/null
+	cmake --build build/tsan -j $(JOBS)
+	ETTKIT_TEST_SCALE=0.3 TSAN_OPTIONS="$(TSAN_OPTIONS_ETTKIT)" \
+	  ctest --test-dir build/tsan --output-on-failure -j $(JOBS)
+
+# The extension (ettkit._C + libettkit.so) built with ASan + UBSan, imported by the venv's own (uninstrumented)
+# CPython with the ASan runtime preloaded. build/pyasan/site/ettkit is the package: the Python sources plus
+# the instrumented module, found first on PYTHONPATH. Reports go to files (log_path), so that one from a
+# subprocess whose exit status a test expects to be non-zero still fails the target.
+ASAN_PY_TESTS := tests/python/test_checkpoint.py tests/python/test_checkpoint_integrity.py \
+  tests/python/test_checkpoint_lifecycle.py tests/python/test_checkpoint_hardening.py \
+  tests/python/test_ett_recorder.py tests/python/test_startup_stages.py
+ASAN_PY_LOGS := $(abspath build/pyasan/reports)
+asan-python: bootstrap
+	cmake -S . -B build/pyasan $(SAN_CMAKE) -DETTKIT_SANITIZE=address -DETTKIT_BUILD_PYTHON=ON \
+	  -DETTKIT_BUILD_TESTS=OFF >/dev/null
+	cmake --build build/pyasan -j $(JOBS)
+	@rm -rf build/pyasan/site $(ASAN_PY_LOGS) && mkdir -p build/pyasan/site/ettkit $(ASAN_PY_LOGS)
+	@for f in python/ettkit/*; do ln -s $(abspath .)/$$f build/pyasan/site/ettkit/; done
+	@ln -s $(abspath build/pyasan)/python/csrc/_C*.so build/pyasan/site/ettkit/
+	@rc=0; \
+	PYTHONPATH=$(abspath build/pyasan/site) LD_PRELOAD=$$(gcc -print-file-name=libasan.so) PYTHONMALLOC=malloc \
+	ASAN_OPTIONS=detect_leaks=0:protect_shadow_gap=0:log_path=$(ASAN_PY_LOGS)/asan \
+	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:log_path=$(ASAN_PY_LOGS)/ubsan ETTKIT_TEST_SCALE=0.1 \
+	  $(PY) -m pytest $(ASAN_PY_TESTS) -q -p no:cacheprovider -x || rc=1; \
+	if compgen -G "$(ASAN_PY_LOGS)/*" >/dev/null; then \
+	  echo "asan-python: sanitizer reports:"; cat $(ASAN_PY_LOGS)/*; rc=1; \
+	fi; exit $$rc
 
 clean:
 	rm -rf build

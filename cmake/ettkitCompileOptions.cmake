@@ -7,10 +7,16 @@ function(ettkit_target_warnings target)
   endif()
 endfunction()
 
-# ASan + UBSan for the C++ tests (make sanitize). Applied to every target that opts in, so the library and
-# the test executable are instrumented together.
+# Sanitizers for the targets that opt in (the library, its logging objects, the tests and the Python module),
+# so that everything ettkit compiles is instrumented together; torch, spdlog and gtest come prebuilt and are
+# not (docs/sanitizers.md says what that means for each sanitizer).
+#   ON / address: ASan + UBSan (make sanitize, make asan-python). UBSan aborts on the first finding.
+#   thread:       TSan (make tsan).
 function(ettkit_target_sanitizers target)
-  if(ETTKIT_SANITIZE)
+  if(ETTKIT_SANITIZER_KIND STREQUAL "thread")
+    target_compile_options(${target} PRIVATE -fsanitize=thread -fno-omit-frame-pointer)
+    target_link_options(${target} PRIVATE -fsanitize=thread)
+  elseif(ETTKIT_SANITIZER_KIND STREQUAL "address")
     target_compile_options(${target} PRIVATE -fsanitize=address,undefined -fno-omit-frame-pointer
                                              -fno-sanitize-recover=undefined)
     target_link_options(${target} PRIVATE -fsanitize=address,undefined)

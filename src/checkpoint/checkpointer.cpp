@@ -250,6 +250,7 @@ struct AsyncCheckpointer::Impl {
   int64_t committed = 0;
   int64_t failed = 0;
   std::thread writer;
+  std::mutex close_mu;  // serializes close(); taken before mu, never by the writer
   std::atomic<bool> overlap{false};
   std::atomic<int64_t> unfenced_sync_max_bytes{0};
   DirectoryLock lock;     // rank 0 of a writer: held from the constructor to close()
@@ -702,6 +703,11 @@ void AsyncCheckpointer::wait_all() {
 
 void AsyncCheckpointer::close() {
   Impl& im = *impl_;
+  // Several threads may close at once (make tsan's stress test; two Python threads): without this lock each
+  // saw a joinable writer and joined it, and std::thread::join() raced with itself (a data race on the
+  // thread handle, then std::system_error from the second join). A later closer waits here until the first
+  // has finished, so that no close() returns before every queued save is finished.
+  std::lock_guard<std::mutex> closing(im.close_mu);
   {
     std::lock_guard<std::mutex> lk(im.mu);
     if (im.closing && !im.writer.joinable()) return;

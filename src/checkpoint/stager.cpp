@@ -643,6 +643,9 @@ void Snapshot::wait_staged_on_current_stream() {
 bool Snapshot::wait_for(const std::vector<at::Tensor>& tensors) {
   State& st = *state_;
   std::call_once(st.index_once, [&] {
+    // Under mu: `verdict` is written by decide() on other threads (the writer's changed_entries(), a fence
+    // on the autograd thread) while this index is built; reading it unlocked was a data race (make tsan).
+    std::lock_guard<std::mutex> lk(st.mu);
     for (size_t i = 0; i < st.storages.size(); ++i) {
       if (st.storages[i] && st.verdict[i] == kUndecided) st.by_storage[st.storages[i]].push_back(static_cast<int>(i));
     }

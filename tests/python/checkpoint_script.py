@@ -18,6 +18,11 @@ import ettkit
 from ettkit.checkpoint import AsyncCheckpointer
 
 
+def scaled(n: int, at_least: int = 1) -> int:
+    """`n` trials times ETTKIT_TEST_SCALE (the sanitizer runs set it below 1: fewer rounds, same kinds)."""
+    return max(at_least, round(n * float(os.environ.get("ETTKIT_TEST_SCALE") or 1)))
+
+
 def loop_state(step: int):
     # Every tensor is a function of the step, so a loaded step can be checked exactly.
     return {"a": torch.full((300_000,), float(step)), "b": torch.arange(1000, dtype=torch.int64) * step,
@@ -115,7 +120,7 @@ def main() -> int:
             t = threading.Thread(target=poke)
             t.start()
             w = torch.zeros(1 << 18)
-            for s in range(300):
+            for s in range(scaled(300, 20)):
                 h = ck.save(s, {"w": w, "i": torch.full((1 << 12,), s)})
                 handles.append(h)
                 op = rng.randrange(4)

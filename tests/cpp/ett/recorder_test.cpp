@@ -3,10 +3,14 @@
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
+#include <atomic>
 #include <nlohmann/json.hpp>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "ett/test_dir.h"
+#include "test_scale.h"
 #include "ettkit/common/clock.h"
 #include "ettkit/common/error.h"
 
@@ -239,6 +243,58 @@ TEST(Recorder, ConcurrentThreadsRecordEverything) {
   size_t n = 0;
   for (const auto& p : records(rec.ledger_path(), "phase")) n += p["name"] == "worker";
   EXPECT_EQ(n, 4000u);
+}
+
+// For ThreadSanitizer (make tsan): every hot-path call from many threads at once, plus interning of new
+// names, config records and flushes from another thread, while the writer drains every millisecond.
+TEST(Recorder, EveryCallFromManyThreadsWhileTheWriterFlushes) {
+  TempDir dir;
+  auto o = opts(dir);
+  o.flush_interval_s = 0.001;
+  o.heartbeat_s = 0.002;
+  o.fsync = FsyncPolicy::kNever;
+  Recorder rec(o);
+  constexpr int kThreads = 6;
+  const int per_thread = ettkit::testing::scaled_trials(400, 40);
+  std::atomic<bool> stop{false};
+  std::atomic<int> flushes{0};
+  std::thread flusher([&] {
+    while (!stop.load()) {
+      rec.flush();
+      rec.wait_for_writer_iterations_for_testing(1);
+      ++flushes;
+    }
+  });
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      // Two threads share each name: interning races with itself and with the writer reading names.
+      uint32_t id = rec.phase_id("worker_" + std::to_string(t % 3));
+      uint32_t bg = rec.phase_id("bg_" + std::to_string(t % 3));
+      for (int i = 0; i < per_thread; ++i) {
+        { auto p = rec.phase(id, i); }
+        int64_t now = epoch_us();
+        rec.record_phase(id, now - 10, now, i);
+        rec.record_background(bg, now - 10, now, i);
+        rec.step(static_cast<int64_t>(t) * per_thread + i);
+        if (i % 50 == 0) rec.set_config("cfg_" + std::to_string(t), i);
+        (void)rec.dropped();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  stop = true;
+  flusher.join();
+  rec.flush();
+  EXPECT_EQ(rec.dropped(), 0u);
+  EXPECT_GT(flushes.load(), 0);
+  size_t phases = 0, bgs = 0;
+  for (const auto& p : records(rec.ledger_path(), "phase")) phases += p["name"].get<std::string>().rfind("worker_", 0) == 0;
+  for (const auto& p : records(rec.ledger_path(), "bg")) bgs += p["name"].get<std::string>().rfind("bg_", 0) == 0;
+  EXPECT_EQ(phases, static_cast<size_t>(2 * kThreads * per_thread));
+  EXPECT_EQ(bgs, static_cast<size_t>(kThreads * per_thread));
+  EXPECT_EQ(records(rec.ledger_path(), "step").size(), static_cast<size_t>(kThreads * per_thread));
+  rec.close();
 }
 
 }  // namespace

@@ -17,6 +17,7 @@
 #include "ett/test_dir.h"
 #include "ettkit/common/error.h"
 #include "ettkit/ett/recorder.h"
+#include "test_scale.h"
 
 namespace ettkit::startup {
 namespace {
@@ -463,6 +464,9 @@ TEST(StageGraph, DetachOnDestroyLeavesAStuckStageToFinishOnItsOwn) {
   // Everything the stage touches is owned by the stage (as in the Python binding).
   auto release = std::make_shared<Gate>();
   auto returned = std::make_shared<std::atomic<bool>>(false);
+  // A sanitizer runtime (TSan) starts its own background thread at the process's first pthread_create: make
+  // that happen before counting, so the count compares ettkit's threads only.
+  std::thread([] {}).join();
   const int threads_before = thread_count();
   {
     StageGraph graph({.max_workers = 1, .timeout_s = 0.05, .detach_on_destroy = true});
@@ -539,6 +543,60 @@ TEST(StageGraph, RunsOnceAndAnEmptyGraphIsFine) {
   EXPECT_EQ(r.makespan_s, 0.0);
   EXPECT_THROW(empty.run(), InvalidArgument);
   EXPECT_THROW(empty.add("late", noop()), InvalidArgument);
+}
+
+// For ThreadSanitizer (make tsan): cancellation from each of its sources (an interrupt, a failure with
+// fail_fast, the graph's deadline) racing stages that run, start and finish on four workers, with dynamo and
+// collective-group stages held back meanwhile. Whatever the interleaving: a stage starts only after its
+// dependency succeeded, every stage that started ends with a final status, and every worker is joined.
+TEST(StageGraph, CancellationRacingRunningStagesKeepsTheGraphConsistent) {
+  const int rounds = ettkit::testing::scaled_trials(30, 6);
+  constexpr int kStages = 12;
+  for (int round = 0; round < rounds; ++round) {
+    const int kind = round % 3;  // 0: interrupt, 1: a failure with fail_fast, 2: the graph's deadline
+    StageGraphOptions go;
+    go.max_workers = 4;
+    go.fail_fast = kind == 1;
+    go.timeout_s = kind == 2 ? 0.015 : 0.0;
+    StageGraph graph(go);
+    std::atomic<int> started{0};
+    for (int k = 0; k < kStages; ++k) {
+      StageOptions so;
+      if (k >= 4) so.after = {"s" + std::to_string(k - 4)};
+      so.runs_dynamo = k % 5 == 1;
+      if (k % 4 == 2) so.collective_group = "pg";
+      graph.add("s" + std::to_string(k), [&started, k, kind](StageContext& ctx) {
+        ++started;
+        if (kind == 1 && k == 5) throw std::runtime_error("stage s5 failed");
+        ctx.wait_cancelled(0.001 * (1 + k % 4));
+      }, so);
+    }
+    auto interrupted = [&] { return kind == 0 && started.load() >= 3; };
+    bool threw = false;
+    try {
+      graph.run(interrupted, 0.001);
+    } catch (const Error&) {
+      threw = true;
+    }
+    ASSERT_TRUE(graph.join(10.0)) << "round " << round;
+    StageReport report = graph.report();
+    ASSERT_EQ(report.stages.size(), static_cast<size_t>(kStages));
+    int n_started = 0;
+    for (int k = 0; k < kStages; ++k) {
+      const StageRecord& r = report.stages[static_cast<size_t>(k)];
+      n_started += r.started;
+      if (r.started) {
+        EXPECT_NE(r.status, StageStatus::kNotRun) << r.name << " round " << round;
+        if (k >= 4) {
+          EXPECT_EQ(report.stages[static_cast<size_t>(k - 4)].status, StageStatus::kSucceeded)
+              << r.name << " started although its dependency did not succeed (round " << round << ")";
+        }
+      }
+      if (!threw) EXPECT_EQ(r.status, StageStatus::kSucceeded) << r.name << " round " << round;
+    }
+    EXPECT_EQ(n_started, started.load()) << "round " << round;
+    if (kind == 1) EXPECT_TRUE(threw);
+  }
 }
 
 StageRecord rec(const std::string& name, double b, double e) {
