@@ -364,10 +364,13 @@ def test_interpreter_exit_after_a_stage_timed_out_is_clean(tmp_path, graph):
 
 CTRL_C_SCRIPT = textwrap.dedent(
     """
-    import sys, threading, time
+    import signal, sys, threading, time
     import ettkit
     from ettkit.startup import StageGraph
 
+    # A process started from a background job inherits SIGINT ignored, and Python then installs no
+    # KeyboardInterrupt handler: restore it, so the test does not depend on how pytest was launched.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     wait = sys.argv[1]
     release = threading.Event()
 
