@@ -262,6 +262,18 @@ struct AsyncCheckpointer::Impl {
   std::mutex sources_mu;
   std::deque<std::shared_ptr<Snapshot>> holding_sources;
 
+  /// The save the fences act on (null once every entry is decided) and its step.
+  std::pair<std::shared_ptr<Snapshot>, int64_t> active_save() {
+    std::lock_guard<std::mutex> lk(mu);
+    return {active, last ? last->step : -1};
+  }
+  /// Once every entry of `snap` is decided, later hooks have nothing to wait for.
+  void retire_if_decided(const std::shared_ptr<Snapshot>& snap) {
+    if (!snap->all_decided()) return;
+    std::lock_guard<std::mutex> lk(mu);
+    if (active == snap) active = nullptr;
+  }
+
   void collect_sources(bool all) {
     std::deque<std::shared_ptr<Snapshot>> done;
     {
@@ -627,41 +639,22 @@ SaveHandle AsyncCheckpointer::save(int64_t step, const NamedTensors& tensors, co
 
 void AsyncCheckpointer::wait_staged_on_current_stream() {
   Impl& im = *impl_;
-  std::shared_ptr<Snapshot> snap;
-  int64_t step = -1;
-  {
-    std::lock_guard<std::mutex> lk(im.mu);
-    snap = im.active;
-    if (im.last) step = im.last->step;
-  }
+  auto [snap, step] = im.active_save();
   if (!snap) return;
   bool waited = !snap->staged();
   int64_t b = epoch_us();
   snap->wait_staged_on_current_stream();
   if (waited) im.record_blocking(b, epoch_us(), step);
-  {
-    // Every entry is decided: later hooks have nothing to wait for.
-    std::lock_guard<std::mutex> lk(im.mu);
-    if (im.active == snap) im.active = nullptr;
-  }
+  im.retire_if_decided(snap);
 }
 
 void AsyncCheckpointer::wait_for(const std::vector<at::Tensor>& tensors) {
   Impl& im = *impl_;
-  std::shared_ptr<Snapshot> snap;
-  int64_t step = -1;
-  {
-    std::lock_guard<std::mutex> lk(im.mu);
-    snap = im.active;
-    if (im.last) step = im.last->step;
-  }
+  auto [snap, step] = im.active_save();
   if (!snap) return;
   int64_t b = epoch_us();
   if (snap->wait_for(tensors)) im.record_blocking(b, epoch_us(), step);
-  if (snap->all_decided()) {
-    std::lock_guard<std::mutex> lk(im.mu);
-    if (im.active == snap) im.active = nullptr;
-  }
+  im.retire_if_decided(snap);
 }
 
 bool AsyncCheckpointer::fence_pending() const {

@@ -245,6 +245,7 @@ def main() -> int:
         except ettkit.CheckpointLockedError as e:
             assert ".lock" in str(e), str(e)
         print("locked-ok", rank, round(time.monotonic() - t0, 2), flush=True)
+        dist.barrier()  # rank 0 hosts the Store: it must outlive the other ranks' reads
         os._exit(0)
     if mode == "tornrank":
         # The last rank writes a saved tensor while its save of step 2 is held before the verdict: every
