@@ -6,9 +6,10 @@ and on the job timeline (the worst case for the trace: 4 million events), with a
 and a checkpoint (blocking and persist) every 1,000. The attempts ledger has N attempts of 5 steps, each
 killed, with a restore and a gap before the next.
 
-  .venv/bin/python benchmarks/ett_report_scale.py [--steps N] [--attempts N] [--baseline-pythonpath DIR]
+  .venv/bin/python benchmarks/ett_report_scale.py [--steps N] [--attempts N] [--repeat N] [--baseline-pythonpath DIR]
 
-`--baseline-pythonpath` runs the same commands with another ettkit build first on PYTHONPATH (a copy of
+Each case also runs with ETTKIT_LEDGER_FULL_PARSER=1 ("full parser": every ledger line through the full JSON
+parser instead of the fast scanner). `--baseline-pythonpath` runs the same commands with another ettkit build first on PYTHONPATH (a copy of
 an installed `ettkit` package), so that the baseline and this build are measured in one session.
 """
 
@@ -18,6 +19,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -62,10 +64,10 @@ def write_attempts_ledger(run_dir: str, attempts: int) -> None:
         f.write("\n".join(lines) + "\n")
 
 
-def timed_cli(args: list[str], pythonpath: str | None) -> tuple[float, float, float]:
+def timed_cli(args: list[str], pythonpath: str | None, extra_env: dict | None = None) -> tuple[float, float, float]:
     """(wall seconds, CPU seconds (user + sys), peak RSS in MB) of `python -m ettkit report ARGS`, from
     /usr/bin/time -v. On a shared machine the CPU time is the steadier figure: wall time grows with load."""
-    env = dict(os.environ)
+    env = dict(os.environ, **(extra_env or {}))
     if pythonpath:
         import torch
 
@@ -86,6 +88,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=1_000_000)
     p.add_argument("--attempts", type=int, default=20_000)
     p.add_argument("--baseline-pythonpath", metavar="DIR")
+    p.add_argument("--repeat", type=int, default=1, help="runs per case and variant, alternating; medians shown")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="ettkit-report-scale-") as tmp:
         steps_run, attempts_run = os.path.join(tmp, "steps"), os.path.join(tmp, "attempts")
@@ -96,12 +99,18 @@ def main() -> None:
             (f"{args.steps} steps, --trace", [steps_run, "--trace", os.path.join(tmp, "trace.json")]),
             (f"{args.attempts} attempts, --json", [attempts_run, "--json"]),
         ]
-        variants = [("baseline", args.baseline_pythonpath)] if args.baseline_pythonpath else []
-        variants.append(("this build", None))
+        # "full parser": this build reading every ledger line with the full JSON parser (the fast scanner's
+        # reference), measured beside it in the same run.
+        variants = [("baseline", args.baseline_pythonpath, None)] if args.baseline_pythonpath else []
+        variants += [("full parser", None, {"ETTKIT_LEDGER_FULL_PARSER": "1"}), ("this build", None, None)]
         print(f"{'case':<34} {'variant':<11} {'wall s':>7} {'CPU s':>7} {'peak RSS MB':>12}")
         for label, cli_args in cases:
-            for name, path in variants:
-                wall, cpu, rss = timed_cli(cli_args, path)
+            runs = {name: [] for name, _, _ in variants}
+            for _ in range(args.repeat):
+                for name, path, extra_env in variants:
+                    runs[name].append(timed_cli(cli_args, path, extra_env))
+            for name, results in runs.items():
+                wall, cpu, rss = (statistics.median(col) for col in zip(*results))
                 print(f"{label:<34} {name:<11} {wall:7.2f} {cpu:7.2f} {rss:12.0f}", flush=True)
 
 

@@ -2,12 +2,15 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <string_view>
 #include <unordered_map>
 
 #include "common/logging.h"
+#include "ett/flat_record.h"
 #include "ett/ledger_format.h"
 #include "ettkit/common/error.h"
 
@@ -30,22 +33,43 @@ class CorruptRecord : public std::invalid_argument {
 // from int64 overflow.
 constexpr int64_t kMaxEpochUs = 253'402'300'799'000'000;
 
-std::optional<int64_t> opt_int(const json& j, const char* key) {
-  auto it = j.find(key);
-  if (it == j.end() || !it->is_number_integer()) return std::nullopt;
-  return it->get<int64_t>();
-}
+// The full parser's document, seen through the same accessors as FlatRecord, so that one function reads a
+// record whichever parser produced it.
+class JsonRecord {
+ public:
+  explicit JsonRecord(const json& j) : j_(j) {}
+  std::optional<int64_t> integer(const char* key) const {
+    auto it = j_.find(key);
+    if (it == j_.end() || !it->is_number_integer()) return std::nullopt;
+    return it->get<int64_t>();
+  }
+  std::optional<std::string_view> string(const char* key) const {
+    auto it = j_.find(key);
+    if (it == j_.end() || !it->is_string()) return std::nullopt;
+    return std::string_view(it->get_ref<const std::string&>());
+  }
+  std::optional<double> number(const char* key) const {
+    auto it = j_.find(key);
+    if (it == j_.end() || !it->is_number()) return std::nullopt;
+    return it->get<double>();
+  }
 
-int64_t req_int(const json& j, const char* key) {
-  auto v = opt_int(j, key);
+ private:
+  const json& j_;
+};
+
+template <class Record>
+int64_t req_int(const Record& r, const char* key) {
+  auto v = r.integer(key);
   if (!v) throw CorruptRecord(std::string("'") + key + "' is missing or not an integer");
   return *v;
 }
 
 bool is_epoch_us(int64_t t) { return t >= 0 && t <= kMaxEpochUs; }
 
-int64_t req_time(const json& j, const char* key) {
-  int64_t t = req_int(j, key);
+template <class Record>
+int64_t req_time(const Record& r, const char* key) {
+  int64_t t = req_int(r, key);
   if (!is_epoch_us(t)) {
     throw CorruptRecord(std::string("'") + key + "' = " + std::to_string(t) +
                         " is out of range for UTC epoch microseconds (1970 to 9999)");
@@ -67,7 +91,81 @@ class NameTable {
   std::unordered_map<std::string, uint32_t> index_;
 };
 
-void read_file(const fs::path& path, int rank, LedgerSet& set, NameTable& names) {
+// Outcome of reading one record into the ledger.
+enum class RecordOutcome { kRead, kSkipped, kOrphan };
+
+// Reads one record (either parser's) into `ledger`. Throws CorruptRecord (or std::exception for a field of
+// the wrong type) when the record is unusable; the caller counts it.
+template <class Record>
+RecordOutcome read_record(const Record& rec, std::string_view type, int rank, const fs::path& path,
+                          uint64_t line_no, RankLedger& ledger, LedgerSet& set, NameTable& names) {
+  if (type == "attempt") {
+    AttemptLedger a;
+    a.attempt = static_cast<int>(req_int(rec, "attempt"));
+    a.rank = static_cast<int>(rec.integer("rank").value_or(rank));
+    a.world = static_cast<int>(rec.integer("world").value_or(1));
+    a.ts = req_time(rec, "ts");
+    a.proc_start = rec.integer("proc_start");
+    if (a.proc_start && !is_epoch_us(*a.proc_start)) {
+      // Only dates process_bootstrap / worker_spawn: the attempt itself is still usable.
+      set.warnings.push_back(path.string() + ":" + std::to_string(line_no) + ": proc_start " +
+                             std::to_string(*a.proc_start) + " is out of range; ignored");
+      a.proc_start.reset();
+    }
+    a.restart_count = rec.integer("restart_count");
+    a.last_ts = a.ts;
+    set.world_size = std::max(set.world_size, a.world);
+    ledger.attempts.push_back(std::move(a));
+    return RecordOutcome::kRead;
+  }
+  if (ledger.attempts.empty()) return RecordOutcome::kOrphan;
+  AttemptLedger& a = ledger.attempts.back();
+  if (type == "step") {
+    StepRecord s{req_int(rec, "n"), req_time(rec, "b"), req_time(rec, "e")};
+    if (s.e < s.b) throw CorruptRecord("ends before it begins");
+    a.steps.push_back(s);
+    a.activity_end = std::max(a.activity_end, s.e);
+    a.last_ts = std::max(a.last_ts, s.e);
+  } else if (type == "phase" || type == "bg") {
+    auto name = rec.string("name");
+    if (!name) throw CorruptRecord("'name' is missing or not a string");
+    PhaseRecord p;
+    p.b = req_time(rec, "b");
+    p.e = req_time(rec, "e");
+    if (p.e < p.b) throw CorruptRecord("ends before it begins");
+    p.step = rec.integer("step").value_or(-1);
+    p.name = names.intern(std::string(*name));
+    p.launcher = rec.string("src") == std::optional<std::string_view>("launcher");
+    if (type == "phase") {
+      a.phases.push_back(p);
+      a.activity_end = std::max(a.activity_end, p.e);
+    } else {
+      a.background.push_back(p);
+    }
+    a.last_ts = std::max(a.last_ts, p.e);
+  } else if (type == "hb") {
+    a.last_ts = std::max(a.last_ts, req_time(rec, "ts"));
+  } else if (type == "config") {
+    auto key = rec.string("key");
+    auto value = rec.number("value");
+    if (!key || !value) throw CorruptRecord("'key' or 'value' is missing or of the wrong type");
+    a.config[std::string(*key)] = *value;
+  } else if (type == "dropped") {
+    a.dropped = static_cast<uint64_t>(req_int(rec, "n"));
+  } else if (type == "end") {
+    a.has_end = true;
+    a.end_ts = req_time(rec, "ts");
+    a.last_ts = std::max(a.last_ts, a.end_ts);
+    a.status = std::string(rec.string("status").value_or("clean"));
+    a.detail = std::string(rec.string("detail").value_or(""));
+  } else {
+    // An unknown record type of a known version: written by a newer minor ettkit; skip quietly.
+    return RecordOutcome::kSkipped;
+  }
+  return RecordOutcome::kRead;
+}
+
+void read_file(const fs::path& path, int rank, LedgerSet& set, NameTable& names, bool fast_scan) {
   std::ifstream in(path, std::ios::binary);
   ETTKIT_CHECK(in, IoError, "cannot read ledger file '", path.string(), "'");
   RankLedger ledger;
@@ -76,11 +174,11 @@ void read_file(const fs::path& path, int rank, LedgerSet& set, NameTable& names)
   std::string line;
   uint64_t line_no = 0;
   uint64_t corrupt_here = 0;
+  FlatRecord flat;
   while (std::getline(in, line)) {
     ++line_no;
     if (line.empty()) continue;
     bool last_without_newline = in.eof();
-    json rec = json::parse(line, nullptr, /*allow_exceptions=*/false);
     auto bad = [&](const std::string& why = "") {
       if (last_without_newline) {
         ++set.torn_lines;
@@ -92,99 +190,44 @@ void read_file(const fs::path& path, int rank, LedgerSet& set, NameTable& names)
         }
       }
     };
-    if (!rec.is_object()) {
+    // Both parsers feed the same checks: the fast one reads the Recorder's own lines, the full one the rest.
+    auto read = [&](const auto& rec) {
+      auto version = rec.integer("v");
+      auto type = rec.string("t");
+      if (!version || !type) {
+        bad();
+        return;
+      }
+      ETTKIT_CHECK(*version <= ledger::kFormatVersion, Unsupported, "ledger '", path.string(), "' line ",
+                   line_no, " has format version ", *version, "; this ettkit reads up to version ",
+                   ledger::kFormatVersion, " — upgrade ettkit to read it");
+      try {
+        switch (read_record(rec, *type, rank, path, line_no, ledger, set, names)) {
+          case RecordOutcome::kRead:
+            ++set.records;
+            break;
+          case RecordOutcome::kOrphan:
+            ++set.orphan_records;
+            break;
+          case RecordOutcome::kSkipped:
+            break;
+        }
+      } catch (const CorruptRecord& e) {
+        bad(e.what());
+      } catch (const std::exception&) {
+        bad();  // a field of the wrong JSON type
+      }
+    };
+    if (fast_scan && flat.scan(line)) {
+      read(flat);
+      continue;
+    }
+    json doc = json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (!doc.is_object()) {
       bad();
       continue;
     }
-    auto version = opt_int(rec, "v");
-    auto type_it = rec.find("t");
-    if (!version || type_it == rec.end() || !type_it->is_string()) {
-      bad();
-      continue;
-    }
-    ETTKIT_CHECK(*version <= ledger::kFormatVersion, Unsupported, "ledger '", path.string(), "' line ",
-                 line_no, " has format version ", *version, "; this ettkit reads up to version ",
-                 ledger::kFormatVersion, " — upgrade ettkit to read it");
-    const std::string& type = type_it->get_ref<const std::string&>();
-    try {
-      if (type == "attempt") {
-        AttemptLedger a;
-        a.attempt = static_cast<int>(req_int(rec, "attempt"));
-        a.rank = static_cast<int>(opt_int(rec, "rank").value_or(rank));
-        a.world = static_cast<int>(opt_int(rec, "world").value_or(1));
-        a.ts = req_time(rec, "ts");
-        a.proc_start = opt_int(rec, "proc_start");
-        if (a.proc_start && !is_epoch_us(*a.proc_start)) {
-          // Only dates process_bootstrap / worker_spawn: the attempt itself is still usable.
-          set.warnings.push_back(path.string() + ":" + std::to_string(line_no) + ": proc_start " +
-                                 std::to_string(*a.proc_start) + " is out of range; ignored");
-          a.proc_start.reset();
-        }
-        a.restart_count = opt_int(rec, "restart_count");
-        a.last_ts = a.ts;
-        set.world_size = std::max(set.world_size, a.world);
-        ledger.attempts.push_back(std::move(a));
-        ++set.records;
-        continue;
-      }
-      if (ledger.attempts.empty()) {
-        ++set.orphan_records;
-        continue;
-      }
-      AttemptLedger& a = ledger.attempts.back();
-      if (type == "step") {
-        StepRecord s{req_int(rec, "n"), req_time(rec, "b"), req_time(rec, "e")};
-        if (s.e < s.b) throw CorruptRecord("ends before it begins");
-        a.steps.push_back(s);
-        a.activity_end = std::max(a.activity_end, s.e);
-        a.last_ts = std::max(a.last_ts, s.e);
-      } else if (type == "phase" || type == "bg") {
-        auto name_it = rec.find("name");
-        if (name_it == rec.end() || !name_it->is_string()) throw CorruptRecord("'name' is missing or not a string");
-        PhaseRecord p;
-        p.b = req_time(rec, "b");
-        p.e = req_time(rec, "e");
-        if (p.e < p.b) throw CorruptRecord("ends before it begins");
-        p.step = opt_int(rec, "step").value_or(-1);
-        p.name = names.intern(name_it->get<std::string>());
-        auto src = rec.find("src");
-        p.launcher = src != rec.end() && src->is_string() && *src == "launcher";
-        if (type == "phase") {
-          a.phases.push_back(p);
-          a.activity_end = std::max(a.activity_end, p.e);
-        } else {
-          a.background.push_back(p);
-        }
-        a.last_ts = std::max(a.last_ts, p.e);
-      } else if (type == "hb") {
-        a.last_ts = std::max(a.last_ts, req_time(rec, "ts"));
-      } else if (type == "config") {
-        auto key = rec.find("key");
-        auto value = rec.find("value");
-        if (key == rec.end() || !key->is_string() || value == rec.end() || !value->is_number()) {
-          throw CorruptRecord("'key' or 'value' is missing or of the wrong type");
-        }
-        a.config[key->get<std::string>()] = value->get<double>();
-      } else if (type == "dropped") {
-        a.dropped = static_cast<uint64_t>(req_int(rec, "n"));
-      } else if (type == "end") {
-        a.has_end = true;
-        a.end_ts = req_time(rec, "ts");
-        a.last_ts = std::max(a.last_ts, a.end_ts);
-        auto status = rec.find("status");
-        a.status = status != rec.end() && status->is_string() ? status->get<std::string>() : "clean";
-        auto detail = rec.find("detail");
-        a.detail = detail != rec.end() && detail->is_string() ? detail->get<std::string>() : "";
-      } else {
-        // An unknown record type of a known version: written by a newer minor ettkit; skip quietly.
-        continue;
-      }
-      ++set.records;
-    } catch (const CorruptRecord& e) {
-      bad(e.what());
-    } catch (const std::exception&) {
-      bad();  // a field of the wrong JSON type
-    }
+    read(JsonRecord(doc));
   }
   if (corrupt_here > 3) {
     set.warnings.push_back(path.string() + ": " + std::to_string(corrupt_here) + " corrupt records skipped in all");
@@ -248,8 +291,12 @@ LedgerSet read_ledger_dir(const std::string& run_dir) {
                  "/rank-<r>.jsonl); was the Recorder created with this run_dir?");
   std::sort(files.begin(), files.end());
   NameTable names(set.names);
+  // ETTKIT_LEDGER_FULL_PARSER=1 reads every line with the full JSON parser: the fast scanner's reference,
+  // for measuring what it saves and for checking that a report does not depend on it.
+  const char* full = std::getenv("ETTKIT_LEDGER_FULL_PARSER");
+  const bool fast_scan = full == nullptr || std::string_view(full) != "1";
   for (const auto& [rank, path] : files) {
-    read_file(path, rank, set, names);
+    read_file(path, rank, set, names, fast_scan);
     ++set.files;
   }
   bool any_attempt = false;

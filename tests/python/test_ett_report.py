@@ -128,3 +128,37 @@ def test_newer_format_version_is_a_clear_error(tmp_path):
     w.save()
     with pytest.raises(ettkit.UnsupportedError, match="format version 9.*upgrade ettkit"):
         ett.build_report(tmp_path)
+
+
+def test_report_does_not_depend_on_the_fast_ledger_scanner(tmp_path, monkeypatch):
+    """The reader scans the Recorder's own lines without building a JSON document and hands every other line
+    to the full parser. Lines in every other valid or invalid shape, and random byte mutations of real
+    lines, must give the same report as the full parser alone (ETTKIT_LEDGER_FULL_PARSER=1)."""
+    import random
+
+    w = worked_example(tmp_path)
+    w.lines += [
+        '{ "v" : 1 , "t" : "hb" , "ts" : %d }' % us(30),          # whitespace
+        '{"v":1,"t":"hb","ts":%d.0}' % us(31),                      # a float time: corrupt either way
+        '{"v":1,"t":"phase","name":"caf\\u00e9","b":%d,"e":%d}' % (us(32), us(33)),  # an escape
+        '{"v":1,"t":"phase","name":"café","b":%d,"e":%d}' % (us(33), us(34)),        # UTF-8
+        '{"v":1,"t":"hb","ts":%d,"ts":%d}' % (us(35), us(36)),     # a duplicate key
+        '{"v":1,"t":"hb","ts":18446744073709551615}',               # beyond int64
+        '{"v":1,"t":"config","key":"mtbf_s","value":7200.5}',       # a float config value
+        '{"v":1,"t":"end","ts":%d,"status":null}' % us(37),
+    ]
+    rng = random.Random(1123)
+    base = list(w.lines)
+    for _ in range(300):
+        line = list(rng.choice(base[1:]))
+        for _ in range(rng.randint(1, 3)):
+            at = rng.randrange(12, len(line))  # past the version field: a mutated "v" is a hard error
+            line[at] = rng.choice('{}":,-.0123456789e tn\\')
+        w.lines.insert(rng.randrange(1, len(w.lines)), "".join(line))
+    w.save()
+
+    fast = ett.build_report(tmp_path)
+    monkeypatch.setenv("ETTKIT_LEDGER_FULL_PARSER", "1")
+    full = ett.build_report(tmp_path)
+    assert fast["ledger"]["corrupt_lines"] > 10  # the mutations reached both parsers
+    assert json.dumps(fast, sort_keys=True) == json.dumps(full, sort_keys=True)
