@@ -86,7 +86,9 @@ tsan: bootstrap
 
 # The extension (ettkit._C + libettkit.so) built with ASan + UBSan, imported by the venv's own (uninstrumented)
 # CPython with the ASan runtime preloaded. build/pyasan/site/ettkit is the package: the Python sources plus
-# the instrumented module, found first on PYTHONPATH. Reports go to files (log_path), so that one from a
+# the instrumented module, found first on PYTHONPATH. libstdc++ is preloaded right after the ASan runtime: CPython
+# does not link it, and ASan resolves its __cxa_throw interceptor at start-up, so without it the first C++
+# exception thrown by any extension (triton's, while torch imports it) fails an ASan CHECK. Reports go to files (log_path), so that one from a
 # subprocess whose exit status a test expects to be non-zero still fails the target.
 ASAN_PY_TESTS := tests/python/test_checkpoint.py tests/python/test_checkpoint_integrity.py \
   tests/python/test_checkpoint_lifecycle.py tests/python/test_checkpoint_hardening.py \
@@ -100,7 +102,7 @@ asan-python: bootstrap
 	@for f in python/ettkit/*; do ln -s $(abspath .)/$$f build/pyasan/site/ettkit/; done
 	@ln -s $(abspath build/pyasan)/python/csrc/_C*.so build/pyasan/site/ettkit/
 	@rc=0; \
-	PYTHONPATH=$(abspath build/pyasan/site) LD_PRELOAD=$$(gcc -print-file-name=libasan.so) PYTHONMALLOC=malloc \
+	PYTHONPATH=$(abspath build/pyasan/site) LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libstdc++.so)" PYTHONMALLOC=malloc \
 	ASAN_OPTIONS=detect_leaks=0:protect_shadow_gap=0:log_path=$(ASAN_PY_LOGS)/asan \
 	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:log_path=$(ASAN_PY_LOGS)/ubsan ETTKIT_TEST_SCALE=0.1 \
 	  $(PY) -m pytest $(ASAN_PY_TESTS) -q -p no:cacheprovider -x || rc=1; \
