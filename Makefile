@@ -70,8 +70,11 @@ bench: build
 # and gtest are not instrumented). docs/sanitizers.md explains every option below.
 # Stress and randomized tests run ETTKIT_TEST_SCALE times their trials: the same kinds of test, fewer rounds.
 SAN_CMAKE := -G Ninja -DPython_EXECUTABLE=$(PY) -DETTKIT_BUILD_BENCHMARKS=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo
+# `sanitize` and `asan-python` share one ASan + UBSan build (build/asan: the library, the C++ tests and the
+# Python module), so CI compiles the instrumented library once.
+ASAN_CMAKE := $(SAN_CMAKE) -DETTKIT_SANITIZE=address -DETTKIT_BUILD_PYTHON=ON -DETTKIT_BUILD_TESTS=ON
 sanitize: bootstrap
-	cmake -S . -B build/asan $(SAN_CMAKE) -DETTKIT_SANITIZE=address >/dev/null
+	cmake -S . -B build/asan $(ASAN_CMAKE) >/dev/null
 	cmake --build build/asan -j $(JOBS)
 	ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 ctest --test-dir build/asan --output-on-failure -j $(JOBS)
 
@@ -84,7 +87,7 @@ tsan: bootstrap
 	ETTKIT_TEST_SCALE=0.3 TSAN_OPTIONS="$(TSAN_OPTIONS_ETTKIT)" \
 	  ctest --test-dir build/tsan --output-on-failure -j $(JOBS)
 
-# The extension (ettkit._C + libettkit.so) built with ASan + UBSan, imported by the venv's own (uninstrumented)
+# The extension (ettkit._C + libettkit.so) of build/asan, imported by the venv's own (uninstrumented)
 # CPython with the ASan runtime preloaded. build/pyasan/site/ettkit is the package: the Python sources plus
 # the instrumented module, found first on PYTHONPATH. libstdc++ is preloaded right after the ASan runtime: CPython
 # does not link it, and ASan resolves its __cxa_throw interceptor at start-up, so without it the first C++
@@ -95,12 +98,11 @@ ASAN_PY_TESTS := tests/python/test_checkpoint.py tests/python/test_checkpoint_in
   tests/python/test_ett_recorder.py tests/python/test_startup_stages.py
 ASAN_PY_LOGS := $(abspath build/pyasan/reports)
 asan-python: bootstrap
-	cmake -S . -B build/pyasan $(SAN_CMAKE) -DETTKIT_SANITIZE=address -DETTKIT_BUILD_PYTHON=ON \
-	  -DETTKIT_BUILD_TESTS=OFF >/dev/null
-	cmake --build build/pyasan -j $(JOBS)
-	@rm -rf build/pyasan/site $(ASAN_PY_LOGS) && mkdir -p build/pyasan/site/ettkit $(ASAN_PY_LOGS)
+	cmake -S . -B build/asan $(ASAN_CMAKE) >/dev/null
+	cmake --build build/asan -j $(JOBS) --target ettkit_python
+	@rm -rf build/pyasan && mkdir -p build/pyasan/site/ettkit $(ASAN_PY_LOGS)
 	@for f in python/ettkit/*; do ln -s $(abspath .)/$$f build/pyasan/site/ettkit/; done
-	@ln -s $(abspath build/pyasan)/python/csrc/_C*.so build/pyasan/site/ettkit/
+	@ln -s $(abspath build/asan)/python/csrc/_C*.so build/pyasan/site/ettkit/
 	@rc=0; \
 	PYTHONPATH=$(abspath build/pyasan/site) LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libstdc++.so)" PYTHONMALLOC=malloc \
 	ASAN_OPTIONS=detect_leaks=0:protect_shadow_gap=0:log_path=$(ASAN_PY_LOGS)/asan \
