@@ -209,6 +209,45 @@ TEST(Checkpointer, ValidatorInvalidArgumentIsAMismatchNotAFallback) {
   fs::remove_all(dir);
 }
 
+TEST(Stager, ArenaGrowsWithTheStateWithinTheBudgetAndBusyArenasFollowOnBusy) {
+  StagerOptions o;
+  o.memory_budget_bytes = 4000;
+  Stager stager(o);
+  auto snap = stager.stage({{"w", at::ones({100})}}, OnBusy::kWait);  // 400 bytes
+  snap->wait_staged();
+  EXPECT_EQ(stager.arena_bytes(), 400);
+  // The state grows (an optimizer's moments appear) while the first snapshot still holds the arena:
+  // reallocating needs it back, so this is a busy save.
+  NamedTensors grown = {{"w", at::ones({100})}, {"m", at::full({800}, 2.0)}};  // 3600 bytes
+  EXPECT_EQ(stager.stage(grown, OnBusy::kSkip), nullptr);
+  EXPECT_THROW(stager.stage(grown, OnBusy::kError), InvalidArgument);
+  EXPECT_EQ(stager.arena_bytes(), 400);
+  snap->release();
+  auto big = stager.stage(grown, OnBusy::kSkip);
+  ASSERT_NE(big, nullptr);
+  big->wait_staged();
+  EXPECT_EQ(stager.arena_bytes(), 3600);
+  EXPECT_EQ(stager.arena_allocations(), 2);
+  EXPECT_EQ(stager.plan_builds(), 2);
+  auto views = big->tensors();
+  EXPECT_TRUE(views[1].second.equal(at::full({800}, 2.0)));
+  big->release();
+  // Beyond the budget: refused before anything is reallocated.
+  NamedTensors too_big = {{"w", at::ones({100})}, {"m", at::ones({1000})}};  // 4400 bytes
+  try {
+    stager.stage(too_big, OnBusy::kWait);
+    FAIL() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(e.message().find("4400-byte host arena but memory_budget_bytes=4000"), std::string::npos) << e.message();
+  }
+  EXPECT_EQ(stager.arena_bytes(), 3600);
+  EXPECT_EQ(stager.arena_allocations(), 2);
+  // Shrinking back reuses the larger arena.
+  auto small = stager.stage({{"w", at::ones({100})}}, OnBusy::kWait);
+  small->release();
+  EXPECT_EQ(stager.arena_allocations(), 2);
+}
+
 TEST(Storage, SafetensorsHeaderRoundTripAndRejectsMalformed) {
   std::string dir = temp_dir();
   std::vector<ckd::SafetensorsEntry> entries = {{"a", "F32", {2, 3}, 0, 24}, {"b", "I64", {1}, 24, 32}};
