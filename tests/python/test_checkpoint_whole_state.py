@@ -194,6 +194,37 @@ def test_unchanged_structure_keeps_the_fast_path_with_statefuls(tmp_path):
         assert ck._skeleton_blob is blob  # param_groups unchanged: the skeleton's pickle is reused
 
 
+def test_captured_dicts_are_matched_to_the_optimizer_they_came_from(tmp_path):
+    import copy
+
+    a, b = small_model(), small_model()
+    opt_a, opt_b = torch.optim.Adam(a.parameters(), lr=1e-2), torch.optim.Adam(b.parameters(), lr=1e-3)
+    with AsyncCheckpointer(tmp_path, recorder=None, keep_last=0) as ck:
+        ck.attach(model=[a, b], optimizer=[opt_a, opt_b])
+        # Captured before the first step, two same-shaped attached optimizers: which is which is unknowable.
+        before = {"a": opt_a.state_dict(), "b": opt_b.state_dict()}
+        ambiguous = r"'a' looks like the state_dict\(\) of more than one attached optimizer"
+        with pytest.raises(ettkit.InvalidArgumentError, match=ambiguous):
+            ck.save(1, before)
+        train_step(a, opt_a, 1)
+        train_step(b, opt_b, 2)
+        # With state, each dict shares it with its own optimizer; a deep copy shares nothing and is saved as is.
+        frozen = copy.deepcopy(opt_b.state_dict())
+        state = {"a": opt_a.state_dict(), "b": opt_b.state_dict(), "frozen": frozen}
+        train_step(a, opt_a, 3)
+        train_step(b, opt_b, 4)
+        opt_b.load_state_dict(state["b"])  # new per-parameter dicts holding the same tensors
+        train_step(b, opt_b, 5)
+        ck.save(2, state).wait()
+    saved = load_file(str(tmp_path / "step-2" / "rank-0.safetensors"))
+    assert torch.equal(saved["a.state.0.exp_avg"], opt_a.state[a[0].weight]["exp_avg"])
+    assert torch.equal(saved["b.state.0.exp_avg"], opt_b.state[b[0].weight]["exp_avg"])
+    assert torch.equal(saved["b.state.0.step"], torch.tensor(3.0))
+    assert torch.equal(saved["frozen.state.0.step"], torch.tensor(1.0))  # the copy, at its own step
+    assert state["b"]["state"][0] is opt_b.state[b[0].weight]  # refreshed in place
+    assert state["frozen"]["state"][0]["step"] == 1
+
+
 class Counter:
     """A DCP-style Stateful whose state_dict() returns copies: only load_state_dict() restores it."""
 

@@ -104,14 +104,16 @@ def _saved_states(slots: list, live: Any, value: Optional[tuple]) -> dict:
     saved: dict = {}
     find_saved(live, value[0], saved)
     for s in slots:
-        sub = saved.get(id(s))
         where = f"'{s.prefix}'" if s.prefix else "the root"
-        if not isinstance(sub, dict):
-            raise InvalidArgumentError(
-                f"the checkpoint has no state dict at {where} for the {type(s.obj).__qualname__} there "
-                f"({'nothing saved there' if sub is None else 'it holds a ' + type(sub).__name__})")
+        if id(s) not in saved:
+            raise InvalidArgumentError(f"the checkpoint has no state dict at {where} for the "
+                                       f"{type(s.obj).__qualname__} there (nothing saved there)")
+        sub = saved[id(s)]
+        if not isinstance(sub, (dict, list, tuple)):
+            raise InvalidArgumentError(f"the checkpoint has no state dict at {where} for the "
+                                       f"{type(s.obj).__qualname__} there (it holds a {type(sub).__name__})")
         if isinstance(s.obj, torch.optim.Optimizer):
-            groups = sub.get("param_groups")
+            groups = sub.get("param_groups") if isinstance(sub, dict) else None
             want = [len(g["params"]) for g in s.obj.param_groups]
             have = [len(g.get("params", ())) if isinstance(g, dict) else -1 for g in groups] \
                 if isinstance(groups, list) else None

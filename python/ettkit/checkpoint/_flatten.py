@@ -216,8 +216,9 @@ def find_captured_optimizer(optimizers: list):
     """The ``find_optimizer`` of :func:`flatten_state` for the attached ``optimizers``: a dict with
     ``state`` and ``param_groups`` is taken for ``opt.state_dict()`` of the attached optimizer whose
     parameter groups it matches (group count, hyperparameter names, parameter ids as ``state_dict()``
-    numbers them). When several attached optimizers match, the per-parameter state the dict shares with one
-    decides; a dict that still matches several raises (pass the optimizer itself instead)."""
+    numbers them) and, when the dict has state, shares it (its per-parameter dicts or their tensors are the
+    optimizer's). A dict captured before the first step has none: one that matches several attached
+    optimizers raises (pass the optimizer itself instead)."""
     if not optimizers:
         return None
 
@@ -241,21 +242,29 @@ def find_captured_optimizer(optimizers: list):
         return True
 
     def shares_state(d: dict, opt) -> bool:
+        # One entry decides: state_dict() hands out the optimizer's own per-parameter dicts; after
+        # opt.load_state_dict(d) the optimizer holds new dicts with the same tensors.
         state = d["state"]
-        if not state:
-            return False
         k = next(iter(state))
         params = [p for g in opt.param_groups for p in g["params"]]
-        return isinstance(k, int) and 0 <= k < len(params) and opt.state.get(params[k]) is state[k]
+        if not (isinstance(k, int) and 0 <= k < len(params)):
+            return False
+        mine, live = state[k], opt.state.get(params[k])
+        if mine is live:
+            return True
+        return isinstance(mine, dict) and isinstance(live, dict) and any(
+            isinstance(v, torch.Tensor) and live.get(f) is v for f, v in mine.items())
 
     def find(d: dict, prefix: str):
         candidates = [opt for opt in optimizers if matches(d, opt)]
-        if len(candidates) > 1:
+        if candidates and d["state"]:
+            # A dict with state is live only if it shares it: a deep copy, or another optimizer's dict of
+            # the same shape, is saved as it is.
             candidates = [opt for opt in candidates if shares_state(d, opt)]
-            if len(candidates) != 1:
-                raise InvalidArgumentError(
-                    f"{_describe(prefix)} looks like the state_dict() of more than one attached optimizer; "
-                    "put the optimizer itself in the state ({'optim': optimizer}) so that ettkit knows which")
+        if len(candidates) > 1:
+            raise InvalidArgumentError(
+                f"{_describe(prefix)} looks like the state_dict() of more than one attached optimizer; "
+                "put the optimizer itself in the state ({'optim': optimizer}) so that ettkit knows which")
         return candidates[0] if candidates else None
 
     return find
