@@ -253,16 +253,21 @@ void bind_checkpoint(py::module_& m) {
       .def(
           "load_latest",
           [](AsyncCheckpointer& c, const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
-             const py::object& validate_extra) -> py::object {
+             const py::object& validate_extra, const std::vector<std::string>& read_prefixes) -> py::object {
             NamedTensors nt = zip(names, tensors);
             std::function<void(const std::string&)> validate;
             if (!validate_extra.is_none()) {
-              // Called on this thread (GIL released around load_latest) before any tensor is copied.
+              // Called on this thread (GIL released around load_latest) before any tensor is copied. An
+              // ettkit.InvalidArgumentError says the caller's state does not match the step (no fallback);
+              // anything else says the extra does not decode (fall back to an older step).
               validate = [&validate_extra](const std::string& blob) {
                 py::gil_scoped_acquire gil;
                 try {
                   validate_extra(py::bytes(blob));
                 } catch (py::error_already_set& e) {
+                  if (e.matches(error_class("InvalidArgumentError"))) {
+                    ETTKIT_THROW(InvalidArgument, py::str(e.value()).cast<std::string>());
+                  }
                   ETTKIT_THROW(CorruptData, e.what());
                 }
               };
@@ -270,12 +275,16 @@ void bind_checkpoint(py::module_& m) {
             std::optional<LoadResult> r;
             {
               py::gil_scoped_release nogil;
-              r = c.load_latest(nt, validate);
+              r = c.load_latest(nt, validate, read_prefixes);
             }
             if (!r) return py::none();
-            return py::make_tuple(r->step, py::bytes(r->extra), r->skipped_steps);
+            py::dict read;
+            for (auto& [name, t] : r->read) read[py::str(name)] = py::cast(std::move(t));
+            return py::make_tuple(r->step, py::bytes(r->extra), r->skipped_steps, read);
           },
-          py::arg("names"), py::arg("tensors"), py::arg("validate_extra") = py::none())
+          py::arg("names"), py::arg("tensors"), py::arg("validate_extra") = py::none(),
+          py::arg("read_prefixes") = std::vector<std::string>{},
+          "Returns (step, extra bytes, skipped steps, {name: new CPU tensor} for read_prefixes) or None.")
       .def("wait_all", &AsyncCheckpointer::wait_all, py::call_guard<py::gil_scoped_release>())
       .def("close", &AsyncCheckpointer::close, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("rank", &AsyncCheckpointer::rank)

@@ -142,6 +142,19 @@ std::string safetensors_dtype(at::ScalarType t, const std::string& key) {
   ETTKIT_THROW(InvalidArgument, "state dict entry '", key, "' has dtype ", t, ", which safetensors cannot store");
 }
 
+/// The dtype a safetensors dtype string names, among those safetensors_dtype() writes.
+std::optional<at::ScalarType> scalar_type_of(const std::string& dtype) {
+  static const std::map<std::string, at::ScalarType> kTypes = {
+      {"F32", at::kFloat},     {"F64", at::kDouble},          {"F16", at::kHalf},          {"BF16", at::kBFloat16},
+      {"I64", at::kLong},      {"I32", at::kInt},             {"I16", at::kShort},         {"I8", at::kChar},
+      {"U8", at::kByte},       {"BOOL", at::kBool},           {"F8_E4M3", at::kFloat8_e4m3fn},
+      {"F8_E5M2", at::kFloat8_e5m2}, {"U16", at::kUInt16},    {"U32", at::kUInt32},        {"U64", at::kUInt64},
+      {"C64", at::kComplexFloat}};
+  auto it = kTypes.find(dtype);
+  if (it == kTypes.end()) return std::nullopt;
+  return it->second;
+}
+
 /// save()'s argument checks that need no stager: the step's range (step-<N> names have at most 18
 /// digits), the name safetensors reserves for its metadata, dtypes, and views whose storage holds other
 /// values than they show (the copy is of storage bytes).
@@ -773,11 +786,42 @@ struct Candidate {
   std::optional<OpenedStep> files;  // open: retention may remove the step, these still read whole
   SafetensorsIndex index;
   std::string extra;
+  std::vector<const SafetensorsEntry*> to_read;  // into `index`: no destination, under a read prefix
 };
 
+/// Whether `name` is one of `prefixes` or starts with one followed by '.' ("" covers every name).
+bool under_prefix(const std::string& name, const std::vector<std::string>& prefixes) {
+  for (const std::string& p : prefixes) {
+    if (p.empty()) return true;
+    if (name.size() >= p.size() && name.compare(0, p.size(), p) == 0 &&
+        (name.size() == p.size() || name[p.size()] == '.')) {
+      return true;
+    }
+  }
+  return false;
+}
+
+/// "'a', 'b', ... (n more)": enough names to act on, bounded so a wrong model does not print 10^4 keys.
+std::string quoted_list(const std::vector<std::string>& names) {
+  constexpr size_t kShown = 12;
+  std::string out;
+  for (size_t i = 0; i < std::min(names.size(), kShown); ++i) out += (i ? ", '" : "'") + names[i] + "'";
+  if (names.size() > kShown) out += ", ... (" + std::to_string(names.size() - kShown) + " more)";
+  return out;
+}
+std::string plain_list(const std::vector<std::string>& items) {
+  constexpr size_t kShown = 12;
+  std::string out;
+  for (size_t i = 0; i < std::min(items.size(), kShown); ++i) out += (i ? "; " : "") + items[i];
+  if (items.size() > kShown) out += "; ... (" + std::to_string(items.size() - kShown) + " more)";
+  return out;
+}
+
 Candidate check_candidate(const std::string& dir, int64_t step, int rank, int world, bool verify,
-                          const NamedTensors& tensors, const std::function<void(const std::string&)>& validate_extra) {
+                          const NamedTensors& tensors, const std::function<void(const std::string&)>& validate_extra,
+                          const std::vector<std::string>& read_prefixes) {
   Candidate c;
+  std::string extra_mismatch;
   try {
     c.files = open_step(dir, step, rank);
     if (!c.files) {
@@ -808,10 +852,14 @@ Candidate check_candidate(const std::string& dir, int64_t step, int rank, int wo
     }
     c.index = read_safetensors_index(f.data);
     // The non-tensor state must decode before any tensor is overwritten: a step whose extra is unreadable
-    // falls back like any corrupt step (checksums off, this is the only check that would see it).
+    // falls back like any corrupt step (checksums off, this is the only check that would see it). An
+    // InvalidArgument is the caller saying its state does not match this step: a mismatch, not corruption,
+    // reported below together with the tensors that differ.
     if (validate_extra) {
       try {
         validate_extra(c.extra);
+      } catch (const InvalidArgument& e) {
+        extra_mismatch = e.message();
       } catch (const std::exception& e) {
         std::string why = e.what();
         if (const auto* err = dynamic_cast<const Error*>(&e)) why = err->message();
@@ -824,38 +872,63 @@ Candidate check_candidate(const std::string& dir, int64_t step, int rank, int wo
     c.files.reset();
     return c;
   }
-  // The caller's state dict must match the checkpoint exactly (a user error, not a corrupt step).
-  try {
-    for (const auto& [name, t] : tensors) {
-      auto it = c.index.tensors.find(name);
-      ETTKIT_CHECK(it != c.index.tensors.end(), InvalidArgument, "state dict key '", name,
-                   "' is not in checkpoint step ", step, " ('", c.files->data.path(), "')");
-      std::string want = safetensors_dtype(t.scalar_type(), name);
-      ETTKIT_CHECK(it->second.dtype == want, InvalidArgument, "state dict key '", name, "' has dtype ", want,
-                   " but checkpoint step ", step, " stores ", it->second.dtype);
-      ETTKIT_CHECK(std::equal(it->second.shape.begin(), it->second.shape.end(), t.sizes().begin(), t.sizes().end()),
-                   InvalidArgument, "state dict key '", name, "' has shape ", t.sizes(), " but checkpoint step ", step,
-                   " stores shape ", c10::IntArrayRef(it->second.shape));
+  // The caller's state dict must match the checkpoint exactly (a user error, not a corrupt step), except
+  // for the tensors under `read_prefixes` that have no destination: those are read into new tensors. Every
+  // difference is collected, so that one message names all the keys to fix.
+  std::vector<std::string> missing, unexpected, different;
+  std::set<std::string> have;
+  for (const auto& [name, t] : tensors) {
+    have.insert(name);
+    auto it = c.index.tensors.find(name);
+    if (it == c.index.tensors.end()) {
+      missing.push_back(name);
+      continue;
     }
-    if (c.index.tensors.size() != tensors.size()) {
-      std::set<std::string> have;
-      for (const auto& kv : tensors) have.insert(kv.first);
-      for (const auto& kv : c.index.tensors) {
-        ETTKIT_CHECK(have.count(kv.first), InvalidArgument, "checkpoint step ", step, " has key '", kv.first,
-                     "' that the state dict lacks");
-      }
+    std::string want;
+    try {
+      want = safetensors_dtype(t.scalar_type(), name);
+    } catch (const InvalidArgument& e) {
+      different.push_back(e.message());  // a verdict all ranks vote on, not an exception out of one rank
+      continue;
     }
-  } catch (const Error& e) {
+    bool same_shape =
+        std::equal(it->second.shape.begin(), it->second.shape.end(), t.sizes().begin(), t.sizes().end());
+    if (it->second.dtype != want || !same_shape) {
+      different.push_back(ettkit::detail::concat("'", name, "' is ", want, " ", t.sizes(), " in the state dict, ",
+                                                 it->second.dtype, " ", c10::IntArrayRef(it->second.shape),
+                                                 " in the checkpoint (dtype or shape differs)"));
+    }
+  }
+  for (const auto& [name, entry] : c.index.tensors) {
+    if (have.count(name)) continue;
+    if (!under_prefix(name, read_prefixes)) {
+      unexpected.push_back(name);
+    } else if (!scalar_type_of(entry.dtype)) {
+      different.push_back(ettkit::detail::concat("'", name, "' has dtype ", entry.dtype,
+                                                 " in the checkpoint, which ettkit cannot read"));
+    } else {
+      c.to_read.push_back(&entry);
+    }
+  }
+  if (!missing.empty() || !unexpected.empty() || !different.empty() || !extra_mismatch.empty()) {
     c.verdict = Verdict::kMismatch;
-    c.reason = e.message();
+    c.reason = ettkit::detail::concat("the state dict does not match checkpoint step ", step, " ('",
+                                      c.files->data.path(), "')");
+    if (!extra_mismatch.empty()) c.reason += ": " + extra_mismatch;
+    if (!missing.empty()) c.reason += "; missing in the checkpoint: " + quoted_list(missing);
+    if (!unexpected.empty()) {
+      c.reason += "; unexpected in the checkpoint (the state dict lacks them): " + quoted_list(unexpected);
+    }
+    if (!different.empty()) c.reason += "; " + plain_list(different);
     return c;
   }
   c.verdict = Verdict::kOk;
   return c;
 }
 
-/// Copies the candidate's tensors into `tensors` in place.
-void copy_in_place(const Candidate& c, const NamedTensors& tensors) {
+/// Copies the candidate's tensors into `tensors` in place, then reads the ones without a destination
+/// (Candidate::to_read) into new CPU tensors.
+NamedTensors copy_in_place(const Candidate& c, const NamedTensors& tensors) {
   const ReadFile& data = c.files->data;
   at::NoGradGuard no_grad;
   for (const auto& [name, t] : tensors) {
@@ -871,12 +944,22 @@ void copy_in_place(const Candidate& c, const NamedTensors& tensors) {
       t.copy_(tmp);
     }
   }
+  NamedTensors read;
+  read.reserve(c.to_read.size());
+  for (const SafetensorsEntry* e : c.to_read) {
+    // read_safetensors_index() checked that the byte range matches dtype and shape.
+    at::Tensor t = at::empty(e->shape, at::TensorOptions().dtype(*scalar_type_of(e->dtype)));
+    read_exact(data.fd(), t.data_ptr(), e->end - e->begin, c.index.data_offset + e->begin, data.path());
+    read.emplace_back(e->name, std::move(t));
+  }
+  return read;
 }
 
 }  // namespace
 
 std::optional<LoadResult> AsyncCheckpointer::load_latest(const NamedTensors& tensors,
-                                                        const std::function<void(const std::string&)>& validate_extra) {
+                                                        const std::function<void(const std::string&)>& validate_extra,
+                                                        const std::vector<std::string>& read_prefixes) {
   Impl& im = *impl_;
   wait_all();
   int64_t b = epoch_us();
@@ -908,7 +991,7 @@ std::optional<LoadResult> AsyncCheckpointer::load_latest(const NamedTensors& ten
       if (std::find(out.skipped_steps.begin(), out.skipped_steps.end(), step) != out.skipped_steps.end()) continue;
       run_before_open_step_hook(step);
       Candidate c = check_candidate(im.opt.directory, step, im.rank, im.world, im.opt.verify_on_load, tensors,
-                                    validate_extra);
+                                    validate_extra, read_prefixes);
       Verdict all = c.verdict;
       std::string why = c.reason;
       if (im.world > 1) {
@@ -944,7 +1027,7 @@ std::optional<LoadResult> AsyncCheckpointer::load_latest(const NamedTensors& ten
         reasons += "\n  step " + std::to_string(step) + ": " + why;
         continue;
       }
-      copy_in_place(c, tensors);
+      out.read = copy_in_place(c, tensors);
       out.step = step;
       out.extra = std::move(c.extra);
       if (im.opt.recorder) {

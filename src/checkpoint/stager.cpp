@@ -357,8 +357,21 @@ std::shared_ptr<Snapshot> Stager::stage(const NamedTensors& tensors, OnBusy on_b
     }
     if (im.arenas.empty() || static_cast<int64_t>(im.arenas[0].size) < need ||
         static_cast<int>(im.arenas.size()) != want) {
-      // Reallocation needs every arena back.
-      im.cv.wait(lk, [&] { return std::none_of(im.arenas.begin(), im.arenas.end(), [](const Arena& a) { return a.busy; }); });
+      // The state grew (an optimizer's lazy state appeared, new tensors): reallocation needs every arena
+      // back, and frees the old ones before allocating, so the arenas never exceed the budget together.
+      // While one is still persisting this is a busy save like any other: on_busy decides.
+      auto all_free = [&] {
+        return std::none_of(im.arenas.begin(), im.arenas.end(), [](const Arena& a) { return a.busy; });
+      };
+      if (!all_free()) {
+        if (on_busy == OnBusy::kSkip) return nullptr;
+        ETTKIT_CHECK(on_busy != OnBusy::kError, InvalidArgument, "checkpoint save requested while the previous "
+                     "save is still persisting and the state grew, so the arena must be reallocated (on_busy="
+                     "'error'); use on_busy='wait' or 'skip'");
+        int64_t w0 = steady_ns();
+        im.cv.wait(lk, all_free);
+        im.busy_wait_s += static_cast<double>(steady_ns() - w0) * 1e-9;
+      }
       for (Arena& a : im.arenas) a.free();
       im.arenas.assign(static_cast<size_t>(want), Arena{});
       for (Arena& a : im.arenas) {

@@ -270,6 +270,9 @@ struct LoadResult {
   int64_t step = -1;
   std::string extra;
   std::vector<int64_t> skipped_steps;  // newer steps that failed validation
+  /// The loaded step's tensors that had no destination and are under one of load_latest()'s
+  /// `read_prefixes`, read into new contiguous CPU tensors, in the checkpoint's name order.
+  NamedTensors read;
 };
 
 class ETTKIT_API AsyncCheckpointer {
@@ -308,13 +311,22 @@ class ETTKIT_API AsyncCheckpointer {
   /// Copy order for later saves (see CopyPriority); replaces the previous one.
   void set_copy_priority(CopyPriority priority);
   /// Loads the most recently committed step that validates into `tensors` in place. nullopt when nothing
-  /// is committed; CorruptCheckpoint when steps exist but none validates; InvalidArgument naming the key
-  /// when the state dict does not match the checkpoint. `validate_extra` (optional) is called with each
-  /// candidate's extra bytes before any tensor is copied; an exception from it makes that step not
-  /// loadable (fallback to an older one, as for a bad checksum). A step that retention removes while it is
-  /// being considered is skipped silently and the directory is listed again.
+  /// is committed; CorruptCheckpoint when steps exist but none validates; InvalidArgument naming every key
+  /// that differs (missing in the checkpoint, unexpected in it, another dtype or shape) when the state dict
+  /// does not match the checkpoint. `validate_extra` (optional) is called with each candidate's extra bytes
+  /// before any tensor is copied; an exception from it makes that step not loadable (fallback to an older
+  /// one, as for a bad checksum), except InvalidArgument, which means the caller's state does not match
+  /// that step and is thrown like a tensor mismatch. A step that retention removes while it is being
+  /// considered is skipped silently and the directory is listed again.
+  ///
+  /// `read_prefixes`: a tensor of the checkpoint that `tensors` has no destination for is a mismatch unless
+  /// its name is under one of these prefixes ("p" covers "p" and "p.<anything>"; "" covers every name);
+  /// those are read into new CPU tensors (LoadResult::read) from the same step, after the same checks
+  /// (checksums included) and only once the step is chosen. For state that does not exist before it is
+  /// loaded: an optimizer whose lazy state its first step() would create.
   std::optional<LoadResult> load_latest(const NamedTensors& tensors,
-                                        const std::function<void(const std::string&)>& validate_extra = {});
+                                        const std::function<void(const std::string&)>& validate_extra = {},
+                                        const std::vector<std::string>& read_prefixes = {});
   /// Waits for every queued save (durable or failed); rethrows nothing.
   void wait_all();
   /// wait_all() and stop the writer, then release the directory lock. Idempotent.

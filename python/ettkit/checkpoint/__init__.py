@@ -12,10 +12,13 @@
             if ckpt.should_save(step):
                 ckpt.save(step, state, extra={"epoch": epoch})   # returns after staging is queued
 
-``state`` is a (nested) dict of tensors and plain values, e.g.
-``{"model": model.state_dict(), "optim": optimizer.state_dict()}``. Tensors are saved as
-``step-<N>/rank-<r>.safetensors``; everything else (and ``extra``) is pickled into ``rank-<r>.extra``.
-Guarantees and the on-disk layout: docs/checkpoint.md.
+``state`` is a (nested) dict of tensors, Statefuls and small plain values, e.g.
+``{"model": model, "optim": optimizer, "sched": scheduler}``: every save takes a fresh ``state_dict()`` of
+each object with ``state_dict()``/``load_state_dict()`` (so it holds the state an optimizer created after
+the state was put together), and ``load_latest`` restores them through ``load_state_dict()``. Tensors are
+saved as ``step-<N>/rank-<r>.safetensors``; the small plain values (and ``extra``, any picklable object)
+are pickled into ``rank-<r>.extra``; anything else is refused naming its key. Guarantees and the on-disk
+layout: docs/checkpoint.md.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ import torch
 from .. import _C
 from ..errors import InvalidArgumentError
 from ._attach import Attachment, Fences, _listify
-from ._flatten import check_unique, flatten, restore_non_tensors
+from ._flatten import (check_unique, find_captured_optimizer, find_saved, flatten_state, rebuild_named,
+                       restore_non_tensors)
 
 __all__ = ["AsyncCheckpointer", "Attachment", "DcpStager", "SaveHandle", "parse_every"]
 
@@ -86,6 +90,56 @@ def _decode_extra(blob: bytes) -> Optional[tuple[Any, Any]]:
         raise ValueError(f"an ettkit extra record is a dict with 'skeleton_pickle' and 'extra', not a "
                          f"{type(payload).__name__}")
     return pickle.loads(payload["skeleton_pickle"]), payload["extra"]
+
+
+def _saved_states(slots: list, live: Any, value: Optional[tuple]) -> dict:
+    """``id(slot)`` -> the saved state dict skeleton of each Stateful of the state being loaded. Raises
+    :class:`InvalidArgumentError` (a mismatch: the load stops, naming the key) when the step has none for
+    one, or an optimizer's parameter groups differ from the saved ones."""
+    if not slots:
+        return {}
+    if value is None:
+        # A C++ checkpointer's step has no skeleton: restore from the live structure (tensors load in place).
+        return {id(s): s.skeleton for s in slots}
+    saved: dict = {}
+    find_saved(live, value[0], saved)
+    for s in slots:
+        where = f"'{s.prefix}'" if s.prefix else "the root"
+        if id(s) not in saved:
+            raise InvalidArgumentError(f"the checkpoint has no state dict at {where} for the "
+                                       f"{type(s.obj).__qualname__} there (nothing saved there)")
+        sub = saved[id(s)]
+        if not isinstance(sub, (dict, list, tuple)):
+            raise InvalidArgumentError(f"the checkpoint has no state dict at {where} for the "
+                                       f"{type(s.obj).__qualname__} there (it holds a {type(sub).__name__})")
+        if isinstance(s.obj, torch.optim.Optimizer):
+            groups = sub.get("param_groups") if isinstance(sub, dict) else None
+            want = [len(g["params"]) for g in s.obj.param_groups]
+            have = [len(g.get("params", ())) if isinstance(g, dict) else -1 for g in groups] \
+                if isinstance(groups, list) else None
+            if have != want:
+                raise InvalidArgumentError(
+                    f"the optimizer at {where} has parameter groups of sizes {want}; the checkpoint's has "
+                    f"{have}: it was saved from another model or optimizer")
+    return saved
+
+
+def _restore_stateful(slot, saved: Any, loaded: dict) -> None:
+    """Hands a Stateful its saved state dict (built from the saved skeleton: the tensors loaded in place
+    into its current state dict's, and the new ones) through its own ``load_state_dict``."""
+    state = rebuild_named(saved, slot.prefix, loaded)
+    metadata = getattr(slot.state, "_metadata", None)
+    if metadata is not None:
+        # nn.Module versions its state dict layout (BatchNorm, ...): the live module's versions apply.
+        from collections import OrderedDict
+
+        state = OrderedDict(state)
+        state._metadata = metadata
+    slot.obj.load_state_dict(state)
+    if slot.captured is not None:
+        from ._flatten import refresh_captured, state_dict_of
+
+        refresh_captured(slot.captured, state_dict_of(slot.obj))
 
 
 class AsyncCheckpointer:
@@ -175,12 +229,19 @@ class AsyncCheckpointer:
 
     # ---- saving -------------------------------------------------------------------------------------
     def save(self, step: int, state_dict: Any, extra: Any = None) -> SaveHandle:
-        """Stages ``state_dict`` and persists it in the background as step ``step``. Returns a handle with
+        """Stages ``state_dict`` and persists it in the background as step ``step``. Statefuls in it (modules,
+        optimizers, schedulers, anything with ``state_dict()``/``load_state_dict()``) are saved through a
+        fresh ``state_dict()``, and so is a dict captured from an attached optimizer's ``state_dict()``
+        (which is refreshed in place); a leaf that is neither a tensor nor a small plain value raises
+        :class:`ettkit.InvalidArgumentError` naming its key (``extra`` takes any picklable object). Returns
+        a handle with
         ``wait()``, ``staged``, ``durable``, ``error``. Without :meth:`attach` (and ``overlap="auto"``) it
         returns once the copies are done; with it, it returns once they are queued, and the attached hooks
         make each writer wait for the copies of what it writes. A save whose tensors changed while being
         copied is refused: its handle's ``wait()`` raises :class:`ettkit.TornSnapshotError`."""
-        names, tensors, skeleton, comparable = flatten(state_dict)
+        # Statefuls (modules, optimizers, ...) give a fresh state_dict() here, so the save holds the state an
+        # optimizer created since the last one; so does a dict captured from an attached optimizer.
+        names, tensors, skeleton, comparable, _ = flatten_state(state_dict, self._find_optimizer())
         if self._fences.attachments:
             self._c.set_copy_priority(*self._fences.priority())
         # Names and the pickled skeleton are handed over again only when they changed: for a state dict of
@@ -320,36 +381,57 @@ class AsyncCheckpointer:
     # ---- loading ----------------------------------------------------------------------------------------
     def load_latest(self, state_dict: Any) -> Optional[tuple[int, Any]]:
         """Copies the newest committed, valid step into ``state_dict``'s tensors in place (non-tensor leaves
-        of its dicts/lists are replaced). Returns ``(step, extra)``, or ``None`` when nothing is committed.
-        Falls back to older steps with a warning; raises ``ettkit.CorruptCheckpointError`` when no step
-        is valid and ``ValueError`` naming the key when ``state_dict`` does not match. A checkpoint written
-        by the C++ ``AsyncCheckpointer`` loads too; its ``extra`` comes back as the raw bytes."""
-        names, tensors, _, _ = flatten(state_dict)
+        of its dicts/lists are replaced) and restores its Statefuls through ``load_state_dict()`` (an
+        optimizer gets back the state its first step would create). Returns ``(step, extra)``, or ``None``
+        when nothing is committed. Falls back to older steps with a warning; raises
+        ``ettkit.CorruptCheckpointError`` when no step is valid and ``ettkit.InvalidArgumentError`` (a
+        ``ValueError``) naming every key that differs when ``state_dict`` does not match. A checkpoint
+        written by the C++ ``AsyncCheckpointer`` loads too; its ``extra`` comes back as the raw bytes."""
+        names, tensors, live, _, slots = flatten_state(state_dict, self._find_optimizer(), for_load=True)
         check_unique(names)
         decoded: dict = {}
 
         def validate(blob: bytes) -> None:
             # Runs for each candidate before any tensor is copied: an extra that does not unpickle makes the
-            # step fall back like any corrupt step instead of failing after the tensors were overwritten.
-            decoded["blob"], decoded["value"] = blob, _decode_extra(blob)
+            # step fall back like any corrupt step instead of failing after the tensors were overwritten; a
+            # Stateful the step cannot restore is a mismatch (InvalidArgumentError: no fallback).
+            value = _decode_extra(blob)
+            saved = _saved_states(slots, live, value)
+            decoded.update(blob=blob, value=value, saved=saved)
 
-        res = self._c.load_latest(names, tensors, validate)
+        # Tensors under a Stateful that are not in its state_dict() yet (an optimizer before its first step)
+        # come back as new CPU tensors for its load_state_dict(); a module's must all be there already.
+        read_prefixes = [s.prefix for s in slots if not isinstance(s.obj, torch.nn.Module)]
+        res = self._c.load_latest(names, tensors, validate, read_prefixes)
         if res is None:
             return None
-        step, blob, skipped = res
+        step, blob, skipped, read = res
         if skipped:
             import warnings
 
             warnings.warn(f"ettkit.checkpoint: newer steps {skipped} in {self._c.directory} failed validation; "
                           f"loaded step {step}", RuntimeWarning, stacklevel=2)
-        value = decoded["value"] if decoded.get("blob") == blob else _decode_extra(blob)
+        if decoded.get("blob") == blob:
+            value, saved = decoded["value"], decoded["saved"]
+        else:
+            value = _decode_extra(blob)
+            saved = _saved_states(slots, live, value)
         self._last_save_step = int(step)
+        if slots:
+            loaded = dict(zip(names, tensors))
+            loaded.update(read)
+            for slot in slots:
+                _restore_stateful(slot, saved[id(slot)], loaded)
         if value is None:
             # Written by the C++ AsyncCheckpointer: `extra` is its opaque bytes and there is no skeleton.
             return int(step), bytes(blob)
         skeleton, extra = value
-        restore_non_tensors(state_dict, skeleton)
+        captured = frozenset(id(s.captured) for s in slots if s.captured is not None)
+        restore_non_tensors(state_dict, skeleton, captured)
         return int(step), extra
+
+    def _find_optimizer(self):
+        return find_captured_optimizer(self._fences.optimizers)
 
     # ---- lifetime ---------------------------------------------------------------------------------------
     def close(self) -> None:

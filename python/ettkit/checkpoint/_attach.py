@@ -116,6 +116,11 @@ class Fences:
         self.attachments.append(att)
         return att
 
+    @property
+    def optimizers(self) -> list:
+        """Every optimizer attached so far (save() recognises the dicts captured from their state_dict())."""
+        return self._optimizers
+
     # ---- the hooks -------------------------------------------------------------------------------------
     def _optimizer_fence(self, opt, *_):
         if not self._c.fence_pending:

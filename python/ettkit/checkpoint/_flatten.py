@@ -9,6 +9,7 @@ objects in the skeleton; the C++ stager reads the tensors' storage without autog
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import torch
@@ -44,22 +45,121 @@ def _reject(obj: Any, name: str) -> None:
 # compared with ``==`` against the previous save's and its pickle reused.
 _VALUE_TYPES = frozenset((int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device))
 
+#: The most a leaf that is not a tensor may take in ``rank-<r>.extra``: a str or bytes value by its length,
+#: any other object by its pickle. Larger state belongs in tensors (saved tensor by tensor, checksummed,
+#: loaded in place) or, deliberately, in ``save(..., extra=...)``.
+MAX_LEAF_BYTES = 64 * 1024
+
+
+def is_stateful(obj: Any) -> bool:
+    """DCP's ``Stateful``: ``state_dict()`` and ``load_state_dict()`` (``nn.Module``, optimizers, LR
+    schedulers, ``GradScaler``, user objects). Looked up on the type: a class itself is not stateful."""
+    t = type(obj)
+    return callable(getattr(t, "state_dict", None)) and callable(getattr(t, "load_state_dict", None))
+
+
+_Module = torch.nn.Module
+_module_state_dict = torch.nn.Module.state_dict
+
+
+def state_dict_of(obj: Any) -> Any:
+    """``obj.state_dict()``; a module's with ``keep_vars=True`` (its parameters as they are: no
+    ``detach()`` per tensor on the save path; the stager reads storage without autograd, and a detached
+    tensor would share the parameter's storage and version counter anyway)."""
+    if isinstance(obj, _Module) and type(obj).state_dict is _module_state_dict:
+        return obj.state_dict(keep_vars=True)
+    return obj.state_dict()
+
+
+class StatefulSlot:
+    """Where a Stateful (or a captured optimizer state dict) sits in a state, and what its state dict was.
+
+    ``obj``: the object whose ``load_state_dict`` restores it; ``captured``: the plain dict the user holds,
+    for a dict captured from an attached optimizer's ``state_dict()`` (refreshed in place), else None;
+    ``state``: the state dict taken from ``obj`` by this walk; ``skeleton``: its skeleton."""
+
+    __slots__ = ("prefix", "obj", "captured", "state", "skeleton")
+
+    def __init__(self, prefix: str, obj: Any, captured: Any, state: Any, skeleton: Any):
+        self.prefix, self.obj, self.captured = prefix, obj, captured
+        self.state, self.skeleton = state, skeleton
+
+    def __repr__(self) -> str:
+        return f"<stateful {self.prefix!r}>"
+
+
+def _describe(key: str) -> str:
+    return f"state entry '{key}'" if key else "the state"
+
+
+_KIB = MAX_LEAF_BYTES // 1024
+_VALID = ("save() stores tensors (tensor by tensor), objects with state_dict()/load_state_dict() (nn.Module, "
+          "optimizers, LR schedulers, DCP Stateful: saved through their state dicts), dicts, lists and "
+          "tuples of those, and small plain values (None, bool, int, float, complex, torch.dtype, "
+          f"torch.device; str and bytes up to {_KIB} KiB; other picklable objects up to {_KIB} KiB pickled). "
+          "Make it a tensor or a Stateful, or pass it as save(..., extra=...), which is pickled as is")
+
+
+def _check_opaque(key: str, obj: Any) -> None:
+    """A leaf that is not a plain value is pickled into the skeleton: only when it is small."""
+    try:
+        n = len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+    except Exception as e:  # noqa: BLE001 - any pickling failure: name the key instead of pickle's message
+        raise InvalidArgumentError(f"{_describe(key)} is a {type(obj).__qualname__} that cannot be pickled "
+                                   f"({type(e).__name__}: {e}); {_VALID}") from None
+    if n > MAX_LEAF_BYTES:
+        raise InvalidArgumentError(f"{_describe(key)} is a {type(obj).__qualname__} whose pickle takes {n} "
+                                   f"bytes, more than {MAX_LEAF_BYTES}; {_VALID}")
+
 
 def flatten(state_dict: Any) -> tuple[list[str], list[torch.Tensor], Any, bool]:
     """Walks dicts, lists and tuples; tensors become dotted names (``model.layer.weight``,
-    ``optim.state.0.exp_avg``); everything else stays in the skeleton. Returns ``(names, tensors,
-    skeleton, comparable)``; ``comparable`` is False when a leaf is an object that could change in place
-    (then ``==`` on skeletons proves nothing). Call :func:`check_unique` on names not seen before."""
+    ``optim.state.0.exp_avg``); everything else stays in the skeleton as it is (DCP's stager: DCP has
+    already turned its Statefuls into state dicts). Returns ``(names, tensors, skeleton, comparable)``;
+    ``comparable`` is False when a leaf is an object that could change in place (then ``==`` on skeletons
+    proves nothing). Call :func:`check_unique` on names not seen before."""
+    names, tensors, skeleton, comparable, _ = _walk(state_dict, False, None, False)
+    return names, tensors, skeleton, comparable
+
+
+def flatten_state(state_dict: Any, find_optimizer: Any = None, *, for_load: bool = False):
+    """:func:`flatten` for the checkpointer: a Stateful leaf is replaced by a fresh ``state_dict()`` (its
+    tensors are named under its key); a dict that ``find_optimizer(d)`` recognises as captured from an
+    attached optimizer is handled as that optimizer; a leaf that is none of tensor, container, Stateful,
+    small plain value raises :class:`InvalidArgumentError` naming its key. Returns ``(names, tensors,
+    skeleton, comparable, slots)``. ``for_load``: the skeleton holds each Stateful's :class:`StatefulSlot`
+    where its state dict would be, so that the load finds the saved state dict in the same place."""
+    return _walk(state_dict, strict=True, find_optimizer=find_optimizer, slots=for_load)
+
+
+def _walk(state_dict: Any, strict: bool, find_optimizer: Any, slots: bool):
     names: list[str] = []
     tensors: list[torch.Tensor] = []
     add_name, add_tensor = names.append, tensors.append
-    opaque: list[bool] = []
+    opaque: list = []
+    found: list[StatefulSlot] = []
+
+    fresh: set = set()  # ids of the state dicts taken here: an optimizer's own is not a captured one
+
+    def stateful(obj: Any, captured: Any, prefix: str) -> Any:
+        state = state_dict_of(obj)
+        fresh.add(id(state))
+        skeleton = walk(state, prefix)
+        if captured is not None:
+            refresh_captured(captured, state)
+        slot = StatefulSlot(prefix, obj, captured, state, skeleton)
+        found.append(slot)
+        return slot if slots else skeleton
 
     def walk(obj: Any, prefix: str) -> Any:
         # Containers: one loop over (key, value) for dicts, lists and tuples; tensor children are handled
         # inline rather than by recursion, since this runs once per tensor on the save path.
         is_dict = isinstance(obj, dict)
         if is_dict or isinstance(obj, (list, tuple)):
+            if is_dict and find_optimizer is not None and "param_groups" in obj and id(obj) not in fresh:
+                opt = find_optimizer(obj, prefix)
+                if opt is not None:
+                    return stateful(opt, obj, prefix)
             out = {}
             for k, v in (obj.items() if is_dict else enumerate(obj)):
                 key = f"{prefix}.{k}" if prefix else str(k)
@@ -80,12 +180,94 @@ def flatten(state_dict: Any) -> tuple[list[str], list[torch.Tensor], Any, bool]:
             add_name(prefix)
             add_tensor(obj)
             return TENSOR
-        if type(obj) not in _VALUE_TYPES:
-            opaque.append(True)
+        t = type(obj)
+        if t in _VALUE_TYPES:
+            if strict and (t is str or t is bytes) and len(obj) > MAX_LEAF_BYTES:
+                raise InvalidArgumentError(f"{_describe(prefix)} is a {t.__name__} of {len(obj)} "
+                                           f"characters/bytes, more than {MAX_LEAF_BYTES}; {_VALID}")
+            return obj
+        if strict and is_stateful(obj):
+            return stateful(obj, None, prefix)
+        opaque.append((prefix, obj))
         return obj
 
     skeleton = walk(state_dict, "")
-    return names, tensors, skeleton, not opaque
+    if strict and not slots:
+        for key, obj in opaque:
+            _check_opaque(key, obj)
+    return names, tensors, skeleton, not opaque, found
+
+
+def refresh_captured(captured: dict, state: dict) -> None:
+    """Makes a dict captured from ``opt.state_dict()`` hold what ``opt.state_dict()`` holds now, in place:
+    its ``state`` maps to the optimizer's live per-parameter state (which the first ``step()`` creates
+    after the capture), its ``param_groups`` carry the current hyperparameters (an LR scheduler changes
+    them)."""
+    live = captured["state"]
+    if live is not state["state"]:
+        live.clear()
+        live.update(state["state"])
+    groups = captured["param_groups"]
+    for mine, now in zip(groups, state["param_groups"]):
+        mine.update(now)
+
+
+def find_captured_optimizer(optimizers: list):
+    """The ``find_optimizer`` of :func:`flatten_state` for the attached ``optimizers``: a dict with
+    ``state`` and ``param_groups`` is taken for ``opt.state_dict()`` of the attached optimizer whose
+    parameter groups it matches (group count, hyperparameter names, parameter ids as ``state_dict()``
+    numbers them) and, when the dict has state, shares it (its per-parameter dicts or their tensors are the
+    optimizer's). A dict captured before the first step has none: one that matches several attached
+    optimizers raises (pass the optimizer itself instead)."""
+    if not optimizers:
+        return None
+
+    def matches(d: dict, opt) -> bool:
+        groups = d.get("param_groups")
+        if not isinstance(groups, list) or not isinstance(d.get("state"), dict):
+            return False
+        if len(groups) != len(opt.param_groups):
+            return False
+        start = 0
+        for g, live in zip(groups, opt.param_groups):
+            n = len(live["params"])
+            ids = g.get("params") if isinstance(g, dict) else None
+            # state_dict() numbers parameters 0, 1, ... across groups: the ends of each range suffice.
+            # Keys: an LR scheduler created after the capture adds some (initial_lr) to the live groups.
+            if not isinstance(ids, list) or len(ids) != n or not g.keys() <= live.keys():
+                return False
+            if n and (ids[0] != start or ids[-1] != start + n - 1):
+                return False
+            start += n
+        return True
+
+    def shares_state(d: dict, opt) -> bool:
+        # One entry decides: state_dict() hands out the optimizer's own per-parameter dicts; after
+        # opt.load_state_dict(d) the optimizer holds new dicts with the same tensors.
+        state = d["state"]
+        k = next(iter(state))
+        params = [p for g in opt.param_groups for p in g["params"]]
+        if not (isinstance(k, int) and 0 <= k < len(params)):
+            return False
+        mine, live = state[k], opt.state.get(params[k])
+        if mine is live:
+            return True
+        return isinstance(mine, dict) and isinstance(live, dict) and any(
+            isinstance(v, torch.Tensor) and live.get(f) is v for f, v in mine.items())
+
+    def find(d: dict, prefix: str):
+        candidates = [opt for opt in optimizers if matches(d, opt)]
+        if candidates and d["state"]:
+            # A dict with state is live only if it shares it: a deep copy, or another optimizer's dict of
+            # the same shape, is saved as it is.
+            candidates = [opt for opt in candidates if shares_state(d, opt)]
+        if len(candidates) > 1:
+            raise InvalidArgumentError(
+                f"{_describe(prefix)} looks like the state_dict() of more than one attached optimizer; "
+                "put the optimizer itself in the state ({'optim': optimizer}) so that ettkit knows which")
+        return candidates[0] if candidates else None
+
+    return find
 
 
 # Names a safetensors header gives a meaning of its own: a tensor under one could never be read back.
@@ -108,24 +290,56 @@ def check_unique(names: list[str]) -> None:
             seen.add(n)
 
 
-def restore_non_tensors(target: Any, saved: Any) -> None:
-    """Copies non-tensor leaves of ``saved`` into the mutable containers of ``target`` in place."""
+def restore_non_tensors(target: Any, saved: Any, skip: Any = frozenset()) -> None:
+    """Copies non-tensor leaves of ``saved`` into the mutable containers of ``target`` in place. Statefuls
+    and the dicts whose ids are in ``skip`` (captured optimizer state dicts) are restored by their own
+    ``load_state_dict`` and left alone here."""
     if isinstance(target, dict) and isinstance(saved, dict):
-        for k, v in saved.items():
-            if k not in target or v is TENSOR:
-                continue
-            if isinstance(v, (dict, list, tuple)) and isinstance(target[k], (dict, list)):
-                restore_non_tensors(target[k], v)
-            elif not isinstance(target[k], torch.Tensor):
-                target[k] = v
+        items = [(k, v) for k, v in saved.items() if k in target]
     elif isinstance(target, list) and isinstance(saved, (list, tuple)):
-        for i, v in enumerate(saved[: len(target)]):
-            if v is TENSOR:
-                continue
-            if isinstance(v, (dict, list, tuple)) and isinstance(target[i], (dict, list)):
-                restore_non_tensors(target[i], v)
-            elif not isinstance(target[i], torch.Tensor):
-                target[i] = v
+        items = list(enumerate(saved[: len(target)]))
+    else:
+        return
+    for k, v in items:
+        cur = target[k]
+        if v is TENSOR or isinstance(cur, torch.Tensor) or id(cur) in skip or is_stateful(cur):
+            continue
+        if isinstance(v, (dict, list, tuple)) and isinstance(cur, (dict, list)):
+            restore_non_tensors(cur, v, skip)
+        else:
+            target[k] = v
+
+
+def find_saved(live: Any, saved: Any, out: dict) -> None:
+    """Walks the live skeleton (with :class:`StatefulSlot` markers, from ``flatten_state(for_load=True)``)
+    beside the saved one and maps ``id(slot)`` to the saved skeleton at the same place (absent: not saved)."""
+    if isinstance(live, StatefulSlot):
+        out[id(live)] = saved
+    elif isinstance(live, dict):
+        if isinstance(saved, dict):
+            for k, v in live.items():
+                if k in saved:
+                    find_saved(v, saved[k], out)
+    elif isinstance(live, (list, tuple)) and isinstance(saved, (list, tuple)):
+        for v, s in zip(live, saved):
+            find_saved(v, s, out)
+
+
+def rebuild_named(skeleton: Any, prefix: str, tensors: dict) -> Any:
+    """The skeleton with each TENSOR placeholder replaced by ``tensors[name]``, names made as
+    :func:`flatten` makes them under ``prefix``."""
+
+    def build(x: Any, name: str) -> Any:
+        if x is TENSOR:
+            return tensors[name]
+        if isinstance(x, dict):
+            return {k: build(v, f"{name}.{k}" if name else str(k)) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            items = [build(v, f"{name}.{i}" if name else str(i)) for i, v in enumerate(x)]
+            return items if isinstance(x, list) else tuple(items)
+        return x
+
+    return build(skeleton, prefix)
 
 
 def rebuild(skeleton: Any, tensors: list) -> Any:

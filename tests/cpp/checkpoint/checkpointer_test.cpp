@@ -111,6 +111,143 @@ TEST(Checkpointer, MismatchNamesTheKey) {
   fs::remove_all(dir);
 }
 
+TEST(Checkpointer, MismatchNamesEveryKeyThatDiffersAndCopiesNothing) {
+  std::string dir = temp_dir();
+  CheckpointerOptions o;
+  o.directory = dir;
+  AsyncCheckpointer ck(o);
+  ck.save(1, {{"a", at::ones({2})}, {"b", at::ones({2})}, {"c", at::ones({3})}, {"d", at::ones({1})}}).wait();
+  NamedTensors target = {{"a", at::zeros({2})}, {"c", at::zeros({3}, at::kDouble)}, {"e", at::zeros({1})}};
+  try {
+    ck.load_latest(target);
+    FAIL() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    const std::string& m = e.message();
+    EXPECT_NE(m.find("missing in the checkpoint: 'e'"), std::string::npos) << m;
+    EXPECT_NE(m.find("unexpected in the checkpoint (the state dict lacks them): 'b', 'd'"), std::string::npos) << m;
+    EXPECT_NE(m.find("'c' is F64 [3] in the state dict, F32 [3] in the checkpoint"), std::string::npos) << m;
+  }
+  EXPECT_TRUE(target[0].second.equal(at::zeros({2})));
+  fs::remove_all(dir);
+}
+
+TEST(Checkpointer, TensorsWithoutDestinationUnderAReadPrefixComeBackFromTheChosenStep) {
+  std::string dir = temp_dir();
+  CheckpointerOptions o;
+  o.directory = dir;
+  o.keep_last = 0;
+  auto saved = [](int64_t step) {
+    return NamedTensors{{"model.w", at::full({4}, static_cast<double>(step))},
+                        {"optim.state.0.exp_avg", at::full({2, 3}, static_cast<double>(step) / 2)},
+                        {"optim.state.0.step", at::full({}, static_cast<double>(step))},
+                        {"optimizer_extra", at::arange(3, at::kLong) * step}};
+  };
+  {
+    AsyncCheckpointer ck(o);
+    ck.save(1, saved(1)).wait();
+    ck.save(2, saved(2)).wait();
+  }
+  // Step 2's data file is corrupt: the in-place tensor and the read ones both come from step 1.
+  {
+    std::fstream f(dir + "/step-2/rank-0.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-3, std::ios::end);
+    f.put('\x7f');
+  }
+  AsyncCheckpointer ck(o);
+  NamedTensors target = {{"model.w", at::zeros({4})}, {"optimizer_extra", at::zeros({3}, at::kLong)}};
+  auto r = ck.load_latest(target, {}, {"optim"});
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->step, 1);
+  EXPECT_EQ(r->skipped_steps, (std::vector<int64_t>{2}));
+  EXPECT_TRUE(target[0].second.equal(at::full({4}, 1.0)));
+  ASSERT_EQ(r->read.size(), 2u);  // "optimizer_extra" is not under "optim": it needed (and had) a destination
+  EXPECT_EQ(r->read[0].first, "optim.state.0.exp_avg");
+  EXPECT_TRUE(r->read[0].second.equal(at::full({2, 3}, 0.5)));
+  EXPECT_EQ(r->read[1].first, "optim.state.0.step");
+  EXPECT_EQ(r->read[1].second.dim(), 0);
+  EXPECT_EQ(r->read[1].second.item<float>(), 1.0f);
+  // Without the prefix they are unexpected; a prefix that is not a whole name component covers nothing.
+  for (std::vector<std::string> prefixes : {std::vector<std::string>{}, std::vector<std::string>{"opt"}}) {
+    try {
+      ck.load_latest(target, {}, prefixes);
+      FAIL() << "expected InvalidArgument";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(e.message().find("unexpected in the checkpoint (the state dict lacks them): 'optim.state.0.exp_avg', "
+                                 "'optim.state.0.step'"),
+                std::string::npos)
+          << e.message();
+    }
+  }
+  // "" covers every name; tensors with a destination are still loaded in place, not read.
+  NamedTensors only_w = {{"model.w", at::zeros({4})}};
+  r = ck.load_latest(only_w, {}, {""});
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->read.size(), 3u);
+  EXPECT_TRUE(only_w[0].second.equal(at::full({4}, 1.0)));
+  fs::remove_all(dir);
+}
+
+TEST(Checkpointer, ValidatorInvalidArgumentIsAMismatchNotAFallback) {
+  std::string dir = temp_dir();
+  CheckpointerOptions o;
+  o.directory = dir;
+  o.keep_last = 0;
+  AsyncCheckpointer ck(o);
+  ck.save(1, state(1), "one").wait();
+  ck.save(2, state(2), "two").wait();
+  NamedTensors target = {{"w", at::zeros({1 << 16})}, {"i", at::zeros({100}, at::kLong)}, {"t", at::zeros({5, 3})}};
+  try {
+    ck.load_latest(target, [](const std::string& extra) {
+      if (extra == "two") ETTKIT_THROW(InvalidArgument, "the state has no 'optim' the step can restore");
+    });
+    FAIL() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(e.message().find("checkpoint step 2"), std::string::npos) << e.message();
+    EXPECT_NE(e.message().find("no 'optim' the step can restore"), std::string::npos) << e.message();
+  }
+  EXPECT_TRUE(target[0].second.equal(at::zeros({1 << 16})));
+  fs::remove_all(dir);
+}
+
+TEST(Stager, ArenaGrowsWithTheStateWithinTheBudgetAndBusyArenasFollowOnBusy) {
+  StagerOptions o;
+  o.memory_budget_bytes = 4000;
+  Stager stager(o);
+  auto snap = stager.stage({{"w", at::ones({100})}}, OnBusy::kWait);  // 400 bytes
+  snap->wait_staged();
+  EXPECT_EQ(stager.arena_bytes(), 400);
+  // The state grows (an optimizer's moments appear) while the first snapshot still holds the arena:
+  // reallocating needs it back, so this is a busy save.
+  NamedTensors grown = {{"w", at::ones({100})}, {"m", at::full({800}, 2.0)}};  // 3600 bytes
+  EXPECT_EQ(stager.stage(grown, OnBusy::kSkip), nullptr);
+  EXPECT_THROW(stager.stage(grown, OnBusy::kError), InvalidArgument);
+  EXPECT_EQ(stager.arena_bytes(), 400);
+  snap->release();
+  auto big = stager.stage(grown, OnBusy::kSkip);
+  ASSERT_NE(big, nullptr);
+  big->wait_staged();
+  EXPECT_EQ(stager.arena_bytes(), 3600);
+  EXPECT_EQ(stager.arena_allocations(), 2);
+  EXPECT_EQ(stager.plan_builds(), 2);
+  auto views = big->tensors();
+  EXPECT_TRUE(views[1].second.equal(at::full({800}, 2.0)));
+  big->release();
+  // Beyond the budget: refused before anything is reallocated.
+  NamedTensors too_big = {{"w", at::ones({100})}, {"m", at::ones({1000})}};  // 4400 bytes
+  try {
+    stager.stage(too_big, OnBusy::kWait);
+    FAIL() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(e.message().find("4400-byte host arena but memory_budget_bytes=4000"), std::string::npos) << e.message();
+  }
+  EXPECT_EQ(stager.arena_bytes(), 3600);
+  EXPECT_EQ(stager.arena_allocations(), 2);
+  // Shrinking back reuses the larger arena.
+  auto small = stager.stage({{"w", at::ones({100})}}, OnBusy::kWait);
+  small->release();
+  EXPECT_EQ(stager.arena_allocations(), 2);
+}
+
 TEST(Storage, SafetensorsHeaderRoundTripAndRejectsMalformed) {
   std::string dir = temp_dir();
   std::vector<ckd::SafetensorsEntry> entries = {{"a", "F32", {2, 3}, 0, 24}, {"b", "I64", {1}, 24, 32}};
