@@ -64,25 +64,25 @@ py::object to_python_error(std::exception_ptr p) {
   try {
     std::rethrow_exception(p);
   } catch (const checkpoint::CorruptCheckpoint& e) {
-    return error_class("CorruptCheckpointError")(e.what());
+    return error_class("CorruptCheckpointError")(user_message(e));
   } catch (const checkpoint::TornSnapshot& e) {
-    return error_class("TornSnapshotError")(e.what());
+    return error_class("TornSnapshotError")(user_message(e));
   } catch (const checkpoint::DirectoryLocked& e) {
-    return error_class("CheckpointLockedError")(e.what());
+    return error_class("CheckpointLockedError")(user_message(e));
   } catch (const checkpoint::PeerLost& e) {
-    return error_class("PeerLostError")(e.what());
+    return error_class("PeerLostError")(user_message(e));
   } catch (const InvalidArgument& e) {
-    return error_class("InvalidArgumentError")(e.what());
+    return error_class("InvalidArgumentError")(user_message(e));
   } catch (const CorruptData& e) {
-    return error_class("CorruptDataError")(e.what());
+    return error_class("CorruptDataError")(user_message(e));
   } catch (const IoError& e) {
-    return error_class("IoError")(e.what());
+    return error_class("IoError")(user_message(e));
   } catch (const Timeout& e) {
-    return error_class("TimeoutError")(e.what());
+    return error_class("TimeoutError")(user_message(e));
   } catch (const Error& e) {
-    return error_class("Error")(e.what());
+    return error_class("Error")(user_message(e));
   } catch (const std::exception& e) {
-    return py::module_::import("builtins").attr("RuntimeError")(e.what());
+    return py::module_::import("builtins").attr("RuntimeError")(user_message(e));
   }
 }
 }  // namespace
@@ -95,13 +95,13 @@ void bind_checkpoint(py::module_& m) {
     try {
       std::rethrow_exception(p);
     } catch (const CorruptCheckpoint& e) {
-      PyErr_SetString(error_class("CorruptCheckpointError").ptr(), e.what());
+      PyErr_SetString(error_class("CorruptCheckpointError").ptr(), user_message(e).c_str());
     } catch (const TornSnapshot& e) {
-      PyErr_SetString(error_class("TornSnapshotError").ptr(), e.what());
+      PyErr_SetString(error_class("TornSnapshotError").ptr(), user_message(e).c_str());
     } catch (const DirectoryLocked& e) {
-      PyErr_SetString(error_class("CheckpointLockedError").ptr(), e.what());
+      PyErr_SetString(error_class("CheckpointLockedError").ptr(), user_message(e).c_str());
     } catch (const PeerLost& e) {
-      PyErr_SetString(error_class("PeerLostError").ptr(), e.what());
+      PyErr_SetString(error_class("PeerLostError").ptr(), user_message(e).c_str());
     }
   });
 

@@ -225,7 +225,7 @@ void bind_startup(py::module_& m) {
       std::rethrow_exception(p);
     } catch (const startup::StageFailed& e) {
       py::object cls = py::module_::import("ettkit.errors").attr("StageError");
-      py::object exc = cls(e.what());
+      py::object exc = cls(user_message(e));
       exc.attr("stage") = e.stage();
       PyErr_SetObject(cls.ptr(), exc.ptr());
     }

@@ -12,7 +12,7 @@ import os as _os
 # runtime libraries from its wheels) so the dynamic loader reuses them for ettkit._C.
 import torch as _torch  # noqa: F401
 
-from . import errors
+from . import _logging, errors
 from ._C import WITH_CUDA, __version__
 from .errors import (
     BatchMismatchError,
@@ -41,6 +41,7 @@ __all__ = [
     "errors",
     "Error",
     "InvalidArgumentError",
+    "NoRecorderWarning",
     "CorruptDataError",
     "CheckpointError",
     "CheckpointLockedError",
