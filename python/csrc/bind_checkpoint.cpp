@@ -200,6 +200,7 @@ void bind_checkpoint(py::module_& m) {
              o.world_size = world_size;
              o.commit_timeout_s = commit_timeout_s;
              o.recorder = recorder;
+             o.use_current_recorder = false;  // the Python layer resolved "current" (and keeps it alive)
              o.metadata = std::move(metadata);
              o.read_only = read_only;
              o.peer_timeout_s = peer_timeout_s;

@@ -155,6 +155,7 @@ class PyStageGraph {
     o.timeout_s = timeout_s;
     o.fail_fast = fail_fast;
     o.detach_on_destroy = true;  // Python stages own their callables (see the file comment)
+    o.use_current_recorder = false;  // the Python layer resolved "current" (and keeps it alive in recorder_)
     if (!recorder.is_none()) {
       o.recorder = recorder.cast<ett::Recorder*>();
       recorder_ = std::move(recorder);

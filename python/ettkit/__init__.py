@@ -25,11 +25,14 @@ from .errors import (
     Error,
     InvalidArgumentError,
     IoError,
+    NoRecorderWarning,
     StageError,
     TimeoutError,
     TornSnapshotError,
     UnsupportedError,
 )
+
+_logging.install()  # the C++ core's log messages go to logging.getLogger("ettkit") (ettkit/_logging.py)
 
 #: Directory to add to CMAKE_PREFIX_PATH so that ``find_package(ettkit)`` finds the installed package.
 cmake_prefix_path = _os.path.dirname(__file__)

@@ -501,6 +501,7 @@ AsyncCheckpointer::AsyncCheckpointer(CheckpointerOptions options, c10::intrusive
   ETTKIT_EXPECTS(options.commit_timeout_s > 0, "commit_timeout_s=", options.commit_timeout_s, " must be > 0");
   ETTKIT_EXPECTS(options.unfenced_sync_max_bytes >= 0, "unfenced_sync_max_bytes=", options.unfenced_sync_max_bytes, " must be >= 0");
   im.opt = std::move(options);
+  im.opt.recorder = ett::recorder_for("AsyncCheckpointer", im.opt.recorder, im.opt.use_current_recorder);
   im.unfenced_sync_max_bytes = im.opt.unfenced_sync_max_bytes;
   im.store = std::move(store);
   im.world = im.opt.world_size > 0 ? im.opt.world_size : 1;

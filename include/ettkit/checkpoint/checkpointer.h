@@ -257,8 +257,11 @@ struct ETTKIT_API CheckpointerOptions {
   /// commit_timeout_s.
   double peer_timeout_s = 3.0;
   /// Non-owning; must outlive the checkpointer. Receives checkpoint_blocking (foreground) and
-  /// checkpoint_staging / checkpoint_persist (background) records.
+  /// checkpoint_staging / checkpoint_persist (background) records. Null: see use_current_recorder.
   ett::Recorder* recorder = nullptr;
+  /// When `recorder` is null: true records into ett::current_recorder() as of construction (which must
+  /// then outlive the checkpointer; a warning, once per process, when none is open); false records nothing.
+  bool use_current_recorder = true;
   /// Written into every manifest.
   std::map<std::string, std::string> metadata;
   /// Only loads: takes no directory lock, removes nothing, and save() throws InvalidArgument. For jobs and

@@ -133,10 +133,9 @@ class AsyncCheckpointer:
             world = dist.get_world_size(process_group)
             if store is None and world > 1:
                 store = dist.distributed_c10d._get_default_store()  # keys are namespaced in C++
-        if recorder == "current":
-            from ..ett import current
+        from ..ett.recorder import resolve
 
-            recorder = current()
+        recorder = resolve(recorder, "AsyncCheckpointer", stacklevel=2)  # "current": the innermost open one
         self._recorder = recorder
         self._c = _C.checkpoint.AsyncCheckpointer(
             os.fspath(directory), keep_last=int(keep_last), on_busy=on_busy, overlap=_parse_overlap(overlap),
