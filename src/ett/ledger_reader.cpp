@@ -121,6 +121,8 @@ void read_file(const fs::path& path, int rank, LedgerSet& set, NameTable& names)
           a.proc_start.reset();
         }
         a.restart_count = opt_int(rec, "restart_count");
+        a.pid = opt_int(rec, "pid").value_or(-1);
+        if (auto host = rec.find("host"); host != rec.end() && host->is_string()) a.host = host->get<std::string>();
         a.last_ts = a.ts;
         set.world_size = std::max(set.world_size, a.world);
         ledger.attempts.push_back(std::move(a));

@@ -23,6 +23,7 @@
 #include "common/logging.h"
 #include "ett/event_queue.h"
 #include "ett/ledger_format.h"
+#include "ett/open_recorders.h"
 #include "ett/process_info.h"
 #include "ettkit/common/clock.h"
 #include "ettkit/common/config.h"
@@ -211,6 +212,29 @@ Recorder* recorder_for(const char* component, Recorder* explicit_recorder, bool 
                   "use_current_recorder = false to record nothing without this warning");
   return nullptr;
 }
+
+namespace detail {
+std::vector<std::pair<std::string, int>> flush_open_ledgers_in(const std::string& ledger_dir, double timeout_s) {
+  std::error_code ec;
+  const fs::path dir = fs::weakly_canonical(ledger_dir, ec);
+  std::vector<std::pair<std::string, int>> out;
+  CurrentRecorders& c = current_recorders();
+  // Held while flushing: close() takes it first, so none of these recorders closes (or is destroyed) under
+  // the flush. The writers never take it.
+  std::lock_guard lock(c.mutex);
+  for (Recorder* r : c.open) {
+    fs::path path = fs::weakly_canonical(r->ledger_path(), ec);
+    if (ec || path.parent_path() != dir) continue;
+    try {
+      r->flush(timeout_s);
+    } catch (const Error& e) {
+      ETTKIT_LOG_WARN("report: the open ETT ledger '", path.string(), "' did not flush: ", e.message());
+    }
+    out.emplace_back(path.string(), r->attempt());
+  }
+  return out;
+}
+}  // namespace detail
 
 void Recorder::make_current() {
   CurrentRecorders& c = current_recorders();
