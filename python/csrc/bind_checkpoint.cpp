@@ -105,6 +105,9 @@ void bind_checkpoint(py::module_& m) {
     }
   });
 
+  m.def("latest_step", &latest_step, py::arg("directory"), py::call_guard<py::gil_scoped_release>(),
+        "The newest committed step of a checkpoint directory, or None (read-only: no lock, reads manifests).");
+
   // Destructors that wait for ettkit's threads release the GIL first: those threads never need it, but a
   // Python thread they might wait behind could (release_gil_before_calling_cpp_dtor).
   py::class_<Snapshot, std::shared_ptr<Snapshot>>(m, "Snapshot", py::release_gil_before_calling_cpp_dtor())

@@ -876,6 +876,12 @@ void copy_in_place(const Candidate& c, const NamedTensors& tensors) {
 
 }  // namespace
 
+std::optional<int64_t> latest_step(const std::string& directory) {
+  StepListing listing = list_steps(directory);
+  if (listing.committed.empty()) return std::nullopt;
+  return listing.committed.front().step;
+}
+
 std::optional<LoadResult> AsyncCheckpointer::load_latest(const NamedTensors& tensors,
                                                         const std::function<void(const std::string&)>& validate_extra) {
   Impl& im = *impl_;

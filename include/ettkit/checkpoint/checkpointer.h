@@ -340,4 +340,12 @@ class ETTKIT_API AsyncCheckpointer {
   std::unique_ptr<Impl> impl_;
 };
 
+/// The newest committed step of the checkpoint directory `directory`, or nullopt when none is committed (or
+/// the directory does not exist). "Committed" and "newest" as for load_latest: step-<N>/manifest.json
+/// decodes and names step N, and steps are ordered by commit, not by number. Read-only and cheap: takes no
+/// lock, changes nothing and reads only the manifests, so it works beside a live writer and before any
+/// checkpointer exists (e.g. to position a data loader before the restore). load_latest may still fall
+/// back to an older step when this one's data files fail verification.
+ETTKIT_API std::optional<int64_t> latest_step(const std::string& directory);
+
 }  // namespace ettkit::checkpoint
