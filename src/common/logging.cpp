@@ -7,6 +7,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -38,7 +39,10 @@ std::shared_ptr<spdlog::logger> make_logger(std::shared_ptr<spdlog::sinks::sink>
 struct LogState {
   std::shared_ptr<spdlog::logger> stderr_logger;
   std::shared_ptr<spdlog::logger> file_logger;  // ETTKIT_LOG_FILE; null when unset or unwritable
-  std::atomic<int> level{static_cast<int>(LogLevel::kWarn)};
+  // Thresholds: `base_level` (ETTKIT_LOG_LEVEL, default warn) for stderr and the file, `sink_level` for the
+  // sink (set with it). A sink that asks for debug must not turn stderr or the file verbose.
+  std::atomic<int> base_level{static_cast<int>(LogLevel::kWarn)};
+  std::atomic<int> sink_level{static_cast<int>(LogLevel::kOff)};
   // The installed sink, read lock-free on every message. Each sink ever installed stays in `sinks` (guarded
   // by `install_mutex`) until exit: a thread may still be inside a replaced one (log_sink.h).
   std::atomic<const LogSink*> sink{nullptr};
@@ -55,7 +59,7 @@ struct LogState {
       }
     }
     stderr_logger = make_logger(std::make_shared<spdlog::sinks::stderr_sink_mt>());
-    if (auto env = log_level_from_env()) level.store(static_cast<int>(*env));
+    if (auto env = log_level_from_env()) base_level.store(static_cast<int>(*env));
   }
 };
 
@@ -77,7 +81,12 @@ std::optional<LogLevel> log_level_from_env() {
   return level == spdlog::level::critical ? LogLevel::kError : static_cast<LogLevel>(static_cast<int>(level));
 }
 
-LogLevel log_level() { return static_cast<LogLevel>(state().level.load(std::memory_order_relaxed)); }
+LogLevel log_level() {
+  LogState& st = state();
+  int level = st.base_level.load(std::memory_order_relaxed);
+  if (st.sink.load(std::memory_order_acquire) != nullptr) level = std::min(level, st.sink_level.load());
+  return static_cast<LogLevel>(level);
+}
 
 void set_log_sink(LogSink sink, LogLevel level) {
   LogState& st = state();
@@ -87,21 +96,22 @@ void set_log_sink(LogSink sink, LogLevel level) {
     st.sinks.push_back(std::make_unique<LogSink>(std::move(sink)));
     installed = st.sinks.back().get();
   }
+  st.sink_level.store(static_cast<int>(level), std::memory_order_relaxed);
   st.sink.store(installed, std::memory_order_release);
-  st.level.store(static_cast<int>(level), std::memory_order_relaxed);
 }
 
 namespace detail {
 
 bool log_enabled(LogLevel level) {
-  return level != LogLevel::kOff &&
-         static_cast<int>(level) >= state().level.load(std::memory_order_relaxed);
+  return level != LogLevel::kOff && static_cast<int>(level) >= static_cast<int>(log_level());
 }
 
 void log_message(LogLevel level, const std::string& message, const char* file, int line) {
   LogState& st = state();
+  const bool base = static_cast<int>(level) >= st.base_level.load(std::memory_order_relaxed);
   bool taken = false;
-  if (const LogSink* sink = st.sink.load(std::memory_order_acquire)) {
+  const LogSink* sink = st.sink.load(std::memory_order_acquire);
+  if (sink != nullptr && static_cast<int>(level) >= st.sink_level.load(std::memory_order_relaxed)) {
     const int64_t now_us = std::chrono::duration_cast<std::chrono::microseconds>(
                                std::chrono::system_clock::now().time_since_epoch())
                                .count();
@@ -113,6 +123,7 @@ void log_message(LogLevel level, const std::string& message, const char* file, i
       taken = false;  // a failing sink must not fail the caller: the message goes to stderr instead
     }
   }
+  if (!base) return;
   if (st.file_logger) {
     st.file_logger->log(to_spdlog(level), "{}", message);
   } else if (!taken) {

@@ -12,7 +12,8 @@
 //    were installed (e.g. in a forked child the sink cannot serve).
 //  - Once installed, a sink lives until the process exits, also after it was replaced: a thread may still
 //    be inside it at that moment, and nothing may be destroyed under it.
-//  - ETTKIT_LOG_FILE, when set, receives every message whether or not a sink is installed.
+//  - ETTKIT_LOG_FILE, when set, receives the messages at ETTKIT_LOG_LEVEL and above (default warn) whether
+//    or not a sink is installed.
 
 #include <cstdint>
 #include <functional>
@@ -38,10 +39,12 @@ struct LogRecord {
 using LogSink = std::function<bool(const LogRecord&)>;
 
 /// Installs `sink` (replacing any previous one; an empty function removes it: back to stderr) and makes
-/// `level` the threshold from now on: messages below it are not even formatted. Thread-safe.
+/// `level` its threshold. stderr and ETTKIT_LOG_FILE keep theirs (ETTKIT_LOG_LEVEL, default warn), also
+/// for the messages a sink declines. Thread-safe.
 ETTKIT_API void set_log_sink(LogSink sink, LogLevel level);
 
-/// The current threshold: ETTKIT_LOG_LEVEL (default warn) until set_log_sink changes it.
+/// The lowest level anything takes (the sink's or ETTKIT_LOG_LEVEL's): messages below it are not even
+/// formatted.
 ETTKIT_API LogLevel log_level();
 
 /// The level ETTKIT_LOG_LEVEL names (trace|debug|info|warn|error|off), or nullopt when it is unset or
