@@ -53,7 +53,8 @@ def flush() -> None:
             record.relativeCreated = (record.created - logging._startTime) * 1000
             logger.handle(record)
         if dropped:
-            logger.warning("%d ettkit log messages were dropped: they came faster than Python took them", dropped)
+            logger.warning("%d ettkit log messages were dropped: they came faster than Python took them",
+                           dropped)
 
 
 def _pump(fd: int) -> None:

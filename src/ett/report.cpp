@@ -1060,7 +1060,9 @@ LedgerSet read_for_report(const std::string& run_dir) {
     auto& a = rank.attempts.back();  // only a rank's last attempt can still be running
     std::error_code ec;
     const std::string path = std::filesystem::weakly_canonical(rank.path, ec).string();
-    for (const auto& [open_path, attempt] : open_here) a.running = a.running || (open_path == path && attempt == a.attempt);
+    for (const auto& [open_path, attempt] : open_here) {
+      a.running = a.running || (open_path == path && attempt == a.attempt);
+    }
     if (!a.running && a.proc_start && !a.host.empty() && a.host == this_host) {
       a.running = detail::process_is_running(a.pid, *a.proc_start);
     }

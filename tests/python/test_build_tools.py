@@ -1,5 +1,5 @@
-"""`make build`'s install steps (tools/pip_install.sh, used by tools/bootstrap.sh and the Makefile) fail loudly:
-pip's exit status and its error reach the caller. Offline and quick: the requirement cannot resolve, pip
+"""`make build`'s install steps (tools/pip_install.sh, used by tools/bootstrap.sh and the Makefile) fail
+loudly: pip's exit status and its error reach the caller. Offline and quick: the requirement cannot resolve, pip
 runs with --dry-run --no-index, and the real .venv is never changed."""
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ def test_a_failing_install_exits_non_zero_with_pip_s_error(tmp_path):
     p, log = run(tmp_path, "--dry-run", "--no-index", "--no-deps", "ettkit-no-such-package-for-tests==0.0.1")
     assert p.returncode != 0
     assert "test step: FAILED (pip exit status" in p.stderr
-    assert "No matching distribution found for ettkit-no-such-package-for-tests" in p.stderr  # pip's own error
+    # pip's own error:
+    assert "No matching distribution found for ettkit-no-such-package-for-tests" in p.stderr
     assert "test step: started" in p.stdout and "done" not in p.stdout
     assert "ettkit-no-such-package-for-tests" in log.read_text()  # the full output is kept
 

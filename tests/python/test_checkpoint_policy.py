@@ -26,7 +26,8 @@ class FakeClock:
 def test_every_auto_saves_once_to_measure_then_waits_for_the_measurement_then_follows_the_advisor(tmp_path):
     clock = FakeClock()
     costs = {"committed": 0, "blocking": 0.0, "durable": 0.0}
-    with AsyncCheckpointer(tmp_path, recorder=None, every="auto", preempt_signals=(), mtbf_prior_s=3600) as ck:
+    with AsyncCheckpointer(tmp_path, recorder=None, every="auto", preempt_signals=(),
+                           mtbf_prior_s=3600) as ck:
         ck._clock = clock
         ck._measured_costs = lambda: (costs["committed"], costs["blocking"], costs["durable"])
         assert ck.should_save(1)  # nothing saved yet: the first save measures what a save costs
@@ -55,7 +56,8 @@ def test_every_auto_saves_once_to_measure_then_waits_for_the_measurement_then_fo
 
 def test_every_auto_with_real_costs_does_not_save_at_every_step(tmp_path):
     clock = FakeClock()
-    with AsyncCheckpointer(tmp_path, recorder=None, every="auto", preempt_signals=(), mtbf_prior_s=3600) as ck:
+    with AsyncCheckpointer(tmp_path, recorder=None, every="auto", preempt_signals=(),
+                           mtbf_prior_s=3600) as ck:
         ck._clock = clock
         saved = []
         for step in range(1, 50):

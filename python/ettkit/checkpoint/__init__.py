@@ -38,8 +38,8 @@ from ..errors import InvalidArgumentError
 from ._attach import Attachment, Fences, _listify
 from ._flatten import check_unique, flatten, restore_non_tensors
 
-__all__ = ["AUTO_UNMEASURED_INTERVAL_S", "AsyncCheckpointer", "Attachment", "DcpStager", "SaveHandle", "latest_step",
-           "parse_every"]
+__all__ = ["AUTO_UNMEASURED_INTERVAL_S", "AsyncCheckpointer", "Attachment", "DcpStager", "SaveHandle",
+           "latest_step", "parse_every"]
 
 SaveHandle = _C.checkpoint.SaveHandle
 

@@ -103,9 +103,10 @@ def resolve(recorder: Any, component: str, stacklevel: int = 2) -> Optional[Reco
         recorder = current()
         if recorder is None:
             warnings.warn(
-                f"{component}: no ETT recorder is open, so its phases (checkpoint blocking, compile, ...) are not "
-                f"recorded and ETT% counts that time as training. Create it inside `with ett.Recorder(run_dir):` "
-                f"or after ett.init(run_dir), pass recorder=, or pass recorder=None to record nothing.",
+                f"{component}: no ETT recorder is open, so its phases (checkpoint blocking, compile, ...) are "
+                f"not recorded and ETT% counts that time as training. Create it inside `with "
+                f"ett.Recorder(run_dir):` or after ett.init(run_dir), pass recorder=, or pass recorder=None to "
+                f"record nothing.",
                 NoRecorderWarning, stacklevel=stacklevel + 1)
     elif recorder is not None and recorder.closed:
         recorder = None  # records into a closed recorder would go nowhere
@@ -128,7 +129,8 @@ def init(run_dir: str | os.PathLike, **options) -> Recorder:
             def excepthook(exc_type, exc, tb):
                 rec = _init_recorder
                 if rec is not None and not rec.closed and rec._pid == os.getpid():
-                    rec.close("signal" if issubclass(exc_type, KeyboardInterrupt) else "exception", _describe(exc))
+                    status = "signal" if issubclass(exc_type, KeyboardInterrupt) else "exception"
+                    rec.close(status, _describe(exc))
                 previous(exc_type, exc, tb)
 
             sys.excepthook = excepthook
