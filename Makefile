@@ -32,11 +32,13 @@ build: bootstrap $(STAMP)
 
 # Builds the wheel with the C++ tests and benchmarks enabled in the same CMake build directory, so ctest
 # and the benchmarks reuse the objects of the installed library instead of compiling everything twice.
+# pip -v passes CMake's and ninja's output through: ninja's "[n/N] Building ..." lines are the progress shown;
+# everything is in build/logs/ettkit-install.log, and a failure prints its end and stops make.
 $(STAMP): $(SOURCES) | bootstrap
-	@echo "build: compiling and installing ettkit into $(VENV)"
-	CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(PY) -m pip install -q --disable-pip-version-check --no-build-isolation \
-	  --no-deps --force-reinstall -Cbuild-dir=$(BUILD_DIR) -Ccmake.define.ETTKIT_BUILD_TESTS=ON \
-	  -Ccmake.define.ETTKIT_BUILD_BENCHMARKS=ON . 2>&1 | grep -v "is ignored: it is neither" || true
+	@CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) tools/pip_install.sh --label "build: compiling and installing ettkit into $(VENV)" \
+	  --log build/logs/ettkit-install.log --progress '^[[:space:]]*\[[0-9]+/[0-9]+\] |^-- Configuring done|CMake Error' \
+	  $(PY) -v --no-build-isolation --no-deps --force-reinstall -Cbuild-dir=$(BUILD_DIR) \
+	  -Ccmake.define.ETTKIT_BUILD_TESTS=ON -Ccmake.define.ETTKIT_BUILD_BENCHMARKS=ON .
 	@$(PY) -c "import ettkit; print('build: ettkit', ettkit.__version__, 'CUDA code paths:', ettkit.WITH_CUDA)"
 	@touch $@
 

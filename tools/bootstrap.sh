@@ -30,18 +30,31 @@ if [[ ! -x "$VENV/bin/python" ]]; then
   echo "bootstrap: creating $VENV"
   "$PYTHON" -m venv "$VENV"
 fi
-PIP=("$VENV/bin/python" -m pip -q --disable-pip-version-check)
+# Every install goes through tools/pip_install.sh: progress while it runs, pip's full output in
+# build/logs/, and a failure that stops the build with pip's status and error.
+pip_install() {
+  local label="$1"
+  shift
+  tools/pip_install.sh --label "bootstrap: $label" --log "build/logs/bootstrap-${label%% *}.log" "$VENV/bin/python" "$@"
+}
 
-if ! "$VENV/bin/python" -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
-  echo "bootstrap: installing torch==$TORCH_VERSION (several GB for the CUDA build; from local disk here)"
-  "${PIP[@]}" install "torch==$TORCH_VERSION" 2>&1 | grep -v "is ignored: it is neither" || true
-  "$VENV/bin/python" -c "import torch; print('bootstrap: torch', torch.__version__)"
+# The installed version from the package metadata, without importing torch (importing it before NumPy is
+# installed prints NumPy warnings, and takes seconds).
+installed_version() {
+  "$VENV/bin/python" -c "import importlib.metadata as m, sys
+try: print(m.version(sys.argv[1]))
+except m.PackageNotFoundError: pass" "$1"
+}
+
+torch_installed="$(installed_version torch)"
+if [[ "${torch_installed%%+*}" != "$TORCH_VERSION" ]]; then
+  pip_install "torch==$TORCH_VERSION (several GB for the CUDA build)" "torch==$TORCH_VERSION"
+  echo "bootstrap: torch $(installed_version torch)"
 fi
 
 stamp="$VENV/.ettkit-deps-$(sha256sum requirements-dev.txt | cut -c1-16)"
 if [[ ! -f "$stamp" ]]; then
-  echo "bootstrap: installing requirements-dev.txt"
-  "${PIP[@]}" install -r requirements-dev.txt 2>&1 | grep -v "is ignored: it is neither" || true
+  pip_install "requirements-dev.txt" -r requirements-dev.txt
   rm -f "$VENV"/.ettkit-deps-*
   touch "$stamp"
 fi

@@ -64,25 +64,25 @@ py::object to_python_error(std::exception_ptr p) {
   try {
     std::rethrow_exception(p);
   } catch (const checkpoint::CorruptCheckpoint& e) {
-    return error_class("CorruptCheckpointError")(e.what());
+    return error_class("CorruptCheckpointError")(user_message(e));
   } catch (const checkpoint::TornSnapshot& e) {
-    return error_class("TornSnapshotError")(e.what());
+    return error_class("TornSnapshotError")(user_message(e));
   } catch (const checkpoint::DirectoryLocked& e) {
-    return error_class("CheckpointLockedError")(e.what());
+    return error_class("CheckpointLockedError")(user_message(e));
   } catch (const checkpoint::PeerLost& e) {
-    return error_class("PeerLostError")(e.what());
+    return error_class("PeerLostError")(user_message(e));
   } catch (const InvalidArgument& e) {
-    return error_class("InvalidArgumentError")(e.what());
+    return error_class("InvalidArgumentError")(user_message(e));
   } catch (const CorruptData& e) {
-    return error_class("CorruptDataError")(e.what());
+    return error_class("CorruptDataError")(user_message(e));
   } catch (const IoError& e) {
-    return error_class("IoError")(e.what());
+    return error_class("IoError")(user_message(e));
   } catch (const Timeout& e) {
-    return error_class("TimeoutError")(e.what());
+    return error_class("TimeoutError")(user_message(e));
   } catch (const Error& e) {
-    return error_class("Error")(e.what());
+    return error_class("Error")(user_message(e));
   } catch (const std::exception& e) {
-    return py::module_::import("builtins").attr("RuntimeError")(e.what());
+    return py::module_::import("builtins").attr("RuntimeError")(user_message(e));
   }
 }
 }  // namespace
@@ -95,15 +95,18 @@ void bind_checkpoint(py::module_& m) {
     try {
       std::rethrow_exception(p);
     } catch (const CorruptCheckpoint& e) {
-      PyErr_SetString(error_class("CorruptCheckpointError").ptr(), e.what());
+      PyErr_SetString(error_class("CorruptCheckpointError").ptr(), user_message(e).c_str());
     } catch (const TornSnapshot& e) {
-      PyErr_SetString(error_class("TornSnapshotError").ptr(), e.what());
+      PyErr_SetString(error_class("TornSnapshotError").ptr(), user_message(e).c_str());
     } catch (const DirectoryLocked& e) {
-      PyErr_SetString(error_class("CheckpointLockedError").ptr(), e.what());
+      PyErr_SetString(error_class("CheckpointLockedError").ptr(), user_message(e).c_str());
     } catch (const PeerLost& e) {
-      PyErr_SetString(error_class("PeerLostError").ptr(), e.what());
+      PyErr_SetString(error_class("PeerLostError").ptr(), user_message(e).c_str());
     }
   });
+
+  m.def("latest_step", &latest_step, py::arg("directory"), py::call_guard<py::gil_scoped_release>(),
+        "The newest committed step of a checkpoint directory, or None (read-only: no lock, reads manifests).");
 
   // Destructors that wait for ettkit's threads release the GIL first: those threads never need it, but a
   // Python thread they might wait behind could (release_gil_before_calling_cpp_dtor).
@@ -200,6 +203,7 @@ void bind_checkpoint(py::module_& m) {
              o.world_size = world_size;
              o.commit_timeout_s = commit_timeout_s;
              o.recorder = recorder;
+             o.use_current_recorder = false;  // the Python layer resolved "current" (and keeps it alive)
              o.metadata = std::move(metadata);
              o.read_only = read_only;
              o.peer_timeout_s = peer_timeout_s;

@@ -135,6 +135,12 @@ void bind_ett(py::module_& m) {
       .def_property_readonly("dropped", &Recorder::dropped)
       .def_property_readonly("closed", &Recorder::closed);
 
+  // The same stack C++ components read (ett::current_recorder): a recorder created from Python is current
+  // for C++ components too, and one created in C++ is found here. `reference`: a Recorder created in Python
+  // comes back as its own Python object; one created in C++ gets a non-owning wrapper.
+  m.def("current_recorder", &ett::current_recorder, py::return_value_policy::reference,
+        "The innermost open Recorder of this process (however it was created), or None.");
+
   m.def(
       "build_report_json",
       [](const std::string& run_dir, bool include_initial_queue, double mtbf_prior_s, const std::string& method,

@@ -155,6 +155,7 @@ class PyStageGraph {
     o.timeout_s = timeout_s;
     o.fail_fast = fail_fast;
     o.detach_on_destroy = true;  // Python stages own their callables (see the file comment)
+    o.use_current_recorder = false;  // the Python layer resolved "current" (and keeps it alive in recorder_)
     if (!recorder.is_none()) {
       o.recorder = recorder.cast<ett::Recorder*>();
       recorder_ = std::move(recorder);
@@ -225,7 +226,7 @@ void bind_startup(py::module_& m) {
       std::rethrow_exception(p);
     } catch (const startup::StageFailed& e) {
       py::object cls = py::module_::import("ettkit.errors").attr("StageError");
-      py::object exc = cls(e.what());
+      py::object exc = cls(user_message(e));
       exc.attr("stage") = e.stage();
       PyErr_SetObject(cls.ptr(), exc.ptr());
     }

@@ -2,10 +2,18 @@
 // Registration entry points of the ettkit._C module, one per component (bind_<component>.cpp).
 #include <pybind11/pybind11.h>
 
+#include <exception>
+#include <string>
+
 namespace ettkit::python {
+/// The text a Python user reads for `e`: its message without C++ source locations or c10 backtraces (the
+/// full text goes to the debug log). Every translation into a Python exception uses it.
+std::string user_message(const std::exception& e);
+
 void bind_common(pybind11::module_& m);
 void bind_ett(pybind11::module_& m);
 void bind_sharding(pybind11::module_& m);
 void bind_startup(pybind11::module_& m);
 void bind_checkpoint(pybind11::module_& m);
+void bind_logging(pybind11::module_& m);
 }  // namespace ettkit::python

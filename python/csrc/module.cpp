@@ -7,6 +7,8 @@ PYBIND11_MODULE(_C, m) {
   m.attr("__version__") = ETTKIT_VERSION_STRING;
   m.attr("WITH_CUDA") = static_cast<bool>(ETTKIT_WITH_CUDA);
   ettkit::python::bind_common(m);
+  auto logging = m.def_submodule("_logging", "the bridge from the C++ core's log into Python logging");
+  ettkit::python::bind_logging(logging);
   auto ett = m.def_submodule("ett", "ETT phase timers, ledger, report, interval advisor");
   ettkit::python::bind_ett(ett);
   auto sharding = m.def_submodule("sharding", "Local shard-metadata builder, plan codec");

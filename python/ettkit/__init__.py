@@ -12,7 +12,7 @@ import os as _os
 # runtime libraries from its wheels) so the dynamic loader reuses them for ettkit._C.
 import torch as _torch  # noqa: F401
 
-from . import errors
+from . import _logging, errors
 from ._C import WITH_CUDA, __version__
 from .errors import (
     BatchMismatchError,
@@ -25,11 +25,14 @@ from .errors import (
     Error,
     InvalidArgumentError,
     IoError,
+    NoRecorderWarning,
     StageError,
     TimeoutError,
     TornSnapshotError,
     UnsupportedError,
 )
+
+_logging.install()  # the C++ core's log messages go to logging.getLogger("ettkit") (ettkit/_logging.py)
 
 #: Directory to add to CMAKE_PREFIX_PATH so that ``find_package(ettkit)`` finds the installed package.
 cmake_prefix_path = _os.path.dirname(__file__)
@@ -41,6 +44,7 @@ __all__ = [
     "errors",
     "Error",
     "InvalidArgumentError",
+    "NoRecorderWarning",
     "CorruptDataError",
     "CheckpointError",
     "CheckpointLockedError",

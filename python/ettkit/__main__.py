@@ -1,10 +1,19 @@
-"""Command line: ``python -m ettkit report RUN_DIR [options]`` (also installed as ``ettkit``)."""
+"""Command line: ``python -m ettkit report RUN_DIR [options]`` (also installed as ``ettkit``).
+
+Exit status: 0 on success, 2 for a usage error or a run directory that cannot be reported on, and 141
+(128 + SIGPIPE, what a C tool killed by SIGPIPE reports) when the reader of the output went away early, as
+``python -m ettkit report RUN | head`` does: then nothing is printed to stderr either.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+
+#: The exit status when stdout's reader closed the pipe early (128 + SIGPIPE).
+EXIT_BROKEN_PIPE = 141
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -43,7 +52,25 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs the command line; returns the exit status (see the module docstring)."""
+    try:
+        status = _main(argv)
+        sys.stdout.flush()  # inside the try: a closed pipe shows up at the latest here
+        return status
+    except BrokenPipeError:
+        # The reader (`head`, a pager) has what it wanted. Python would flush stdout again at exit and
+        # print a second error: point stdout at /dev/null first (the recipe of Python's signal docs).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_BROKEN_PIPE
+
+
+def _main(argv: list[str] | None) -> int:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="ettkit", description="ettkit command line")
+    parser.add_argument("--version", action="version", version=f"ettkit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     rep = sub.add_parser("report", help="the ETT report of a run directory (a pure function of its ledger)")
     rep.add_argument("run_dir", help="the directory given to ettkit.ett.Recorder (holds ett/rank-<r>.jsonl)")

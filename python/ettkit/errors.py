@@ -67,3 +67,9 @@ class CancelledError(Error):
 class BatchMismatchError(InvalidArgumentError):
     """A batch does not match its :class:`ettkit.startup.BatchSpec`; the message names the field and what
     the spec (and the graph compiled for it) expects."""
+
+
+class NoRecorderWarning(UserWarning):
+    """A component (``AsyncCheckpointer``, ``StageGraph``, ``overlapped_start``) was created with no ETT
+    recorder open, so its phases are not recorded. Open one first (``with ett.Recorder(run_dir):`` or
+    ``ett.init(run_dir)``), pass ``recorder=``, or pass ``recorder=None`` to record nothing."""

@@ -514,6 +514,7 @@ AsyncCheckpointer::AsyncCheckpointer(CheckpointerOptions options, c10::intrusive
   ETTKIT_EXPECTS(options.commit_timeout_s > 0, "commit_timeout_s=", options.commit_timeout_s, " must be > 0");
   ETTKIT_EXPECTS(options.unfenced_sync_max_bytes >= 0, "unfenced_sync_max_bytes=", options.unfenced_sync_max_bytes, " must be >= 0");
   im.opt = std::move(options);
+  im.opt.recorder = ett::recorder_for("AsyncCheckpointer", im.opt.recorder, im.opt.use_current_recorder);
   im.unfenced_sync_max_bytes = im.opt.unfenced_sync_max_bytes;
   im.store = std::move(store);
   im.world = im.opt.world_size > 0 ? im.opt.world_size : 1;
@@ -956,6 +957,12 @@ NamedTensors copy_in_place(const Candidate& c, const NamedTensors& tensors) {
 }
 
 }  // namespace
+
+std::optional<int64_t> latest_step(const std::string& directory) {
+  StepListing listing = list_steps(directory);
+  if (listing.committed.empty()) return std::nullopt;
+  return listing.committed.front().step;
+}
 
 std::optional<LoadResult> AsyncCheckpointer::load_latest(const NamedTensors& tensors,
                                                         const std::function<void(const std::string&)>& validate_extra,

@@ -113,6 +113,8 @@ RecordOutcome read_record(const Record& rec, std::string_view type, int rank, co
       a.proc_start.reset();
     }
     a.restart_count = rec.integer("restart_count");
+    a.pid = rec.integer("pid").value_or(-1);
+    if (auto host = rec.string("host")) a.host = std::string(*host);
     a.last_ts = a.ts;
     set.world_size = std::max(set.world_size, a.world);
     ledger.attempts.push_back(std::move(a));

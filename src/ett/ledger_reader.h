@@ -43,6 +43,11 @@ struct AttemptLedger {
   std::string status;         // "clean" | "exception" | "signal" (when has_end)
   std::string detail;
   uint64_t dropped = 0;
+  int64_t pid = -1;           // the recording process (attempt record), -1 when unknown
+  std::string host;
+  // Set by the report, not read from the file: no end record yet because the recording process still runs
+  // (see mark_running in report.cpp).
+  bool running = false;
 };
 
 struct RankLedger {

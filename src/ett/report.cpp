@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <queue>
@@ -25,7 +26,10 @@
 
 #include "common/logging.h"
 #include "ett/chrome_trace.h"
+#include "ett/ledger_format.h"
 #include "ett/ledger_reader.h"
+#include "ett/open_recorders.h"
+#include "ett/process_info.h"
 #include "ettkit/common/error.h"
 #include "ettkit/ett/interval.h"
 #include "ettkit/ett/phases.h"
@@ -390,7 +394,7 @@ Analysis analyse(const LedgerSet& set, const std::string& run_dir, const ReportO
       ra.begin = begin;
       ra.alloc_begin = alloc;
       ra.end = a.has_end ? std::max(a.end_ts, a.last_ts) : a.last_ts;
-      ra.failed = !a.has_end || a.status != "clean";
+      ra.failed = a.has_end ? a.status != "clean" : !a.running;
       ra.failure_point = a.activity_end > 0 ? a.activity_end : ra.begin;
       vec.push_back(std::move(ra));
       JobAttempt& job = jobs[a.attempt];
@@ -415,6 +419,13 @@ Analysis analyse(const LedgerSet& set, const std::string& run_dir, const ReportO
         job.detail = a.detail;
         job.exception_type = a.status == "exception" ? exception_type_of(a.detail) : "";
       }
+    }
+  }
+  // An attempt still in progress (read_for_report) that no rank has failed yet.
+  for (auto& [rank, vec] : per_rank) {
+    for (auto& ra : vec) {
+      JobAttempt& job = jobs[ra.ledger->attempt];
+      if (ra.ledger->running && !job.failed) job.status = "running";
     }
   }
   auto previous_failed = [&](int attempt) {
@@ -1035,17 +1046,41 @@ Analysis analyse(const LedgerSet& set, const std::string& run_dir, const ReportO
   return out;
 }
 
+// Reads the ledger for a report. An attempt with no end record is "running" rather than "killed" when its
+// process still runs: a Recorder open in this process (flushed first, so the report sees what it recorded
+// so far: a trainer may report on its own run), or a live process on this host with the pid and start time
+// of the attempt record. An attempt of another host without an end record reads as killed until it ends.
+LedgerSet read_for_report(const std::string& run_dir) {
+  const auto open_here =
+      detail::flush_open_ledgers_in((std::filesystem::path(run_dir) / ledger::kDirName).string(), 10.0);
+  LedgerSet set = detail::read_ledger_dir(run_dir);
+  const std::string this_host = detail::host_name();
+  for (auto& rank : set.ranks) {
+    if (rank.attempts.empty() || rank.attempts.back().has_end) continue;
+    auto& a = rank.attempts.back();  // only a rank's last attempt can still be running
+    std::error_code ec;
+    const std::string path = std::filesystem::weakly_canonical(rank.path, ec).string();
+    for (const auto& [open_path, attempt] : open_here) {
+      a.running = a.running || (open_path == path && attempt == a.attempt);
+    }
+    if (!a.running && a.proc_start && !a.host.empty() && a.host == this_host) {
+      a.running = detail::process_is_running(a.pid, *a.proc_start);
+    }
+  }
+  return set;
+}
+
 }  // namespace
 
 std::string build_report_json(const std::string& run_dir, const ReportOptions& options) {
-  auto set = detail::read_ledger_dir(run_dir);
+  auto set = read_for_report(run_dir);
   return analyse(set, run_dir, options).doc.dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
 ReportSummary build_report(const std::string& run_dir, const ReportOptions& options) {
   ReportOptions lean = options;
   lean.include_timeline = false;
-  auto set = detail::read_ledger_dir(run_dir);
+  auto set = read_for_report(run_dir);
   return analyse(set, run_dir, lean).summary;
 }
 

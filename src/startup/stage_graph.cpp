@@ -857,7 +857,10 @@ StageReport StageGraph::Impl::run(const InterruptCheck& interrupted, double poll
 
 // ---- StageGraph ----------------------------------------------------------------------------------------
 
-StageGraph::StageGraph(StageGraphOptions options) : impl_(std::make_shared<Impl>(options)) {}
+StageGraph::StageGraph(StageGraphOptions options) {
+  options.recorder = ett::recorder_for("StageGraph", options.recorder, options.use_current_recorder);
+  impl_ = std::make_shared<Impl>(options);
+}
 StageGraph::~StageGraph() { impl_->shutdown(); }
 void StageGraph::add(const std::string& name, StageFn fn, StageOptions options) {
   impl_->add(name, std::move(fn), std::move(options));

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -161,3 +162,38 @@ def test_trace_of_200k_steps_needs_no_timeline_in_memory(tmp_path):
     events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
     assert sum(1 for e in events if e["ph"] == "X" and e["name"] == "training") == 2 * steps  # rank + job
 
+
+
+def test_version_matches_the_package_and_its_metadata():
+    import importlib.metadata
+
+    import ettkit
+
+    p = cli("--version")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == f"ettkit {ettkit.__version__}"
+    assert ettkit.__version__ == importlib.metadata.version("ettkit")
+
+
+@pytest.mark.parametrize("fmt", [[], ["--json"]])
+def test_a_reader_that_closed_the_pipe_ends_the_report_quietly(tmp_path, fmt):
+    # `python -m ettkit report RUN | head -1`, made deterministic: the pipe's read end is closed before the
+    # report starts, so its first write meets a closed pipe (EPIPE; CPython ignores SIGPIPE).
+    worked_example(tmp_path).save()
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        p = subprocess.run([sys.executable, "-m", "ettkit", "report", str(tmp_path), *fmt], stdout=write_end,
+                           stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert p.returncode == 141, p.stderr  # 128 + SIGPIPE, as a C tool killed by SIGPIPE reports
+    assert "Traceback" not in p.stderr and "BrokenPipeError" not in p.stderr and p.stderr == ""
+
+
+def test_report_into_head_prints_the_first_lines(tmp_path):
+    worked_example(tmp_path).save()
+    p = subprocess.run(f"{sys.executable} -m ettkit report {tmp_path} | head -n 2", shell=True,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and len(p.stdout.splitlines()) == 2
+    assert "Traceback" not in p.stderr

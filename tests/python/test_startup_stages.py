@@ -155,11 +155,8 @@ def test_stages_are_recorded_into_the_ett_recorder(tmp_path):
     assert phases["compile"]["e"] == report.stages["pt2_compile"].end_epoch_us
 
 
-def test_the_default_recorder_is_used_when_there_is_one(tmp_path, monkeypatch):
-    from ettkit.ett import recorder as recorder_module
-
-    rec = ett.Recorder(tmp_path, rank=0, world_size=1, launcher_phases_from_env=False)
-    monkeypatch.setattr(recorder_module, "_current", rec)
+def test_the_default_recorder_is_used_when_there_is_one(tmp_path):
+    rec = ett.Recorder(tmp_path, rank=0, world_size=1, launcher_phases_from_env=False)  # the current one
     try:
         graph = StageGraph()
         graph.add("train_module_creation", lambda: None)

@@ -68,7 +68,7 @@ from ettkit import ett
 
 if ARGS.arm == "ettkit":  # imported before the recorder starts, like torch: part of process_bootstrap
     from ettkit import sharding, startup
-    from ettkit.checkpoint import AsyncCheckpointer
+    from ettkit.checkpoint import AsyncCheckpointer, latest_step
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from clicklogs import ClickLogDataset
@@ -265,16 +265,10 @@ def baseline_restore(embeddings, dense, opt) -> int:
 
 
 def ettkit_peek_latest_step() -> int:
-    """The newest committed step (``step-<N>/manifest.json``), to position the data loader before the
-    restore has run; the restore itself validates and may fall back to an older step (checked after it)."""
-    steps = []
-    try:
-        for name in os.listdir(ckpt_dir()):
-            if name.startswith("step-") and os.path.exists(os.path.join(ckpt_dir(), name, "manifest.json")):
-                steps.append(int(name[5:]))
-    except (OSError, ValueError):
-        pass
-    return max(steps, default=0)
+    """The newest committed step, to position the data loader before the restore has run (read-only: no
+    lock, only manifests read); the restore itself validates and may fall back to an older step (checked
+    after it)."""
+    return latest_step(ckpt_dir()) or 0
 
 
 # ---- the training loop (shared) ------------------------------------------------------------------------------

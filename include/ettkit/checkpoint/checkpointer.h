@@ -257,8 +257,11 @@ struct ETTKIT_API CheckpointerOptions {
   /// commit_timeout_s.
   double peer_timeout_s = 3.0;
   /// Non-owning; must outlive the checkpointer. Receives checkpoint_blocking (foreground) and
-  /// checkpoint_staging / checkpoint_persist (background) records.
+  /// checkpoint_staging / checkpoint_persist (background) records. Null: see use_current_recorder.
   ett::Recorder* recorder = nullptr;
+  /// When `recorder` is null: true records into ett::current_recorder() as of construction (which must
+  /// then outlive the checkpointer; a warning, once per process, when none is open); false records nothing.
+  bool use_current_recorder = true;
   /// Written into every manifest.
   std::map<std::string, std::string> metadata;
   /// Only loads: takes no directory lock, removes nothing, and save() throws InvalidArgument. For jobs and
@@ -348,5 +351,13 @@ class ETTKIT_API AsyncCheckpointer {
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+/// The newest committed step of the checkpoint directory `directory`, or nullopt when none is committed (or
+/// the directory does not exist). "Committed" and "newest" as for load_latest: step-<N>/manifest.json
+/// decodes and names step N, and steps are ordered by commit, not by number. Read-only and cheap: takes no
+/// lock, changes nothing and reads only the manifests, so it works beside a live writer and before any
+/// checkpointer exists (e.g. to position a data loader before the restore). load_latest may still fall
+/// back to an older step when this one's data files fail verification.
+ETTKIT_API std::optional<int64_t> latest_step(const std::string& directory);
 
 }  // namespace ettkit::checkpoint

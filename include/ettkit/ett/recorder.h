@@ -14,6 +14,11 @@
 //  - close() (or the destructor) writes the end record with how the attempt ended and joins the thread
 //    within `shutdown_timeout_s`. A process that is killed writes no end record; the report infers
 //    "killed" from that and dates the failure by the last record.
+//  - The current recorder: a Recorder is the process's current recorder from construction until close()
+//    (or destruction), unless a newer open Recorder is. Components (AsyncCheckpointer, StageGraph, the
+//    Python layer) that are given no recorder record into current_recorder(), so one recorder serves the
+//    whole job however it was created (C++, `with ett.Recorder(...)`, `ett.init(...)`). See
+//    current_recorder() below.
 // Thread-safety: every member function may be called from any thread, except close()/destruction, which
 // must not race with other calls.
 
@@ -156,8 +161,27 @@ class ETTKIT_API Recorder {
 
  private:
   friend class ScopedPhase;
+  void make_current();
+  void stop_being_current();
   void push_phase(uint32_t id, int64_t begin_ns, int64_t end_ns, int64_t step);
   std::unique_ptr<Impl> impl_;
 };
+
+/// The process's current recorder: the most recently constructed Recorder that is still open, or null.
+///
+/// Open recorders form a stack: construction pushes, close() (or destruction) removes that recorder
+/// wherever it is, so a nested recorder is current until it closes and then the enclosing one is again,
+/// and closing out of order never leaves a closed recorder current. The stack is process-wide on purpose:
+/// it is how a recorder made by Python (`with ett.Recorder(...)`, `ett.init(...)`) reaches C++ components
+/// and the other way round. Thread-safe.
+///
+/// The pointer is borrowed: whoever uses it must know that the recorder outlives that use (a component
+/// takes it at its construction and must be destroyed before the recorder, as with an explicit recorder).
+ETTKIT_API Recorder* current_recorder();
+
+/// The recorder a component records into: `explicit_recorder` when not null; otherwise, with
+/// `use_current`, current_recorder(), and when there is none a warning (once per process per `component`)
+/// that the component's phases are not recorded; otherwise null (the caller asked for no recording).
+ETTKIT_API Recorder* recorder_for(const char* component, Recorder* explicit_recorder, bool use_current);
 
 }  // namespace ettkit::ett

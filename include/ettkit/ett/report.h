@@ -1,5 +1,7 @@
 #pragma once
-// The ETT report: a pure function of a run directory's ledger files (RUN_DIR/ett/rank-*.jsonl).
+// The ETT report: a pure function of a run directory's ledger files (RUN_DIR/ett/rank-*.jsonl), except that
+// an attempt without an end record whose process still runs (a Recorder open in this process, flushed
+// first; or a live process on this host) is reported as "running" rather than "killed" (docs/ett.md §6).
 //
 // Every instant of the job's end-to-end wall time is put in exactly one bucket — effective, idle,
 // failure or unattributed — so the buckets sum to E2E (integer microseconds) and the percentages to 100.

@@ -31,8 +31,8 @@
 //    throws Cancelled promptly. A binding uses it to deliver Ctrl-C without the core knowing Python.
 //  - Thread exit: a forced unwind (pthread_exit, pthread_cancel; CPython ends threads that way at
 //    interpreter exit) passes through a stage untouched and ends its worker cleanly.
-//  - Every stage that ran is recorded into the ETT recorder, when one is given, as a phase named by the
-//    stage's `phase` (default: the stage name), with its real begin and end.
+//  - Every stage that ran is recorded into the ETT recorder (the options' or the current one), as a
+//    phase named by the stage's `phase` (default: the stage name), with its real begin and end.
 //  - run() returns a StageReport: per-stage begin/end/status, the critical path, the serial sum and the
 //    time saved by running stages concurrently.
 // Ownership: the graph owns the stage callables and its worker threads; the recorder is borrowed and
@@ -173,8 +173,11 @@ struct ETTKIT_API StageGraphOptions {
   double timeout_s = 0.0;
   /// After the first failure, cancel every stage that has not started (not only its dependents).
   bool fail_fast = false;
-  /// Borrowed; each stage that ran is recorded as a phase. May be null.
+  /// Borrowed; each stage that ran is recorded as a phase. Null: see use_current_recorder.
   ett::Recorder* recorder = nullptr;
+  /// When `recorder` is null: true records into ett::current_recorder() as of the graph's construction
+  /// (which must then outlive run(); a warning, once per process, when none is open); false records nothing.
+  bool use_current_recorder = true;
   /// What the destructor does with a worker still inside a stage (one that outlived its deadline or an
   /// interrupt): false waits for it to return, however long that takes; true detaches it, and the thread
   /// keeps the scheduler's state and the stage's callable alive until it returns (it records nothing

@@ -42,7 +42,8 @@ from ._attach import Attachment, Fences, _listify
 from ._flatten import (check_unique, find_captured_optimizer, find_saved, flatten_state, rebuild_named,
                        restore_non_tensors)
 
-__all__ = ["AsyncCheckpointer", "Attachment", "DcpStager", "SaveHandle", "parse_every"]
+__all__ = ["AUTO_UNMEASURED_INTERVAL_S", "AsyncCheckpointer", "Attachment", "DcpStager", "SaveHandle",
+           "latest_step", "parse_every"]
 
 SaveHandle = _C.checkpoint.SaveHandle
 
@@ -50,6 +51,11 @@ SaveHandle = _C.checkpoint.SaveHandle
 _PY_EXTRA_MAGIC = b"ettkit-py-extra-v1\n"
 
 _UNITS = {"s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
+
+#: ``every="auto"`` before a save of this checkpointer has committed (so its cost is unknown): the interval
+#: after the last save. The first save is made at once, to measure; this bounds the saves made while it is
+#: still persisting, or after it failed, to one per 10 minutes instead of one per step.
+AUTO_UNMEASURED_INTERVAL_S = 600.0
 
 
 def _parse_overlap(overlap: Any) -> str:
@@ -78,6 +84,15 @@ def parse_every(every: Any) -> tuple[str, float]:
             return ("seconds", float(m.group(1)) * _UNITS[m.group(2)])
     raise InvalidArgumentError(
         f"every={every!r} is not valid: give steps (e.g. 100), a duration (e.g. '90s', '10min', '1h') or 'auto'")
+
+
+def latest_step(directory: str | os.PathLike) -> Optional[int]:
+    """The newest committed step of a checkpoint directory, or ``None`` when none is (or the directory does
+    not exist). Committed and newest as for :meth:`AsyncCheckpointer.load_latest` (``step-<N>/manifest.json``
+    decodes; ordered by commit, not by number). Read-only: no lock, nothing changed, only manifests read, so
+    it works beside a running writer and before any checkpointer exists, e.g. to position a data loader
+    before the restore (which may still fall back to an older step if this one's files fail verification)."""
+    return _C.checkpoint.latest_step(os.fspath(directory))
 
 
 def _decode_extra(blob: bytes) -> Optional[tuple[Any, Any]]:
@@ -187,10 +202,9 @@ class AsyncCheckpointer:
             world = dist.get_world_size(process_group)
             if store is None and world > 1:
                 store = dist.distributed_c10d._get_default_store()  # keys are namespaced in C++
-        if recorder == "current":
-            from ..ett import current
+        from ..ett.recorder import resolve
 
-            recorder = current()
+        recorder = resolve(recorder, "AsyncCheckpointer", stacklevel=2)  # "current": the innermost open one
         self._recorder = recorder
         self._c = _C.checkpoint.AsyncCheckpointer(
             os.fspath(directory), keep_last=int(keep_last), on_busy=on_busy, overlap=_parse_overlap(overlap),
@@ -203,8 +217,10 @@ class AsyncCheckpointer:
         if unfenced_sync_max_bytes < 0:
             raise InvalidArgumentError(f"unfenced_sync_max_bytes={unfenced_sync_max_bytes} must be >= 0")
         self._c.set_unfenced_sync_max_bytes(int(unfenced_sync_max_bytes))
+        self._clock = time.monotonic  # the interval policy's clock (tests replace it)
         self._last_save_step: Optional[int] = None
-        self._last_save_time = time.monotonic()
+        self._last_save_time = self._clock()
+        self._saves_made = 0
         self._fences = Fences(self._c)
         self._handles: deque = deque(maxlen=4)
         self._tensor_list = _C.checkpoint.TensorList()
@@ -260,7 +276,8 @@ class AsyncCheckpointer:
         handle = self._c.save(int(step), self._tensor_list, blob)
         if not handle.skipped:
             self._last_save_step = int(step)
-            self._last_save_time = time.monotonic()
+            self._last_save_time = self._clock()
+            self._saves_made += 1
             self._handles.append(handle)
         if self._preempt_signal is not None:
             self._finish_preemption(handle)
@@ -312,22 +329,28 @@ class AsyncCheckpointer:
             return False
         if kind == "steps":
             return step > 0 and step % int(self._every_value) == 0 and step != self._last_save_step
-        elapsed = time.monotonic() - self._last_save_time
+        elapsed = self._clock() - self._last_save_time
         if kind == "seconds":
             return elapsed >= self._every_value
+        if self._saves_made == 0:
+            return True  # "auto": the first save measures what a save costs
         return elapsed >= self.auto_interval_s()
 
     def auto_interval_s(self) -> float:
         """The interval the ETT advisor recommends from this job's measured blocking time, save duration
         and failure history (Daly's first order, never below the time a save takes to become durable).
-        Before any save has been measured: 0 (save now, to measure)."""
-        if self._c.saves_committed == 0:
-            return 0.0
+        Before a save has committed (nothing measured): :data:`AUTO_UNMEASURED_INTERVAL_S`."""
+        committed, blocking, durable = self._measured_costs()
+        if committed == 0:
+            return AUTO_UNMEASURED_INTERVAL_S
         from ..ett import recommend_interval
 
-        blocking = max(self._c.mean_blocking_s, 1e-4)
-        interval = recommend_interval(blocking, self._mtbf_s, self._restart_s, "daly")
-        return max(interval, self._c.mean_time_to_durable_s)
+        interval = recommend_interval(max(blocking, 1e-4), self._mtbf_s, self._restart_s, "daly")
+        return max(interval, durable)
+
+    def _measured_costs(self) -> tuple[int, float, float]:
+        """(saves committed, mean blocking s, mean time to durable s): what ``every="auto"`` decides from."""
+        return self._c.saves_committed, self._c.mean_blocking_s, self._c.mean_time_to_durable_s
 
     def _failure_history(self, prior: float) -> tuple[float, float]:
         rec = self._recorder

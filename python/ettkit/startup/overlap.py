@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..errors import BatchMismatchError
+from ..ett import recorder as _ett_recorder
 from .batch_spec import BatchSpec
 from .cache import CacheLoadResult, CompileCache
 from .stages import StageGraph, StageReport
@@ -139,8 +140,15 @@ def overlapped_start(
     - ``cache``: a :class:`CompileCache` to load before compiling (save it yourself after the first steps).
     - ``graph``: a StageGraph with more start-up stages to run in the same DAG (e.g. ``process_group_init``);
       ``compile_after`` names stages the compile must wait for. ``timeout_s``: deadline of the whole graph.
+    - ``recorder``: where the stages are recorded as ETT phases (``compile``, ``preproc_creation``,
+      ``get_first_batch_data``): default the current recorder (:func:`ettkit.ett.current`, with a
+      :class:`ettkit.NoRecorderWarning` when none is open), ``None`` for none. Ignored with ``graph=``
+      (the graph's own recorder is used).
     """
     t0 = time.perf_counter()
+    if graph is None:
+        # Resolved here, not in StageGraph, so that a missing recorder's warning names the caller's line.
+        recorder = _ett_recorder.resolve(recorder, "overlapped_start", stacklevel=2)
     g = graph if graph is not None else StageGraph(timeout_s=timeout_s, recorder=recorder)
 
     results = g.results  # not `g` itself: the graph owns these callables, they must not own it back

@@ -187,8 +187,9 @@ class StageGraph:
       overlap and run in the same order on every rank.
     - ``timeout_s``: the stage's deadline; ``phase``: the ETT phase it is recorded under (default: name).
 
-    ``recorder`` (default: the process's :func:`ettkit.ett.current` recorder, if any) receives one phase
-    per stage. A graph runs once. ``run()`` raises :class:`ettkit.errors.StageError` (a stage failed; its
+    ``recorder`` (default ``"current"``: the process's :func:`ettkit.ett.current` recorder, with a
+    :class:`ettkit.NoRecorderWarning` when none is open; ``None``: record nothing) receives one phase per
+    stage. A graph runs once. ``run()`` raises :class:`ettkit.errors.StageError` (a stage failed; its
     dependents were cancelled), :class:`ettkit.TimeoutError` (a deadline passed),
     :class:`ettkit.InvalidArgumentError` (a cycle or an unknown dependency, before anything ran) or
     ``KeyboardInterrupt`` (Ctrl-C; every stage was cancelled, :attr:`report` says which were running).
@@ -202,10 +203,7 @@ class StageGraph:
         fail_fast: bool = False,
         recorder: Any = _CURRENT,
     ):
-        if isinstance(recorder, str) and recorder == _CURRENT:
-            recorder = _ett_recorder.current()
-            if recorder is not None and recorder.closed:
-                recorder = None
+        recorder = _ett_recorder.resolve(recorder, "StageGraph", stacklevel=2)
         self._graph = _C.startup.StageGraph(
             max_workers=max_workers, timeout_s=float(timeout_s or 0.0), fail_fast=fail_fast, recorder=recorder
         )

@@ -11,6 +11,7 @@
 #include <random>
 
 #include "checkpoint/storage.h"
+#include "ettkit/ett/recorder.h"
 
 namespace fs = std::filesystem;
 using ettkit::CorruptData;
@@ -394,4 +395,71 @@ TEST(CheckpointerIntegrity, FencedWritesCommitTheStateAtSave) {
   EXPECT_EQ(r->step, 5);
   EXPECT_TRUE(at::equal(target[0].second, at::full({1 << 20}, 4.0)));
   EXPECT_TRUE(at::equal(target[1].second, at::full({7, 3000}, 4.0)));
+}
+
+// A checkpointer given no recorder records into the current one (here a C++ Recorder; one made in Python is
+// on the same stack); use_current_recorder = false records nothing.
+TEST(Checkpointer, RecordsIntoTheCurrentRecorderUnlessOptedOut) {
+  std::string run = temp_dir(), dir = temp_dir();
+  auto count_blocking = [](const std::string& ledger) {
+    std::ifstream in(ledger);
+    int n = 0;
+    for (std::string line; std::getline(in, line);) n += line.find("\"checkpoint_blocking\"") != std::string::npos;
+    return n;
+  };
+  std::string ledger;
+  {
+    ettkit::ett::RecorderOptions ro;
+    ro.run_dir = run;
+    ro.rank = 0;
+    ro.world_size = 1;
+    ro.launcher_phases_from_env = false;
+    ettkit::ett::Recorder rec(ro);
+    ledger = rec.ledger_path();
+    {
+      CheckpointerOptions o;
+      o.directory = dir;  // no recorder: the current one
+      AsyncCheckpointer ck(o);
+      ck.save(1, state(1)).wait();
+    }
+    rec.flush();
+    EXPECT_EQ(count_blocking(ledger), 1);
+    {
+      CheckpointerOptions o;
+      o.directory = dir;
+      o.use_current_recorder = false;
+      AsyncCheckpointer ck(o);
+      ck.save(2, state(2)).wait();
+    }
+    rec.flush();
+    EXPECT_EQ(count_blocking(ledger), 1);
+  }
+  fs::remove_all(run);
+  fs::remove_all(dir);
+}
+
+TEST(Checkpointer, LatestStepIsTheNewestCommitReadOnly) {
+  std::string dir = temp_dir();
+  EXPECT_EQ(latest_step(dir), std::nullopt);
+  EXPECT_EQ(latest_step(dir + "/missing"), std::nullopt);
+  CheckpointerOptions o;
+  o.directory = dir;
+  o.keep_last = 0;
+  o.use_current_recorder = false;
+  {
+    AsyncCheckpointer ck(o);
+    ck.save(5, state(5)).wait();
+    ck.save(2, state(2)).wait();  // committed after step 5: the newest, though the smaller number
+    // Beside the live writer (which holds the directory lock): no lock needed.
+    EXPECT_EQ(latest_step(dir), 2);
+  }
+  // Not committed: a step directory without a manifest, and one whose manifest does not decode.
+  fs::create_directories(dir + "/step-9");
+  fs::create_directories(dir + "/step-8");
+  std::ofstream(dir + "/step-8/manifest.json") << "{not json";
+  EXPECT_EQ(latest_step(dir), 2);
+  auto before = ckd::list_steps(dir).others.size();
+  EXPECT_EQ(latest_step(dir), 2);
+  EXPECT_EQ(ckd::list_steps(dir).others.size(), before);  // nothing removed or changed
+  fs::remove_all(dir);
 }

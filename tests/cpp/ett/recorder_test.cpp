@@ -297,5 +297,58 @@ TEST(Recorder, EveryCallFromManyThreadsWhileTheWriterFlushes) {
   rec.close();
 }
 
+// ---- the current recorder ------------------------------------------------------------------------------
+
+TEST(CurrentRecorder, NestingAndCloseRestoreThePreviousOne) {
+  TempDir a, b, c;
+  ASSERT_EQ(current_recorder(), nullptr);
+  {
+    Recorder outer(opts(a));
+    EXPECT_EQ(current_recorder(), &outer);
+    {
+      Recorder inner(opts(b));
+      EXPECT_EQ(current_recorder(), &inner);
+    }  // destroyed: closed
+    EXPECT_EQ(current_recorder(), &outer);
+    Recorder second(opts(b));
+    EXPECT_EQ(current_recorder(), &second);
+    second.close();  // closed but still alive: never current again
+    EXPECT_EQ(current_recorder(), &outer);
+    // Out of order: closing the outer one while a newer one is open leaves the newer one current.
+    Recorder newer(opts(c));
+    outer.close();
+    EXPECT_EQ(current_recorder(), &newer);
+    newer.close();
+    EXPECT_EQ(current_recorder(), nullptr);
+  }
+  EXPECT_EQ(current_recorder(), nullptr);
+}
+
+TEST(CurrentRecorder, AConstructorThatThrowsNeverBecomesCurrent) {
+  TempDir dir;
+  RecorderOptions o = opts(dir);
+  o.heartbeat_s = -1;
+  EXPECT_THROW(Recorder bad(o), InvalidArgument);
+  EXPECT_EQ(current_recorder(), nullptr);
+}
+
+TEST(CurrentRecorder, RecorderForPrefersTheExplicitOneAndHonoursOptOut) {
+  TempDir a, b;
+  EXPECT_EQ(recorder_for("test component", nullptr, true), nullptr);  // none open: null (and a warning)
+  Recorder open(opts(a));
+  Recorder other(opts(b));
+  EXPECT_EQ(recorder_for("test component", nullptr, true), &other);
+  EXPECT_EQ(recorder_for("test component", &open, true), &open);
+  EXPECT_EQ(recorder_for("test component", nullptr, false), nullptr);
+}
+
+TEST(CurrentRecorder, ThreadsSeeOneStack) {
+  TempDir dir;
+  Recorder rec(opts(dir));
+  Recorder* seen = nullptr;
+  std::thread([&] { seen = current_recorder(); }).join();
+  EXPECT_EQ(seen, &rec);
+}
+
 }  // namespace
 }  // namespace ettkit::ett

@@ -6,6 +6,7 @@
 
 #include "ett/test_dir.h"
 #include "ettkit/common/error.h"
+#include "ettkit/ett/recorder.h"
 
 namespace ettkit::ett {
 namespace {
@@ -316,6 +317,50 @@ TEST(Report, SummaryMatchesTheJson) {
   EXPECT_EQ(summary.attempts, 1);
   ASSERT_EQ(summary.time_to_start_s.size(), 1u);
   EXPECT_DOUBLE_EQ(summary.time_to_start_s[0], 5.0);
+}
+
+// A live trainer reporting on its own run: the Recorder is still open, so the attempt has no end record.
+TEST(Report, AnOpenRunIsReportedAsRunning) {
+  TempDir dir;
+  {
+    // The README's C++ snippet: report right after recording, before the writer thread ran. The attempt
+    // record was not on disk yet, so the report threw (a C++ trainer that did not catch it aborted).
+    RecorderOptions o;
+    o.run_dir = (dir.path() / "fresh").string();
+    o.rank = 0;
+    o.world_size = 1;
+    o.launcher_phases_from_env = false;
+    o.flush_interval_s = 3600;
+    o.heartbeat_s = 3600;
+    Recorder rec(o);
+    rec.step(1);
+    ReportSummary now = build_report(o.run_dir);
+    EXPECT_EQ(now.attempts, 1);
+    EXPECT_EQ(now.failures, 0);
+  }
+  RecorderOptions o;
+  o.run_dir = dir.str();
+  o.rank = 0;
+  o.world_size = 1;
+  o.launcher_phases_from_env = false;
+  Recorder rec(o);
+  { auto p = rec.phase("compile"); }
+  rec.step(1);
+  rec.step(2);
+  rec.flush();
+  ReportSummary summary = build_report(dir.str());
+  json r = report(dir);
+  ASSERT_EQ(r["attempts"].size(), 1u);
+  EXPECT_EQ(r["attempts"][0]["status"], "running");
+  EXPECT_EQ(summary.attempts, 1);
+  EXPECT_EQ(summary.failures, 0);
+  EXPECT_EQ(r["failures"], 0);
+  EXPECT_NEAR(bucket_sum(r), 100.0, 1e-9);
+  EXPECT_GT(r["phases"]["training"].get<double>(), 0.0);
+  EXPECT_EQ(r["phases"].count("lost_in_flight"), 0u);
+  rec.close();
+  json closed = report(dir);
+  EXPECT_EQ(closed["attempts"][0]["status"], "clean");
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <thread>
 
 #include "ett/test_dir.h"
@@ -534,6 +535,36 @@ TEST(StageGraph, RecordsEveryStageIntoTheEttRecorder) {
     EXPECT_EQ(phases[phase]["b"].get<int64_t>(), report.find(stage)->begin_epoch_us) << stage;
     EXPECT_EQ(phases[phase]["e"].get<int64_t>(), report.find(stage)->end_epoch_us) << stage;
   }
+}
+
+TEST(StageGraph, WithoutARecorderRecordsIntoTheCurrentOne) {
+  testing::TempDir dir;
+  ett::RecorderOptions ro;
+  ro.run_dir = dir.str();
+  ro.rank = 0;
+  ro.world_size = 1;
+  ro.launcher_phases_from_env = false;
+  ett::Recorder recorder(ro);
+  StageGraph graph;  // no recorder in the options: the current one, `recorder`
+  StageOptions compile;
+  compile.phase = "compile";
+  graph.add("pt2_compile", noop(), compile);
+  graph.run();
+  StageGraphOptions no_recording;
+  no_recording.use_current_recorder = false;
+  StageGraph opted_out(no_recording);
+  StageOptions other;
+  other.phase = "never_recorded";
+  opted_out.add("x", noop(), other);
+  opted_out.run();
+  recorder.flush();
+  std::set<std::string> names;
+  for (const auto& line : testing::read_lines(recorder.ledger_path())) {
+    auto j = nlohmann::json::parse(line, nullptr, false);
+    if (j.is_object() && j["t"] == "phase") names.insert(j["name"].get<std::string>());
+  }
+  EXPECT_TRUE(names.count("compile"));
+  EXPECT_FALSE(names.count("never_recorded"));
 }
 
 TEST(StageGraph, RunsOnceAndAnEmptyGraphIsFine) {
