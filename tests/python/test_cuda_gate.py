@@ -64,7 +64,8 @@ def test_required_a_skipping_cuda_test_fails(tmp_path):
 def test_required_without_a_gpu_every_cuda_test_fails(tmp_path):
     r = run_tiny(tmp_path, True, "-k", "on_the_gpu or on_the_cpu")
     assert r.returncode != 0, r.stdout + r.stderr
-    assert "1 failed, 1 passed" in r.stdout, r.stdout
+    # The CUDA test fails at setup (pytest counts that as an error), the CPU test still runs and passes.
+    assert "1 passed" in r.stdout and ("1 error" in r.stdout or "1 failed" in r.stdout), r.stdout
     assert "torch sees no CUDA device" in r.stdout
 
 
