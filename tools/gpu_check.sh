@@ -20,13 +20,14 @@
 #   gpu.json  summary.md  nvidia-smi-q.txt  gpu_check.log  logs.tar.gz (every step's log, the benchmarks'
 #   JSON, the CMake and pytest files)
 #
-# Environment: ETTKIT_GPU_PYTHON (default python3: the device's torch), ETTKIT_GPU_BUDGET_S (default 540: the
+# Environment: ETTKIT_GPU_PYTHON (default python3: the device's torch), ETTKIT_GPU_BUDGET_S (default 570: the
 # run tool allows 600 s a command), ETTKIT_GPU_WORK (default build/gpu-work), ETTKIT_GPU_WHEELS=all (install
 # every kit wheel, not only the missing ones), ETTKIT_GPU_STEPS (a comma list to run only some steps),
-# ETTKIT_GPU_QUICK=1 (benchmarks with --quick sizes), ETTKIT_GPU_CMAKE_DEFINES ("NAME=VALUE ..." for CMake).
+# ETTKIT_GPU_QUICK=1 (benchmarks with --quick sizes), ETTKIT_GPU_CMAKE_DEFINES ("NAME=VALUE ..." for CMake),
+# ETTKIT_GPU_TIME_SCALE (default 1: multiplies the budget and every step's limit, for a 2-core rehearsal).
 # tools/gpu_check_dryrun.sh rehearses it on a machine without a GPU.
 set -uo pipefail
-REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)   # tools/ or .gpu/: both sit in the repository root
+export REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"   # tools/ or .gpu/: both sit in the repository root
 cd "$REPO"
 
 export KIT="$REPO/.gpu"
@@ -38,7 +39,8 @@ export BUILD="$WORK/build"
 export LOGS="$WORK/logs"
 export JOBS="$(nproc)"
 export QUICK="${ETTKIT_GPU_QUICK:-0}"
-BUDGET="${ETTKIT_GPU_BUDGET_S:-540}"
+TIME_SCALE="${ETTKIT_GPU_TIME_SCALE:-1}"   # multiplies every step's limit and the budget (a slow rehearsal)
+BUDGET=$(( ${ETTKIT_GPU_BUDGET_S:-570} * TIME_SCALE ))
 RESERVE=20   # kept back for the report and the archive
 START=$(date +%s)
 DEADLINE=$((START + BUDGET))
@@ -55,9 +57,12 @@ export LD_LIBRARY_PATH="$KIT/prefix/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 export ETTKIT_LOG_LEVEL="${ETTKIT_LOG_LEVEL:-warn}"
-if [[ -z ${CUDA_HOME:-} ]]; then
+# The CUDA toolkit: CUDA_HOME, else /usr/local/cuda (cmake/ettkitTorchHints.cmake looks there), else where the
+# nvcc on PATH lives when a toolkit's headers sit beside it (an nvcc on PATH may be a wrapper script).
+if [[ -z ${CUDA_HOME:-} && ! -x /usr/local/cuda/bin/nvcc ]]; then
   nvcc_path=$(command -v nvcc || true)
-  [[ -n $nvcc_path ]] && export CUDA_HOME="$(dirname "$(dirname "$(readlink -f "$nvcc_path")")")"
+  cuda_root=${nvcc_path:+$(dirname "$(dirname "$(readlink -f "$nvcc_path")")")}
+  [[ -n $cuda_root && -f $cuda_root/include/cuda_runtime_api.h ]] && export CUDA_HOME="$cuda_root"
 fi
 
 # ---- the steps ------------------------------------------------------------------------------------------------
@@ -78,7 +83,12 @@ info = {"python": sys.version.split()[0], "executable": sys.executable, "torch":
 if torch.cuda.is_available():
     p = torch.cuda.get_device_properties(0)
     info.update(gpu=p.name, capability=f"{p.major}.{p.minor}", memory_GiB=round(p.total_memory / 2**30, 1),
-                sms=p.multi_processor_count, nccl=".".join(map(str, torch.cuda.nccl.version())))
+                sms=p.multi_processor_count)
+    try:
+        v = torch.cuda.nccl.version()
+        info["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+    except Exception as e:  # noqa: BLE001 - informative only
+        info["nccl"] = f"unknown ({type(e).__name__})"
 print(json.dumps(info, indent=1))
 with open(os.path.join(os.environ["WORK"], "probe.json"), "w") as f:
     json.dump(info, f)
@@ -133,7 +143,10 @@ step_build() {
 }
 
 step_ctest() {
-  ETTKIT_REQUIRE_CUDA=1 ctest --test-dir "$BUILD" -j "$JOBS" --output-on-failure --timeout 180 \
+  # ctest beside cmake, or from the cmake Python package when only that is installed.
+  local ctest
+  ctest=$(command -v ctest || "$PY" -c "import cmake, os; print(os.path.join(cmake.CMAKE_BIN_DIR, 'ctest'))")
+  ETTKIT_REQUIRE_CUDA=1 "$ctest" --test-dir "$BUILD" -j "$JOBS" --output-on-failure --timeout 180 \
     --output-junit "$WORK/ctest-junit.xml"
 }
 
@@ -168,7 +181,7 @@ export -f step_probe step_wheels step_build step_ctest step_pytest_cuda step_ben
 n=0
 declare -A STATUS
 run_step() {   # run_step NAME LIMIT_S [NEEDS...]: runs step_NAME under `timeout` with at most LIMIT_S seconds
-  local name=$1 limit=$2; shift 2
+  local name=$1 limit=$(($2 * TIME_SCALE)); shift 2
   n=$((n + 1))
   local log="$LOGS/$(printf %02d $n)-$name.log"
   if [[ -n ${ETTKIT_GPU_STEPS:-} && ",$ETTKIT_GPU_STEPS," != *",$name,"* ]]; then
@@ -209,7 +222,7 @@ run_step() {   # run_step NAME LIMIT_S [NEEDS...]: runs step_NAME under `timeout
 echo "gpu_check: $(date -u +%FT%TZ), repo $REPO, python $PY, out $OUT_DIR, budget ${BUDGET}s"
 run_step probe 60
 run_step wheels 60
-run_step build 300 wheels
+run_step build 330 wheels
 run_step ctest 120 build
 run_step pytest_cuda 150 build
 run_step bench_checkpoint 150 build
