@@ -231,7 +231,7 @@ run_step bench_sharding 60 build
 run_step bench_startup 150 build
 
 # ---- the report ---------------------------------------------------------------------------------------------------
-"$PY" "$REPO/tools/gpu_report.py" --work "$WORK" --out "$OUT_DIR" --wall-s $(($(date +%s) - START)) \
+"$PY" "$(dirname "${BASH_SOURCE[0]}")/gpu_report.py" --work "$WORK" --out "$OUT_DIR" --wall-s $(($(date +%s) - START)) \
   || echo "gpu_check: the report failed (the logs are still archived)"
 rc=0
 while IFS=$'\t' read -r name status _; do [[ $status == passed ]] || rc=1; done <"$WORK/steps.tsv"

@@ -7,7 +7,8 @@
 #                      unpacked with `dpkg -x` here (never into /); docs dropped, .pc files made relocatable
 #   .gpu/wheels/       wheels for CPython 3.12 / manylinux x86-64 of what the build and the GPU tests import
 #                      besides torch (gpu_check.sh installs only those the device lacks)
-#   .gpu/gpu_check.sh  a copy of tools/gpu_check.sh, for a checkout that predates it
+#   .gpu/gpu_check.sh  copies of tools/gpu_check.sh and tools/gpu_report.py, for a checkout that predates them
+#   .gpu/gpu_report.py
 #   .gpu/MANIFEST.txt  what is in the kit, with versions and sizes
 #
 # Idempotent: a second run with the same inputs (this script and the package lists below) downloads nothing.
@@ -33,7 +34,7 @@ MAX_MIB=48   # the device tool carries 64 MiB in all, the work tree included
 
 want_stamp=$( { cat "$0"; printf '%s\n' "${DEBS[@]}" "${WHEELS[@]}"; } | sha256sum | cut -c1-16)
 if [[ -f $KIT/.stamp && $(cat $KIT/.stamp) == "$want_stamp" && -d $KIT/prefix && -d $KIT/wheels ]]; then
-  cmp -s tools/gpu_check.sh $KIT/gpu_check.sh || cp tools/gpu_check.sh $KIT/gpu_check.sh
+  for f in gpu_check.sh gpu_report.py; do cmp -s tools/$f $KIT/$f || cp tools/$f $KIT/$f; done
   echo "gpu-kit: $KIT is up to date ($(du -sh --apparent-size $KIT | cut -f1))"
   exit 0
 fi
@@ -88,7 +89,7 @@ pip_quiet download -q --disable-pip-version-check --no-index --find-links "$KIT.
 rm -rf "$check_dir"
 for f in "$KIT.tmp"/wheels/*.whl; do echo "wheel $(basename "$f")" >>"$KIT.tmp/MANIFEST.txt"; done
 
-cp tools/gpu_check.sh "$KIT.tmp/gpu_check.sh"
+cp tools/gpu_check.sh tools/gpu_report.py "$KIT.tmp/"
 echo "$want_stamp" >"$KIT.tmp/.stamp"
 rm -rf "$KIT" && mv "$KIT.tmp" "$KIT"
 
