@@ -148,6 +148,11 @@ def _child(variant: str, cfg: dict, data_dir: str, cache_dir: str, out_file: str
         def __len__(self):
             return len(self.loader)
 
+        def __getattr__(self, name):  # num_workers, multiprocessing_context: overlapped_start forks first
+            if name == "loader":
+                raise AttributeError(name)
+            return getattr(self.loader, name)
+
         def __iter__(self):
             it = iter(self.loader)
             return ({k: v.to(self.device, non_blocking=True) for k, v in b.items()} for b in it)

@@ -71,7 +71,7 @@ echo "gpu-kit: pip download ${WHEELS[*]} (CPython 3.12, manylinux x86-64)"
 pip_quiet() {  # pip, without the warnings about this machine's local index folders; pip's exit status
   local out rc
   out=$(python3 -m pip "$@" 2>&1); rc=$?
-  grep -v "is ignored: it is neither" <<<"$out" || true
+  [[ -z $out ]] || grep -v "is ignored: it is neither" <<<"$out" || true
   return $rc
 }
 pip_quiet download -q --disable-pip-version-check "${PIP_TARGET[@]}" -d "$KIT.tmp/wheels" "${WHEELS[@]}"
