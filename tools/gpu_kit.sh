@@ -97,6 +97,9 @@ size_kib=$(du -sk --apparent-size "$KIT" | cut -f1)
 {
   echo "# ettkit GPU kit, made $(date -u +%FT%TZ) on $(. /etc/os-release && echo "$PRETTY_NAME"), glibc $(ldd --version | head -1 | awk '{print $NF}')"
   echo "# size $((size_kib / 1024)) MiB; carried to the device with run(carry=['.gpu'])"
+  echo "# run-time needs of the shared libraries here: glibc >= 2.34 (libspdlog; 2.32 libbenchmark, 2.33 libfmt),"
+  echo "# libstdc++ with GLIBCXX_3.4.30 (GCC 12); gpu_check.sh builds ettkit without them (ETTKIT_HEADER_ONLY_DEPS)"
+  echo "# and needs only libbenchmark, for the C++ benchmark binary; libgtest/libgmock are static archives"
 } | cat - "$KIT/MANIFEST.txt" >"$KIT/MANIFEST.tmp" && mv "$KIT/MANIFEST.tmp" "$KIT/MANIFEST.txt"
 if ((size_kib > MAX_MIB * 1024)); then
   echo "gpu-kit: $KIT is $((size_kib / 1024)) MiB, over the $MAX_MIB MiB this kit may take of the 64 MiB the device tool carries" >&2
