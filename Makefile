@@ -9,21 +9,36 @@
 #   make tsan      the C++ tests under ThreadSanitizer
 #   make asan-python  the Python tests of the checkpoint, recorder and start-up bindings, with the extension
 #                  built under ASan + UBSan and the ASan runtime preloaded into CPython (docs/sanitizers.md)
+#   make gpu-kit   .gpu/: what a lent GPU machine needs beyond its image to build, test and benchmark ettkit
+#                  in one call of tools/gpu_check.sh (docs/benchmarks.md, "GPU")
+# TORCH_VERSION=X.Y.Z (e.g. 2.11.0, the GPU machine's torch) builds and tests against that torch instead, in
+# .venv-X.Y and build/py-X.Y, beside the default ones.
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
 .DEFAULT_GOAL := build
 
+DEFAULT_TORCH_VERSION := 2.14.1
+TORCH_VERSION ?= $(DEFAULT_TORCH_VERSION)
+ifeq ($(TORCH_VERSION),$(DEFAULT_TORCH_VERSION))
 VENV := .venv
+BUILD_DIR := build/py
+else
+TORCH_MINOR := $(word 1,$(subst ., ,$(TORCH_VERSION))).$(word 2,$(subst ., ,$(TORCH_VERSION)))
+VENV := .venv-$(TORCH_MINOR)
+BUILD_DIR := build/py-$(TORCH_MINOR)
+endif
+export TORCH_VERSION VENV
 PY := $(abspath $(VENV))/bin/python
 export PATH := $(abspath $(VENV))/bin:$(PATH)
-BUILD_DIR := build/py
+# The C++ test binaries of this build, for the tests that run them (test_cuda_gate.py).
+export ETTKIT_BUILD_DIR := $(abspath $(BUILD_DIR))
 STAMP := $(BUILD_DIR)/.ettkit-installed
 SOURCES := $(shell find CMakeLists.txt pyproject.toml cmake include src python tests/cpp benchmarks/cpp \
              -type f \( -name '*.cpp' -o -name '*.h' -o -name '*.in' -o -name '*.txt' -o -name '*.cmake' \
              -o -name '*.py' -o -name '*.toml' \) 2>/dev/null)
 JOBS ?= $(shell nproc)
 
-.PHONY: build bootstrap test test-cpp test-python demo bench sanitize tsan asan-python clean
+.PHONY: build bootstrap test test-cpp test-python demo bench sanitize tsan asan-python gpu-kit clean
 
 bootstrap:
 	@tools/bootstrap.sh
@@ -113,6 +128,10 @@ asan-python: bootstrap
 	if compgen -G "$(ASAN_PY_LOGS)/*" >/dev/null; then \
 	  echo "asan-python: sanitizer reports:"; cat $(ASAN_PY_LOGS)/*; rc=1; \
 	fi; exit $$rc
+
+# Idempotent; prints the kit's size (the device tool carries at most 64 MiB, the work tree included).
+gpu-kit:
+	@tools/gpu_kit.sh
 
 clean:
 	rm -rf build

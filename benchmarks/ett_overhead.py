@@ -2,7 +2,7 @@
 ledger of 1,000,000 records. Baselines in the same run: the bare clock reads an event cannot avoid, and
 the naive recorder many projects start with (one JSON line written per event).
 
-    python benchmarks/ett_overhead.py [--quick] [--json FILE]
+    python benchmarks/ett_overhead.py [--quick] [--json FILE] [--device cuda]
 
 Targets (issue 2): <= 100 ns per event in C++, <= 2 us from Python, report <= 5 s for 1M records.
 """
@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -24,20 +25,89 @@ from bench_common import median_of, print_table, timed, write_json  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def cpp_event_ns(repeats: int, min_time: str) -> dict:
-    """Medians from the google-benchmark binary built next to the library (make build)."""
-    candidates = [os.path.join(REPO, d, "benchmarks", "cpp", "ett_event_bench") for d in ("build/py", "build/cpp")]
+def _bench_binary() -> str:
+    dirs = [os.environ.get("ETTKIT_BUILD_DIR", ""), "build/py", "build/cpp"]
+    candidates = [os.path.join(REPO, d, "benchmarks", "cpp", "ett_event_bench") for d in dirs if d]
     binary = next((c for c in candidates if os.path.exists(c)), None)
     if binary is None:
         raise SystemExit("ett_event_bench not built; run `make build` (it builds the C++ benchmarks)")
-    out = subprocess.run([binary, "--benchmark_format=json", f"--benchmark_repetitions={repeats}",
-                          f"--benchmark_min_time={min_time}", "--benchmark_report_aggregates_only=true"],
+    return binary
+
+
+def _run_cpp(repeats: int, min_time: str, bench_filter: str = ".") -> dict:
+    out = subprocess.run([_bench_binary(), "--benchmark_format=json", f"--benchmark_repetitions={repeats}",
+                          f"--benchmark_min_time={min_time}", "--benchmark_report_aggregates_only=true",
+                          f"--benchmark_filter={bench_filter}"],
                          capture_output=True, text=True, check=True).stdout
     medians = {}
     for b in json.loads(out)["benchmarks"]:
         if b.get("aggregate_name") == "median":
             medians[b["run_name"]] = b["real_time"]  # ns (time_unit defaults to ns)
+    return medians
+
+
+def cpp_event_ns(repeats: int, min_time: str) -> dict:
+    """Medians from the google-benchmark binary built next to the library (make build)."""
+    medians = _run_cpp(repeats, min_time, "BM_Step|BM_ScopedPhase$")
     return {"phase": medians["BM_ScopedPhase"], "step": medians["BM_Step"]}
+
+
+def gpu_main(args) -> None:
+    """--device cuda: the CUDA-event timer's cost per timed phase (C++) against its floor and against host
+    timing with a stream synchronisation, NVTX ranges' cost, and the timer's agreement with host time around
+    a synchronised chain of matrix products (Python binding)."""
+    import torch
+
+    from ettkit import ett
+
+    if not torch.cuda.is_available():
+        raise SystemExit("ett_overhead --device cuda: torch sees no CUDA device")
+    if not hasattr(ett, "CudaEventTimer"):
+        raise SystemExit("ett_overhead --device cuda: ettkit was built without CUDA (no ett.CudaEventTimer)")
+    repeats = 3 if args.quick else 7
+    cpp = _run_cpp(repeats, "0.2" if args.quick else "0.5",
+                   "BM_ScopedPhase|BM_CudaEventTimer|BM_CudaEventRecordPair|BM_HostTimerWithStreamSync")
+    if "BM_CudaEventTimer" not in cpp:
+        raise SystemExit("ett_event_bench registered no CUDA benchmark: built without CUDA, or it sees no GPU")
+    tmp = tempfile.mkdtemp(prefix="ettkit-bench-gpu-")
+    agreement = []
+    try:
+        with ett.Recorder(os.path.join(tmp, "run"), rank=0, world_size=1, fsync="never") as rec:
+            timer = ett.CudaEventTimer(rec, "gpu_matmul")
+            size, chain = 4096, 20
+            a = torch.randn(size, size, device="cuda")
+            for _ in range(2 + repeats):
+                x = a.clone()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                timer.start()
+                for _ in range(chain):
+                    x = (x @ a).div_(size)
+                timer.stop()
+                torch.cuda.synchronize()
+                host_ms = (time.perf_counter() - t0) * 1e3
+                gpu_ms = timer.resolve()
+                agreement.append((gpu_ms, host_ms))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    agreement = agreement[2:]  # two warm-ups
+    gpu_ms = statistics.median(g for g, _ in agreement)
+    host_ms = statistics.median(h for _, h in agreement)
+    case = f"size=4096,chain={chain}"
+    results = {
+        "cuda_timer_ns_per_phase": {"ettkit": cpp["BM_CudaEventTimer"], "event_record_pair": cpp["BM_CudaEventRecordPair"],
+                                    "host_timer_with_stream_sync": cpp["BM_HostTimerWithStreamSync"]},
+        "event_ns": {"cpp": cpp["BM_ScopedPhase"], "cpp_nvtx": cpp.get("BM_ScopedPhaseNvtx")},
+        f"matmul_ms[{case}]": {"cuda_event_timer": gpu_ms, "host_synchronised": host_ms},
+        f"timer_vs_host_pct[{case}]": {"ettkit": 100 * gpu_ms / host_ms},
+    }
+    print_table("ETT on the GPU (medians)", results)
+    print(f"\nCUDA-event timer vs host time around a synchronised matmul chain: {100 * gpu_ms / host_ms:.1f} % "
+          "(the host span also holds the launches and the synchronisation)")
+    if args.json:
+        write_json(args.json, "ett_overhead", {"device": "cuda", "repeats": repeats, "quick": args.quick,
+                                               "gpu": torch.cuda.get_device_name(0),
+                                               "agreement_samples_ms": agreement}, results)
 
 
 def python_event_ns(n: int, repeats: int, tmp: str) -> dict:
@@ -116,7 +186,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer repetitions (under a minute)")
     p.add_argument("--json", metavar="FILE")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: the CUDA-event timer and NVTX costs and the timer's agreement with host time")
     args = p.parse_args()
+    if args.device == "cuda":
+        gpu_main(args)
+        return
     repeats = 3 if args.quick else 7
     n = 100_000 if args.quick else 300_000
     records = 1_000_000

@@ -51,12 +51,15 @@ def _worker(
     baseline_repeats: int,
     warm_baseline: bool,
     out_file: str,
+    backend: str = "gloo",
 ) -> None:
     os.environ.setdefault("ETTKIT_LOG_LEVEL", "error")
     faulthandler.enable()  # a rank that dies (e.g. a gloo abort) prints where it was
     from ettkit import sharding as S
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)  # one GPU per rank; broadcast_plan moves the bytes as a CUDA tensor
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     results = {}
     try:
         L = _ranks_per_host(world)
@@ -93,7 +96,8 @@ def _worker(
 
 
 def measure_init(
-    world: int, tables_list: list[int], repeats: int, baseline_repeats: int, warm_baseline: bool
+    world: int, tables_list: list[int], repeats: int, baseline_repeats: int, warm_baseline: bool,
+    backend: str = "gloo",
 ) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
@@ -107,6 +111,7 @@ def measure_init(
                 baseline_repeats,
                 warm_baseline,
                 out,
+                backend,
             ),
             nprocs=world,
             join=True,
@@ -171,11 +176,45 @@ def machine() -> dict:
     }
 
 
+def gpu_main(args) -> int:
+    """NCCL against gloo for the same plans, world size = the GPUs visible (one GPU allows world size 1 only:
+    the broadcast then moves no bytes between ranks, and the figures are the per-call cost of each backend's
+    path: the byte tensor's trip to the GPU and back for NCCL, and the local build)."""
+    if not torch.cuda.is_available():
+        raise SystemExit("shard_metadata --device cuda: torch sees no CUDA device")
+    world = torch.cuda.device_count()
+    tables_list = [200, 1000]
+    repeats, baseline_repeats = (5, 1) if args.quick else (11, 3)
+    results: dict = {}
+    host = machine()
+    host["gpu"] = torch.cuda.get_device_name(0)
+    for backend in ("nccl", "gloo"):
+        for tables, r in measure_init(world, tables_list, repeats, baseline_repeats, True, backend).items():
+            key = f"init_s[world={world},tables={tables},backend={backend}]"
+            results[key] = {"ettkit": statistics.median(r["ettkit"]), "allgather": statistics.median(r["allgather"])}
+            print(f"{key}: ettkit {results[key]['ettkit'] * 1e3:.3f} ms, allgather {results[key]['allgather'] * 1e3:.3f} ms",
+                  flush=True)
+    if world == 1:
+        print("world size 1: one GPU allows one NCCL rank; the broadcast moves no bytes between ranks")
+    if args.json:
+        config = {"device": "cuda", "backends": ["nccl", "gloo"], "world": world, "tables": tables_list,
+                  "repeats": repeats, "baseline_repeats": baseline_repeats, "quick": args.quick,
+                  "note": "world size = visible GPUs" + (" (1: no bytes cross ranks)" if world == 1 else "")}
+        with open(args.json, "w") as f:
+            json.dump({"benchmark": "shard_metadata", "machine": host, "config": config, "results": results}, f,
+                      indent=2)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a subset that finishes in under a minute")
     ap.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: broadcast_plan over NCCL against gloo, one rank per GPU (tools/gpu_check.sh)")
     args = ap.parse_args(argv)
+    if args.device == "cuda":
+        return gpu_main(args)
 
     if args.quick:
         worlds, tables_list, repeats, baseline_repeats, build_repeats = [2, 8], [200], 5, 1, 10

@@ -2,7 +2,9 @@
 # Installs what ettkit needs on a fresh Debian 12 machine, idempotently: a second run installs nothing.
 #   1. Debian packages (only the missing ones; `apt-get update` only when something is missing)
 #   2. .venv at the repository root with torch (TORCH_VERSION, default the CUDA 13 build 2.14.1 so the
-#      CUDA code paths compile) and requirements-dev.txt (re-run only when that file changes)
+#      CUDA code paths compile) and requirements-dev.txt (re-run only when that file changes). The Makefile
+#      sets VENV=.venv-X.Y for another TORCH_VERSION (2.11.0: the GPU machine's torch, a CUDA 13 build from
+#      the package index, several GB with its nvidia-* wheels).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

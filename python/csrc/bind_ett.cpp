@@ -6,7 +6,9 @@
 #include <optional>
 
 #include "bindings.h"
+#include "ettkit/common/config.h"
 #include "ettkit/common/error.h"
+#include "ettkit/ett/cuda_timer.h"
 #include "ettkit/ett/interval.h"
 #include "ettkit/ett/recorder.h"
 #include "ettkit/ett/report.h"
@@ -164,6 +166,20 @@ void bind_ett(py::module_& m) {
       },
       py::arg("blocking_s"), py::arg("mtbf_s"), py::arg("restart_s") = 0.0, py::arg("method") = "young");
   m.def("lambert_w0", &ett::lambert_w0, py::arg("z"));
+
+#if ETTKIT_WITH_CUDA
+  // GPU-side phase timing: start()/stop() record CUDA events on `stream` (a cudaStream_t as an int, e.g.
+  // torch.cuda.current_stream().cuda_stream; 0: torch's current stream) without synchronising; resolve()
+  // waits for the stop event, records the phase and returns the GPU milliseconds.
+  py::class_<ett::CudaEventTimer>(m, "CudaEventTimer")
+      .def(py::init([](Recorder& recorder, const std::string& phase, uintptr_t stream) {
+             return std::make_unique<ett::CudaEventTimer>(recorder, phase, reinterpret_cast<void*>(stream));
+           }),
+           py::arg("recorder"), py::arg("phase"), py::arg("stream") = 0, py::keep_alive<1, 2>())
+      .def("start", &ett::CudaEventTimer::start)
+      .def("stop", &ett::CudaEventTimer::stop)
+      .def("resolve", &ett::CudaEventTimer::resolve, py::call_guard<py::gil_scoped_release>());
+#endif
 }
 
 }  // namespace ettkit::python

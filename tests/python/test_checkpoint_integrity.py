@@ -21,7 +21,7 @@ from ettkit.checkpoint import AsyncCheckpointer
 
 
 # The CUDA variants run on the GPU machine (tools/gpu_check.sh); here they are skipped.
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.needs_cuda)]  # skipped without a GPU (cuda_gate.py)
 
 
 def committed_steps(path):

@@ -26,6 +26,11 @@ from .advisor import recommend_interval
 from .recorder import Recorder, current, init, phase, step
 from .report import build_report
 
+try:  # only in a build with CUDA: GPU-side phase timing with CUDA events (include/ettkit/ett/cuda_timer.h)
+    from .._C.ett import CudaEventTimer  # noqa: F401
+except ImportError:
+    pass
+
 __all__ = [
     "Recorder",
     "build_report",

@@ -1,7 +1,8 @@
 // CUDA-event timing agrees with host timing. Compiled only in CUDA builds; skips without a GPU unless
-// ETTKIT_REQUIRE_CUDA=1, which turns a missing GPU into a failure.
+// ETTKIT_REQUIRE_CUDA=1, which turns a missing GPU into a failure (cuda_test_util.h).
 #include <gtest/gtest.h>
 
+#include "cuda_test_util.h"
 #include "ettkit/common/config.h"
 
 #if ETTKIT_WITH_CUDA
@@ -19,21 +20,8 @@
 namespace ettkit::ett {
 namespace {
 
-bool have_gpu() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-
-void require_gpu_or_skip() {
-  if (have_gpu()) return;
-  const char* req = std::getenv("ETTKIT_REQUIRE_CUDA");
-  if (req != nullptr && std::string(req) == "1") FAIL() << "ETTKIT_REQUIRE_CUDA=1 but no CUDA device";
-  GTEST_SKIP() << "no CUDA device";
-}
-
 TEST(CudaEventTimer, GpuTimeMatchesHostTimeAroundASynchronisedMatmul) {
-  require_gpu_or_skip();
-  if (IsSkipped() || HasFatalFailure()) return;  // GTEST_SKIP/FAIL in a helper only leave the helper
+  ETTKIT_GPU_OR_SKIP();
   testing::TempDir dir;
   RecorderOptions o;
   o.run_dir = dir.str();
@@ -69,5 +57,5 @@ TEST(CudaEventTimer, GpuTimeMatchesHostTimeAroundASynchronisedMatmul) {
 }  // namespace
 }  // namespace ettkit::ett
 #else
-TEST(CudaEventTimer, NotBuilt) { GTEST_SKIP() << "ettkit was built without CUDA"; }
+ETTKIT_CUDA_NOT_BUILT_TEST(CudaEventTimer)
 #endif

@@ -1,0 +1,184 @@
+// The stager's CUDA path: the pinned arena (cudaHostAlloc, allocated once), the copy stream that waits on an
+// event recorded on the caller's stream, the completion events, recordStream on the sources, and
+// wait_staged_on_current_stream (a GPU-side wait). Every test queues ~100 ms of matrix products on the
+// compute stream first, so the copies are still pending while the test acts: the orderings are really
+// exercised, not won by a race. Compiled only in CUDA builds; without a GPU the tests skip, or fail when
+// ETTKIT_REQUIRE_CUDA=1 (cuda_test_util.h).
+#include <gtest/gtest.h>
+
+#include "cuda_test_util.h"
+#include "ettkit/common/config.h"
+
+#if ETTKIT_WITH_CUDA
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+
+#include "ettkit/checkpoint/checkpointer.h"
+
+namespace ettkit::checkpoint {
+namespace {
+
+// 66 MiB: no other block of the caching allocator fits it (keep_the_stream_busy's temporaries are 64 MiB), so
+// a freed source block is the one a same-size allocation would reuse.
+constexpr int64_t kFloats = (16 << 20) + (1 << 19);
+
+/// Queues roughly `ms` milliseconds of work on the current stream and returns without waiting.
+void keep_the_stream_busy(double ms) {
+  static torch::Tensor a;
+  if (!a.defined()) a = torch::randn({4096, 4096}, torch::kCUDA);
+  // Calibrated once: a 4096^3 product takes 0.1 ms (H100, TF32) to a few ms; measure it.
+  static double one_ms = [] {
+    auto x = torch::randn({4096, 4096}, torch::kCUDA);
+    torch::cuda::synchronize();
+    auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < 10; ++i) x = torch::mm(x, a).div_(4096);
+    torch::cuda::synchronize();
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / 10;
+  }();
+  auto x = a.clone();
+  int n = std::max(1, static_cast<int>(ms / std::max(one_ms, 1e-3)));
+  for (int i = 0; i < n; ++i) x = torch::mm(x, a).div_(4096);
+}
+
+bool all_equal(const Snapshot& snap, float value) {
+  const auto* p = reinterpret_cast<const float*>(snap.data());
+  return std::all_of(p, p + kFloats, [&](float v) { return v == value; });
+}
+
+StagerOptions pinned() {
+  StagerOptions o;
+  o.pin_memory = 1;
+  return o;
+}
+
+TEST(CudaStager, ArenaIsPinnedHostMemoryAllocatedOnce) {
+  ETTKIT_GPU_OR_SKIP();
+  Stager stager(pinned());
+  auto w = torch::full({kFloats}, 1.0f, torch::kCUDA);
+  for (int i = 0; i < 3; ++i) {
+    auto snap = stager.stage({{"w", w}}, OnBusy::kWait);
+    snap->wait_staged();
+    cudaPointerAttributes attr{};
+    ASSERT_EQ(cudaPointerGetAttributes(&attr, snap->data()), cudaSuccess);
+    EXPECT_EQ(attr.type, cudaMemoryTypeHost) << "the arena is not page-locked (cudaHostAlloc)";
+    EXPECT_TRUE(all_equal(*snap, 1.0f));
+    snap->release();
+  }
+  EXPECT_TRUE(stager.pinned());
+  EXPECT_EQ(stager.arena_allocations(), 1) << "the arena must be reused, never re-pinned";
+  EXPECT_EQ(stager.plan_builds(), 1);
+  EXPECT_EQ(stager.arena_bytes(), kFloats * 4);
+}
+
+TEST(CudaStager, CopyWaitsForWorkQueuedOnTheCallersStream) {
+  ETTKIT_GPU_OR_SKIP();
+  Stager stager(pinned());
+  auto w = torch::zeros({kFloats}, torch::kCUDA);
+  torch::cuda::synchronize();
+  keep_the_stream_busy(100);
+  w.fill_(42.0f);  // queued behind the products: the optimizer step the snapshot must see
+  auto snap = stager.stage({{"w", w}}, OnBusy::kWait);
+  EXPECT_FALSE(snap->staged()) << "the copy completed before the work it must wait for could have run";
+  snap->wait_staged();
+  EXPECT_TRUE(snap->staged());
+  EXPECT_TRUE(all_equal(*snap, 42.0f)) << "the copy stream did not wait for the caller's stream";
+  EXPECT_TRUE(snap->changed_entries().empty());
+}
+
+TEST(CudaStager, CopiesRunOnASideStreamWithoutBlockingTheHost) {
+  ETTKIT_GPU_OR_SKIP();
+  Stager stager(pinned());
+  auto w = torch::full({kFloats}, 3.0f, torch::kCUDA);
+  torch::cuda::synchronize();
+  keep_the_stream_busy(100);
+  auto t0 = std::chrono::steady_clock::now();
+  auto snap = stager.stage({{"w", w}}, OnBusy::kWait);
+  double stage_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(stage_ms, 50.0) << "stage() waited for the GPU";
+  // The compute stream is still busy, and the copy was not queued on it: a query of the copy's event says
+  // "not yet" until the products are done, then "done" without any work queued after them.
+  EXPECT_FALSE(snap->staged());
+  snap->wait_staged();
+  EXPECT_TRUE(all_equal(*snap, 3.0f));
+}
+
+TEST(CudaStager, RecordStreamKeepsADroppedSourceAliveUntilItsCopyIsDone) {
+  ETTKIT_GPU_OR_SKIP();
+  Stager stager(pinned());
+  auto w = torch::full({kFloats}, 7.0f, torch::kCUDA);
+  const void* old_ptr = w.data_ptr();
+  torch::cuda::synchronize();
+  keep_the_stream_busy(100);
+  auto snap = stager.stage({{"w", w}}, OnBusy::kWait);
+  snap->drop_sources();
+  w.reset();  // the last reference: the block goes back to the caching allocator, copy still pending
+  ASSERT_FALSE(snap->staged()) << "the copy finished too early to test anything";
+  // Same size, same stream: without recordStream the allocator hands out the freed block at once and this
+  // write, queued on the compute stream, races the pending copy on the copy stream.
+  auto v = torch::empty({kFloats}, torch::kCUDA);
+  v.fill_(9.0f);
+  EXPECT_NE(v.data_ptr(), old_ptr) << "a block with a pending copy was reused";
+  snap->wait_staged();
+  EXPECT_TRUE(all_equal(*snap, 7.0f)) << "the staged bytes were overwritten by a later allocation";
+}
+
+TEST(CudaStager, WaitStagedOnCurrentStreamOrdersALaterWriteAfterTheCopy) {
+  ETTKIT_GPU_OR_SKIP();
+  Stager stager(pinned());
+  auto w = torch::zeros({kFloats}, torch::kCUDA);
+  torch::cuda::synchronize();
+  keep_the_stream_busy(100);
+  w.fill_(5.0f);
+  auto snap = stager.stage({{"w", w}}, OnBusy::kWait);
+  auto t0 = std::chrono::steady_clock::now();
+  snap->wait_staged_on_current_stream();  // GPU-side: the compute stream waits for the copy's event
+  double wait_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_FALSE(snap->staged()) << "the wait blocked the host (or the copy was already done)";
+  EXPECT_LT(wait_ms, 50.0);
+  w.fill_(6.0f);  // the next optimizer step, queued right away
+  snap->wait_staged();
+  EXPECT_TRUE(all_equal(*snap, 5.0f)) << "a write queued after the GPU-side wait reached the snapshot";
+  EXPECT_TRUE(snap->changed_entries().empty()) << "the fence decided the entry: the later write is not a tear";
+  torch::cuda::synchronize();
+  EXPECT_EQ(w[0].item<float>(), 6.0f);
+}
+
+TEST(CudaStager, AnUnfencedWriteDuringTheCopyIsDetected) {
+  ETTKIT_GPU_OR_SKIP();
+  Stager stager(pinned());
+  auto w = torch::zeros({kFloats}, torch::kCUDA);
+  torch::cuda::synchronize();
+  keep_the_stream_busy(100);
+  auto snap = stager.stage({{"w", w}}, OnBusy::kWait);
+  w.fill_(1.0f);  // no fence: races the copy on the GPU, and bumps the version counter
+  snap->wait_staged();
+  auto changed = snap->changed_entries();
+  ASSERT_EQ(changed.size(), 1u);
+  EXPECT_EQ(changed[0], "w");
+}
+
+TEST(CudaStager, MixedCpuAndCudaEntriesLandAtTheirOffsets) {
+  ETTKIT_GPU_OR_SKIP();
+  Stager stager(pinned());
+  auto a = torch::arange(1 << 20, torch::TensorOptions().dtype(torch::kFloat32).device(torch::kCUDA));
+  auto b = torch::arange(1 << 18, torch::TensorOptions().dtype(torch::kInt64));
+  auto c = torch::arange(3000 * 7, torch::TensorOptions().dtype(torch::kFloat32).device(torch::kCUDA))
+               .reshape({3000, 7}).t();  // strided on the GPU
+  auto snap = stager.stage({{"a", a}, {"b", b}, {"c", c}}, OnBusy::kWait);
+  snap->wait_staged();
+  auto views = snap->tensors();
+  ASSERT_EQ(views.size(), 3u);
+  EXPECT_TRUE(torch::equal(views[0].second, a.cpu()));
+  EXPECT_TRUE(torch::equal(views[1].second, b));
+  EXPECT_TRUE(torch::equal(views[2].second, c.cpu()));
+}
+
+}  // namespace
+}  // namespace ettkit::checkpoint
+#else
+ETTKIT_CUDA_NOT_BUILT_TEST(CudaStager)
+#endif
