@@ -1,6 +1,7 @@
 #include "ettkit/ett/recorder.h"
 
 #include <fcntl.h>
+#include <pthread.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -183,9 +184,18 @@ struct CurrentRecorders {
   std::vector<std::string> warned_about;  // components already told that no recorder is open
 };
 
+std::atomic<CurrentRecorders*> g_current_recorders{nullptr};
+
 CurrentRecorders& current_recorders() {
-  static auto* instance = new CurrentRecorders();
-  return *instance;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    g_current_recorders.store(new CurrentRecorders());
+    // A forked child (a DataLoader worker) gets an empty stack: the parent's recorders have no writer
+    // thread there and their attempts are the parent's, and the inherited mutex may be held by a parent
+    // thread that does not exist in the child (a report flushing under it). The old one is left behind.
+    ::pthread_atfork(nullptr, nullptr, [] { g_current_recorders.store(new CurrentRecorders()); });
+  });
+  return *g_current_recorders.load();
 }
 
 }  // namespace

@@ -173,7 +173,8 @@ class ETTKIT_API Recorder {
 /// wherever it is, so a nested recorder is current until it closes and then the enclosing one is again,
 /// and closing out of order never leaves a closed recorder current. The stack is process-wide on purpose:
 /// it is how a recorder made by Python (`with ett.Recorder(...)`, `ett.init(...)`) reaches C++ components
-/// and the other way round. Thread-safe.
+/// and the other way round. Thread-safe. A forked child starts with an empty stack (the parent's recorders
+/// record the parent's attempt).
 ///
 /// The pointer is borrowed: whoever uses it must know that the recorder outlives that use (a component
 /// takes it at its construction and must be destroyed before the recorder, as with an explicit recorder).

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 #include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <nlohmann/json.hpp>
@@ -340,6 +342,18 @@ TEST(CurrentRecorder, RecorderForPrefersTheExplicitOneAndHonoursOptOut) {
   EXPECT_EQ(recorder_for("test component", nullptr, true), &other);
   EXPECT_EQ(recorder_for("test component", &open, true), &open);
   EXPECT_EQ(recorder_for("test component", nullptr, false), nullptr);
+}
+
+TEST(CurrentRecorder, AForkedChildStartsWithAnEmptyStack) {
+  TempDir dir;
+  Recorder rec(opts(dir));
+  pid_t pid = ::fork();
+  if (pid == 0) ::_exit(current_recorder() == nullptr ? 0 : 1);
+  ASSERT_GT(pid, 0);
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  EXPECT_EQ(current_recorder(), &rec);
 }
 
 TEST(CurrentRecorder, ThreadsSeeOneStack) {
