@@ -201,7 +201,7 @@ void make_directories(const std::string& path) {
 
 void remove_tree_quietly(const std::string& path) {
   // Not fs::remove_all: see common/remove_tree.h (torch 2.11's libtorch.so exports a broken copy of it).
-  if (int err = detail::remove_tree(path); err != 0) {
+  if (int err = ettkit::detail::remove_tree(path); err != 0) {
     ETTKIT_LOG_WARN("checkpoint: could not remove '", path, "': ", std::generic_category().message(err));
   }
 }
