@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <string>
 
+#include "common/remove_tree.h"
 #include "ettkit/common/config.h"
 #include "ettkit/ett/recorder.h"
 
@@ -23,7 +24,7 @@ namespace {
 ettkit::ett::RecorderOptions options(const std::string& tag) {
   ettkit::ett::RecorderOptions o;
   o.run_dir = (std::filesystem::temp_directory_path() / ("ettkit-bench-" + tag)).string();
-  std::filesystem::remove_all(o.run_dir);
+  ettkit::detail::remove_tree(o.run_dir);  // not remove_all: src/common/remove_tree.h
   o.rank = 0;
   o.world_size = 1;
   o.launcher_phases_from_env = false;

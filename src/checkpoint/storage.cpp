@@ -1,4 +1,5 @@
 #include "checkpoint/storage.h"
+#include "common/remove_tree.h"
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -199,9 +200,10 @@ void make_directories(const std::string& path) {
 }
 
 void remove_tree_quietly(const std::string& path) {
-  std::error_code ec;
-  fs::remove_all(path, ec);
-  if (ec) ETTKIT_LOG_WARN("checkpoint: could not remove '", path, "': ", ec.message());
+  // Not fs::remove_all: see common/remove_tree.h (torch 2.11's libtorch.so exports a broken copy of it).
+  if (int err = ettkit::detail::remove_tree(path); err != 0) {
+    ETTKIT_LOG_WARN("checkpoint: could not remove '", path, "': ", std::generic_category().message(err));
+  }
 }
 
 std::optional<uint64_t> file_size(const std::string& path) {

@@ -1,5 +1,6 @@
 // The C++ AsyncCheckpointer (round trip, plan cache, fallback) and the decoders it trusts
 // (safetensors header, manifest), fed with malformed input.
+#include "common/remove_tree.h"
 #include "ettkit/checkpoint/checkpointer.h"
 
 #include <gtest/gtest.h>
@@ -60,7 +61,7 @@ TEST(Checkpointer, RoundTripReusesPlanAndArena) {
   EXPECT_EQ(r->step, 4);
   EXPECT_EQ(r->extra, "extra-4");
   for (size_t i = 0; i < target.size(); ++i) EXPECT_TRUE(target[i].second.equal(state(4)[i].second)) << target[i].first;
-  fs::remove_all(dir);
+  ettkit::detail::remove_tree(std::string(dir));
 }
 
 TEST(Checkpointer, CorruptNewestFallsBackAndAllCorruptThrows) {
@@ -92,7 +93,7 @@ TEST(Checkpointer, CorruptNewestFallsBackAndAllCorruptThrows) {
   EXPECT_EQ(r->skipped_steps, (std::vector<int64_t>{2}));
   flip(1);
   EXPECT_THROW(ck.load_latest(target), CorruptCheckpoint);
-  fs::remove_all(dir);
+  ettkit::detail::remove_tree(std::string(dir));
 }
 
 TEST(Checkpointer, MismatchNamesTheKey) {
@@ -109,7 +110,7 @@ TEST(Checkpointer, MismatchNamesTheKey) {
     EXPECT_NE(e.message().find("'w'"), std::string::npos) << e.message();
     EXPECT_NE(e.message().find("shape"), std::string::npos) << e.message();
   }
-  fs::remove_all(dir);
+  ettkit::detail::remove_tree(std::string(dir));
 }
 
 TEST(Checkpointer, MismatchNamesEveryKeyThatDiffersAndCopiesNothing) {
@@ -277,7 +278,7 @@ TEST(Storage, SafetensorsHeaderRoundTripAndRejectsMalformed) {
   EXPECT_GT(rejected, 200);
   std::ofstream(path, std::ios::binary | std::ios::trunc) << body.substr(0, 20);
   EXPECT_THROW(ckd::read_safetensors_index(path, 20), CorruptData);
-  fs::remove_all(dir);
+  ettkit::detail::remove_tree(std::string(dir));
 }
 
 TEST(Storage, ManifestRoundTripAndErrors) {
@@ -325,7 +326,7 @@ TEST(Storage, LargeWriteThroughTheWritebackPipelineIsExact) {
   EXPECT_EQ(std::memcmp(back.data() + header.size(), data.data(), data.size()), 0);
   // O_EXCL: a file is never overwritten in place.
   EXPECT_THROW(ckd::write_file_durably(path, {{header.data(), header.size()}}), IoError);
-  fs::remove_all(dir);
+  ettkit::detail::remove_tree(std::string(dir));
 }
 
 // ---- snapshot integrity ------------------------------------------------------------------------------------

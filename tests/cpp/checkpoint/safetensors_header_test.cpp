@@ -11,6 +11,7 @@
 #include <fstream>
 #include <string>
 
+#include "common/remove_tree.h"
 #include "checkpoint/storage.h"
 #include "ettkit/common/error.h"
 
@@ -27,7 +28,7 @@ struct TempDir {
                .string();
     fs::create_directories(path);
   }
-  ~TempDir() { fs::remove_all(path); }
+  ~TempDir() { ettkit::detail::remove_tree(path); }  // not remove_all: common/remove_tree.h
 };
 
 // Writes a safetensors file: the 8-byte length, `header`, then `data` zero bytes. Returns its path.

@@ -7,6 +7,8 @@
 #include <random>
 #include <string>
 
+#include "common/remove_tree.h"
+
 namespace ettkit::testing {
 
 class TempDir {
@@ -17,10 +19,7 @@ class TempDir {
             ("ettkit-test-" + std::to_string(rd()) + "-" + std::to_string(rd()));
     std::filesystem::create_directories(path_);
   }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
+  ~TempDir() { ettkit::detail::remove_tree(path_.string()); }  // not remove_all: common/remove_tree.h
   const std::filesystem::path& path() const { return path_; }
   std::string str() const { return path_.string(); }
 
