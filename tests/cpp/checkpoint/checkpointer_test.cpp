@@ -130,7 +130,7 @@ TEST(Checkpointer, MismatchNamesEveryKeyThatDiffersAndCopiesNothing) {
     EXPECT_NE(m.find("'c' is F64 [3] in the state dict, F32 [3] in the checkpoint"), std::string::npos) << m;
   }
   EXPECT_TRUE(target[0].second.equal(at::zeros({2})));
-  fs::remove_all(dir);
+  ettkit::detail::remove_tree(std::string(dir));
 }
 
 TEST(Checkpointer, TensorsWithoutDestinationUnderAReadPrefixComeBackFromTheChosenStep) {
@@ -186,7 +186,7 @@ TEST(Checkpointer, TensorsWithoutDestinationUnderAReadPrefixComeBackFromTheChose
   ASSERT_TRUE(r.has_value());
   EXPECT_EQ(r->read.size(), 3u);
   EXPECT_TRUE(only_w[0].second.equal(at::full({4}, 1.0)));
-  fs::remove_all(dir);
+  ettkit::detail::remove_tree(std::string(dir));
 }
 
 TEST(Checkpointer, ValidatorInvalidArgumentIsAMismatchNotAFallback) {
@@ -208,7 +208,7 @@ TEST(Checkpointer, ValidatorInvalidArgumentIsAMismatchNotAFallback) {
     EXPECT_NE(e.message().find("no 'optim' the step can restore"), std::string::npos) << e.message();
   }
   EXPECT_TRUE(target[0].second.equal(at::zeros({1 << 16})));
-  fs::remove_all(dir);
+  ettkit::detail::remove_tree(std::string(dir));
 }
 
 TEST(Stager, ArenaGrowsWithTheStateWithinTheBudgetAndBusyArenasFollowOnBusy) {
@@ -435,8 +435,8 @@ TEST(Checkpointer, RecordsIntoTheCurrentRecorderUnlessOptedOut) {
     rec.flush();
     EXPECT_EQ(count_blocking(ledger), 1);
   }
-  fs::remove_all(run);
-  fs::remove_all(dir);
+  ettkit::detail::remove_tree(std::string(run));
+  ettkit::detail::remove_tree(std::string(dir));
 }
 
 TEST(Checkpointer, LatestStepIsTheNewestCommitReadOnly) {
@@ -462,5 +462,5 @@ TEST(Checkpointer, LatestStepIsTheNewestCommitReadOnly) {
   auto before = ckd::list_steps(dir).others.size();
   EXPECT_EQ(latest_step(dir), 2);
   EXPECT_EQ(ckd::list_steps(dir).others.size(), before);  // nothing removed or changed
-  fs::remove_all(dir);
+  ettkit::detail::remove_tree(std::string(dir));
 }
