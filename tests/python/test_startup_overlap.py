@@ -20,6 +20,7 @@ from ettkit import ett
 from ettkit.startup import (
     BatchSpec,
     CompileCache,
+    Dim,
     StageGraph,
     compiled_graphs,
     overlapped_start,
@@ -207,6 +208,47 @@ def test_overlapped_start_names_the_field_when_the_first_batch_does_not_match():
     spec = declared_spec(dynamic=True)
     with pytest.raises(ettkit.errors.BatchMismatchError, match="field 'dense' has dtype torch.float64"):
         overlapped_start(TinyRec(), loader, spec, loss_fn, compile_kwargs={"backend": BACKEND})
+
+
+def test_a_guard_inductor_puts_on_a_declared_dynamic_dim_falls_back_to_soft_dims_with_a_warning(tmp_path, monkeypatch):
+    # Inductor (the default backend, not aot_eager) decomposes TinyRec's backward matmul through its
+    # 16 -> 1 head on CPU only for small batches, and guards on it: batch + 16 <= 32. No graph serves the
+    # declared Dim(2, 256), so the strict compile fails with Dynamo's ConstraintViolationError; the start
+    # must compile anyway (soft dims), say which guard, and count the recompile a batch outside it costs.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    torch.manual_seed(0)
+    with pytest.warns(RuntimeWarning, match="specialized a dynamic dim"):
+        compiled, first, report, batches = overlapped_start(TinyRec(), _loader(), declared_spec(dynamic=True),
+                                                           loss_fn, recorder=None)
+    assert "generated guard" in report.dynamic_dims_specialized
+    assert "<= 16" in report.dynamic_dims_specialized  # the fast batch has the min size (2): small-batch path
+    assert report.summary()["dynamic_dims_specialized"] == report.dynamic_dims_specialized
+    opt = torch.optim.SGD(compiled.parameters(), lr=0.05)
+    train_steps(compiled, opt, [first, next(batches)])  # 16 rows: inside the guard, the warm graph serves them
+    assert report.recompiles == 0
+    train_steps(compiled, opt, [make_batch(64)])  # outside it: one recompile, visible in the report
+    assert report.recompiles >= 1
+
+
+def test_a_declared_range_the_compile_keeps_does_not_warn(recwarn):
+    compiled, first, report, batches = overlapped_start(TinyRec(), _loader(), declared_spec(dynamic=True), loss_fn,
+                                                       compile_kwargs={"backend": BACKEND}, recorder=None)
+    del batches
+    assert report.dynamic_dims_specialized is None
+    assert not [w for w in recwarn if "specialized" in str(w.message)]
+
+
+@pytest.mark.parametrize("dynamic_dims", [{"*": 0}, {"*": {0: Dim(None, 4)}}], ids=["default-range", "min-only"])
+def test_an_unbounded_dynamic_dim_compiles_and_serves_larger_batches(dynamic_dims):
+    # torch 2.14's mark_dynamic(min=...) without max fails inside Dynamo ("not simple sympy type NoneType"):
+    # the README's from_batch(..., dynamic_dims={"*": 0}) hit it.
+    spec = BatchSpec.from_batch(make_batch(8), dynamic_dims=dynamic_dims)
+    compiled, first, report, batches = overlapped_start(TinyRec(), _loader(), spec, loss_fn,
+                                                       compile_kwargs={"backend": BACKEND}, recorder=None)
+    del batches
+    opt = torch.optim.SGD(compiled.parameters(), lr=0.05)
+    train_steps(compiled, opt, [first, make_batch(200)])
+    assert report.recompiles == 0 and report.dynamic_dims_specialized is None
 
 
 class CastingRec(TinyRec):

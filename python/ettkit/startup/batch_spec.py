@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -440,16 +441,20 @@ class BatchSpec:
             taken.add(size)
         return chosen
 
-    def fast_batch(self, seed: int = 0) -> Any:
+    def fast_batch(self, seed: int = 0, *, soft: bool = False) -> Any:
         """A synthetic batch with this spec's structure and metadata, filled with values inside the value
         (or sample) ranges; deterministic for a seed; never touches the global RNG. Dynamic dims are marked
-        with ``torch._dynamo.mark_dynamic`` so the graph compiled on it serves every size in range."""
+        with ``torch._dynamo.mark_dynamic`` so the graph compiled on it serves every size in range: a compile
+        that would specialize one (a size-dependent choice of the model or of Inductor) then fails with
+        Dynamo's ``ConstraintViolationError`` instead of compiling a narrower graph silently. ``soft=True``
+        marks them with ``torch._dynamo.maybe_mark_dynamic`` instead: such a guard is accepted, and sizes
+        outside it recompile (what :func:`overlapped_start` falls back to, with a warning)."""
         gen = torch.Generator().manual_seed(seed)
         sizes = self._sizes()
 
         def build(x, path):
             if isinstance(x, TensorSpec):
-                return self._make_tensor(x, path, sizes, gen)
+                return self._make_tensor(x, path, sizes, gen, soft)
             if isinstance(x, _Constant):
                 return x.value
             if isinstance(x, _CONSTANT_TYPES):
@@ -462,7 +467,9 @@ class BatchSpec:
         d = spec.shape[i]
         return d.name or f"{path}:{i}"
 
-    def _make_tensor(self, spec: TensorSpec, path: str, sizes: dict, gen: torch.Generator) -> torch.Tensor:
+    def _make_tensor(
+        self, spec: TensorSpec, path: str, sizes: dict, gen: torch.Generator, soft: bool = False
+    ) -> torch.Tensor:
         shape = [
             sizes[self._dim_name(spec, path, i)] if isinstance(d, Dim) else d
             for i, d in enumerate(spec.shape)
@@ -482,9 +489,16 @@ class BatchSpec:
         if spec.requires_grad:
             t.requires_grad_(True)
         for i, d in enumerate(spec.shape):
-            if isinstance(d, Dim):
-                kwargs = {"min": d.min} if d.max is None else {"min": d.min, "max": d.max}
-                torch._dynamo.mark_dynamic(t, i, **kwargs)
+            if not isinstance(d, Dim):
+                continue
+            if soft:
+                torch._dynamo.maybe_mark_dynamic(t, i)
+            elif d.max is None and d.min <= 2:
+                torch._dynamo.mark_dynamic(t, i)  # Dynamo's own range, [2, inf)
+            else:
+                # A min without a max fails inside Dynamo (torch 2.14: "not simple sympy type NoneType"): an
+                # unbounded dim with a larger min gets sys.maxsize as its max.
+                torch._dynamo.mark_dynamic(t, i, min=d.min, max=sys.maxsize if d.max is None else d.max)
         return t
 
     @staticmethod

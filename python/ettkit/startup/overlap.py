@@ -47,6 +47,9 @@ class StartReport:
     stages: StageReport
     spec_mismatch: list
     graphs_at_start: int
+    # Set when the compile could not keep the spec's dynamic dims over their whole range: the guard Dynamo
+    # generated (the warm graph was then compiled with soft dims; see overlapped_start).
+    dynamic_dims_specialized: str | None = None
 
     @property
     def recompiles(self) -> int:
@@ -66,6 +69,7 @@ class StartReport:
             "cache": None if self.cache is None else self.cache.status,
             "recompiles": self.recompiles,
             "spec_mismatch": list(self.spec_mismatch),
+            "dynamic_dims_specialized": self.dynamic_dims_specialized,
         }
 
 
@@ -106,6 +110,13 @@ def _shutdown(iterator: Any) -> None:
     shutdown = getattr(iterator, "_shutdown_workers", None)
     if callable(shutdown):
         shutdown()
+
+
+def _specialization(error: Exception) -> str:
+    """The guard in Dynamo's ConstraintViolationError ("Not all values of ... satisfy the generated guard ...")."""
+    lines = [line.strip(" -") for line in str(error).splitlines()]
+    detail = [line for line in lines if "generated guard" in line or "specialized" in line]
+    return "; ".join(detail) if detail else (lines[0] if lines else type(error).__name__)
 
 
 def overlapped_start(
@@ -162,7 +173,17 @@ def overlapped_start(
     def compile_stage() -> tuple:
         # torch.compile() itself imports Dynamo (seconds in a fresh process): do it here, overlapped.
         compiled = model if _is_compiled(model) else torch.compile(model, **(compile_kwargs or {}))
-        return compiled, warm_compile(compiled, spec.fast_batch(seed), loss_fn, forward=forward)
+        from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
+
+        try:
+            return compiled, warm_compile(compiled, spec.fast_batch(seed), loss_fn, forward=forward), None
+        except ConstraintViolationError as e:
+            # The model or Inductor made a size-dependent choice on a declared dynamic dim (e.g. Inductor's CPU
+            # mm decomposition guards on the batch size of a matmul with an inner size of 1). A graph that
+            # serves the whole declared range does not exist: compile with soft dims, and say which guard.
+            specialized = _specialization(e)
+            return compiled, warm_compile(compiled, spec.fast_batch(seed, soft=True), loss_fn, forward=forward), \
+                specialized
 
     g.add("compile", compile_stage, after=compile_deps, runs_dynamo=True, phase="compile")
 
@@ -184,6 +205,16 @@ def overlapped_start(
             _shutdown(g.results["loader_iter"])
             raise BatchMismatchError(message)
         warnings.warn(message + " (the first step will recompile)", RuntimeWarning, stacklevel=2)
+    specialized = g.results["compile"][2]
+    if specialized:
+        warnings.warn(
+            f"the compile specialized a dynamic dim of the batch spec ({specialized}); compiled again with the dims "
+            "marked soft (torch._dynamo.maybe_mark_dynamic): batch sizes outside the graph's guard recompile once "
+            "(report.recompiles). Set Dim(hint=...) to the size of the real batches so that the warm graph "
+            "covers them, or narrow Dim(min, max) to a range the guard allows.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     time_to_start = time.perf_counter() - t0
 
     def dur(name: str) -> float:
@@ -198,6 +229,7 @@ def overlapped_start(
         warm=g.results["compile"][1],
         stages=stages,
         spec_mismatch=mismatch,
+        dynamic_dims_specialized=specialized,
         graphs_at_start=compiled_graphs(),
     )
     return StartResult(g.results["compile"][0], first_batch, report, g.results["loader_iter"])
