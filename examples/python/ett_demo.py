@@ -178,6 +178,7 @@ def run_arm(arm: str, out: str, cfg_path: str, data_dir: str, cfg: dict, log) ->
     with open(os.path.join(arm_dir, "report.json")) as f:
         rep = json.load(f)
     rep["_wall_s"] = wall
+    rep["_env"] = env  # the environment `python -m ettkit` ran in (the comparison plot runs it again)
     rep["_saves"] = count_saves(os.path.join(run_dir, "ett", "rank-0.jsonl"))
     return rep
 
@@ -359,9 +360,14 @@ def main(argv=None) -> int:
     log(summary)
     with open(os.path.join(out, "summary.txt"), "w") as f:
         f.write(summary.lstrip("\n") + "\n")
+    # Both arms in one picture, on one time axis: the shorter E2E and each phase's length compare by eye.
+    subprocess.run([sys.executable, "-m", "ettkit", "report", os.path.join(out, "baseline", "run"), "--plot",
+                    os.path.join(out, "compare.png"), "--plot-with", os.path.join(out, "ettkit", "run")],
+                   stdout=subprocess.DEVNULL, check=True, env=reps["ettkit"]["_env"])
     log(
         f"\ndemo: wrote {out}/<arm>/report.json, report.txt, trace.json (open in https://ui.perfetto.dev) and "
-        f"ett.png for {', '.join(ARMS)}; total {time.time() - t_start:.1f} s"
+        f"ett.png for {', '.join(ARMS)}, and {out}/compare.png (both arms on one time axis); "
+        f"total {time.time() - t_start:.1f} s"
     )
     return 0
 

@@ -20,6 +20,10 @@ def _report(args: argparse.Namespace) -> int:
     from . import errors
     from .ett import build_report, format_report
 
+    if args.plot_with and not args.plot:
+        print("ettkit report: error: --plot-with needs --plot FILE.png (the picture both runs are drawn in)",
+              file=sys.stderr)
+        return 2
     try:
         # The trace is streamed by the C++ report while it is built; only the plot needs the timelines here.
         report = build_report(args.run_dir, include_initial_queue=args.include_initial_queue,
@@ -35,7 +39,15 @@ def _report(args: argparse.Namespace) -> int:
     if args.plot:
         from .ett.plot import write_plot
 
-        write_plot(report, args.plot)
+        others = []
+        for other in args.plot_with or []:
+            try:
+                others.append(build_report(other, include_initial_queue=args.include_initial_queue,
+                                           mtbf_prior_s=args.mtbf_prior, method=args.method, include_timeline=True))
+            except (errors.Error, OSError) as e:
+                print(f"ettkit report: error: --plot-with {other}: {e}", file=sys.stderr)
+                return 2
+        write_plot([report, *others], args.plot)
     if args.tensorboard:
         from .ett.tensorboard import write_tensorboard
 
@@ -78,7 +90,10 @@ def _main(argv: list[str] | None) -> int:
     rep.add_argument("--trace", metavar="FILE", help="write a Chrome trace (open in Perfetto / chrome://tracing)")
     rep.add_argument("--prometheus", metavar="FILE", help="write the Prometheus text exposition format")
     rep.add_argument("--job", help="job label for the Prometheus metrics")
-    rep.add_argument("--plot", metavar="FILE.png", help="write a per-rank timeline with the ETT breakdown")
+    rep.add_argument("--plot", metavar="FILE.png",
+                     help="write a per-rank timeline, coloured by phase, above where the job's time went")
+    rep.add_argument("--plot-with", metavar="RUN_DIR", action="append",
+                     help="also draw this run in the plot, under RUN_DIR, on the same time axis (repeatable)")
     rep.add_argument("--tensorboard", metavar="DIR", help="write TensorBoard scalars into DIR")
     rep.add_argument("--include-initial-queue", action="store_true",
                      help="count attempt 0's scheduling (queue) time in E2E")

@@ -79,7 +79,8 @@ def test_report_is_consistent(demo, arm):
 
 
 def test_arms_differ_only_in_the_runtime(demo):
-    _, _, reports, _ = demo
+    out, _, reports, _ = demo
+    assert (out / "compare.png").stat().st_size > 0  # both arms on one time axis
     b, e = reports["baseline"], reports["ettkit"]
     assert b["checkpoints"]["interval_source"] == e["checkpoints"]["interval_source"] == "configured_steps"
     assert "compile" in b["phases"] and "compile" in e["phases"]

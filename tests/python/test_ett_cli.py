@@ -63,6 +63,26 @@ def test_table_and_exporters(tmp_path):
         assert im.format == "PNG" and im.size[0] > 400
 
 
+def test_plot_with_draws_two_runs_and_names_a_bad_one(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    worked_example(a).save()
+    worked_example(b).save()
+    p = cli("report", a, "--plot", tmp_path / "both.png", "--plot-with", b)
+    assert p.returncode == 0, p.stderr
+    one = cli("report", a, "--plot", tmp_path / "one.png")
+    assert one.returncode == 0, one.stderr
+    from PIL import Image
+
+    with Image.open(tmp_path / "both.png") as both, Image.open(tmp_path / "one.png") as single:
+        assert both.size[0] == single.size[0] and both.size[1] > 1.6 * single.size[1]  # a second run's panels
+
+    bad = cli("report", a, "--plot", tmp_path / "x.png", "--plot-with", tmp_path / "nowhere")
+    assert bad.returncode == 2 and "--plot-with" in bad.stderr and "nowhere" in bad.stderr
+    assert "Traceback" not in bad.stderr and not (tmp_path / "x.png").exists()
+    alone = cli("report", a, "--plot-with", b)
+    assert alone.returncode == 2 and "--plot-with needs --plot" in alone.stderr
+
+
 @pytest.mark.parametrize("setup,message", [
     ("missing", "does not exist"),
     ("empty", "no 'ett/' ledger folder"),

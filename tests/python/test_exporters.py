@@ -313,22 +313,83 @@ def test_plot_png(report, tmp_path):
     path = tmp_path / "ett.png"
     plot.write_plot(report, path)
     assert matplotlib.get_backend() == backend
+    assert not list(tmp_path.glob(".*.tmp")), "the temporary file must be renamed away"
 
     image = imread(path)
     height, width = image.shape[:2]
     assert width > 400 and height > 200
     rgb = image[..., :3]
 
-    def share_of(hex_color: str, rows: slice) -> float:
+    def share_of(hex_color: str) -> float:
         target = np.array([int(hex_color[i:i + 2], 16) / 255 for i in (1, 3, 5)])
-        return float(np.mean(np.all(np.abs(rgb[rows] - target) < 0.02, axis=-1)))
+        return float(np.mean(np.all(np.abs(rgb - target) < 0.02, axis=-1)))
 
-    # Effective time dominates the run, so its green must cover more pixels than failure red, both in the
-    # timeline (upper part of the figure) and in the breakdown bar (lower part).
-    timeline, breakdown = slice(0, int(0.55 * height)), slice(int(0.7 * height), height)
-    for rows in (timeline, breakdown):
-        assert share_of(plot.COLORS["effective"], rows) > share_of(plot.COLORS["failure"], rows) > 0.01
-    assert share_of(plot.BACKGROUND_COLOR, timeline) > 0
+    # Effective time dominates the run; every phase of the job has its own colour in the picture.
+    assert share_of(plot.COLORS["effective"]) > share_of(plot.phase_color("checkpoint_blocking")) > 0
+    for name in ("compile", "scheduling", "checkpoint_restore", "shutdown"):
+        assert share_of(plot.phase_color(name)) > 0, name
+    assert share_of(plot.BACKGROUND_COLOR) > 0
+
+
+def _bars(ax) -> list[tuple[float, float, tuple]]:
+    """(x, width, facecolor) of the bars drawn in a breakdown axis, left to right."""
+    return sorted((p.get_x(), p.get_width(), tuple(p.get_facecolor())) for p in ax.patches)
+
+
+def test_plot_breakdown_splits_idle_and_failure_time_by_phase(report):
+    parts = plot.breakdown(report)
+    labels = [style.label for style, _ in parts]
+    seconds = dict((style.label, sec) for style, sec in parts)
+    assert labels[0] == "effective (training)" and seconds["effective (training)"] == report["effective_s"]
+    assert labels[-1] == "unattributed" and seconds["unattributed"] == report["unattributed_s"]
+    # Idle phases, longest first, then failure phases (hatched), longest first.
+    idle = [p for p in parts[1:-1] if p[0].hatch is None]
+    failure = [p for p in parts[1:-1] if p[0].hatch]
+    # (ties by name: checkpoint_blocking and launcher_init both take 180 s)
+    assert [s.label for s, _ in idle] == ["scheduling", "compile", "hardware_setup", "checkpoint_blocking",
+                                         "launcher_init", "shutdown"]
+    assert seconds["checkpoint_blocking"] == 3 * 60 and seconds["compile"] == 300
+    assert seconds["compile (failure)"] == 300 and seconds["lost_in_flight (failure)"] == 1200
+    assert [sec for _, sec in failure] == sorted((sec for _, sec in failure), reverse=True)
+    assert sum(seconds.values()) == pytest.approx(E2E_S)
+    # A phase keeps its colour whatever its bucket; failure time differs by its hatch only.
+    styles = {s.label: s for s, _ in parts}
+    assert styles["compile"].color == styles["compile (failure)"].color == plot.PHASE_COLORS["compile"]
+    assert styles["compile (failure)"].hatch == plot.FAILURE_HATCH and styles["compile"].hatch is None
+
+
+def test_plot_draws_several_runs_on_one_time_axis(report):
+    short = make_report()
+    half = lambda us: T0_US + (us - T0_US) // 2  # noqa: E731 - the same run, twice as fast
+    for seg in short["timeline"] + short["job_timeline"] + short["background"]:
+        seg["begin_us"], seg["end_us"] = half(seg["begin_us"]), half(seg["end_us"])
+    short["e2e_s"] = E2E_S / 2
+    fig = plot.figure([report, short])
+    axes = fig.axes
+    assert len(axes) == 4  # per run: timeline, breakdown
+    shared = axes[0].get_shared_x_axes()
+    assert all(shared.joined(axes[0], ax) for ax in axes[1:])
+    scale, unit = plot.time_unit(E2E_S)
+    assert unit == "hours" and axes[0].get_xlim() == pytest.approx((0, E2E_S / scale))
+    # Each breakdown bar ends where its own run ends: the faster run's bar is half as long.
+    for ax, e2e in ((axes[1], E2E_S), (axes[3], E2E_S / 2)):
+        bars = _bars(ax)
+        assert bars[0][0] == pytest.approx(0)
+        assert bars[-1][0] + bars[-1][1] == pytest.approx(e2e / scale)
+    colors = {c for _, _, c in _bars(axes[1])}
+    assert len(colors) >= 8  # effective, unattributed and one per phase
+    assert "ETT" in axes[0].get_title(loc="left") and "E2E 10030.0 s" in axes[2].get_title(loc="left")
+
+
+def test_plot_keeps_a_phase_colour_across_runs_and_names_unknown_phases_stably():
+    assert plot.phase_color("compile") == plot.PHASE_COLORS["compile"]
+    assert plot.phase_color("my_eval") == plot.phase_color("my_eval") in plot.OTHER_COLORS
+    assert plot.segment_style({"bucket": "effective", "name": "training"}).color == plot.COLORS["effective"]
+    colors = [plot.COLORS["effective"], plot.COLORS["unattributed"], plot.BACKGROUND_COLOR]
+    colors += list(plot.PHASE_COLORS.values())
+    assert len(set(colors)) == len(colors), "two things share a colour"
+    with pytest.raises(ValueError, match="at least one report"):
+        plot.figure([])
 
 
 # ---------------------------------------------------------------- table

@@ -1,4 +1,14 @@
-"""The ETT report as a picture: a timeline per rank above the ETT breakdown bar.
+"""The ETT report as a picture: per run, a timeline per rank and for the job, above a breakdown bar of where
+the job's time went, everything on one time axis.
+
+- Time that is not training is coloured by **phase** (compile, checkpoint_blocking, scheduling, ...), with
+  the same colour for a phase in every plot; failure-bucket time is hatched, effective time is green and
+  unattributed time grey. Persistence (``checkpoint_persist``) overlaps training, so it is a thin strip
+  under its rank's bar.
+- The breakdown bar lays the job's E2E out in seconds: effective time first, then each idle phase, each
+  failure phase and the unattributed rest, so it ends where the timeline ends.
+- Several runs (``write_plot([a, b], path)``, or ``--plot-with`` on the CLI) are drawn one under the other
+  on one shared time axis, so a shorter run is visibly shorter and a phase's length compares by eye.
 
 Drawn with matplotlib's object API (`Figure` + the Agg canvas), never pyplot, so that writing a plot
 from a notebook or an interactive session neither switches the user's backend nor leaves a figure open.
@@ -7,8 +17,11 @@ The output format follows the file name's extension (PNG when there is none).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
+import zlib
+from collections.abc import Sequence
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
@@ -19,9 +32,60 @@ NO_TIMELINE = "report has no timeline; build it with include_timeline=True"
 BUCKETS = ("effective", "idle", "failure", "unattributed")
 COLORS = {"effective": "#2ca02c", "idle": "#ff7f0e", "failure": "#d62728", "unattributed": "#9e9e9e"}
 BACKGROUND_COLOR = "#1f77b4"
+FAILURE_HATCH = "xx"
+
+# One colour per phase of the taxonomy, the same in every plot (matplotlib's tab20 without its greens and
+# greys, which mean effective and unattributed). Other phase names get one of OTHER_COLORS by a stable hash.
+PHASE_COLORS = {
+    "scheduling": "#aec7e8",
+    "hardware_setup": "#ffbb78",
+    "launcher_init": "#ff7f0e",
+    "process_bootstrap": "#f7b6d2",
+    "worker_spawn": "#c5b0d5",
+    "process_group_init": "#9467bd",
+    "train_module_creation": "#8c564b",
+    "preproc_creation": "#c49c94",
+    "get_first_batch_data": "#17becf",
+    "compile": "#e377c2",
+    "checkpoint_restore": "#08519c",
+    "checkpoint_blocking": "#bcbd22",
+    "data_stall": "#9edae5",
+    "shutdown": "#dbdb8d",
+    "wasted_training": "#d62728",
+    "lost_in_flight": "#ff9896",
+    "detect_and_teardown": "#7f3b08",
+    "restart_gap": "#b35806",
+}
+OTHER_COLORS = ("#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd", "#e6550d", "#756bb1")
 
 
-def _time_unit(e2e_s: float) -> tuple[float, str]:
+def phase_color(name: str) -> str:
+    if name in PHASE_COLORS:
+        return PHASE_COLORS[name]
+    return OTHER_COLORS[zlib.crc32(name.encode()) % len(OTHER_COLORS)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Style:
+    """How one timeline segment is drawn: its colour, its hatch and its legend label."""
+
+    color: str
+    hatch: str | None
+    label: str
+
+
+def segment_style(segment: dict) -> Style:
+    bucket, name = segment.get("bucket"), segment.get("name") or "?"
+    if bucket == "effective":
+        return Style(COLORS["effective"], None, "effective (training)")
+    if bucket == "unattributed" or name == "unattributed":
+        return Style(COLORS["unattributed"], None, "unattributed")
+    if bucket == "failure":
+        return Style(phase_color(name), FAILURE_HATCH, f"{name} (failure)")
+    return Style(phase_color(name), None, name)
+
+
+def time_unit(e2e_s: float) -> tuple[float, str]:
     """Picks the unit that keeps the axis numbers readable for a run of this length."""
     if e2e_s >= 2 * 3600:
         return 3600.0, "hours"
@@ -30,28 +94,47 @@ def _time_unit(e2e_s: float) -> tuple[float, str]:
     return 1.0, "seconds"
 
 
-def _draw_timeline(ax, report: dict) -> None:
+def breakdown(report: dict) -> list[tuple[Style, float]]:
+    """Where the job's E2E went, in seconds, in drawing order: effective, idle phases (longest first),
+    failure phases (longest first), unattributed. Built from the job timeline, so it sums to its span."""
+    totals: dict[Style, float] = {}
+    for s in report["job_timeline"]:
+        style = segment_style(s)
+        totals[style] = totals.get(style, 0.0) + (s["end_us"] - s["begin_us"]) / 1e6
+
+    def order(item):
+        style, seconds = item
+        rank = (0 if style.label.startswith("effective") else 3 if style.label == "unattributed"
+                else 2 if style.hatch else 1)
+        return rank, -seconds, style.label
+
+    return sorted(totals.items(), key=order)
+
+
+def _draw_timeline(ax, report: dict, scale: float, legend: dict) -> None:
     origin = report["e2e_begin_us"]
-    scale, unit = _time_unit(report.get("e2e_s") or 0.0)
 
     def span(segment: dict) -> tuple[float, float]:
-        return ((segment["begin_us"] - origin) / 1e6 / scale,
-                (segment["end_us"] - segment["begin_us"]) / 1e6 / scale)
+        return ((segment["begin_us"] - origin) / 1e6 / scale, (segment["end_us"] - segment["begin_us"]) / 1e6 / scale)
 
     ranks = list(report.get("ranks") or sorted({s["rank"] for s in report["timeline"]}))
     rows = [(f"rank {r}", [s for s in report["timeline"] if s["rank"] == r]) for r in ranks]
     rows.append(("job", report["job_timeline"]))
     for y, (_, segments) in enumerate(rows):
-        for bucket in BUCKETS:
-            spans = [span(s) for s in segments if s.get("bucket") == bucket]
-            if spans:
-                ax.broken_barh(spans, (y - 0.35, 0.7), facecolors=COLORS[bucket])
+        by_style: dict[Style, list] = {}
+        for s in segments:
+            by_style.setdefault(segment_style(s), []).append(span(s))
+        for style, spans in by_style.items():
+            ax.broken_barh(spans, (y - 0.35, 0.7), facecolors=style.color, hatch=style.hatch,
+                           edgecolor="black" if style.hatch else style.color, linewidth=0)
+            legend.setdefault(style.label, style)
     background = report.get("background") or []
     for y, rank in enumerate(ranks):
         # A thin strip just under the rank's bar: persistence overlaps training, so it cannot share the bar.
         spans = [span(s) for s in background if s["rank"] == rank]
         if spans:
             ax.broken_barh(spans, (y + 0.37, 0.1), facecolors=BACKGROUND_COLOR)
+            legend.setdefault("checkpoint persist (background)", Style(BACKGROUND_COLOR, None, ""))
 
     for attempt in report.get("attempts") or []:
         if attempt.get("begin_us") is not None:
@@ -62,50 +145,62 @@ def _draw_timeline(ax, report: dict) -> None:
 
     ax.set_yticks(range(len(rows)), [name for name, _ in rows])
     ax.set_ylim(len(rows) - 0.5, -0.5)  # rank 0 on top, "job" at the bottom
-    ax.set_xlabel(f"{unit} since start")
-    handles = [Patch(color=COLORS[b], label=b) for b in BUCKETS]
-    if background:
-        handles.append(Patch(color=BACKGROUND_COLOR, label="checkpoint persist"))
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
-
-
-def _draw_breakdown(ax, report: dict) -> None:
-    left = 0.0
-    handles = []
-    for bucket in BUCKETS:
-        pct = report.get(f"{'ett' if bucket == 'effective' else bucket}_pct") or 0.0
-        ax.barh(0, pct, left=left, color=COLORS[bucket])
-        # Labels inside narrow slices would overlap their neighbours; the legend still carries the value.
-        if pct >= 5.0:
-            ax.text(left + pct / 2, 0, f"{pct:.2f}%", ha="center", va="center", fontsize=9)
-        handles.append(Patch(color=COLORS[bucket], label=f"{bucket} {pct:.2f}%"))
-        left += pct
     ett = report.get("ett_pct")
-    ax.set_title("ETT -" if ett is None else f"ETT {ett:.2f}%")
-    ax.set_xlim(0, 100)
-    ax.set_yticks([])
-    ax.set_xlabel("% of end-to-end time")
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    title = f"{report.get('run_dir') or ''}   ETT {'-' if ett is None else f'{ett:.2f}%'}   E2E {report.get('e2e_s') or 0:.1f} s"
+    ax.set_title(title, fontsize=9, loc="left", pad=14)  # above the "attempt N" labels
 
 
-def write_plot(report: dict, path: str | os.PathLike) -> None:
-    """Draws the timeline and breakdown and writes the image to `path` atomically."""
-    if "timeline" not in report or "job_timeline" not in report:
-        raise ValueError(NO_TIMELINE)
-    n_rows = len(report.get("ranks") or []) + 1
-    fig = Figure(figsize=(12, 2.0 + 0.4 * n_rows + 1.6), layout="constrained")
+def _draw_breakdown(ax, report: dict, scale: float) -> None:
+    e2e = report.get("e2e_s") or 0.0
+    left = 0.0
+    for style, seconds in breakdown(report):
+        width = seconds / scale
+        ax.barh(0, width, left=left, color=style.color, hatch=style.hatch,
+                edgecolor="black" if style.hatch else style.color, linewidth=0)
+        # Labels inside narrow slices would overlap their neighbours; the legend names every colour.
+        if e2e > 0 and seconds / e2e >= 0.06:
+            ax.text(left + width / 2, 0, f"{100 * seconds / e2e:.1f}%", ha="center", va="center", fontsize=8)
+        left += width
+    ax.set_yticks([0], ["where E2E went"])
+    ax.set_ylim(-0.5, 0.5)
+
+
+def figure(reports: dict | Sequence[dict]) -> Figure:
+    """The plot of one report, or of several on one shared time axis (axes: timeline, breakdown per run)."""
+    reports = [reports] if isinstance(reports, dict) else list(reports)
+    if not reports:
+        raise ValueError("write_plot needs at least one report")
+    for r in reports:
+        if "timeline" not in r or "job_timeline" not in r:
+            raise ValueError(NO_TIMELINE)
+    scale, unit = time_unit(max(r.get("e2e_s") or 0.0 for r in reports))
+    ratios = []
+    for r in reports:
+        ratios += [0.45 * (len(r.get("ranks") or []) + 1) + 0.5, 0.55]
+    fig = Figure(figsize=(13, 0.9 + sum(ratios)), layout="constrained")
     FigureCanvasAgg(fig)
-    timeline_ax, breakdown_ax = fig.subplots(2, 1, height_ratios=[max(2.0, 0.4 * n_rows + 1.0), 1.0])
-    _draw_timeline(timeline_ax, report)
-    _draw_breakdown(breakdown_ax, report)
-    fig.suptitle(report.get("run_dir") or "", fontsize=9)
+    axes = fig.subplots(len(ratios), 1, sharex=True, height_ratios=ratios, squeeze=False)[:, 0]
+    legend: dict[str, Style] = {}
+    for i, r in enumerate(reports):
+        _draw_timeline(axes[2 * i], r, scale, legend)
+        _draw_breakdown(axes[2 * i + 1], r, scale)
+    axes[-1].set_xlabel(f"{unit} since the start of each run")
+    axes[0].set_xlim(0, max((r.get("e2e_s") or 0.0) for r in reports) / scale or 1.0)
+    handles = [Patch(facecolor=s.color, hatch=s.hatch, edgecolor="black" if s.hatch else s.color, label=label)
+               for label, s in sorted(legend.items(), key=lambda kv: (kv[0] != "effective (training)", kv[0]))]
+    fig.legend(handles=handles, loc="outside right upper", fontsize=8, frameon=False)
+    return fig
 
+
+def write_plot(reports: dict | Sequence[dict], path: str | os.PathLike) -> None:
+    """Draws one report, or several on one shared time axis, and writes the image to `path` atomically."""
+    fig = figure(reports)
     path = os.path.abspath(os.fspath(path))
     fmt = os.path.splitext(path)[1].lstrip(".").lower() or "png"
     tmp = os.path.join(os.path.dirname(path),
                        f".{os.path.basename(path)}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
-        fig.savefig(tmp, format=fmt, dpi=120)
+        fig.savefig(tmp, format=fmt, dpi=110)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
