@@ -495,7 +495,7 @@ class AsyncCheckpointer:
 
 
 def __getattr__(name: str):
-    # DcpStager subclasses DCP's AsyncStager, and importing torch.distributed.checkpoint costs ~0.7 s: pay it
+    # DcpStager subclasses DCP's AsyncStager, and importing torch.distributed.checkpoint costs 1–2 s: pay it
     # only when DcpStager is used, not on every (re)start of a job that imports ettkit.checkpoint.
     if name == "DcpStager":
         from ._dcp import DcpStager
