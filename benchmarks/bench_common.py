@@ -1,4 +1,4 @@
-"""What every ettkit benchmark shares: the machine description and the JSON layout of DESIGN §5.
+"""What every ettkit benchmark shares: the machine description and the JSON layout at the top of docs/benchmarks.md.
 
     {"benchmark": name, "machine": {...}, "config": {...},
      "results": {"<metric>[<case>]": {"<variant>": value, ...}}}

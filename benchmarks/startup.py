@@ -309,7 +309,7 @@ def main() -> None:
     ap.add_argument(
         "--quick", action="store_true", help="smaller model and first-batch delay, 1 repeat (< 1 min)"
     )
-    ap.add_argument("--json", help="write the results to this file (DESIGN §5 layout)")
+    ap.add_argument("--json", help="write the results to this file (the layout of docs/benchmarks.md)")
     ap.add_argument("--repeats", type=int, help="override the number of repeats")
     ap.add_argument("--first-batch-s", type=float, help="override the first-batch delay")
     ap.add_argument(

@@ -14,7 +14,7 @@
 #   ctest         every C++ test, ETTKIT_REQUIRE_CUDA=1 (a missing GPU or a skipped CUDA test fails)
 #   pytest_cuda   the needs_cuda Python tests, ETTKIT_REQUIRE_CUDA=1
 #   bench_*       the GPU benchmarks (checkpoint, ETT CUDA-event timer, sharding over NCCL, start-up compile)
-#   report        gpu.json (DESIGN §5 layout), summary.md
+#   report        gpu.json (docs/benchmarks.md layout), summary.md
 #
 # Output ($OUT when set, else build/gpu/; at most 8 files, which the device tool brings back):
 #   gpu.json  summary.md  nvidia-smi-q.txt  gpu_check.log  logs.tar.gz (every step's log, the benchmarks'

@@ -2,7 +2,7 @@
 
     python tools/gpu_report.py --work build/gpu-work --out "$OUT" --wall-s 312
 
-gpu.json has the layout of DESIGN §5: {"benchmark": "gpu_check", "machine": {...}, "config": {...},
+gpu.json has the benchmarks' JSON layout (docs/benchmarks.md): {"benchmark": "gpu_check", "machine": {...}, "config": {...},
 "results": {"<benchmark>.<metric>[<case>]": {"<variant>": value}}}; config.steps holds each step's status,
 seconds and limit, config.benchmarks each benchmark's own config. Standard library only: it must run even
 when the build did not.

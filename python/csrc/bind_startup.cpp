@@ -1,5 +1,5 @@
 // Bindings for ettkit::startup. The StageGraph runs Python callables on C++ worker threads, so the GIL
-// rules matter (../shared/reference/compile.md §8.3):
+// rules matter (docs/startup.md, "The StageGraph"):
 //  - run() and join() release the GIL for their whole wait; a worker takes the GIL only while a Python
 //    callable runs (StageGil inside the stage wrapper) and never holds the scheduler's mutex
 //    while it does (the scheduler never holds its mutex while a stage runs).

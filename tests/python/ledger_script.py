@@ -1,6 +1,6 @@
 """Writes scripted ledgers (the same JSONL format the Recorder writes) for report tests.
 
-The worked example of ../shared/reference/ett.md §8.2: two attempts, attempt 0 killed after 9
+The worked example of docs/ett.md ("Worked example"): two attempts, attempt 0 killed after 9
 checkpoints, attempt 1 requeued, restored, re-trains 1,200 s and finishes. Times in seconds from T0.
 """
 

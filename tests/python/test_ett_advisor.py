@@ -1,4 +1,4 @@
-"""ettkit.ett.recommend_interval against Daly's published table (shared/reference/ett.md §4.2)."""
+"""ettkit.ett.recommend_interval against Daly's published table (Daly 2006, Figs. 3-5; docs/ett.md)."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""The ETT report reproduces the worked example of shared/reference/ett.md §8.2 from a scripted ledger,
+"""The ETT report reproduces the worked example of docs/ett.md ("Worked example") from a scripted ledger,
 and handles bad run directories with clear messages."""
 
 from __future__ import annotations

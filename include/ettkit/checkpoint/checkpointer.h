@@ -1,5 +1,5 @@
 #pragma once
-// ettkit::checkpoint: async checkpoint stager and crash-consistent checkpointer (DESIGN §4.2).
+// ettkit::checkpoint: async checkpoint stager and crash-consistent checkpointer (docs/checkpoint.md).
 //
 // What it promises
 //  - Staging: save() copies the state into a host arena that was allocated once (exact size, pinned
@@ -18,8 +18,8 @@
 //    saved tensor (wait_staged_on_current_stream() before the optimizer step, wait_for() before a module
 //    writes its buffers or an in-backward update writes a parameter). The Python attach() does both.
 //  - Persistence: a background writer thread writes rank-<r>.safetensors (+ rank-<r>.extra) into
-//    CKPT_DIR/.tmp-step-<N>-<run>/, fsyncs them, and the commit follows DESIGN §4.2: every rank reports
-//    through the c10d Store, rank 0 writes + fsyncs manifest.json, renames the directory to step-<N>,
+//    CKPT_DIR/.tmp-step-<N>-<run>/, fsyncs them, and commits (docs/checkpoint.md, "How a save works"):
+//    every rank reports through the c10d Store, rank 0 writes + fsyncs manifest.json, renames the directory to step-<N>,
 //    fsyncs CKPT_DIR, updates `latest` atomically and applies keep_last. A step is committed exactly when
 //    step-<N>/manifest.json exists; a crash at any point leaves earlier committed steps intact.
 //  - Errors on the writer thread are values: they travel to SaveHandle::wait() / error(); training goes on.

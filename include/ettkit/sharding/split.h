@@ -1,6 +1,6 @@
 #pragma once
 // TorchRec's split rules as pure functions, bit-exact with torchrec/distributed/sharding_plan.py
-// (calculate_shard_sizes_and_offsets and helpers; see ../shared/reference/sharding.md §3). They are
+// (calculate_shard_sizes_and_offsets and helpers; docs/sharding.md, "Split rules"). They are
 // public so that callers (and tests) can ask "what would TorchRec do" without building a whole plan.
 //
 // All functions are pure and thread-safe; they throw InvalidArgument for inputs TorchRec rejects.

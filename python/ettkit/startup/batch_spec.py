@@ -3,7 +3,7 @@
 Dynamo guards a compiled graph on the *metadata* of its inputs, not on their values: the container
 structure (types, dict key **order**, sequence lengths, Python constants by value), and per tensor the
 Python type, dtype, device, ``requires_grad``, the sizes and strides of static dimensions and whether
-two inputs alias (see ``../shared/reference/compile.md`` §2). A :class:`BatchSpec` records exactly these
+two inputs alias (docs/startup.md, "Declaring a batch spec"). A :class:`BatchSpec` records exactly these
 properties; :meth:`BatchSpec.fast_batch` builds a batch with them, and :meth:`BatchSpec.check` names the
 first field where a real batch would fail a guard.
 

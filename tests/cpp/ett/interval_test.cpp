@@ -10,7 +10,7 @@
 namespace ettkit::ett {
 namespace {
 
-// Daly (2006), Figs. 3-5: delta = 5 min, R = 10 min (values in minutes); see shared/reference/ett.md §4.2.
+// Daly (2006), Figs. 3-5: delta = 5 min, R = 10 min (values in minutes).
 struct DalyRow {
   double mtbf_min, young, daly1, series, exact;
 };

@@ -1,5 +1,5 @@
 // TorchRec's split rules, pinned to the values TorchRec's own tests and the reference's worked examples
-// expect (../shared/reference/sharding.md §3, torchrec/distributed/tests/test_sharding_plan.py,
+// expect (docs/sharding.md, "Split rules"; torchrec/distributed/tests/test_sharding_plan.py,
 // torchrec/distributed/planner/tests/test_enumerators.py).
 #include "ettkit/sharding/split.h"
 
