@@ -19,8 +19,8 @@
 //    writes its buffers or an in-backward update writes a parameter). The Python attach() does both.
 //  - Persistence: a background writer thread writes rank-<r>.safetensors (+ rank-<r>.extra) into
 //    CKPT_DIR/.tmp-step-<N>-<run>/, fsyncs them, and commits (docs/checkpoint.md, "How a save works"):
-//    every rank reports through the c10d Store, rank 0 writes + fsyncs manifest.json, renames the directory to step-<N>,
-//    fsyncs CKPT_DIR, updates `latest` atomically and applies keep_last. A step is committed exactly when
+//    every rank reports through the c10d Store, rank 0 writes + fsyncs manifest.json, renames the
+//    directory to step-<N>, fsyncs CKPT_DIR, updates `latest` atomically and applies keep_last. A step is committed exactly when
 //    step-<N>/manifest.json exists; a crash at any point leaves earlier committed steps intact.
 //  - Errors on the writer thread are values: they travel to SaveHandle::wait() / error(); training goes on.
 //
