@@ -155,6 +155,8 @@ def main() -> int:
             step += 1
             for k, v in loop_state(step).items():
                 state[k].copy_(v)
+            if step == 2:
+                print("step 2", flush=True)  # the test signals once the loop is past step 1
             if ck.should_save(step):
                 ck.save(step, state, extra={"step": step})  # durable, then exits with 128+SIGTERM
                 return 3  # not reached

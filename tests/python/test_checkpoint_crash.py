@@ -70,7 +70,7 @@ def test_sigterm_saves_the_current_step_and_exits_when_durable(tmp_path):
     path = tmp_path / "ck"
     proc = subprocess.Popen([sys.executable, SCRIPT, "preempt", str(path)], stdout=subprocess.PIPE)
     assert proc.stdout.readline().strip() == b"ready"
-    time.sleep(0.3)
+    assert proc.stdout.readline().strip() == b"step 2"  # a condition, not a sleep: the loop has passed step 1
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 128 + signal.SIGTERM
     target = {k: torch.zeros_like(v) for k, v in loop_state(0).items()}
