@@ -68,6 +68,17 @@ def test_sigkill_after_durable_save_resumes_model_and_adam_moments_bit_for_bit(t
     ref = run_trainer(style, tmp_path / "ref", 16, -1, tmp_path / "r")
     assert ref.returncode == 0, ref.stderr[-3000:]
     assert_same(torch.load(tmp_path / "r" / "final.pt"), torch.load(tmp_path / "a" / "final.pt"), "final")
+    # The report of the killed and resumed job: its phases add up to E2E, ETT% is training's share of it,
+    # and the README's trainer shows its compile (overlapped start) and its checkpoint blocking.
+    from ettkit import ett
+
+    r = ett.build_report(tmp_path / "run")
+    assert len(r["attempts"]) == 2 and r["failures"] == 1
+    assert sum(r["phases"].values()) == pytest.approx(r["e2e_s"], rel=1e-9, abs=1e-6)
+    assert r["ett_pct"] == pytest.approx(100 * r["phases"]["training"] / r["e2e_s"], rel=1e-9)
+    assert r["phases"]["checkpoint_blocking"] > 0
+    if style == "readme":
+        assert r["phases"]["compile"] > 0
 
 
 def small_model():
