@@ -56,55 +56,10 @@ struct TensorList {
   }
 };
 
-py::object error_class(const char* name) { return py::module_::import("ettkit.errors").attr(name); }
-
-/// The Python exception object for an error captured on the writer thread (None for no error).
-py::object to_python_error(std::exception_ptr p) {
-  if (!p) return py::none();
-  try {
-    std::rethrow_exception(p);
-  } catch (const checkpoint::CorruptCheckpoint& e) {
-    return error_class("CorruptCheckpointError")(user_message(e));
-  } catch (const checkpoint::TornSnapshot& e) {
-    return error_class("TornSnapshotError")(user_message(e));
-  } catch (const checkpoint::DirectoryLocked& e) {
-    return error_class("CheckpointLockedError")(user_message(e));
-  } catch (const checkpoint::PeerLost& e) {
-    return error_class("PeerLostError")(user_message(e));
-  } catch (const InvalidArgument& e) {
-    return error_class("InvalidArgumentError")(user_message(e));
-  } catch (const CorruptData& e) {
-    return error_class("CorruptDataError")(user_message(e));
-  } catch (const IoError& e) {
-    return error_class("IoError")(user_message(e));
-  } catch (const Timeout& e) {
-    return error_class("TimeoutError")(user_message(e));
-  } catch (const Error& e) {
-    return error_class("Error")(user_message(e));
-  } catch (const std::exception& e) {
-    return py::module_::import("builtins").attr("RuntimeError")(user_message(e));
-  }
-}
 }  // namespace
 
 void bind_checkpoint(py::module_& m) {
   using namespace checkpoint;
-  // Registered after bind_common's translator, so tried first.
-  py::register_exception_translator([](std::exception_ptr p) {
-    if (!p) return;
-    try {
-      std::rethrow_exception(p);
-    } catch (const CorruptCheckpoint& e) {
-      PyErr_SetString(error_class("CorruptCheckpointError").ptr(), user_message(e).c_str());
-    } catch (const TornSnapshot& e) {
-      PyErr_SetString(error_class("TornSnapshotError").ptr(), user_message(e).c_str());
-    } catch (const DirectoryLocked& e) {
-      PyErr_SetString(error_class("CheckpointLockedError").ptr(), user_message(e).c_str());
-    } catch (const PeerLost& e) {
-      PyErr_SetString(error_class("PeerLostError").ptr(), user_message(e).c_str());
-    }
-  });
-
   m.def("latest_step", &latest_step, py::arg("directory"), py::call_guard<py::gil_scoped_release>(),
         "The newest committed step of a checkpoint directory, or None (read-only: no lock, reads manifests).");
 
@@ -175,7 +130,7 @@ void bind_checkpoint(py::module_& m) {
       .def_property_readonly("skipped", &SaveHandle::skipped)
       .def_property_readonly("staged", &SaveHandle::staged)
       .def_property_readonly("durable", &SaveHandle::durable)
-      .def_property_readonly("error", [](const SaveHandle& h) { return to_python_error(h.error()); })
+      .def_property_readonly("error", [](const SaveHandle& h) { return python_exception(h.error()); })
       .def_property_readonly("blocking_s", &SaveHandle::blocking_s)
       .def_property_readonly("durable_us", &SaveHandle::durable_us)
       .def("wait", &SaveHandle::wait, py::arg("timeout_s") = -1.0, py::call_guard<py::gil_scoped_release>())
@@ -269,7 +224,7 @@ void bind_checkpoint(py::module_& m) {
                 try {
                   validate_extra(py::bytes(blob));
                 } catch (py::error_already_set& e) {
-                  if (e.matches(error_class("InvalidArgumentError"))) {
+                  if (e.matches(py::module_::import("ettkit.errors").attr("InvalidArgumentError"))) {
                     ETTKIT_THROW(InvalidArgument, py::str(e.value()).cast<std::string>());
                   }
                   ETTKIT_THROW(CorruptData, e.what());

@@ -220,18 +220,6 @@ class PyStageGraph {
 }  // namespace
 
 void bind_startup(py::module_& m) {
-  py::register_exception_translator([](std::exception_ptr p) {
-    if (!p) return;
-    try {
-      std::rethrow_exception(p);
-    } catch (const startup::StageFailed& e) {
-      py::object cls = py::module_::import("ettkit.errors").attr("StageError");
-      py::object exc = cls(user_message(e));
-      exc.attr("stage") = e.stage();
-      PyErr_SetObject(cls.ptr(), exc.ptr());
-    }
-  });
-
   py::class_<PyStageGraph>(m, "StageGraph")
       .def(py::init<int, double, bool, py::object>(), py::kw_only(), py::arg("max_workers") = 4,
            py::arg("timeout_s") = 0.0, py::arg("fail_fast") = false, py::arg("recorder") = py::none())

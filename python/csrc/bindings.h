@@ -9,7 +9,12 @@ namespace ettkit::python {
 /// The text a Python user reads for `e`: its message without C++ source locations or c10 backtraces (the
 /// full text goes to the debug log). Every translation into a Python exception uses it.
 std::string user_message(const std::exception& e);
+/// The Python exception object for a C++ error captured elsewhere (a background thread's), through the same
+/// table as the translator of raised errors (bind_errors.cpp); None for no error.
+pybind11::object python_exception(std::exception_ptr p);
 
+/// Registers the translator of ettkit's C++ exceptions into ettkit.errors (bind_errors.cpp).
+void bind_errors(pybind11::module_& m);
 void bind_common(pybind11::module_& m);
 void bind_ett(pybind11::module_& m);
 void bind_sharding(pybind11::module_& m);

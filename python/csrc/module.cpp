@@ -6,6 +6,7 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "ettkit's C++ core (use the pure-Python API in the ettkit package)";
   m.attr("__version__") = ETTKIT_VERSION_STRING;
   m.attr("WITH_CUDA") = static_cast<bool>(ETTKIT_WITH_CUDA);
+  ettkit::python::bind_errors(m);
   ettkit::python::bind_common(m);
   auto logging = m.def_submodule("_logging", "the bridge from the C++ core's log into Python logging");
   ettkit::python::bind_logging(logging);
