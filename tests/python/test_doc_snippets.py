@@ -70,6 +70,8 @@ def _env(workdir) -> dict:
     env["PYTHONPATH"] = TESTS + os.pathsep + env.get("PYTHONPATH", "")
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     env.pop("ETTKIT_RUN_DIR", None)
+    # Each block compiles into its own Inductor cache: what one block compiled cannot change another's.
+    env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(str(workdir), "inductor-cache")
     return env
 
 
