@@ -9,13 +9,13 @@ ettkit_prepare_find_torch("")
 
 find_package(Torch REQUIRED)
 
-if(ETTKIT_USE_CUDA STREQUAL "AUTO")
+if(ETTKIT_USE_CUDA_MODE STREQUAL "AUTO")
   if(CAFFE2_USE_CUDA OR TORCH_CUDA_LIBRARIES)
     set(ETTKIT_WITH_CUDA ON)
   else()
     set(ETTKIT_WITH_CUDA OFF)
   endif()
-elseif(ETTKIT_USE_CUDA)
+elseif(ETTKIT_USE_CUDA_MODE STREQUAL "ON")
   if(NOT (CAFFE2_USE_CUDA OR TORCH_CUDA_LIBRARIES))
     message(FATAL_ERROR "ETTKIT_USE_CUDA=ON but the Torch found at ${Torch_DIR} is not a CUDA build; "
                         "install a CUDA build of torch or configure with -DETTKIT_USE_CUDA=AUTO")

@@ -31,7 +31,7 @@ macro(ettkit_prepare_find_torch _ettkit_torch_dir_hint)
   endif()
   set(ETTKIT_TORCH_PACKAGE_DIR "${_ettkit_torch_pkg}")
   # A CUDA build of torch ships libtorch_cuda.so.
-  if(_ettkit_torch_pkg AND EXISTS "${_ettkit_torch_pkg}/lib/libtorch_cuda.so" AND NOT ETTKIT_USE_CUDA STREQUAL "OFF")
+  if(_ettkit_torch_pkg AND EXISTS "${_ettkit_torch_pkg}/lib/libtorch_cuda.so" AND NOT ETTKIT_USE_CUDA_MODE STREQUAL "OFF")
     set(ETTKIT_TORCH_HAS_CUDA ON)
     if(NOT CUDA_TOOLKIT_ROOT_DIR)
       if(DEFINED ENV{CUDA_HOME})

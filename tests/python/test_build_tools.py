@@ -35,3 +35,15 @@ def test_a_successful_step_says_so_with_its_time(tmp_path):
     p, _ = run(tmp_path, "--dry-run", "--no-index", "-r", str(req))
     assert p.returncode == 0, p.stderr
     assert "test step: started" in p.stdout and "test step: done in" in p.stdout
+
+
+def test_a_misspelt_cuda_option_stops_the_configure_and_names_the_valid_values(tmp_path):
+    # CMake reads an unknown word as a false condition: "-DETTKIT_USE_CUDA=yes-please" built without CUDA.
+    import shutil
+
+    cmake = shutil.which("cmake", path=os.path.dirname(sys.executable)) or "cmake"
+    repo = os.path.join(os.path.dirname(__file__), "..", "..")
+    p = subprocess.run([cmake, "-S", repo, "-B", str(tmp_path / "b"), "-DETTKIT_USE_CUDA=yes-please",
+                        f"-DPython_EXECUTABLE={sys.executable}"], capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0
+    assert "ETTKIT_USE_CUDA=yes-please is not one of AUTO" in p.stderr and "OFF" in p.stderr
