@@ -8,6 +8,7 @@ A block that cannot run here says why in its directive, and the listing test pri
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -203,15 +204,10 @@ def _commands(code: str):
                 cmd.append(w)
 
 
-_MAKE_TARGETS = None
-
-
-def _make_targets() -> set[str]:
-    global _MAKE_TARGETS
-    if _MAKE_TARGETS is None:
-        text = open(os.path.join(doc_snippets.REPO, "Makefile")).read()
-        _MAKE_TARGETS = set(re.findall(r"^([\w-]+):", text, flags=re.M))
-    return _MAKE_TARGETS
+@functools.lru_cache(maxsize=None)
+def _make_targets() -> frozenset[str]:
+    text = open(os.path.join(doc_snippets.REPO, "Makefile")).read()
+    return frozenset(re.findall(r"^([\w-]+):", text, flags=re.M))
 
 
 _SKIPPED_SHELL = [s for s in SNIPPETS if s.skip and s.lang == "bash"]
