@@ -163,8 +163,11 @@ def main() -> int:
     if mode == "rank":
         import torch.distributed as dist
 
-        rank, world, port = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        rank, world, init = int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+        # A file:// rendezvous (a FileStore) needs no port, so no other process can take it between the test
+        # choosing it and rank 0 binding it; a bare number is a TCP port.
+        init_method = init if init.startswith("file://") else f"tcp://127.0.0.1:{init}"
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
 
         def rank_state(step):
             return {"w": torch.full((1000 + rank,), float(step * 10 + rank)), "r": torch.tensor([rank, step])}
@@ -238,8 +241,11 @@ def main() -> int:
 
         import torch.distributed as dist
 
-        rank, world, port = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        rank, world, init = int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+        # A file:// rendezvous (a FileStore) needs no port, so no other process can take it between the test
+        # choosing it and rank 0 binding it; a bare number is a TCP port.
+        init_method = init if init.startswith("file://") else f"tcp://127.0.0.1:{init}"
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
         t0 = time.monotonic()
         try:
             AsyncCheckpointer(path, recorder=None, commit_timeout_s=600)
@@ -254,8 +260,11 @@ def main() -> int:
         # rank's handle must raise TornSnapshotError and step 1 must stay the latest everywhere.
         import torch.distributed as dist
 
-        rank, world, port = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        rank, world, init = int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+        # A file:// rendezvous (a FileStore) needs no port, so no other process can take it between the test
+        # choosing it and rank 0 binding it; a bare number is a TCP port.
+        init_method = init if init.startswith("file://") else f"tcp://127.0.0.1:{init}"
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
         state = {"w": torch.full((1 << 18,), float(rank))}
         with AsyncCheckpointer(path, recorder=None, keep_last=0, overlap=True, commit_timeout_s=60) as ck:
             ck.save(1, state).wait()

@@ -284,18 +284,10 @@ def test_extra_blob_is_pickled_separately(tmp_path):
     assert blob["extra"] == {"rng": [1, 2, 3]}
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("world", [2, 3])
 def test_gloo_ranks_commit_through_the_store_and_load_back(tmp_path, world):
-    port = _free_port()
-    procs = [subprocess.Popen([sys.executable, SCRIPT, "rank", str(tmp_path / "ck"), str(r), str(world), str(port)],
+    init = f"file://{tmp_path / 'rendezvous'}"  # no port to race for with other processes
+    procs = [subprocess.Popen([sys.executable, SCRIPT, "rank", str(tmp_path / "ck"), str(r), str(world), init],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(world)]
     outs = [p.communicate(timeout=120) for p in procs]
     for r, (p, (out, err)) in enumerate(zip(procs, outs)):
