@@ -37,7 +37,8 @@ class PeerMonitor {
   /// Waits until every key exists. Throws PeerLost when a rank in `watch` closed, stopped its heartbeat
   /// for peer_timeout_s, or the Store is unreachable; Timeout after timeout_s. A rank whose heartbeat was
   /// never seen (its checkpointer is not open yet) is judged by timeout_s only. `what` names the wait in
-  /// the messages ("checkpoint step 7: the votes of ranks 1-3").
+  /// the messages ("checkpoint step 7: the votes of ranks 1-3"). A rank that set its key and then closed took
+  /// part: the keys are checked again before a lost peer is reported.
   void wait_keys(const std::vector<std::string>& keys, const std::vector<int>& watch, double timeout_s,
                  const std::string& what);
 
