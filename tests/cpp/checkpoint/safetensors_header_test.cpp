@@ -95,10 +95,17 @@ TEST(SafetensorsHeader, TwentyMegabytesOfNestedArraysAreRefusedAtTheFirstTokenIn
   // The 20 MB text itself is read into memory; a JSON tree of it took 760 MB.
   RecordProperty("deep_peak_growth_mib", std::to_string(deep_mib));
   RecordProperty("wide_peak_growth_mib", std::to_string(wide_mib));
+  // TSan keeps 4 bytes of shadow per byte the program touches, so the 20 MB text costs ~100 MiB of RSS
+  // there (measured: 102 MiB); the bound scales with it and stays far below the 760 MB of a JSON tree.
+#if defined(__SANITIZE_THREAD__)
+  constexpr int64_t kBoundMib = 5 * 64;
+#else
+  constexpr int64_t kBoundMib = 64;
+#endif
   EXPECT_GE(deep_mib, 0);
-  EXPECT_LT(deep_mib, 64) << "peak RSS grew by " << deep_mib << " MiB";
+  EXPECT_LT(deep_mib, kBoundMib) << "peak RSS grew by " << deep_mib << " MiB";
   EXPECT_GE(wide_mib, 0);
-  EXPECT_LT(wide_mib, 64) << "peak RSS grew by " << wide_mib << " MiB";
+  EXPECT_LT(wide_mib, kBoundMib) << "peak RSS grew by " << wide_mib << " MiB";
 }
 
 TEST(SafetensorsHeader, UnknownFieldsAreSkippedWithoutBeingStored) {
