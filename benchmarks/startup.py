@@ -14,15 +14,25 @@ Variants, each in a fresh process (compile caches are process-global) with an em
 * ``overlapped`` — ``ettkit.startup.overlapped_start`` with a cold :class:`CompileCache`, which it saves after
   the first steps;
 * ``overlapped_warm`` — the same with the cache file the ``overlapped`` process of the same repeat wrote
-  (a restart of that job), in a new, empty Inductor cache dir.
+  (a restart of that job), in a new, empty Inductor cache dir: the MegaCache tier;
+* ``precompiled_cold`` — ``overlapped_start`` with ``CompileCache(precompile=True)`` and no file: the
+  forward and backward are precompiled (``aot_compile``) on the fast batch and saved;
+* ``precompiled_warm`` — a restart of that job: it loads the precompiled forward (no Dynamo, AOTAutograd or
+  Inductor), in a new, empty Inductor cache dir: the precompiled tier.
+
+``--model`` picks the model: ``rec`` (the default: embedding + MLP with BatchNorm and Dropout),
+``transformer`` (a 2-layer transformer encoder over the ids as tokens) or ``dlrm`` (one embedding table per
+id column, a bottom MLP, pairwise dot interactions, a top MLP). Figures of another model than ``rec`` are
+keyed ``[model=...]`` in the JSON.
 
 Metrics (JSON ``results``; medians over ``--repeats``):
 
 * ``time_to_start_s`` (sequential / overlapped / overlapped_warm): from "model and loader built" to the end
   of the first real training step, minus one steady step: when the first step would have started had it
   cost a steady step. Includes every compile the first step still does.
-* ``compile_s`` (cold / warm): the compile stage of overlapped / overlapped_warm (cache load + warm compile
-  on the fast batch: Dynamo, AOTAutograd, Inductor, g++).
+* ``compile_s`` (cold / warm / warm_megacache / cold_precompile / warm_precompiled): the compile stage of
+  overlapped / overlapped_warm (twice: ``warm`` is the older name) / precompiled_cold / precompiled_warm (cache
+  load + warm compile on the fast batch: Dynamo, AOTAutograd, Inductor, g++; or the precompiled load).
 * ``first_batch_s`` (ettkit): iter(loader) + next() in the overlapped run.
 * ``first_step_residual_s`` (ettkit): first real step minus the median steady step (steps 5..N), overlapped.
 * ``recompiles`` (ettkit): graphs compiled during the first 10 real steps, worst over all overlapped runs.
@@ -35,6 +45,7 @@ Usage::
     python benchmarks/startup.py                 # full: 3 repeats (about 5 minutes on 2 cores)
     python benchmarks/startup.py --quick         # < 1 minute: a smaller model, 1 repeat
     python benchmarks/startup.py --json out.json
+    python benchmarks/startup.py --quick --model transformer
 """
 
 from __future__ import annotations
@@ -76,7 +87,8 @@ QUICK = {
     "steps": 11,
     "num_workers": 2,
 }
-VARIANTS = ("sequential", "overlapped", "overlapped_warm")
+VARIANTS = ("sequential", "overlapped", "overlapped_warm", "precompiled_cold", "precompiled_warm")
+MODELS = ("rec", "transformer", "dlrm")
 
 
 # ---- the child: one variant in a fresh process ------------------------------------------------------------
@@ -115,26 +127,6 @@ def _child(variant: str, cfg: dict, data_dir: str, cache_dir: str, out_file: str
                 "label": torch.tensor(float(a["label"][i])),
             }
 
-    class RecModel(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb = torch.nn.Embedding(cfg["vocab"], cfg["emb_dim"])
-            layers, width = [], cfg["emb_dim"] + cfg["dense"]
-            for h in cfg["hidden"]:
-                layers += [
-                    torch.nn.Linear(width, h),
-                    torch.nn.BatchNorm1d(h),
-                    torch.nn.ReLU(),
-                    torch.nn.Dropout(0.1),
-                ]
-                width = h
-            self.mlp = torch.nn.Sequential(*layers)
-            self.head = torch.nn.Linear(width, 1)
-
-        def forward(self, batch):
-            x = torch.cat([self.emb(batch["ids"]).sum(1), batch["dense"]], dim=1)
-            return self.head(self.mlp(x)).squeeze(1)
-
     def loss_fn(out, batch):
         return F.binary_cross_entropy_with_logits(out, batch["label"])
 
@@ -160,7 +152,11 @@ def _child(variant: str, cfg: dict, data_dir: str, cache_dir: str, out_file: str
     device = cfg.get("device", "cpu")
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     torch.manual_seed(0)
-    model = RecModel().to(device)
+    # The model classes live in a module of their own: a precompiled artifact refers to its model's class by
+    # import path, which a class local to this function would not have.
+    from startup_models import build_model
+
+    model = build_model(cfg).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     loader = DataLoader(
         DiskDataset(data_dir, cfg["first_batch_s"]),
@@ -190,17 +186,24 @@ def _child(variant: str, cfg: dict, data_dir: str, cache_dir: str, out_file: str
         compiled = torch.compile(model)
     else:
         cache = startup.CompileCache(
-            cache_dir, model=model, spec=spec, config={"backend": "inductor"}, kernels=cfg["kernels"]
+            cache_dir,
+            model=model,
+            spec=spec,
+            config={"backend": "inductor"},
+            kernels=cfg["kernels"],
+            precompile=variant.startswith("precompiled"),
         )
         compiled, first, report, it = startup.overlapped_start(
             model, loader, spec, loss_fn, cache, recorder=None
         )
+        loaded = report.precompiled if report.cache_tier == "precompiled" else report.cache
         out.update(
             first_batch_s=report.first_batch_s,
             compile_s=report.compile_s,
             start_s=report.time_to_start_s,
-            cache=report.cache.status,
-            cache_artifacts=dict(report.cache.artifacts),
+            cache=report.cache_tier,
+            cache_artifacts=dict(loaded.artifacts),
+            precompile_fallback=report.precompile_fallback,
             stages=report.stages.to_dict()["stages"],
         )
 
@@ -318,6 +321,7 @@ def main() -> None:
         help="CompileCache(kernels=False): no compiled CPU kernels in the cache file, MegaCache only",
     )
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    ap.add_argument("--model", choices=MODELS, default="rec", help="the model compiled (default: rec)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cuda: the model and batches on the GPU, Inductor generating Triton kernels; the warm "
                          "restart loads them from the CompileCache (tools/gpu_check.sh)")
@@ -345,6 +349,7 @@ def main() -> None:
     if args.first_batch_s is not None:
         cfg["first_batch_s"] = args.first_batch_s
     cfg["kernels"] = not args.megacache_only
+    cfg["model"] = args.model
     machine = _machine()
     root = tempfile.mkdtemp(prefix="ettkit-startup-bench-")
     t_start = time.perf_counter()
@@ -354,10 +359,10 @@ def main() -> None:
         os.makedirs(data_dir)
         _write_dataset(data_dir, cfg)
         for r in range(cfg["repeats"]):
-            cache_dir = os.path.join(
-                root, f"r{r}-compile-cache"
-            )  # written by overlapped, read by overlapped_warm
             for variant in VARIANTS:
+                # A cold variant writes the file its warm variant reads (a restart of that job).
+                tier = "precompile" if variant.startswith("precompiled") else "compile"
+                cache_dir = os.path.join(root, f"r{r}-{tier}-cache")
                 res = _run_variant(variant, cfg, root, data_dir, cache_dir, f"r{r}")
                 runs[variant].append(res)
                 print(
@@ -375,13 +380,21 @@ def main() -> None:
 
     results = {
         "time_to_start_s": {v: med(v, "time_to_start_s") for v in VARIANTS},
-        "compile_s": {"cold": med("overlapped", "compile_s"), "warm": med("overlapped_warm", "compile_s")},
+        "compile_s": {
+            "cold": med("overlapped", "compile_s"),
+            "warm": med("overlapped_warm", "compile_s"),
+            "warm_megacache": med("overlapped_warm", "compile_s"),
+            "cold_precompile": med("precompiled_cold", "compile_s"),
+            "warm_precompiled": med("precompiled_warm", "compile_s"),
+        },
         "first_batch_s": {"ettkit": med("overlapped", "first_batch_s")},
         "first_step_residual_s": {"ettkit": med("overlapped", "first_step_residual_s")},
         "recompiles": {
-            "ettkit": max(r["recompiles"] for v in ("overlapped", "overlapped_warm") for r in runs[v])
+            "ettkit": max(r["recompiles"] for v in VARIANTS[1:] for r in runs[v])
         },
     }
+    tiers = {v: [r.get("cache") for r in runs[v]] for v in VARIANTS[1:]}
+    fallbacks = sorted({r["precompile_fallback"] for v in VARIANTS[3:] for r in runs[v] if r.get("precompile_fallback")})
     machine["load_average_at_end"] = list(os.getloadavg())
     config = dict(
         cfg,
@@ -390,6 +403,8 @@ def main() -> None:
         wall_s=round(time.perf_counter() - t_start, 1),
         backend="inductor",
         device=args.device,
+        cache_tiers=tiers,
+        precompile_fallbacks=fallbacks,
         samples={
             v: {
                 k: [round(r[k], 4) for r in runs[v]]
@@ -405,12 +420,21 @@ def main() -> None:
         },
     )
 
+    compile_s = results["compile_s"]
+    precompiled_ratio = compile_s["warm_precompiled"] / compile_s["cold"]
+    keys = []
+    if args.device == "cuda":
+        keys.append("device=cuda")
+    if args.model != "rec":
+        keys.append(f"model={args.model}")
+    suffix = f"[{','.join(keys)}]" if keys else ""
     if args.device == "cuda":  # GPU figures apart from the CPU ones: every metric keyed [device=cuda]
-        results = {f"{metric}[device=cuda]": v for metric, v in results.items()}
-        tts = results["time_to_start_s[device=cuda]"]
-        warm_gain = 1 - results["compile_s[device=cuda]"]["warm"] / results["compile_s[device=cuda]"]["cold"]
+        results = {f"{metric}{suffix}": v for metric, v in results.items()}
+        tts = results[f"time_to_start_s{suffix}"]
+        warm_gain = 1 - compile_s["warm"] / compile_s["cold"]
         print(f"\nstartup on the GPU: time to start {tts}; warm compile faster than cold by {100 * warm_gain:.1f}% "
-              f"(target >= 50%); recompiles {results['recompiles[device=cuda]']['ettkit']} (target 0)")
+              f"(target >= 50%); precompiled warm / cold = {precompiled_ratio:.3f} (target <= 0.10); tiers {tiers}; "
+              f"recompiles {results[f'recompiles{suffix}']['ettkit']} (target 0)")
         config["cache_status"] = {v: [r.get("cache") for r in runs[v]] for v in ("overlapped", "overlapped_warm")}
         config["cache_artifacts"] = {v: [r.get("cache_artifacts") for r in runs[v]]
                                      for v in ("overlapped", "overlapped_warm")}
@@ -450,12 +474,20 @@ def main() -> None:
         f"  overlapped_warm / sequential                 = {tts['overlapped_warm'] / tts['sequential']:.3f}"
     )
     warm_gain = 1 - results["compile_s"]["warm"] / results["compile_s"]["cold"]
-    print(f"  warm compile faster than cold by              {100 * warm_gain:.1f}%  (target >= 50%)")
+    print(f"  warm (MegaCache) compile faster than cold by  {100 * warm_gain:.1f}%  (target >= 50%)")
+    print(f"  warm (precompiled) compile / cold             {precompiled_ratio:.3f}  (target <= 0.10)")
+    per_repeat = [w["compile_s"] / c["compile_s"] for w, c in zip(runs["precompiled_warm"], runs["overlapped"])]
+    config["precompiled_ratio_per_repeat"] = [round(x, 4) for x in per_repeat]
+    print(f"  the same, per repeat                          {', '.join(f'{x:.3f}' for x in per_repeat)}")
+    print(f"  cache tiers                                   {tiers}")
+    if fallbacks:
+        print(f"  precompiled tier not used: {fallbacks}")
     print(f"  recompiles in the first 10 real steps         {results['recompiles']['ettkit']}  (target 0)")
     print(
         f"  wall time {config['wall_s']} s; load average at start {machine['load_average_at_start'][0]:.2f}, "
         f"at end {machine['load_average_at_end'][0]:.2f}"
     )
+    results = {f"{metric}{suffix}": v for metric, v in results.items()}
     if args.json:
         doc = {"benchmark": "startup", "machine": machine, "config": config, "results": results}
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

@@ -6,7 +6,7 @@ warm-up, and compile caches that make restarts warm. See docs/startup.md.
     from ettkit import startup
 
     spec = startup.BatchSpec({...})                       # or BatchSpec.from_batch(sample, dynamic_dims={"*": 0})
-    cache = startup.CompileCache(ckpt_dir / "compile-cache", model=model, spec=spec)
+    cache = startup.CompileCache(ckpt_dir / "compile-cache", model=model, spec=spec, precompile=True)
     model, batch, report, batches = startup.overlapped_start(model, loader, spec, loss_fn, cache)
     for step, batch in enumerate(itertools.chain([batch], batches)):
         train_step(model, batch)
@@ -18,6 +18,7 @@ from ..errors import BatchMismatchError, StageError
 from .batch_spec import BatchSpec, Dim, TensorSpec
 from .cache import CacheLoadResult, CacheSaveResult, CompileCache, CompileCacheWarning, compile_fingerprint
 from .overlap import StartReport, StartResult, overlapped_start
+from .precompiled import PrecompiledModel
 from .stages import StageGraph, StageRecord, StageReport
 from .warm import WarmCompileReport, compile_counters, compiled_graphs, warm_compile
 
@@ -29,6 +30,7 @@ __all__ = [
     "CompileCache",
     "CompileCacheWarning",
     "Dim",
+    "PrecompiledModel",
     "StageError",
     "StageGraph",
     "StageRecord",

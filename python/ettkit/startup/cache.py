@@ -22,6 +22,14 @@ finds them. :class:`CompileCache` adds what a training job needs around those tw
 
 Use: ``cache.load()`` before compiling, ``cache.save()`` after the first training steps (when forward and
 backward have compiled; later saves add what later recompiles produced).
+
+The precompiled tier (``precompile=True``, torch >= 2.13): a second file under the same key,
+``precompiled-<key>.bin``, holds the module's forward and backward compiled ahead of time
+(``aot_compile``; see :mod:`ettkit.startup.precompiled`), the compiled CPU kernels it uses, and the
+checksums of every Python source Dynamo inlined. :func:`ettkit.startup.overlapped_start` writes it on a cold
+start and loads it on a warm one, which then skips Dynamo, AOTAutograd and Inductor altogether; the MegaCache
+file stays the fallback for models that cannot be precompiled. :meth:`CompileCache.load_precompiled` never
+loads an artifact whose key or sources differ ("stale") or whose bytes are damaged ("corrupt").
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Mapping
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +59,7 @@ from .warm import compile_counters, counter_delta
 __all__ = ["CacheLoadResult", "CacheSaveResult", "CompileCache", "CompileCacheWarning", "compile_fingerprint"]
 
 _MAGIC = b"ETTKMEGA"
+_PRECOMPILED_MAGIC = b"ETTKPREC"
 _FORMAT = 1
 _HEADER = struct.Struct("<8sI")  # magic, header JSON length; then the JSON, then the payload
 
@@ -60,8 +70,9 @@ class CompileCacheWarning(UserWarning):
 
 @dataclasses.dataclass(frozen=True)
 class CacheLoadResult:
-    """``status``: "hit" (loaded), "miss" (no file for this key), "stale" (a file for another key),
-    "corrupt" (unreadable, bad checksum) or "rejected" (torch refused the artifacts)."""
+    """``status``: "hit" (loaded), "miss" (no file for this key), "stale" (a file for another key, or for
+    sources that changed since), "corrupt" (unreadable, bad checksum) or "rejected" (torch refused the
+    artifacts). A precompiled-tier load that succeeds says "precompiled"."""
 
     status: str
     path: str
@@ -72,7 +83,7 @@ class CacheLoadResult:
 
     @property
     def hit(self) -> bool:
-        return self.status == "hit"
+        return self.status in ("hit", "precompiled")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,6 +195,22 @@ def _loaded_kernel_files() -> list:
             rel = f"{key[1:3]}/{p.name}"
             if p.is_file() and not p.name.endswith((".lock", ".tmp")) and _KERNEL_PATH.match(rel):
                 files.append((rel, p))
+    # Inductor's CPU vector-ISA probe: before it builds the first kernel of a process it compiles a test
+    # program per candidate ISA and dlopens it in a child process (5.6 s of a 9.3 s warm load measured, on
+    # a 2-core machine); a "<library>.load_ok" marker beside the library skips both. The probe's answer
+    # depends on the CPU, which the cache key holds (machine, ATen's CPU capability).
+    try:
+        markers = sorted(root.glob("*/*.so.load_ok"))
+    except OSError:
+        markers = []
+    have = {rel for rel, _ in files}
+    for marker in markers:
+        library = marker.with_name(marker.name[: -len(".load_ok")])
+        for p in (library, marker):
+            rel = f"{p.parent.name}/{p.name}"
+            if rel not in have and p.is_file() and _KERNEL_PATH.match(rel):
+                files.append((rel, p))
+                have.add(rel)
     return files
 
 
@@ -227,7 +254,14 @@ class CompileCache:
     the machine and a fingerprint. Give ``fingerprint`` yourself, or ``model`` / ``spec`` / ``config`` to
     derive it with :func:`compile_fingerprint`. ``device``: the device the model compiles for (GPU caches
     are per device index); default: the device of the model's first parameter. ``kernels``: also carry the
-    compiled CPU kernel libraries (see the module docstring).
+    compiled CPU kernel libraries (see the module docstring). ``precompile``: use the precompiled tier in
+    :func:`ettkit.startup.overlapped_start` (see the module docstring).
+
+    ``store`` and ``rank`` (with ``precompile=True``): compile once per job, not once per rank. Rank 0
+    precompiles (or loads its file) and publishes the file through the c10d Store (a ``TCPStore``,
+    ``FileStore``, or the default process group's); another rank that has no file of its own waits for it
+    (up to ``share_timeout_s``) instead of compiling the same graph, writes it to its own directory and loads
+    it. If rank 0 cannot precompile it publishes why, and every rank takes the MegaCache path.
 
     Not thread-safe; call :meth:`load` before compiling and :meth:`save` when no compile is running."""
 
@@ -241,6 +275,10 @@ class CompileCache:
         config: Mapping | None = None,
         device: torch.device | str | None = None,
         kernels: bool = True,
+        precompile: bool = False,
+        store: Any = None,
+        rank: int = 0,
+        share_timeout_s: float = 1800.0,
     ):
         self.dir = Path(path)
         if device is None and isinstance(model, torch.nn.Module):
@@ -253,6 +291,21 @@ class CompileCache:
         )
         self.key = hashlib.sha256(json.dumps(self.key_fields, sort_keys=True).encode()).hexdigest()
         self.path = self.dir / f"megacache-{self.key[:24]}.bin"
+        self.precompiled_path = self.dir / f"precompiled-{self.key[:24]}.bin"
+        self.precompile = precompile
+        if store is not None and not (hasattr(store, "set") and hasattr(store, "get") and hasattr(store, "wait")):
+            raise TypeError(f"store= must be a torch.distributed Store (set/get/wait), not {type(store).__name__}")
+        if not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"rank= must be a rank number >= 0, not {rank!r}")
+        self.store = store
+        self.rank = rank
+        self.share_timeout_s = float(share_timeout_s)
+        # The Store key of the job's shared artifact: the cache key without the GPU index, so that every rank
+        # of a job meets under one key; a rank whose full key differs finds the shared file stale and compiles.
+        shared = {k: v for k, v in self.key_fields.items() if k != "device_index"}
+        self._share_key = "ettkit/precompiled/" + hashlib.sha256(
+            json.dumps(shared, sort_keys=True).encode()
+        ).hexdigest()[:24]
         self.kernels = kernels
         self._loaded_keys: set | None = None
         self._loaded_kernels: set = set()
@@ -262,13 +315,14 @@ class CompileCache:
 
     # ---- load ----------------------------------------------------------------------------------------
 
-    def _ignored(self, status: str, reason: str, t0: float) -> CacheLoadResult:
+    def _ignored(self, status: str, reason: str, t0: float, path: Path | None = None) -> CacheLoadResult:
+        path = path or self.path
         warnings.warn(
-            f"ignoring compile cache {self.path}: {reason}; compiling without it",
+            f"ignoring compile cache {path}: {reason}; compiling without it",
             CompileCacheWarning,
             stacklevel=3,
         )
-        return CacheLoadResult(status, str(self.path), reason, seconds=time.perf_counter() - t0)
+        return CacheLoadResult(status, str(path), reason, seconds=time.perf_counter() - t0)
 
     def load(self) -> CacheLoadResult:
         """Loads the cache for this key into torch's local caches, before compiling. Never raises for a
@@ -337,12 +391,14 @@ class CompileCache:
             seconds=time.perf_counter() - t0,
         )
 
-    def _parse(self, data: bytes) -> tuple[dict, bytes]:
+    def _parse(
+        self, data: bytes, expect_magic: bytes = _MAGIC, first_section: str = "megacache_bytes"
+    ) -> tuple[dict, bytes]:
         if len(data) < _HEADER.size:
             raise ValueError(f"file is {len(data)} bytes, shorter than the {_HEADER.size}-byte preamble")
         magic, header_len = _HEADER.unpack_from(data)
-        if magic != _MAGIC:
-            raise ValueError(f"bad magic {magic!r} (expected {_MAGIC!r}): not an ettkit compile cache")
+        if magic != expect_magic:
+            raise ValueError(f"bad magic {magic!r} (expected {expect_magic!r}): not an ettkit compile cache")
         end = _HEADER.size + header_len
         if end > len(data):
             raise ValueError(f"header of {header_len} bytes runs past the end of the {len(data)}-byte file")
@@ -363,9 +419,9 @@ class CompileCache:
         if hashlib.sha256(body).hexdigest() != header.get("body_sha256"):
             raise ValueError("body checksum mismatch")
         kernels = header.get("kernels", [])
-        mega = header.get("megacache_bytes")
+        mega = header.get(first_section)
         if not isinstance(mega, int) or not isinstance(kernels, list) or mega < 0:
-            raise ValueError("header lacks megacache_bytes/kernels")
+            raise ValueError(f"header lacks {first_section}/kernels")
         total = mega
         for k in kernels:
             if not (
@@ -445,15 +501,16 @@ class CompileCache:
         self.last_save = result
         return result
 
-    def _write_atomic(self, data: bytes) -> None:
+    def _write_atomic(self, data: bytes, path: Path | None = None) -> None:
+        path = path or self.path
         self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.dir / f".{self.path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+        tmp = self.dir / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
         try:
             with open(tmp, "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, self.path)
+            os.replace(tmp, path)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
@@ -462,6 +519,162 @@ class CompileCache:
             os.fsync(fd)  # make the rename itself durable
         finally:
             os.close(fd)
+
+    # ---- precompiled tier ----------------------------------------------------------------------------
+
+    def load_precompiled(self) -> tuple[CacheLoadResult, Any]:
+        """Loads the precompiled forward for this key: ``(result, fn)`` with ``result.status ==
+        "precompiled"`` and the loaded function, or ``(result, None)`` with "miss", "stale" (another key, or
+        a Python source Dynamo inlined has changed since: named in the reason), "corrupt" or "rejected"
+        (torch refused it: another torch build or device). Never raises for a bad file; warns except on a
+        plain miss."""
+        from . import precompiled
+
+        t0 = time.perf_counter()
+        path = self.precompiled_path
+        why_not = precompiled.supported()
+        if why_not:
+            return CacheLoadResult("miss", str(path), why_not, seconds=time.perf_counter() - t0), None
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return CacheLoadResult("miss", str(path), "no precompiled artifact for this key"), None
+        except OSError as exc:
+            return self._ignored("corrupt", f"cannot read it ({exc})", t0, path), None
+        try:
+            header, body = self._parse(data, _PRECOMPILED_MAGIC, "artifact_bytes")
+        except ValueError as exc:
+            return self._ignored("corrupt", str(exc), t0, path), None
+        if header.get("key") != self.key:
+            fields = header.get("key_fields", {}) if isinstance(header.get("key_fields"), dict) else {}
+            return self._ignored(
+                "stale",
+                f"it was written for another key (torch {fields.get('torch', '?')}, "
+                f"fingerprint {str(fields.get('fingerprint', '?'))[:12]}...)",
+                t0,
+                path,
+            ), None
+        changed = precompiled.changed_sources(header.get("sources", []))
+        if changed:
+            return self._ignored(
+                "stale", f"the Python source it was traced from has changed ({', '.join(changed[:5])})", t0, path
+            ), None
+        size = header["artifact_bytes"]
+        kernels = header.get("kernels", [])
+        restored = 0
+        try:
+            restored = _restore_kernels(kernels, body, size) if self.kernels else 0
+        except OSError as exc:  # the kernels are rebuilt from the artifact's sources: slower, not wrong
+            warnings.warn(f"could not restore compiled kernels from {path}: {exc}", CompileCacheWarning, stacklevel=2)
+        try:
+            fn = precompiled.deserialize(body[:size])
+        except Exception as exc:  # noqa: BLE001 - torch refusing an artifact must not stop the job
+            return self._ignored("rejected", f"torch rejected it ({type(exc).__name__}: {exc})", t0, path), None
+        artifacts = {"precompiled": 1}
+        if kernels:
+            artifacts["cpu_kernel_files"] = restored
+        result = CacheLoadResult(
+            "precompiled", str(path), "loaded", artifacts=artifacts, bytes=len(body), seconds=time.perf_counter() - t0
+        )
+        return result, fn
+
+    def save_precompiled(self, fn: Any) -> CacheSaveResult:
+        """Writes a precompiled forward (an ``aot_compile`` result) for this key, atomically, with the
+        compiled CPU kernels this process loaded and the checksums of the sources it was traced from. An
+        I/O error or an artifact torch cannot serialize warns and returns ``written=False``."""
+        from . import precompiled
+
+        path = self.precompiled_path
+        try:
+            artifact = precompiled.serialize(fn)
+        except Exception as exc:  # noqa: BLE001 - e.g. a module captured in a closure
+            warnings.warn(f"cannot serialize the precompiled forward: {exc}", CompileCacheWarning, stacklevel=2)
+            return CacheSaveResult(False, str(path), f"not serializable: {type(exc).__name__}: {exc}")
+        kernel_files = _loaded_kernel_files() if self.kernels else []
+        try:
+            blobs = [(rel, p.read_bytes()) for rel, p in kernel_files]
+        except OSError as exc:
+            warnings.warn(f"compiled kernels not bundled into {path}: {exc}", CompileCacheWarning, stacklevel=2)
+            blobs = []
+        body = artifact + b"".join(data for _, data in blobs)
+        counts = {"precompiled": 1}
+        if blobs:
+            counts["cpu_kernel_files"] = len(blobs)
+        header = {
+            "format": _FORMAT,
+            "key": self.key,
+            "key_fields": self.key_fields,
+            "artifact_bytes": len(artifact),
+            "kernels": [{"path": rel, "bytes": len(data)} for rel, data in blobs],
+            "sources": precompiled.source_fingerprint(fn),
+            "body_bytes": len(body),
+            "body_sha256": hashlib.sha256(body).hexdigest(),
+            "artifacts": counts,
+            "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        header_bytes = json.dumps(header, sort_keys=True).encode()
+        try:
+            self._write_atomic(_HEADER.pack(_PRECOMPILED_MAGIC, len(header_bytes)) + header_bytes + body, path)
+        except OSError as exc:
+            warnings.warn(f"could not write compile cache {path}: {exc}", CompileCacheWarning, stacklevel=2)
+            return CacheSaveResult(False, str(path), f"write failed: {exc}", counts, len(body))
+        return CacheSaveResult(True, str(path), "written", counts, len(body))
+
+    # ---- compile once per job: the precompiled file through the c10d Store -----------------------------
+
+    @property
+    def shares(self) -> bool:
+        return self.precompile and self.store is not None
+
+    def publish_precompiled(self, fallback_reason: str | None = None) -> None:
+        """Rank 0: publishes this key's precompiled file (or, with ``fallback_reason``, that there is none and
+        why) to the other ranks. A Store error warns: the others then compile themselves after their wait."""
+        if not self.shares:
+            return
+        payload = None
+        if fallback_reason is None:
+            try:
+                payload = self.precompiled_path.read_bytes()
+            except OSError as exc:
+                fallback_reason = f"rank 0 could not read its precompiled file ({exc})"
+        if payload is None:
+            payload = b"fallback:" + str(fallback_reason).encode()
+        try:
+            self.store.set(self._share_key, payload)
+        except Exception as exc:  # noqa: BLE001 - a Store failure must not stop rank 0's start
+            warnings.warn(
+                f"could not publish the precompiled file to the other ranks: {exc}", CompileCacheWarning, stacklevel=2
+            )
+
+    def receive_precompiled(self) -> tuple[CacheLoadResult, Any, str | None]:
+        """A rank other than 0 without a file of its own: waits for rank 0's, writes it here and loads it.
+        Returns ``(result, fn, why_not)``: ``fn`` None with ``why_not`` when rank 0 could not precompile, the
+        wait timed out or the file does not load here (stale, corrupt: then this rank compiles)."""
+        t0 = time.perf_counter()
+        path = self.precompiled_path
+        try:
+            self.store.wait([self._share_key], timedelta(seconds=self.share_timeout_s))
+            payload = self.store.get(self._share_key)
+        except Exception as exc:  # noqa: BLE001 - a timeout or a Store that went away: compile here
+            why = f"no precompiled file from rank 0 within share_timeout_s={self.share_timeout_s:g} s ({exc})"
+            return CacheLoadResult("miss", str(path), why, seconds=time.perf_counter() - t0), None, why
+        payload = bytes(payload)
+        if payload.startswith(b"fallback:"):
+            why = payload[len(b"fallback:") :].decode(errors="replace")
+            return CacheLoadResult("miss", str(path), why, seconds=time.perf_counter() - t0), None, why
+        waited = time.perf_counter() - t0
+        try:
+            self._write_atomic(payload, path)
+        except OSError as exc:
+            why = f"could not write rank 0's precompiled file to {path}: {exc}"
+            return CacheLoadResult("miss", str(path), why, seconds=time.perf_counter() - t0), None, why
+        result, fn = self.load_precompiled()
+        if fn is None:
+            return result, None, f"rank 0's precompiled file does not load here: {result.status}, {result.reason}"
+        result = dataclasses.replace(
+            result, reason=f"from rank 0 (waited {waited:.2f} s)", seconds=time.perf_counter() - t0
+        )
+        return result, fn, None
 
     # ---- reporting -----------------------------------------------------------------------------------
 

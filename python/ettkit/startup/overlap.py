@@ -6,6 +6,12 @@ The plain way costs first_batch + compile: ``batch = next(iter(loader))``, then 
     loader_iter (forks, on the calling thread, before any thread exists)   -> get_first_batch_data
     cache_load (runs_dynamo) -> compile: warm_compile on spec.fast_batch() (runs_dynamo)
 
+With a ``CompileCache(..., precompile=True)`` the cache stage first tries the precompiled tier: a hit
+returns the loaded forward (no Dynamo, AOTAutograd or Inductor); otherwise the compile stage precompiles the
+module's forward and backward on the fast batch (``aot_compile``, which runs nothing) and saves it for the
+next restart, and a model that cannot be precompiled (a graph break, an unserializable artifact) falls back
+to the MegaCache path with the reason in ``report.precompile_fallback``.
+
 ``iter(loader)`` starts the worker processes, which begin prefetching at once; meanwhile a stage thread
 compiles forward, loss and backward on the synthetic batch (holding the GIL for most of it, while the
 workers load in their own processes and the thread that waits for the first batch sleeps in a queue read
@@ -14,6 +20,7 @@ without the GIL). Time to Start becomes max(compile, first batch) plus small ove
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing
 import time
@@ -25,10 +32,11 @@ import torch
 
 from ..errors import BatchMismatchError
 from ..ett import recorder as _ett_recorder
+from . import precompiled as _precompiled
 from .batch_spec import BatchSpec
-from .cache import CacheLoadResult, CompileCache
+from .cache import CacheLoadResult, CacheSaveResult, CompileCache
 from .stages import StageGraph, StageReport
-from .warm import WarmCompileReport, compiled_graphs, warm_compile
+from .warm import WarmCompileReport, compile_counters, compiled_graphs, counter_delta, warm_compile
 
 __all__ = ["StartReport", "StartResult", "overlapped_start"]
 
@@ -50,6 +58,25 @@ class StartReport:
     # Set when the compile could not keep the spec's dynamic dims over their whole range: the guard Dynamo
     # generated (the warm graph was then compiled with soft dims; see overlapped_start).
     dynamic_dims_specialized: str | None = None
+    # The precompiled tier (CompileCache(precompile=True)): its file's load result, the save of a freshly
+    # precompiled forward, and why the start did not use it (None when it did, or was not asked for).
+    precompiled: CacheLoadResult | None = None
+    precompiled_save: CacheSaveResult | None = None
+    precompile_fallback: str | None = None
+    # With CompileCache(store=...) on a rank other than 0: why rank 0's file was not used (None when it was).
+    precompile_peer: str | None = None
+
+    @property
+    def cache_tier(self) -> str | None:
+        """How the compile started: "precompiled" (loaded, nothing compiled), "megacache" (caches replayed
+        into a compile), or the MegaCache file's "miss" / "stale" / "corrupt" / "rejected" (a cold compile;
+        with the precompiled tier on, it was precompiled and saved for the next start). None without a
+        cache."""
+        if self.precompiled is not None and self.precompiled.status == "precompiled":
+            return "precompiled"
+        if self.cache is None:
+            return None
+        return "megacache" if self.cache.status == "hit" else self.cache.status
 
     @property
     def recompiles(self) -> int:
@@ -66,7 +93,10 @@ class StartReport:
             "compile_s": self.compile_s,
             "first_batch_s": self.first_batch_s,
             "overlap_saved_s": self.overlap_saved_s,
-            "cache": None if self.cache is None else self.cache.status,
+            "cache": self.cache_tier,
+            "precompiled": None if self.precompiled is None else self.precompiled.status,
+            "precompile_fallback": self.precompile_fallback,
+            "precompile_peer": self.precompile_peer,
             "recompiles": self.recompiles,
             "spec_mismatch": list(self.spec_mismatch),
             "dynamic_dims_specialized": self.dynamic_dims_specialized,
@@ -166,11 +196,105 @@ def overlapped_start(
     g.add("loader_iter", lambda: iter(loader), forks=_iter_forks(loader), phase="preproc_creation")
     g.add("get_first_batch_data", lambda: next(results["loader_iter"]), after=["loader_iter"])
     compile_deps = list(compile_after)
+    precompile = cache is not None and cache.precompile
+    # Why this start cannot use the precompiled tier at all (it then behaves as without precompile=True).
+    no_precompile = None
+    if precompile:
+        no_precompile = _precompiled.supported()
+        if no_precompile is None and _is_compiled(model):
+            no_precompile = "the model was compiled by the caller: pass the module itself to precompile it"
+        elif no_precompile is None and not isinstance(model, torch.nn.Module):
+            no_precompile = f"the model is a {type(model).__name__}, not a torch.nn.Module"
+    sub_recorder = getattr(g, "recorder", None)  # the recorder, not the graph: no reference cycle
+    fallback: dict = {}  # what the cache and compile stages learnt about the precompiled tier
+
+    def sub_phase(name: str):
+        # A sub-phase of "compile" in the ETT ledger: which tier the start took is visible in the report.
+        return sub_recorder.phase(name) if sub_recorder is not None else contextlib.nullcontext()
+
     if cache is not None:
-        g.add("cache_load", cache.load, runs_dynamo=True, phase="compile")
+
+        def cache_load() -> tuple:
+            if precompile and no_precompile is None:
+                with sub_phase("compile/precompiled_load"):
+                    result, fn = cache.load_precompiled()
+                if fn is None and cache.shares and cache.rank != 0:
+                    # Compile once per job: rank 0 compiles (or loads) and publishes; this rank waits for it.
+                    with sub_phase("compile/precompiled_wait"):
+                        received, fn, why = cache.receive_precompiled()
+                    if fn is not None:
+                        return received, fn, None
+                    fallback["peer"] = why
+                    if why and not why.startswith(("no precompiled file from rank 0", "rank 0's precompiled")):
+                        fallback["reason"] = f"rank 0 could not precompile: {why}"  # the same model fails here too
+                if fn is not None:
+                    return result, fn, None  # the MegaCache file is not needed
+                return result, None, cache.load()
+            return None, None, cache.load()
+
+        g.add("cache_load", cache_load, runs_dynamo=True, phase="compile")
         compile_deps.append("cache_load")
 
+    def aot_compile(batch: Any) -> Any:
+        args, kwargs = _precompiled.capture_call_args(model, batch, forward)
+        kw = dict(compile_kwargs or {})
+        kw["fullgraph"] = True  # aot_compile's requirement: one graph, no Python between graphs
+        with sub_phase("compile/precompile"):
+            return torch.compile(model, **kw).forward.aot_compile((args, kwargs))
+
+    def precompile_stage() -> Any:
+        """The precompiled forward for the fast batch, compiled and saved now, or None (reason in
+        `fallback`)."""
+        from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
+
+        t0 = time.perf_counter()
+        try:
+            try:
+                fn = aot_compile(spec.fast_batch(seed))
+            except ConstraintViolationError as e:
+                # As in the JIT path below: the declared range cannot be served by one graph; the soft dims give
+                # the widest graph there is, and its guards send other sizes to the fallback compile.
+                fallback["specialized"] = _specialization(e)
+                fn = aot_compile(spec.fast_batch(seed, soft=True))
+        except Exception as exc:  # noqa: BLE001 - graph breaks, unsupported ops: the MegaCache path still works
+            text = str(exc).strip()
+            first = text.splitlines()[0] if text else ""
+            fallback["reason"] = f"aot_compile failed ({type(exc).__name__}: {first[:300]})"
+            fallback.pop("specialized", None)
+            return None
+        fallback["seconds"] = time.perf_counter() - t0
+        with sub_phase("compile/precompiled_save"):
+            fallback["save"] = cache.save_precompiled(fn)
+        return fn
+
+    def publish(reason: str | None) -> None:
+        if precompile and cache.shares and cache.rank == 0:
+            with sub_phase("compile/precompiled_publish"):
+                cache.publish_precompiled(reason)
+
     def compile_stage() -> tuple:
+        loaded = results.get("cache_load")
+        if loaded is not None and loaded[1] is not None:
+            publish(None)
+            return _precompiled.PrecompiledModel(model, loaded[1], origin="loaded", compile_kwargs=compile_kwargs), \
+                None, None
+        if precompile and no_precompile is None and "reason" not in fallback:
+            before = compile_counters()
+            fn = precompile_stage()
+            saved = fallback.get("save")
+            publish(None if saved is not None and saved.written else fallback.get("reason", "its file was not written"))
+            if fn is not None:
+                after = compile_counters()
+                warm = WarmCompileReport(
+                    seconds=fallback["seconds"],
+                    graphs=after["graphs"] - before["graphs"],
+                    backward=any(p.requires_grad for p in model.parameters()),
+                    counters=counter_delta(before, after),
+                )
+                return _precompiled.PrecompiledModel(model, fn, origin="compiled", compile_kwargs=compile_kwargs), \
+                    warm, fallback.get("specialized")
+        elif precompile and no_precompile is not None:
+            publish(no_precompile)
         # torch.compile() itself imports Dynamo (seconds in a fresh process): do it here, overlapped.
         compiled = model if _is_compiled(model) else torch.compile(model, **(compile_kwargs or {}))
         from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
@@ -221,15 +345,30 @@ def overlapped_start(
         s = stages.stages.get(name)
         return s.duration_s if s is not None else 0.0
 
+    loaded = g.results.get("cache_load") or (None, None, None)
+    reason = None
+    if precompile:
+        reason = no_precompile or fallback.get("reason")
+        if reason:
+            warnings.warn(
+                f"the precompiled tier is not used: {reason}; compiled through torch.compile and the MegaCache file "
+                "instead (report.precompile_fallback)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
     report = StartReport(
         time_to_start_s=time_to_start,
         compile_s=dur("cache_load") + dur("compile"),
         first_batch_s=dur("loader_iter") + dur("get_first_batch_data"),
-        cache=g.results.get("cache_load"),
+        cache=loaded[2],
         warm=g.results["compile"][1],
         stages=stages,
         spec_mismatch=mismatch,
         dynamic_dims_specialized=specialized,
         graphs_at_start=compiled_graphs(),
+        precompiled=loaded[0],
+        precompiled_save=fallback.get("save"),
+        precompile_fallback=reason,
+        precompile_peer=fallback.get("peer"),
     )
     return StartResult(g.results["compile"][0], first_batch, report, g.results["loader_iter"])

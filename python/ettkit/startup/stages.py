@@ -207,6 +207,7 @@ class StageGraph:
         self._graph = _C.startup.StageGraph(
             max_workers=max_workers, timeout_s=float(timeout_s or 0.0), fail_fast=fail_fast, recorder=recorder
         )
+        self.recorder = recorder  # where the stages' phases go (None: nowhere); stages may add sub-phases
         self._state = _RunState()
         self._names: list[str] = []
         self.report: StageReport | None = None
