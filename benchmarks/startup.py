@@ -18,7 +18,10 @@ Variants, each in a fresh process (compile caches are process-global) with an em
 * ``precompiled_cold`` — ``overlapped_start`` with ``CompileCache(precompile=True)`` and no file: the
   forward and backward are precompiled (``aot_compile``) on the fast batch and saved;
 * ``precompiled_warm`` — a restart of that job: it loads the precompiled forward (no Dynamo, AOTAutograd or
-  Inductor), in a new, empty Inductor cache dir: the precompiled tier.
+  Inductor), in a new, empty Inductor cache dir: the precompiled tier;
+* ``precompiled_warm_imported`` — the same, with torch's compile stack (Dynamo, Inductor's lowering, codegen
+  and code caches) imported before the clock starts (``imports_s``): what the precompiled load costs beyond
+  the imports that any compile, and any load of compiled code, pays.
 
 ``--model`` picks the model: ``rec`` (the default: embedding + MLP with BatchNorm and Dropout),
 ``transformer`` (a 2-layer transformer encoder over the ids as tokens) or ``dlrm`` (one embedding table per
@@ -36,6 +39,8 @@ Metrics (JSON ``results``; medians over ``--repeats``):
 * ``first_batch_s`` (ettkit): iter(loader) + next() in the overlapped run.
 * ``first_step_residual_s`` (ettkit): first real step minus the median steady step (steps 5..N), overlapped.
 * ``recompiles`` (ettkit): graphs compiled during the first 10 real steps, worst over all overlapped runs.
+* ``compile_s.warm_precompiled_imported`` and ``imports_s.compile_stack``: the precompiled_warm_imported
+  run's compile stage, and its import of the compile stack before it.
 
 ``--megacache-only`` keeps the compiled CPU kernels out of the cache file (``CompileCache(kernels=False)``):
 the warm restart then rebuilds every kernel with g++, which shows what bundling them is worth.
@@ -46,6 +51,7 @@ Usage::
     python benchmarks/startup.py --quick         # < 1 minute: a smaller model, 1 repeat
     python benchmarks/startup.py --json out.json
     python benchmarks/startup.py --quick --model transformer
+    python benchmarks/startup.py --quick --ranks 4    # compile once per job against once per rank
 """
 
 from __future__ import annotations
@@ -87,7 +93,14 @@ QUICK = {
     "steps": 11,
     "num_workers": 2,
 }
-VARIANTS = ("sequential", "overlapped", "overlapped_warm", "precompiled_cold", "precompiled_warm")
+VARIANTS = (
+    "sequential",
+    "overlapped",
+    "overlapped_warm",
+    "precompiled_cold",
+    "precompiled_warm",
+    "precompiled_warm_imported",
+)
 MODELS = ("rec", "transformer", "dlrm")
 
 
@@ -178,6 +191,16 @@ def _child(variant: str, cfg: dict, data_dir: str, cache_dir: str, out_file: str
     )
     out = {"variant": variant, "imports_s": time.perf_counter() - t_enter}
 
+    if variant == "precompiled_warm_imported":
+        t_imp = time.perf_counter()
+        import torch._dynamo.aot_compile  # noqa: F401
+        import torch._inductor.codecache  # noqa: F401
+        import torch._inductor.codegen.wrapper  # noqa: F401
+        import torch._inductor.compile_fx  # noqa: F401
+        import torch._inductor.lowering  # noqa: F401
+        import torch._inductor.select_algorithm  # noqa: F401
+
+        out["compile_stack_import_s"] = time.perf_counter() - t_imp
     t0 = time.perf_counter()  # model and loader built; nothing iterated, nothing compiled
     if variant == "sequential":
         it = iter(loader)
@@ -185,6 +208,12 @@ def _child(variant: str, cfg: dict, data_dir: str, cache_dir: str, out_file: str
         out["first_batch_s"] = time.perf_counter() - t0
         compiled = torch.compile(model)
     else:
+        store, rank = None, 0
+        if os.environ.get("ETTKIT_BENCH_STORE"):  # --ranks: one rank of a job that compiles once
+            import torch.distributed as dist
+
+            rank = int(os.environ["ETTKIT_BENCH_RANK"])
+            store = dist.FileStore(os.environ["ETTKIT_BENCH_STORE"], int(os.environ["ETTKIT_BENCH_WORLD"]))
         cache = startup.CompileCache(
             cache_dir,
             model=model,
@@ -192,6 +221,8 @@ def _child(variant: str, cfg: dict, data_dir: str, cache_dir: str, out_file: str
             config={"backend": "inductor"},
             kernels=cfg["kernels"],
             precompile=variant.startswith("precompiled"),
+            store=store,
+            rank=rank,
         )
         compiled, first, report, it = startup.overlapped_start(
             model, loader, spec, loss_fn, cache, recorder=None
@@ -307,6 +338,99 @@ def _run_variant(variant: str, cfg: dict, root: str, data_dir: str, cache_dir: s
         return json.load(f)
 
 
+def _run_ranks(
+    world: int, once: bool, cfg: dict, root: str, data_dir: str, tag: str, rank0_cache: str | None = None
+) -> dict:
+    """`world` ranks of one job started together, each with its own cache and Inductor dirs (its own node):
+    with `once`, they share one precompile through a FileStore; without, each rank precompiles.
+    `rank0_cache`: rank 0's cache dir (a restart where rank 0's node kept its file and the others are new)."""
+    procs = []
+    t0 = time.perf_counter()
+    for rank in range(world):
+        cache_dir = rank0_cache if rank == 0 and rank0_cache else os.path.join(root, f"{tag}-rank{rank}-cache")
+        out_file = os.path.join(root, f"{tag}-rank{rank}.json")
+        env = dict(os.environ)
+        env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, f"{tag}-rank{rank}-inductor")
+        env["TRITON_CACHE_DIR"] = os.path.join(root, f"{tag}-rank{rank}-triton")
+        env.setdefault("ETTKIT_LOG_LEVEL", "error")
+        if once:
+            env.update(ETTKIT_BENCH_STORE=os.path.join(root, f"{tag}-store"), ETTKIT_BENCH_RANK=str(rank),
+                       ETTKIT_BENCH_WORLD=str(world))
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", "precompiled_cold", "--config", json.dumps(cfg),
+               "--data-dir", data_dir, "--cache-dir", cache_dir, "--out", out_file]
+        procs.append((subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True),
+                      out_file))
+    results = []
+    for proc, out_file in procs:
+        _, err = proc.communicate(timeout=1800)
+        if proc.returncode != 0:
+            raise SystemExit(f"rank run failed:\n{err[-4000:]}")
+        with open(out_file) as f:
+            results.append(json.load(f))
+    return {
+        "wall_s": time.perf_counter() - t0,
+        "compile_s": [r["compile_s"] for r in results],
+        "time_to_start_s": [r["time_to_start_s"] for r in results],
+        "cache": [r["cache"] for r in results],
+    }
+
+
+def _main_ranks(args, cfg: dict) -> None:
+    machine = _machine()
+    root = tempfile.mkdtemp(prefix="ettkit-startup-ranks-")
+    modes = ("each", "once", "new_nodes_each", "new_nodes_once")
+    runs: dict = {m: [] for m in modes}
+    try:
+        data_dir = os.path.join(root, "data")
+        os.makedirs(data_dir)
+        _write_dataset(data_dir, cfg)
+        for r in range(cfg["repeats"]):
+            # A cold start of the job, each rank compiling or compiling once; then a restart where rank 0's node
+            # kept its file (warm) and the other ranks run on new nodes (no file), without and with sharing.
+            for mode in modes:  # the same repeat, one after the other
+                rank0_cache = os.path.join(root, f"r{r}-once-rank0-cache") if mode.startswith("new_nodes") else None
+                res = _run_ranks(args.ranks, mode.endswith("once"), cfg, root, data_dir, f"r{r}-{mode}", rank0_cache)
+                runs[mode].append(res)
+                print(f"  repeat {r + 1}/{cfg['repeats']} {mode:<5} wall {res['wall_s']:6.2f} s  compile_s per rank "
+                      f"{[round(x, 2) for x in res['compile_s']]}  tiers {res['cache']}", flush=True)
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+
+    def med(mode, f):
+        return statistics.median(f(r) for r in runs[mode])
+
+    results = {
+        f"compile_s[ranks={args.ranks}]": {
+            "each_rank_max": med("each", lambda r: max(r["compile_s"])),
+            "once_rank0": med("once", lambda r: r["compile_s"][0]),
+            "once_others_max": med("once", lambda r: max(r["compile_s"][1:])),
+        },
+        f"time_to_start_s[ranks={args.ranks}]": {
+            "each_max": med("each", lambda r: max(r["time_to_start_s"])),
+            "once_max": med("once", lambda r: max(r["time_to_start_s"])),
+            "new_nodes_each_max": med("new_nodes_each", lambda r: max(r["time_to_start_s"][1:])),
+            "new_nodes_once_max": med("new_nodes_once", lambda r: max(r["time_to_start_s"][1:])),
+        },
+    }
+    print(f"\ncompile once per job, {args.ranks} ranks on one machine ({cfg['repeats']} repeat(s), medians; "
+          f"{machine.get('cpu', '?')}, {machine['cpus']} CPUs)")
+    for metric, values in results.items():
+        for k, v in values.items():
+            print(f"  {metric:<28} {k:<16} {v:8.2f}")
+    ratio = results[f"time_to_start_s[ranks={args.ranks}]"]["once_max"] / results[
+        f"time_to_start_s[ranks={args.ranks}]"]["each_max"]
+    print(f"  slowest rank's time to start, once / each = {ratio:.3f}")
+    tts = results[f"time_to_start_s[ranks={args.ranks}]"]
+    print(f"  restart on new nodes, slowest new rank: once / each = "
+          f"{tts['new_nodes_once_max'] / tts['new_nodes_each_max']:.3f}")
+    if args.json:
+        doc = {"benchmark": "startup_ranks", "machine": machine, "config": dict(cfg, ranks=args.ranks, runs=runs),
+               "results": results}
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=2, sort_keys=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -322,6 +446,8 @@ def main() -> None:
     )
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory")
     ap.add_argument("--model", choices=MODELS, default="rec", help="the model compiled (default: rec)")
+    ap.add_argument("--ranks", type=int, help="N ranks of one job on this machine: each rank precompiling "
+                    "against compile once per job (CompileCache(store=...)); cold starts only")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cuda: the model and batches on the GPU, Inductor generating Triton kernels; the warm "
                          "restart loads them from the CompileCache (tools/gpu_check.sh)")
@@ -350,6 +476,12 @@ def main() -> None:
         cfg["first_batch_s"] = args.first_batch_s
     cfg["kernels"] = not args.megacache_only
     cfg["model"] = args.model
+    if args.ranks:
+        if args.ranks < 2:
+            raise SystemExit(f"--ranks must be at least 2, not {args.ranks}")
+        cfg["num_workers"] = 1  # N ranks' loaders on a few cores: the compile is what is compared
+        _main_ranks(args, cfg)
+        return
     machine = _machine()
     root = tempfile.mkdtemp(prefix="ettkit-startup-bench-")
     t_start = time.perf_counter()
@@ -386,7 +518,9 @@ def main() -> None:
             "warm_megacache": med("overlapped_warm", "compile_s"),
             "cold_precompile": med("precompiled_cold", "compile_s"),
             "warm_precompiled": med("precompiled_warm", "compile_s"),
+            "warm_precompiled_imported": med("precompiled_warm_imported", "compile_s"),
         },
+        "imports_s": {"compile_stack": med("precompiled_warm_imported", "compile_stack_import_s")},
         "first_batch_s": {"ettkit": med("overlapped", "first_batch_s")},
         "first_step_residual_s": {"ettkit": med("overlapped", "first_step_residual_s")},
         "recompiles": {
@@ -479,6 +613,9 @@ def main() -> None:
     per_repeat = [w["compile_s"] / c["compile_s"] for w, c in zip(runs["precompiled_warm"], runs["overlapped"])]
     config["precompiled_ratio_per_repeat"] = [round(x, 4) for x in per_repeat]
     print(f"  the same, per repeat                          {', '.join(f'{x:.3f}' for x in per_repeat)}")
+    imported = results["compile_s"]["warm_precompiled_imported"]
+    print(f"  the same with the compile stack imported      {imported / results['compile_s']['cold']:.3f}"
+          f"  ({imported:.2f} s after {results['imports_s']['compile_stack']:.2f} s of imports)")
     print(f"  cache tiers                                   {tiers}")
     if fallbacks:
         print(f"  precompiled tier not used: {fallbacks}")

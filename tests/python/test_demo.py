@@ -97,23 +97,46 @@ def test_arms_differ_only_in_the_runtime(demo):
     assert e["checkpoints"]["durable_latency_median_s"] is not None
 
 
+def _saves(ledger) -> dict:
+    """step -> (blocking intervals, persist interval) of one rank's ledger: the save() call and any later
+    wait for its copies (checkpoint_blocking), and the background track from the save() call to durable."""
+    saves: dict = {}
+    with open(ledger) as f:
+        for line in f:
+            rec = json.loads(line)
+            if rec.get("name") == "checkpoint_blocking" and rec.get("t") == "phase":
+                saves.setdefault(rec["step"], [[], None])[0].append((rec["b"], rec["e"]))
+            elif rec.get("name") == "checkpoint_persist" and rec.get("t") == "bg":
+                saves.setdefault(rec["step"], [[], None])[1] = (rec["b"], rec["e"])
+    return saves
+
+
 def test_ettkit_arm_loses_less_time_where_the_runtime_acts(demo):
-    """Not `ettkit ETT% > baseline ETT%`: that flipped once under load. The arms run one after the other, so
-    CPU contention can land on one arm only, and at the quick size ETT% is mostly compile time (CPU-bound)
-    and step speed (a slower step counts as more effective time). Compared instead: what the runtime
-    changes, with margins far inside what load can move."""
+    """Not `ettkit ETT% > baseline ETT%`, and no ratio of one arm's durations to the other's: the arms run one
+    after the other, so CPU contention can land on one arm only (a 21x blocking ratio measured quiet was 1.9x
+    under a load of 5 on 2 cores, where the copy threads yield). Checked instead: facts of each run's own
+    ledger that hold under any load."""
     out, _, reports, stdout = demo
     b, e = reports["baseline"], reports["ettkit"]
-
-    # Saves: the ettkit arm blocks for the hand-over to the stager, the baseline for the whole write.
-    # Measured 0.015 s against 0.312 s per save at the quick size (21x; 0.9 s against 11.1 s in all at the
-    # full size, docs/demo.md): a factor of 4 fails if saving blocks on the write again, and no load that
-    # slows one arm's threads a few times over flips it.
-    def blocking_per_save(r):
-        return r["checkpoint_blocking_s"]["measured"] / r["checkpoints"]["count"]
-
     assert b["checkpoints"]["count"] == e["checkpoints"]["count"] > 0
-    assert 4 * blocking_per_save(e) < blocking_per_save(b), (blocking_per_save(e), blocking_per_save(b))
+
+    # Saves: the ettkit arm's save() returns before its data is written. Per save, from rank 0's ledger: the
+    # save() call (its first blocking interval) returns before the save is durable; in all, the blocking (the
+    # calls, then the optimizer's waits for the copies) is less than the time the saves took to be durable,
+    # since the write and the commit run off the training thread. The baseline writes inside its blocking
+    # phase and has no background track (test above).
+    saves = _saves(out / "ettkit" / "run" / "ett" / "rank-0.jsonl")
+    assert len(saves) == e["checkpoints"]["count"], saves
+    blocked = durable = 0
+    for step, (blocks, persist) in saves.items():
+        assert blocks and persist is not None, (step, blocks, persist)
+        assert persist[0] == blocks[0][0], (step, blocks, persist)  # both from the save() call
+        assert blocks[0][1] < persist[1], (step, blocks, persist)
+        blocked += sum(end - begin for begin, end in blocks)
+        durable += persist[1] - persist[0]
+    assert blocked < durable, (blocked, durable)
+    per_save = {arm: r["checkpoint_blocking_s"]["measured"] / r["checkpoints"]["count"] for arm, r in reports.items()}
+    print(f"blocking per save: {per_save} (quiet: 0.015 s against 0.312 s)")
 
     # The restart: the ettkit arm loads the forward and backward its first attempt precompiled (the
     # CompileCache's precompiled tier) and compiles nothing. Which tier a start took is a fact of the run,

@@ -16,6 +16,7 @@ import warnings
 
 import pytest
 import torch
+from ettkit import ett
 from ettkit.startup import CompileCache, CompileCacheWarning, overlapped_start, precompiled
 from ettkit.startup import cache as cache_module
 from startup_helpers import TinyRec, declared_spec, loss_fn, make_batch
@@ -188,10 +189,20 @@ def test_a_call_the_guards_reject_warns_and_runs_through_torch_compile_never_the
     model = TinyRec(dropout=0.0)
     spec = declared_spec(dynamic=False, batch=8)  # static: batch 8 only
     cache = CompileCache(tmp_path / "cc", model=model, spec=spec, config={}, precompile=True)
-    compiled, first, report, _ = overlapped_start(
-        model, [make_batch(8, 1)], spec, loss_fn, cache, recorder=None
-    )
+    with ett.Recorder(tmp_path / "run", rank=0, world_size=1, launcher_phases_from_env=False) as rec:
+        compiled, first, report, _ = overlapped_start(
+            model, [make_batch(8, 1)], spec, loss_fn, cache, recorder=rec
+        )
+        # A restart in the same process (or a fresh one, test above) loads the file.
+        again, _, report2, _ = overlapped_start(model, [make_batch(8, 1)], spec, loss_fn, cache, recorder=rec)
+        rec.flush()
+        with open(rec.ledger_path) as f:
+            phases = [json.loads(line).get("name") for line in f]
     assert report.cache_tier == "miss" and isinstance(compiled, precompiled.PrecompiledModel)
+    assert report2.cache_tier == "precompiled" and again.origin == "loaded"
+    # Which tier each start took is in the ETT ledger, as sub-phases of compile.
+    assert phases.count("compile/precompile") == 1 and phases.count("compile/precompiled_save") == 1
+    assert phases.count("compile/precompiled_load") == 2 and "compile/precompile_fallback" not in phases
     other = make_batch(16, 2)
     assert "expected 8, actual 16" in compiled.rejection(other)
     assert compiled.rejection(first) == ""
@@ -205,11 +216,22 @@ def test_a_call_the_guards_reject_warns_and_runs_through_torch_compile_never_the
         warnings.simplefilter("error")  # once per reason
         compiled(make_batch(16, 3))
     assert compiled.fallback_calls == 2
-    # The graph was compiled for training (grad mode on): an evaluation under no_grad is another graph.
+    # The graph was compiled for training (grad mode on): an evaluation under no_grad is another graph, and
+    # so is eval mode (BatchNorm's running statistics instead of the batch's), autocast, or a module
+    # attribute the forward reads.
     with pytest.warns(RuntimeWarning, match="grad_mode"):
         with torch.no_grad():
             compiled(first)
     assert compiled.fallback_calls == 3
+    model.eval()
+    assert "training == True" in compiled.rejection(first)
+    model.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert "autocast" in compiled.rejection(first)
+    model.drop.p = 0.5
+    assert "drop'].p == 0.0" in compiled.rejection(first)
+    model.drop.p = 0.0
+    assert compiled.rejection(first) == ""
     # The module's attributes pass through, as on a torch.compile'd module.
     assert compiled._orig_mod is model and list(compiled.parameters()) == list(model.parameters())
 
@@ -230,10 +252,15 @@ def test_a_model_that_cannot_be_precompiled_falls_back_and_says_why(tmp_path):
     model = GraphBreak()
     spec = declared_spec(dynamic=False, batch=8)
     cache = CompileCache(tmp_path / "cc", model=model, spec=spec, config={}, precompile=True)
-    with pytest.warns(RuntimeWarning, match="precompiled tier is not used: aot_compile failed"):
-        compiled, first, report, _ = overlapped_start(
-            model, [make_batch(8, 1)], spec, loss_fn, cache, recorder=None
-        )
+    with ett.Recorder(tmp_path / "run", rank=0, world_size=1, launcher_phases_from_env=False) as rec:
+        with pytest.warns(RuntimeWarning, match="precompiled tier is not used: aot_compile failed"):
+            compiled, first, report, _ = overlapped_start(
+                model, [make_batch(8, 1)], spec, loss_fn, cache, recorder=rec
+            )
+        rec.flush()
+        with open(rec.ledger_path) as f:
+            phases = [json.loads(line).get("name") for line in f]
+    assert "compile/precompile_fallback" in phases and "compile/precompiled_save" not in phases
     assert not isinstance(compiled, precompiled.PrecompiledModel)
     summary = report.summary()
     assert summary["precompile_fallback"].startswith("aot_compile failed")

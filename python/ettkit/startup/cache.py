@@ -650,8 +650,11 @@ class CompileCache:
         """A rank other than 0 without a file of its own: waits for rank 0's, writes it here and loads it.
         Returns ``(result, fn, why_not)``: ``fn`` None with ``why_not`` when rank 0 could not precompile, the
         wait timed out or the file does not load here (stale, corrupt: then this rank compiles)."""
+        from . import precompiled
+
         t0 = time.perf_counter()
         path = self.precompiled_path
+        precompiled.import_compile_stack()  # while rank 0 compiles: the load needs it anyway
         try:
             self.store.wait([self._share_key], timedelta(seconds=self.share_timeout_s))
             payload = self.store.get(self._share_key)

@@ -295,6 +295,12 @@ def overlapped_start(
                     warm, fallback.get("specialized")
         elif precompile and no_precompile is not None:
             publish(no_precompile)
+        # With the precompiled tier asked for, what follows is its fallback: a sub-phase of its own in the
+        # ledger, so that the report shows which starts fell back and what that cost.
+        with sub_phase("compile/precompile_fallback") if precompile else contextlib.nullcontext():
+            return jit_compile()
+
+    def jit_compile() -> tuple:
         # torch.compile() itself imports Dynamo (seconds in a fresh process): do it here, overlapped.
         compiled = model if _is_compiled(model) else torch.compile(model, **(compile_kwargs or {}))
         from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
