@@ -346,18 +346,10 @@ class CompileCache:
             return CacheLoadResult("miss", str(self.path), reason, seconds=time.perf_counter() - t0)
         except OSError as exc:
             return self._ignored("corrupt", f"cannot read it ({exc})", t0)
-        try:
-            header, body = self._parse(data)
-        except ValueError as exc:
-            return self._ignored("corrupt", str(exc), t0)
-        if header.get("key") != self.key:
-            fields = header.get("key_fields", {}) if isinstance(header.get("key_fields"), dict) else {}
-            return self._ignored(
-                "stale",
-                f"it was written for another key (torch {fields.get('torch', '?')}, "
-                f"fingerprint {str(fields.get('fingerprint', '?'))[:12]}...)",
-                t0,
-            )
+        checked = self._checked(data, t0, self.path, _MAGIC, "megacache_bytes")
+        if isinstance(checked, CacheLoadResult):
+            return checked
+        header, body = checked
         megacache = body[: header["megacache_bytes"]]
         kernels = header.get("kernels", [])
         restored = 0
@@ -390,6 +382,26 @@ class CompileCache:
             bytes=len(body),
             seconds=time.perf_counter() - t0,
         )
+
+    def _checked(
+        self, data: bytes, t0: float, path: Path, magic: bytes, first_section: str
+    ) -> tuple[dict, bytes] | CacheLoadResult:
+        """A file's header and body, or the "corrupt" / "stale" result (warned) that ignores it. Both files
+        (MegaCache and precompiled) share this layout and these checks."""
+        try:
+            header, body = self._parse(data, magic, first_section)
+        except ValueError as exc:
+            return self._ignored("corrupt", str(exc), t0, path)
+        if header.get("key") != self.key:
+            fields = header.get("key_fields", {}) if isinstance(header.get("key_fields"), dict) else {}
+            return self._ignored(
+                "stale",
+                f"it was written for another key (torch {fields.get('torch', '?')}, "
+                f"fingerprint {str(fields.get('fingerprint', '?'))[:12]}...)",
+                t0,
+                path,
+            )
+        return header, body
 
     def _parse(
         self, data: bytes, expect_magic: bytes = _MAGIC, first_section: str = "megacache_bytes"
@@ -464,30 +476,12 @@ class CompileCache:
             result = CacheSaveResult(False, str(self.path), "unchanged since load", counts, len(megacache))
             self.last_save = result
             return result
-        try:
-            blobs = [(rel, p.read_bytes()) for rel, p in kernel_files]
-        except OSError as exc:
-            warnings.warn(
-                f"compiled kernels not bundled into {self.path}: {exc}", CompileCacheWarning, stacklevel=2
-            )
-            blobs = []
+        blobs = self._kernel_blobs(kernel_files, self.path)
         if blobs:
             counts["cpu_kernel_files"] = len(blobs)
-        body = megacache + b"".join(data for _, data in blobs)
-        header = {
-            "format": _FORMAT,
-            "key": self.key,
-            "key_fields": self.key_fields,
-            "megacache_bytes": len(megacache),
-            "kernels": [{"path": rel, "bytes": len(data)} for rel, data in blobs],
-            "body_bytes": len(body),
-            "body_sha256": hashlib.sha256(body).hexdigest(),
-            "artifacts": counts,
-            "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        }
-        header_bytes = json.dumps(header, sort_keys=True).encode()
+        data, body = self._compose(_MAGIC, "megacache_bytes", megacache, blobs, {"artifacts": counts})
         try:
-            self._write_atomic(_HEADER.pack(_MAGIC, len(header_bytes)) + header_bytes + body)
+            self._write_atomic(data)
         except OSError as exc:
             warnings.warn(
                 f"could not write compile cache {self.path}: {exc}", CompileCacheWarning, stacklevel=2
@@ -500,6 +494,32 @@ class CompileCache:
         result = CacheSaveResult(True, str(self.path), "written", counts, len(body))
         self.last_save = result
         return result
+
+    @staticmethod
+    def _kernel_blobs(kernel_files: list, path: Path) -> list:
+        """(relative path, bytes) of the kernel files to bundle; an unreadable one warns and bundles none."""
+        try:
+            return [(rel, p.read_bytes()) for rel, p in kernel_files]
+        except OSError as exc:
+            warnings.warn(f"compiled kernels not bundled into {path}: {exc}", CompileCacheWarning, stacklevel=3)
+            return []
+
+    def _compose(self, magic: bytes, first_section: str, first: bytes, blobs: list, extra: dict) -> tuple:
+        """The bytes of a cache file (preamble, JSON header, body = first section + kernels) and its body."""
+        body = first + b"".join(data for _, data in blobs)
+        header = {
+            "format": _FORMAT,
+            "key": self.key,
+            "key_fields": self.key_fields,
+            first_section: len(first),
+            "kernels": [{"path": rel, "bytes": len(data)} for rel, data in blobs],
+            "body_bytes": len(body),
+            "body_sha256": hashlib.sha256(body).hexdigest(),
+            "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            **extra,
+        }
+        header_bytes = json.dumps(header, sort_keys=True).encode()
+        return _HEADER.pack(magic, len(header_bytes)) + header_bytes + body, body
 
     def _write_atomic(self, data: bytes, path: Path | None = None) -> None:
         path = path or self.path
@@ -541,19 +561,10 @@ class CompileCache:
             return CacheLoadResult("miss", str(path), "no precompiled artifact for this key"), None
         except OSError as exc:
             return self._ignored("corrupt", f"cannot read it ({exc})", t0, path), None
-        try:
-            header, body = self._parse(data, _PRECOMPILED_MAGIC, "artifact_bytes")
-        except ValueError as exc:
-            return self._ignored("corrupt", str(exc), t0, path), None
-        if header.get("key") != self.key:
-            fields = header.get("key_fields", {}) if isinstance(header.get("key_fields"), dict) else {}
-            return self._ignored(
-                "stale",
-                f"it was written for another key (torch {fields.get('torch', '?')}, "
-                f"fingerprint {str(fields.get('fingerprint', '?'))[:12]}...)",
-                t0,
-                path,
-            ), None
+        checked = self._checked(data, t0, path, _PRECOMPILED_MAGIC, "artifact_bytes")
+        if isinstance(checked, CacheLoadResult):
+            return checked, None
+        header, body = checked
         changed = precompiled.changed_sources(header.get("sources", []))
         if changed:
             return self._ignored(
@@ -590,31 +601,14 @@ class CompileCache:
         except Exception as exc:  # noqa: BLE001 - e.g. a module captured in a closure
             warnings.warn(f"cannot serialize the precompiled forward: {exc}", CompileCacheWarning, stacklevel=2)
             return CacheSaveResult(False, str(path), f"not serializable: {type(exc).__name__}: {exc}")
-        kernel_files = _loaded_kernel_files() if self.kernels else []
-        try:
-            blobs = [(rel, p.read_bytes()) for rel, p in kernel_files]
-        except OSError as exc:
-            warnings.warn(f"compiled kernels not bundled into {path}: {exc}", CompileCacheWarning, stacklevel=2)
-            blobs = []
-        body = artifact + b"".join(data for _, data in blobs)
+        blobs = self._kernel_blobs(_loaded_kernel_files() if self.kernels else [], path)
         counts = {"precompiled": 1}
         if blobs:
             counts["cpu_kernel_files"] = len(blobs)
-        header = {
-            "format": _FORMAT,
-            "key": self.key,
-            "key_fields": self.key_fields,
-            "artifact_bytes": len(artifact),
-            "kernels": [{"path": rel, "bytes": len(data)} for rel, data in blobs],
-            "sources": precompiled.source_fingerprint(fn),
-            "body_bytes": len(body),
-            "body_sha256": hashlib.sha256(body).hexdigest(),
-            "artifacts": counts,
-            "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        }
-        header_bytes = json.dumps(header, sort_keys=True).encode()
+        extra = {"artifacts": counts, "sources": precompiled.source_fingerprint(fn)}
+        data, body = self._compose(_PRECOMPILED_MAGIC, "artifact_bytes", artifact, blobs, extra)
         try:
-            self._write_atomic(_HEADER.pack(_PRECOMPILED_MAGIC, len(header_bytes)) + header_bytes + body, path)
+            self._write_atomic(data, path)
         except OSError as exc:
             warnings.warn(f"could not write compile cache {path}: {exc}", CompileCacheWarning, stacklevel=2)
             return CacheSaveResult(False, str(path), f"write failed: {exc}", counts, len(body))
