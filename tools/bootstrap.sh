@@ -60,3 +60,16 @@ if [[ ! -f "$stamp" ]]; then
   rm -f "$VENV"/.ettkit-deps-*
   touch "$stamp"
 fi
+
+# TorchRec (CPU), for the tests and the benchmark that compare ettkit's sharding with TorchRec itself. Only
+# for the default torch: these pins load against it (requirements-torchrec-cpu.txt says why --no-deps).
+# ETTKIT_NO_TORCHREC=1 skips it; the tests that need TorchRec then skip, saying so.
+if [[ "$TORCH_VERSION" == "2.14.1" && "${ETTKIT_NO_TORCHREC:-0}" != 1 ]]; then
+  trec_stamp="$VENV/.ettkit-torchrec-$(sha256sum requirements-torchrec-cpu.txt | cut -c1-16)"
+  if [[ ! -f "$trec_stamp" ]]; then
+    pip_install "requirements-torchrec-cpu.txt (TorchRec for the comparison tests)" \
+      --no-deps -r requirements-torchrec-cpu.txt
+    rm -f "$VENV"/.ettkit-torchrec-*
+    touch "$trec_stamp"
+  fi
+fi

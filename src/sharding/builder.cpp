@@ -39,6 +39,15 @@ void reject_empty_dims(const TableSpec& t) {
                  " table needs at least 1 column (strict mode)");
 }
 
+// Compat mode lists every sharp edge strict mode refuses (docs/sharding.md, "Strict and compat mode"), so a
+// plan that builds in compat mode with no warning builds the same in strict mode.
+void warn_empty_dims(const TableSpec& t, std::vector<std::string>& warnings) {
+  if (t.rows > 0 && t.cols > 0) return;
+  warnings.push_back(detail::concat("table '", t.name, "': ", to_string(t.type), " of ", t.rows, " x ", t.cols,
+                                    " is empty; every shard holds nothing (strict mode refuses a table with 0 ",
+                                    t.rows == 0 ? "rows" : "cols", ")"));
+}
+
 // The plan's shard count (an upper bound), refused before anything is allocated when it passes
 // `max_shards`: a plan is a few bytes per table, its expansion 48 bytes per shard.
 int64_t checked_shard_bound(const ShardingPlan& plan, int64_t max_shards) {
@@ -75,6 +84,8 @@ void expand_table(const TableSpec& t, int32_t ws, int32_t L, bool strict, std::v
     warnings.push_back(detail::concat("table '", t.name, "': ", to_string(t.type),
                                       " with 0 rows; TorchRec raises ZeroDivisionError here, ettkit gives empty row "
                                       "blocks at offset 0 (DTensor's convention)"));
+  } else if (!strict) {
+    warn_empty_dims(t, warnings);
   }
   std::vector<Span> spans;
   std::vector<int32_t> host_ranks;
@@ -99,6 +110,12 @@ void expand_table(const TableSpec& t, int32_t ws, int32_t L, bool strict, std::v
         ETTKIT_EXPECTS(!strict || t.num_buckets >= n, "table '", t.name, "': num_buckets=", t.num_buckets,
                        " is fewer than the ", n, " ranks of its row_wise split; a bucket cannot be split across ranks, "
                        "so some ranks would hold nothing (strict mode); use at least ", n, " buckets");
+        if (t.num_buckets < n) {
+          warnings.push_back(detail::concat("table '", t.name, "': row_wise with num_buckets=", t.num_buckets,
+                                            " over ", n, " ranks: ranks[", t.num_buckets, ":", n,
+                                            "] hold no bucket (empty shards at offset ", t.rows,
+                                            "); TorchRec 1.9 raises ValueError here"));
+        }
         bucketed_row_wise_split(t.rows, n, t.num_buckets, spans);
       } else {
         row_wise_split(t.rows, n, spans);
@@ -132,11 +149,16 @@ void expand_table(const TableSpec& t, int32_t ws, int32_t L, bool strict, std::v
                                           " ranks becomes ", k, " shard(s) of ", block, " columns (TorchRec's block "
                                           "search); ranks after ranks[", k - 1, "] hold nothing"));
       }
-      if (strict && t.type == ShardingType::kTableColumnWise) {
+      if (t.type == ShardingType::kTableColumnWise) {
         for (int64_t j = 0; j < k; ++j) {
-          ETTKIT_EXPECTS(t.ranks[j] / L == t.ranks[0] / L, "table '", t.name, "': table_column_wise ranks[", j,
-                         "] = ", t.ranks[j], " is on host ", t.ranks[j] / L, " but ranks[0] is on host ",
-                         t.ranks[0] / L, "; table_column_wise keeps a table on one host (strict mode)");
+          if (t.ranks[j] / L == t.ranks[0] / L) continue;
+          ETTKIT_EXPECTS(!strict, "table '", t.name, "': table_column_wise ranks[", j, "] = ", t.ranks[j],
+                         " is on host ", t.ranks[j] / L, " but ranks[0] is on host ", t.ranks[0] / L,
+                         "; table_column_wise keeps a table on one host (strict mode)");
+          warnings.push_back(detail::concat("table '", t.name, "': table_column_wise ranks[", j, "] = ", t.ranks[j],
+                                            " is on host ", t.ranks[j] / L, ", not on ranks[0]'s host ",
+                                            t.ranks[0] / L, "; TorchRec accepts it, strict mode refuses it"));
+          break;
         }
       }
       for (int64_t j = 0; j < k; ++j) out.push_back({0, j * block, t.rows, block, t.ranks[j]});
@@ -176,6 +198,7 @@ GlobalMetadata build_global_metadata(std::shared_ptr<const ShardingPlan> plan, c
       expand_table(t, ws, L, options.strict, md.shards_, md.warnings_);
     } else {
       if (options.strict) reject_empty_dims(t);
+      else warn_empty_dims(t, md.warnings_);
       md.shards_.insert(md.shards_.end(), t.shards.begin(), t.shards.end());
     }
     validate_shards(t.name, t.type, t.rows, t.cols, std::span<const Shard>(md.shards_).subspan(begin), ws);

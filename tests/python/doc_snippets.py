@@ -24,6 +24,8 @@ Clauses, separated by ``;`` (``skip:`` takes the rest of the comment as its reas
 - ``continues``: run after the previous Python block of the same file, in the same process.
 - ``compile-only: <why>``: C++ only; built, not run.
 - ``output``: on a ``text`` block: it must equal what the previous block printed (stripped lines).
+- ``needs MODULE``: Python only; the block needs an optional package (``torchrec``): it skips, saying so,
+  where the package is not installed for this torch (torchrec_gate.py; never where `make build` installed it).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class Snippet:
     compile_only: str | None = None
     continues: bool = False
     output: bool = False
+    needs: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def id(self) -> str:
@@ -104,13 +107,15 @@ def _parse_directive(text: str, where: str, snippet: Snippet) -> None:
             snippet.continues = True
         elif word == "output":
             snippet.output = True
+        elif word == "needs":
+            snippet.needs.append(rest.strip())
         elif word == "compile-only:":
             snippet.compile_only = rest.strip() or None
             if not snippet.compile_only:
                 raise ValueError(f"{where}: 'compile-only:' needs a reason")
         else:
             raise ValueError(f"{where}: unknown snippet clause {word!r} (env, replace, check, continues, output, "
-                             "compile-only:, skip:)")
+                             "needs, compile-only:, skip:)")
 
 
 def doc_files() -> list[str]:

@@ -23,6 +23,7 @@ import pytest
 
 import doc_snippets
 from doc_snippets import Snippet
+from torchrec_gate import import_torchrec
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 SNIPPETS = doc_snippets.all_snippets()
@@ -124,6 +125,9 @@ def _previous_python(snippet: Snippet) -> Snippet:
 
 @pytest.mark.parametrize("snippet", _by_lang("python"), ids=_ids(_by_lang("python")))
 def test_python_block(snippet: Snippet, tmp_path):
+    for module in snippet.needs:
+        assert module == "torchrec", f"{snippet.id}: 'needs {module}': only torchrec is an optional package"
+        import_torchrec()
     chain = [snippet]
     while chain[0].continues:
         chain.insert(0, _previous_python(chain[0]))

@@ -165,11 +165,14 @@ def from_torchrec(
     ``{"rows", "cols", "dtype"}`` / TorchRec ``EmbeddingBagConfig``, or an iterable of objects with
     ``.name``; looked up by ``"module.param"`` and then by ``param``. ``dtype`` is the fallback dtype for
     tables without a config. Shapes of sharded tables default to the extent of their shards; data_parallel
-    tables need a config. ``device`` defaults to ``"cuda"`` when any placement is on CUDA. Table names are
+    tables need a config. ``device`` defaults to ``"cuda"`` when any placement is on CUDA, else ``"cpu"``; a
+    plan whose tables are all data_parallel carries no placement at all, so pass ``device=`` for it (a
+    warning says so when it is missing). Table names are
     ``"module.param"`` (``qualify=True``) or ``param``.
     """
     entries = []
     saw_cuda = False
+    saw_placement = False
     for module, params in _modules(plan):
         for param, ps in params.items():
             name = f"{module}.{param}" if (qualify and module) else param
@@ -180,7 +183,14 @@ def from_torchrec(
                     saw_cuda = saw_cuda or "cuda" in str(s.placement)
             else:
                 saw_cuda = saw_cuda or any("cuda" in str(s.get("placement")) for s in ps.get("shards") or ())
+            saw_placement = saw_placement or any(p is not None for _, _, p in shards or ())
             entries.append((name, param, kind, ranks, shards))
+    if device is None and entries and not saw_placement:
+        # data_parallel entries carry no shards, so nothing in the plan says which device it is for.
+        _log.warning(
+            "from_torchrec: no table of the plan has a shard with a placement (all data_parallel?), so the "
+            "device cannot be read from it; using 'cpu' placements: pass device='cuda' for a CUDA job"
+        )
     device = device or ("cuda" if saw_cuda else "cpu")
 
     out = []

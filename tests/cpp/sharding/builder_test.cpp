@@ -239,7 +239,39 @@ TEST(Builder, StrictRejectsSilentColumnDegeneration) {
 TEST(Builder, StrictTableColumnWiseStaysOnOneHost) {
   auto t = make_table("t", 10, 64, ShardingType::kTableColumnWise, {2, 4}, 32);
   EXPECT_THROW(build({t}, 8, 4, DeviceType::kCpu, true), InvalidArgument);
-  EXPECT_NO_THROW(build({t}, 8, 4));
+  auto md = build({t}, 8, 4);  // compat: TorchRec's layout, and the sharp edge listed
+  ASSERT_EQ(md.shards(0).size(), 2u);
+  EXPECT_EQ(md.shards(0)[1].rank, 4);
+  ASSERT_EQ(md.warnings().size(), 1u);
+  EXPECT_NE(md.warnings()[0].find("ranks[1] = 4 is on host 1"), std::string::npos) << md.warnings()[0];
+}
+
+// Compat mode promises to list every sharp edge strict mode refuses: for each plan below, strict throws and
+// compat builds with exactly one warning naming the table.
+TEST(Builder, CompatWarnsWhereStrictRefuses) {
+  auto zch = make_table("zch", 12, 4, ShardingType::kRowWise);
+  zch.num_buckets = 3;
+  const std::vector<TableSpec> edges = {
+      make_table("rw0", 0, 8, ShardingType::kRowWise),
+      make_table("rw_nocols", 8, 0, ShardingType::kRowWise),
+      make_table("tw0", 0, 8, ShardingType::kTableWise, {1}),
+      make_table("dp0", 8, 0, ShardingType::kDataParallel),
+      make_table("cw100", 10, 100, ShardingType::kColumnWise, {0, 1, 2, 3}),
+      make_table("tcw", 10, 64, ShardingType::kTableColumnWise, {0, 2}, 32),
+      zch,
+  };
+  for (const auto& t : edges) {
+    SCOPED_TRACE(t.name);
+    EXPECT_THROW(build({t}, 4, 2, DeviceType::kCpu, true), InvalidArgument);
+    auto md = build({t}, 4, 2);
+    ASSERT_EQ(md.warnings().size(), 1u);
+    EXPECT_NE(md.warnings()[0].find("table '" + t.name + "'"), std::string::npos) << md.warnings()[0];
+  }
+  // And a plan without sharp edges builds the same in both modes, with no warning.
+  auto fine = make_table("fine", 12, 4, ShardingType::kRowWise);
+  fine.num_buckets = 4;
+  EXPECT_TRUE(build({fine}, 4, 2).warnings().empty());
+  EXPECT_NO_THROW(build({fine}, 4, 2, DeviceType::kCpu, true));
 }
 
 TEST(Builder, StrictRejectsFewerBucketsThanRanks) {
@@ -248,6 +280,10 @@ TEST(Builder, StrictRejectsFewerBucketsThanRanks) {
   EXPECT_THROW(build({t}, 4, 4, DeviceType::kCpu, true), InvalidArgument);
   auto md = build({t}, 4, 4);
   EXPECT_EQ(md.shards(0)[3].rows, 0);
+  EXPECT_EQ(md.shards(0)[3].row_offset, 12);
+  ASSERT_EQ(md.warnings().size(), 1u);
+  EXPECT_NE(md.warnings()[0].find("num_buckets=3 over 4 ranks: ranks[3:4] hold no bucket"), std::string::npos)
+      << md.warnings()[0];
 }
 
 TEST(Builder, PerRankIndexCoversEveryShardOnce) {
