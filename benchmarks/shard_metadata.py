@@ -11,6 +11,16 @@ Metrics (JSON keys ``<metric>[<case>]``, variants ``ettkit`` and the baselines):
   planner's output holds it). Median.
 * ``plan_bytes[world=W,tables=T]``: the encoded plan vs ``pickle`` (the pickled expanded plan TorchRec
   broadcasts) and ``pickle_compact`` (the pickled ettkit ShardingPlan, i.e. the same compact information).
+* ``torchrec_init_s[world=8,tables=200]`` (when TorchRec is installed): TorchRec's own path, from "TorchRec
+  plan known on rank 0" (built with TorchRec's generators for an EmbeddingBagCollection) to "every sharded
+  table's ShardedTensorMetadata ready on every rank": ``torchrec`` (TorchRec 1.9's path:
+  ``invoke_on_rank_and_broadcast_result`` of the plan, as ``collective_plan`` does, then
+  ``sharding_spec.build_metadata`` per table), ``torchrec_allgather`` (the same broadcast, then
+  ``ShardedTensor._init_from_local_shards`` per table, the all-gather TorchRec still uses for virtual
+  tables and managed-collision modules) against ``ettkit`` (``from_torchrec`` on rank 0, ``broadcast_plan``,
+  ``build_global_metadata``, ``to_sharded_tensor_metadata`` per table) and ``ettkit_plan`` (the same
+  without the conversion: a job whose plan is an ettkit plan in the first place). Median over repeats;
+  also the broadcast bytes (``torchrec_plan_bytes``).
 
 Usage::
 
@@ -93,6 +103,144 @@ def _worker(
     if rank == 0:
         with open(out_file, "w") as f:
             json.dump(results, f)
+
+
+def _torchrec_plan(tables: int, world: int, per_host: int):
+    """A TorchRec ShardingPlan of ``tables`` EmbeddingBagCollection tables built with TorchRec's generators
+    (seeded mix of every type; fp32/fp16), and the table configs."""
+    import random
+
+    import torchrec.distributed.sharding_plan as trec
+    from torchrec.distributed.types import ShardingPlan as TorchRecPlan
+    from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    rng = random.Random(tables)
+    configs, generators = [], {}
+    hosts = world // per_host
+    for i in range(tables):
+        cols = rng.choice([16, 32, 64, 128, 256])
+        rows = rng.randint(1_000, 100_000)
+        kind = rng.choice(["data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise", "grid"])
+        if kind == "data_parallel":
+            rows, gen = rng.randint(10, 1_000), trec.data_parallel()
+        elif kind == "table_wise":
+            gen = trec.table_wise(rank=rng.randrange(world))
+        elif kind == "row_wise":
+            gen = trec.row_wise()
+        elif kind == "column_wise":
+            gen = trec.column_wise(ranks=[rng.randrange(world) for _ in range(max(1, cols // 32))])
+        elif kind == "table_row_wise":
+            gen = trec.table_row_wise(host_index=rng.randrange(hosts))
+        else:
+            cols = 128 * min(hosts, rng.randint(1, 2))
+            gen = trec.grid_shard(host_indexes=list(range(cols // 128)))
+        configs.append(EmbeddingBagConfig(name=f"table_{i}", feature_names=[f"f{i}"], embedding_dim=cols,
+                                          num_embeddings=rows, data_type=rng.choice([DataType.FP32, DataType.FP16])))
+        generators[f"table_{i}"] = gen
+    ebc = EmbeddingBagCollection(tables=configs, device="meta")
+    module_plan = trec.construct_module_sharding_plan(ebc, generators, local_size=per_host, world_size=world,
+                                                      device_type="cpu")
+    return TorchRecPlan({"sparse.ebc": module_plan}), configs
+
+
+def _torchrec_worker(rank: int, world: int, init_file: str, tables: int, repeats: int, out_file: str) -> None:
+    os.environ.setdefault("ETTKIT_LOG_LEVEL", "error")
+    faulthandler.enable()
+    import warnings
+
+    warnings.simplefilter("ignore")  # fbgemm's deprecation notices at import
+    from ettkit import sharding as S
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, TensorProperties
+    from torchrec.distributed.collective_utils import invoke_on_rank_and_broadcast_result
+    from torchrec.modules.embedding_configs import data_type_to_dtype
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    pg = dist.group.WORLD
+    per_host = _ranks_per_host(world)
+    plan0, configs = _torchrec_plan(tables, world, per_host)  # every rank has the configs (the model code)
+    sizes = {c.name: torch.Size([c.num_embeddings, c.embedding_dim]) for c in configs}
+    dtypes = {c.name: data_type_to_dtype(c.data_type) for c in configs}
+
+    def timed(fn) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        return float(elapsed)
+
+    def torchrec_init():
+        plan = invoke_on_rank_and_broadcast_result(pg, 0, lambda: plan0)
+        out = {}
+        for name, ps in plan.plan["sparse.ebc"].items():
+            if ps.sharding_spec is not None:
+                out[name] = ps.sharding_spec.build_metadata(sizes[name], TensorProperties(dtype=dtypes[name]))
+        return out
+
+    def torchrec_allgather_init():
+        plan = invoke_on_rank_and_broadcast_result(pg, 0, lambda: plan0)
+        out = {}
+        for name, ps in plan.plan["sparse.ebc"].items():
+            if ps.sharding_spec is None:
+                continue
+            local = [Shard(torch.empty(m.shard_sizes, dtype=dtypes[name]), m)
+                     for m in ps.sharding_spec.shards if m.placement.rank() == rank]
+            out[name] = ShardedTensor._init_from_local_shards(local, *sizes[name], process_group=pg).metadata()
+        return out
+
+    def ettkit_init(converted=None):
+        compact = converted
+        if rank == 0 and compact is None:
+            compact = S.from_torchrec(plan0, world_size=world, ranks_per_host=per_host, tables=configs,
+                                      qualify=False)
+        md = S.build_global_metadata(S.broadcast_plan(compact))
+        return {name: md.to_sharded_tensor_metadata(name) for name in md.tables
+                if md.tables[name].sharding_type != "data_parallel"}
+
+    # A job that builds its plan with ettkit in the first place skips the conversion from TorchRec's plan.
+    native = (S.from_torchrec(plan0, world_size=world, ranks_per_host=per_host, tables=configs, qualify=False)
+              if rank == 0 else None)
+
+    # The three paths agree before anything is timed.
+    expected = torchrec_init()
+    got = ettkit_init()
+    assert set(got) == set(expected)
+    for name, m in expected.items():
+        assert got[name].shards_metadata == m.shards_metadata and got[name].size == m.size, name
+        assert got[name].tensor_properties.dtype == m.tensor_properties.dtype, name
+    results = {"ettkit": [], "ettkit_plan": [], "torchrec": [], "torchrec_allgather": []}
+    for _ in range(repeats):
+        results["ettkit"].append(timed(ettkit_init))
+        results["ettkit_plan"].append(timed(lambda: ettkit_init(native)))
+        results["torchrec"].append(timed(torchrec_init))
+    for _ in range(max(1, repeats // 3)):
+        results["torchrec_allgather"].append(timed(torchrec_allgather_init))
+    if rank == 0:
+        results["plan_bytes"] = {
+            "torchrec": len(pickle.dumps(plan0)),
+            "ettkit": len(S.encode(S.from_torchrec(plan0, world_size=world, ranks_per_host=per_host,
+                                                   tables=configs, qualify=False))),
+        }
+        results["sharded_tables"] = len(expected)
+        with open(out_file, "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def measure_torchrec_init(world: int, tables: int, repeats: int) -> dict | None:
+    """TorchRec's own path against ettkit's, or None when TorchRec is not installed."""
+    try:
+        import torchrec  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - fbgemm ops that do not load count as "not installed"
+        print(f"torchrec_init_s: skipped, TorchRec does not import here ({e!r})")
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        mp.spawn(_torchrec_worker, args=(world, os.path.join(tmp, "init"), tables, repeats, out), nprocs=world,
+                 join=True)
+        with open(out) as f:
+            return json.load(f)
 
 
 def measure_init(
@@ -295,6 +443,23 @@ def main(argv=None) -> int:
                 f"{r['pickle_compact'] / r['ettkit']:.1f}x smaller",
             )
         )
+
+    tr = measure_torchrec_init(8, 200, 3 if args.quick else 11)
+    if tr is not None:
+        case = "world=8,tables=200"
+        ours = statistics.median(tr["ettkit"])
+        results[f"torchrec_init_s[{case}]"] = {k: statistics.median(tr[k])
+                                               for k in ("ettkit", "ettkit_plan", "torchrec", "torchrec_allgather")}
+        results[f"torchrec_plan_bytes[{case}]"] = tr["plan_bytes"]
+        native = statistics.median(tr["ettkit_plan"])
+        for label, mine in ((f"{case} ({tr['sharded_tables']} sharded)", ours), (f"{case}, ettkit plan", native)):
+            for base in ("torchrec", "torchrec_allgather"):
+                b = statistics.median(tr[base])
+                ratio = f"{b / mine:.1f}x faster" if b >= mine else f"{mine / b:.1f}x slower"
+                rows.append(("torchrec_init_s", label, f"{mine * 1e3:.2f} ms", f"{b * 1e3:.1f} ms", base, ratio))
+        pb = tr["plan_bytes"]
+        rows.append(("torchrec_plan_bytes", case, f"{pb['ettkit']:,} B", f"{pb['torchrec']:,} B", "torchrec",
+                     f"{pb['torchrec'] / pb['ettkit']:.0f}x smaller"))
 
     header = ("metric", "case", "ettkit", "baseline", "baseline is", "ettkit vs baseline")
     widths = [max(len(str(x[i])) for x in rows + [header]) for i in range(len(header))]

@@ -132,12 +132,13 @@ class GlobalMetadata:
     owns its C++ arrays and shares the plan.
     """
 
-    __slots__ = ("_c", "_names", "plan", "tables")
+    __slots__ = ("_c", "_devices", "_names", "plan", "tables")
 
     def __init__(self, plan: ShardingPlan, c_metadata: _C.sharding.Metadata):
         self.plan = plan
         self._c = c_metadata
         self._names: list[str] | None = None
+        self._devices: dict[str, object] = {}  # placement string -> torch _remote_device (parsed once)
         self.tables: Mapping[str, TableMetadata] = _Tables(self)
 
     @property
@@ -187,11 +188,19 @@ class GlobalMetadata:
 
     def to_shard_metadata(self, name: str) -> list:
         """``torch.distributed._shard.metadata.ShardMetadata`` of every shard of ``name``, in plan order."""
+        from torch.distributed import _remote_device
         from torch.distributed._shard.metadata import ShardMetadata
 
-        return [
-            ShardMetadata(list(s.offsets), list(s.sizes), s.placement) for s in self._sharded(name).shards
-        ]
+        # Parsing "rank:r/cuda:i" into a _remote_device was two thirds of the cost; there are at most
+        # world_size distinct placements and a _remote_device is never modified, so each is parsed once.
+        devices = self._devices
+        out = []
+        for s in self._sharded(name).shards:
+            device = devices.get(s.placement)
+            if device is None:
+                device = devices[s.placement] = _remote_device(s.placement)
+            out.append(ShardMetadata(list(s.offsets), list(s.sizes), device))
+        return out
 
     def to_sharded_tensor_metadata(self, name: str, requires_grad: bool = False):
         """``ShardedTensorMetadata`` of table ``name`` for ``ShardedTensor._init_from_local_shards_and_global_metadata``.

@@ -110,8 +110,6 @@ def _config(tables: Any, qualified: str, param: str) -> tuple[int | None, int | 
     """(rows, cols, dtype) from the user's table configs, looked up by qualified name, then by param name."""
     if tables is None:
         return None, None, None
-    if not isinstance(tables, Mapping):
-        tables = {t.name: t for t in tables}
     cfg = tables.get(qualified, tables.get(param))
     if cfg is None:
         return None, None, None
@@ -170,6 +168,8 @@ def from_torchrec(
     warning says so when it is missing). Table names are
     ``"module.param"`` (``qualify=True``) or ``param``.
     """
+    if tables is not None and not isinstance(tables, Mapping):
+        tables = {t.name: t for t in tables}  # once: a lookup per table must not rebuild it
     entries = []
     saw_cuda = False
     saw_placement = False
