@@ -41,9 +41,10 @@ from ..errors import InvalidArgumentError
 from ._attach import Attachment, Fences, _listify
 from ._flatten import (check_unique, find_captured_optimizer, find_saved, flatten_state, rebuild_named,
                        restore_non_tensors)
+from .data_position import DataPosition
 
-__all__ = ["AUTO_UNMEASURED_INTERVAL_S", "AsyncCheckpointer", "Attachment", "DcpStager", "SaveHandle",
-           "latest_step", "parse_every"]
+__all__ = ["AUTO_UNMEASURED_INTERVAL_S", "AsyncCheckpointer", "Attachment", "DataPosition", "DcpStager",
+           "SaveHandle", "latest_step", "parse_every"]
 
 SaveHandle = _C.checkpoint.SaveHandle
 
