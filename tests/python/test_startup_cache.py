@@ -213,3 +213,61 @@ def test_a_cache_written_by_one_process_is_hit_by_a_fresh_process(tmp_path):
     assert second["artifacts_loaded"]["cpu_kernel_files"] >= 1
     assert second["save_reason"] == "unchanged since load"
     assert second["graphs"] == first["graphs"] == 1
+
+
+_KILLED_WRITER = r"""
+import os, signal, sys, types
+from collections import defaultdict
+import torch
+from ettkit.startup import CompileCache
+from ettkit.startup import cache as cache_module
+
+payload = [b"old-artifacts" * 1000]
+info = types.SimpleNamespace(artifacts=defaultdict(list, {"inductor": ["k1"]}))
+torch.compiler.save_cache_artifacts = lambda: (payload[0], info)
+cache_module._loaded_kernel_files = list
+cache = CompileCache(sys.argv[1], fingerprint="model-v1")
+assert cache.save().written                      # a complete, valid file
+payload[0] = b"new-artifacts" * 100000           # then a second save dies half-way through its write
+info.artifacts["inductor"].append("k2")          # (a save writes only when the artifacts changed)
+real_open = open
+
+class Dying:
+    def __init__(self, f):
+        self.f = f
+    def __enter__(self):
+        return self
+    def __exit__(self, *exc):
+        return False
+    def write(self, data):
+        self.f.write(data[: len(data) // 2])
+        self.f.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+cache_module.open = lambda path, mode="r", *a, **k: Dying(real_open(path, mode, *a, **k)) if "w" in mode else real_open(path, mode, *a, **k)
+cache.save()
+"""
+
+
+def test_a_writer_killed_mid_write_leaves_the_previous_file_and_its_temporary_is_cleaned_up(fake, tmp_path):
+    directory = tmp_path / "ckpt" / "compile-cache"
+    proc = subprocess.run([sys.executable, "-c", _KILLED_WRITER, str(directory)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == -9, proc.stderr[-3000:]
+    temporaries = list(directory.glob(".*.tmp"))
+    assert len(temporaries) == 1 and temporaries[0].stat().st_size > 0  # the half-written new file
+    # The next start loads the complete previous file: the rename never happened.
+    cache = _cache(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cache.load().hit
+    assert fake.loaded == [b"old-artifacts" * 1000]
+    # A young temporary may be a live writer elsewhere: kept. An old one is a dead writer's: removed.
+    fake.keys = ("k1", "k2", "k3")
+    assert cache.save().written
+    assert temporaries[0].exists()
+    old = temporaries[0].stat().st_mtime - 2 * 3600
+    os.utime(temporaries[0], (old, old))
+    fake.keys = ("k1", "k2", "k3", "k4")
+    assert cache.save().written
+    assert sorted(p.name for p in directory.iterdir()) == [cache.path.name]

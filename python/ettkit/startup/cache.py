@@ -64,6 +64,10 @@ _FORMAT = 1
 _HEADER = struct.Struct("<8sI")  # magic, header JSON length; then the JSON, then the payload
 
 
+#: A temporary cache file older than this is a dead writer's (a write takes seconds) and is removed.
+_STALE_TEMPORARY_S = 3600.0
+
+
 class CompileCacheWarning(UserWarning):
     """A compile cache file was ignored (stale, corrupt, or rejected by torch) or could not be written."""
 
@@ -539,6 +543,19 @@ class CompileCache:
             os.fsync(fd)  # make the rename itself durable
         finally:
             os.close(fd)
+        self._remove_stale_temporaries(path)
+
+    def _remove_stale_temporaries(self, path: Path) -> None:
+        """A writer killed between its temporary file and the rename (kill -9, OOM, a node lost) leaves the
+        temporary behind: every crash would add one. Those older than an hour go; a younger one may be a
+        live writer on another node sharing this directory (its pid means nothing here)."""
+        now = time.time()
+        for tmp in self.dir.glob(f".{path.name}.*.tmp"):
+            try:
+                if now - tmp.stat().st_mtime > _STALE_TEMPORARY_S:
+                    tmp.unlink()
+            except OSError:
+                pass  # another process removed it, or it is not ours to remove
 
     # ---- precompiled tier ----------------------------------------------------------------------------
 
