@@ -29,5 +29,6 @@ def import_torchrec():
             pytest.fail(f"TorchRec was installed by `make build` ({sys.prefix}) but does not import: {e!r}")
         pytest.skip(
             f"TorchRec is not installed for this torch ({e!r}); `make build` installs it for the default torch "
-            "from requirements-torchrec-cpu.txt"
+            "from requirements-torchrec-cpu.txt",
+            allow_module_level=True,
         )
