@@ -52,6 +52,16 @@ def _ranks_per_host(world: int) -> int:
     return max(1, world // 2)  # two hosts per world, so host-based types (TWRW, TWCW, grid) vary
 
 
+def timed(fn) -> float:
+    """Seconds from a barrier until ``fn`` is done on every rank (the slowest rank's time, all-reduced)."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # ready on every rank = the slowest rank
+    return float(elapsed)
+
+
 def _worker(
     rank: int,
     world: int,
@@ -76,14 +86,6 @@ def _worker(
         for tables in tables_list:
             plan0 = S.mixed_plan(tables, world, L, seed=tables) if rank == 0 else None
             expanded0 = S.torchrec_style_plan(plan0) if rank == 0 else None
-
-            def timed(fn) -> float:
-                dist.barrier()
-                t0 = time.perf_counter()
-                fn()
-                elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # ready on every rank = the slowest rank
-                return float(elapsed)
 
             def ettkit_init(plan0=plan0):
                 plan = S.broadcast_plan(plan0)
@@ -162,14 +164,6 @@ def _torchrec_worker(rank: int, world: int, init_file: str, tables: int, repeats
     sizes = {c.name: torch.Size([c.num_embeddings, c.embedding_dim]) for c in configs}
     dtypes = {c.name: data_type_to_dtype(c.data_type) for c in configs}
 
-    def timed(fn) -> float:
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        return float(elapsed)
-
     def torchrec_init():
         plan = invoke_on_rank_and_broadcast_result(pg, 0, lambda: plan0)
         out = {}
@@ -219,8 +213,7 @@ def _torchrec_worker(rank: int, world: int, init_file: str, tables: int, repeats
     if rank == 0:
         results["plan_bytes"] = {
             "torchrec": len(pickle.dumps(plan0)),
-            "ettkit": len(S.encode(S.from_torchrec(plan0, world_size=world, ranks_per_host=per_host,
-                                                   tables=configs, qualify=False))),
+            "ettkit": len(S.encode(native)),
         }
         results["sharded_tables"] = len(expected)
         with open(out_file, "w") as f:

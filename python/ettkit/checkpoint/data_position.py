@@ -3,7 +3,9 @@ without re-reading or skipping data (docs/checkpoint.md, "The data position").
 
 The best position is the loader's own state: torchdata's ``StatefulDataLoader`` has ``state_dict()`` /
 ``load_state_dict()``, so it goes into the saved state like a model (``{"loader": loader}``) and restores
-mid-epoch, with its sampler's generator and its workers' state. :class:`DataPosition` is the fallback for a
+mid-epoch, with its workers' state; the epochs after that one come out right only when their order is a
+function of the epoch (see the docs: torchdata 0.11's ``shuffle=True`` generator is not in its state).
+:class:`DataPosition` is the fallback for a
 loader that has no state of its own (a plain ``torch.utils.data.DataLoader``): it counts epochs and the
 batches consumed in the current epoch, and after a restore it skips the batches the job already trained
 on. Skipping re-reads them (the loader has no way to seek), so it costs their loading time but never their
