@@ -39,8 +39,16 @@ import torch
 from .. import _C
 from ..errors import InvalidArgumentError
 from ._attach import Attachment, Fences, _listify
-from ._flatten import (check_unique, find_captured_optimizer, find_saved, flatten_state, rebuild_named,
-                       restore_non_tensors)
+from ._flatten import (
+    check_sharded,
+    check_unique,
+    find_captured_optimizer,
+    find_saved,
+    flatten_state,
+    live_sharded,
+    rebuild_named,
+    restore_non_tensors,
+)
 from .data_position import DataPosition
 
 __all__ = ["AUTO_UNMEASURED_INTERVAL_S", "AsyncCheckpointer", "Attachment", "DataPosition", "DcpStager",
@@ -128,7 +136,8 @@ def _saved_states(slots: list, live: Any, value: Optional[tuple]) -> dict:
         if not isinstance(sub, (dict, list, tuple)):
             raise InvalidArgumentError(f"the checkpoint has no state dict at {where} for the "
                                        f"{type(s.obj).__qualname__} there (it holds a {type(sub).__name__})")
-        if isinstance(s.obj, torch.optim.Optimizer):
+        if isinstance(s.obj, torch.optim.Optimizer) and isinstance(s.state, dict) and "param_groups" in s.state:
+            # (TorchRec's KeyedOptimizer of fused tables has no param_groups in its state dict.)
             groups = sub.get("param_groups") if isinstance(sub, dict) else None
             want = [len(g["params"]) for g in s.obj.param_groups]
             have = [len(g.get("params", ())) if isinstance(g, dict) else -1 for g in groups] \
@@ -420,6 +429,8 @@ class AsyncCheckpointer:
             # step fall back like any corrupt step instead of failing after the tensors were overwritten; a
             # Stateful the step cannot restore is a mismatch (InvalidArgumentError: no fallback).
             value = _decode_extra(blob)
+            if value is not None:
+                check_sharded(live, value[0])
             saved = _saved_states(slots, live, value)
             decoded.update(blob=blob, value=value, saved=saved)
 
@@ -444,6 +455,7 @@ class AsyncCheckpointer:
         if slots:
             loaded = dict(zip(names, tensors))
             loaded.update(read)
+            live_sharded(live, loaded)  # a ShardedTensor goes back whole (its shards were loaded in place)
             for slot in slots:
                 _restore_stateful(slot, saved[id(slot)], loaded)
         if value is None:

@@ -29,7 +29,9 @@ class DcpStager(_async_stager_base()):
     that DCP then writes in the background. The arena is reused by the next ``stage``: as with every DCP
     async save, wait for the previous save's future before the next ``async_save`` (or pass
     ``double_buffer=True`` to alternate two arenas, allowing one save in flight while the next stages).
-    Non-tensor values pass through unchanged.
+    ShardedTensor and DTensor values are staged too: their local shards (local tensor) are copied and
+    handed to DCP wrapped in the same global metadata (mesh and placements), built locally without a
+    collective. Non-tensor values pass through unchanged.
     """
 
     _synchronize_after_execute: bool = False

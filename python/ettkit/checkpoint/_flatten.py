@@ -10,6 +10,7 @@ objects in the skeleton; the C++ stager reads the tensors' storage without autog
 from __future__ import annotations
 
 import pickle
+import sys
 from typing import Any
 
 import torch
@@ -37,8 +38,100 @@ _Parameter = torch.nn.Parameter
 
 def _reject(obj: Any, name: str) -> None:
     raise InvalidArgumentError(
-        f"state dict entry '{name}' is a {type(obj).__name__}; only plain tensors are staged "
-        "(use DCP with ettkit.checkpoint.DcpStager for DTensor/ShardedTensor)")
+        f"state dict entry '{name}' is a {type(obj).__module__}.{type(obj).__qualname__}; ettkit saves plain "
+        "tensors and ShardedTensors (TorchRec's sharded tables: each rank its local shards). For a DTensor "
+        "(FSDP2, tensor parallel) use DCP: dcp.async_save(..., async_stager=ettkit.checkpoint.DcpStager())")
+
+
+def _sharded_tensor_type() -> Any:
+    # Looked up where torch put it, never imported: no ShardedTensor can exist before its module is loaded,
+    # and importing torch.distributed's sharding package would cost every save() of a plain model.
+    mod = sys.modules.get("torch.distributed._shard.sharded_tensor.api")
+    return getattr(mod, "ShardedTensor", None)
+
+
+def shard_name(key: str, offsets: tuple) -> str:
+    """The name a local shard of the ShardedTensor at ``key`` is saved under: its offsets in the whole
+    tensor (``emb.t1.weight@24,0``), so that each rank's file says which part of the table it holds."""
+    return f"{key}@{','.join(str(o) for o in offsets)}"
+
+
+class ShardedSlot:
+    """Where a ``ShardedTensor`` was in the skeleton (TorchRec's sharded embedding tables and their fused
+    optimizer state). This rank's local shards are saved as plain tensors named :func:`shard_name`; the
+    slot records the whole tensor's ``size`` and ``dtype`` and this rank's ``shards`` as ``(offsets, sizes,
+    placement)``, which a load compares with the live ShardedTensor's before anything is copied (a
+    different plan or world size is refused, not mixed). ``key`` and ``live`` (the ShardedTensor itself)
+    belong to this process: they are neither compared nor pickled."""
+
+    __slots__ = ("size", "dtype", "shards", "key", "live")
+
+    def __init__(self, size: tuple, dtype: Any, shards: tuple, key: str = "", live: Any = None):
+        self.size, self.dtype, self.shards, self.key, self.live = size, dtype, shards, key, live
+
+    def __reduce__(self):
+        return (ShardedSlot, (self.size, self.dtype, self.shards))
+
+    def __eq__(self, other: Any) -> bool:
+        return (isinstance(other, ShardedSlot) and self.size == other.size and self.dtype == other.dtype
+                and self.shards == other.shards)
+
+    def __hash__(self) -> int:
+        return hash((self.size, self.shards))
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{list(sz)} at {list(off)}" for off, sz, _ in self.shards) or "none"
+        return f"a {list(self.size)} {self.dtype} tensor, this rank's shards {parts}"
+
+    def __repr__(self) -> str:
+        return f"<sharded {self.describe()}>"
+
+
+class DTensorSlot:
+    """Where a ``DTensor`` was in the skeleton of a DCP stage (:class:`ettkit.checkpoint.DcpStager` only: DCP
+    writes its metadata; the native checkpointer refuses DTensors). Its local tensor is staged; ``live`` is
+    the DTensor, whose spec the staged copy is wrapped in."""
+
+    __slots__ = ("live",)
+
+    def __init__(self, live: Any):
+        self.live = live
+
+    def __eq__(self, other: Any) -> bool:
+        return False  # never reuse a pickled skeleton across DTensors
+
+    __hash__ = object.__hash__
+
+
+def _dtensor_type() -> Any:
+    mod = sys.modules.get("torch.distributed.tensor._api")
+    return getattr(mod, "DTensor", None)
+
+
+def _special(obj: Any, key: str, strict: bool, add_name: Any, add_tensor: Any) -> Any:
+    """The skeleton node of a tensor subclass: a ShardedTensor's local shards, named and added, and its
+    :class:`ShardedSlot`; in a DCP stage (not ``strict``) a DTensor's local tensor and its
+    :class:`DTensorSlot`. Anything else is refused, naming the key."""
+    st = _sharded_tensor_type()
+    if st is None or not isinstance(obj, st):
+        dt = None if strict else _dtensor_type()
+        if dt is None or not isinstance(obj, dt):
+            _reject(obj, key)
+        add_name(key)
+        add_tensor(obj._local_tensor)
+        return DTensorSlot(obj)
+    md = obj.metadata()
+    shards = []
+    for shard in obj.local_shards():
+        t, m = shard.tensor, shard.metadata
+        if type(t) is not _Tensor and not isinstance(t, _Parameter):
+            _reject(t, key)
+        offsets = tuple(int(o) for o in m.shard_offsets)
+        add_name(shard_name(key, offsets))
+        add_tensor(t)
+        shards.append((offsets, tuple(int(s) for s in m.shard_sizes),
+                       None if m.placement is None else str(m.placement)))
+    return ShardedSlot(tuple(int(s) for s in md.size), md.tensor_properties.dtype, tuple(shards), key, obj)
 
 
 # Leaf types whose value cannot change behind an unchanged identity: a skeleton made only of these can be
@@ -165,7 +258,8 @@ def _walk(state_dict: Any, strict: bool, find_optimizer: Any, slots: bool):
                 key = f"{prefix}.{k}" if prefix else str(k)
                 if isinstance(v, _Tensor):
                     if type(v) is not _Tensor and not isinstance(v, _Parameter):
-                        _reject(v, key)
+                        out[k] = _special(v, key, strict, add_name, add_tensor)
+                        continue
                     add_name(key)
                     add_tensor(v)
                     out[k] = TENSOR
@@ -176,7 +270,7 @@ def _walk(state_dict: Any, strict: bool, find_optimizer: Any, slots: bool):
             return list(out.values()) if isinstance(obj, list) else tuple(out.values())
         if isinstance(obj, _Tensor):
             if type(obj) is not _Tensor and not isinstance(obj, _Parameter):
-                _reject(obj, prefix)
+                return _special(obj, prefix, strict, add_name, add_tensor)
             add_name(prefix)
             add_tensor(obj)
             return TENSOR
@@ -325,12 +419,85 @@ def find_saved(live: Any, saved: Any, out: dict) -> None:
             find_saved(v, s, out)
 
 
+def live_sharded(skeleton: Any, out: dict) -> dict:
+    """``key`` -> live ShardedTensor for every :class:`ShardedSlot` of a skeleton from ``flatten_state``."""
+    if isinstance(skeleton, StatefulSlot):
+        live_sharded(skeleton.skeleton, out)
+    elif isinstance(skeleton, ShardedSlot):
+        out[skeleton.key] = skeleton.live
+    elif isinstance(skeleton, dict):
+        for v in skeleton.values():
+            live_sharded(v, out)
+    elif isinstance(skeleton, (list, tuple)):
+        for v in skeleton:
+            live_sharded(v, out)
+    return out
+
+
+def check_sharded(live: Any, saved: Any) -> None:
+    """Compares every ShardedTensor of the live skeleton (from ``flatten_state(for_load=True)``) with what
+    the checkpoint holds at the same place, and every ShardedTensor of the checkpoint with the live state,
+    before any tensor is copied. Raises :class:`InvalidArgumentError` naming each one whose size, dtype or
+    this rank's shards differ, or that only one side has: loading shards into another plan or world size
+    would put rows where they do not belong."""
+    wrong: list[str] = []
+
+    def what(s: Any) -> str:
+        if isinstance(s, ShardedSlot):
+            return s.describe()
+        return "nothing" if s is None else ("a plain tensor" if s is TENSOR else f"a {type(s).__name__}")
+
+    def saved_only(s: Any, name: str) -> None:
+        if isinstance(s, ShardedSlot):
+            wrong.append(f"'{name}': the checkpoint holds {s.describe()}; the state has no ShardedTensor there")
+        elif isinstance(s, dict):
+            for k, v in s.items():
+                saved_only(v, f"{name}.{k}" if name else str(k))
+        elif isinstance(s, (list, tuple)):
+            for i, v in enumerate(s):
+                saved_only(v, f"{name}.{i}" if name else str(i))
+
+    def walk(x: Any, s: Any, name: str) -> None:
+        if isinstance(x, StatefulSlot):
+            walk(x.skeleton, s, name)
+        elif isinstance(x, ShardedSlot):
+            if not isinstance(s, ShardedSlot) or s != x:
+                wrong.append(f"'{name}': the checkpoint holds {what(s)}; the state holds {x.describe()}")
+        elif isinstance(x, dict):
+            sd = s if isinstance(s, dict) else {}
+            for k, v in x.items():
+                walk(v, sd.get(k), f"{name}.{k}" if name else str(k))
+            for k, v in sd.items():
+                if k not in x:
+                    saved_only(v, f"{name}.{k}" if name else str(k))
+        elif isinstance(x, (list, tuple)):
+            ss = list(s) if isinstance(s, (list, tuple)) else []
+            for i, v in enumerate(x):
+                walk(v, ss[i] if i < len(ss) else None, f"{name}.{i}" if name else str(i))
+        else:
+            saved_only(s, name)
+
+    walk(live, saved, "")
+    if wrong:
+        raise InvalidArgumentError(
+            "sharded tensors do not match the checkpoint on this rank (it was saved with another sharding "
+            "plan or world size; ettkit loads shards only into the layout they were saved from): "
+            + "; ".join(wrong))
+
+
 def rebuild_named(skeleton: Any, prefix: str, tensors: dict) -> Any:
     """The skeleton with each TENSOR placeholder replaced by ``tensors[name]``, names made as
     :func:`flatten` makes them under ``prefix``."""
 
     def build(x: Any, name: str) -> Any:
         if x is TENSOR:
+            return tensors[name]
+        if isinstance(x, ShardedSlot):
+            # The live ShardedTensor, its shards already loaded in place (the load put it under its key).
+            if name not in tensors:
+                raise InvalidArgumentError(
+                    f"the checkpoint has a sharded tensor at '{name}' ({x.describe()}); the state being "
+                    "loaded has no ShardedTensor there to load it into")
             return tensors[name]
         if isinstance(x, dict):
             return {k: build(v, f"{name}.{k}" if name else str(k)) for k, v in x.items()}
@@ -349,6 +516,10 @@ def rebuild(skeleton: Any, tensors: list) -> Any:
     def build(x: Any) -> Any:
         if x is TENSOR:
             return next(it)
+        if isinstance(x, ShardedSlot):
+            return _sharded_like(x.live, [next(it) for _ in x.shards])
+        if isinstance(x, DTensorSlot):
+            return _dtensor_like(x.live, next(it))
         if isinstance(x, dict):
             return {k: build(v) for k, v in x.items()}
         if isinstance(x, list):
@@ -358,3 +529,33 @@ def rebuild(skeleton: Any, tensors: list) -> Any:
         return x
 
     return build(skeleton)
+
+
+def _sharded_like(live: Any, tensors: list) -> Any:
+    """A ShardedTensor with ``live``'s global metadata whose local shards are ``tensors`` (staged host
+    copies): the placements' devices become the copies' (DCP reads offsets and sizes; a placement naming a
+    GPU would not validate against a host tensor). Built locally: no collective."""
+    import copy
+
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed.remote_device import _remote_device
+
+    md = copy.deepcopy(live.metadata())
+    device = tensors[0].device if tensors else torch.device("cpu")
+    for m in md.shards_metadata:
+        if m.placement is not None:
+            m.placement = _remote_device(f"rank:{m.placement.rank()}/{device}")
+    local = []
+    for t, shard in zip(tensors, live.local_shards()):
+        m = copy.deepcopy(shard.metadata)
+        if m.placement is not None:
+            m.placement = _remote_device(f"rank:{m.placement.rank()}/{t.device}")
+        local.append(Shard(t, m))
+    return ShardedTensor._init_from_local_shards_and_global_metadata(local, md, process_group=live._process_group)
+
+
+def _dtensor_like(live: Any, local: torch.Tensor) -> Any:
+    """A DTensor with ``live``'s spec (mesh, placements, global shape) around the staged ``local``."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, live._spec, requires_grad=False)

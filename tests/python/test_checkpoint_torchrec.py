@@ -1,0 +1,86 @@
+"""A real TorchRec model checkpointed by ettkit's AsyncCheckpointer (#24 item 3).
+
+Two gloo ranks on CPU run ``DistributedModelParallel`` over an ``EmbeddingBagCollection`` (table-wise on
+each rank, row-wise, column-wise) with TorchRec's fused Adagrad, which updates the tables and their momentum
+inside the backward kernel. ettkit saves while training continues, the ranks are killed with SIGKILL, and
+fresh ranks (another init seed) restore. tests/python/torchrec_dmp_trainer.py is the trainer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+from torchrec_gate import import_torchrec
+
+import_torchrec()
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORLD = 2
+
+
+def run_ranks(mode: str, ckpt: str, out: str) -> list[subprocess.CompletedProcess]:
+    init = f"file://{out}/rendezvous-{mode}"  # no port to race for with other processes
+    procs = []
+    for rank in range(WORLD):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD), INIT_METHOD=init, PYTHONWARNINGS="ignore")
+        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "torchrec_dmp_trainer.py"), mode, ckpt,
+                                       out], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    done = []
+    for p in procs:
+        stdout, _ = p.communicate(timeout=300)
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, stdout))
+    return done
+
+
+def read(out: str, what: str, rank: int) -> dict:
+    with open(os.path.join(out, f"{what}-{rank}.json")) as f:
+        return json.load(f)
+
+
+def test_dmp_with_fused_optimizer_saved_while_training_killed_and_restored(tmp_path):
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
+    os.makedirs(out)
+    for p in run_ranks("train", ckpt, out):
+        assert p.returncode == -signal.SIGKILL, p.stdout[-3000:]
+    trained = [read(out, "train", r) for r in range(WORLD)]
+    for t in trained:
+        # Both saves returned before their copies were done, and the fence made the next forward (whose
+        # backward rewrites the tables in the fused kernel) wait for them: nothing was refused.
+        assert t["staged_at_forward"] == [True, True] and t["refused"] == 0, t
+    # The committed steps are on disk (keep_last=2), the newest being 6, beside the lock the killed rank 0
+    # held (the kernel released it with the process; the next checkpointer takes it).
+    assert sorted(os.listdir(ckpt)) == [".lock", "latest", "step-3", "step-6"]
+
+    for p in run_ranks("restore", ckpt, out):
+        assert p.returncode == 0, p.stdout[-3000:]
+    for rank in range(WORLD):
+        r, t = read(out, "restore", rank), trained[rank]
+        assert r["step"] == 6
+        # Each rank holds its own shards of the weights and of the fused momentum (table-wise tables only on
+        # their rank), and every byte of each equals what the trainer held when save() returned.
+        assert len(r["keys"]) == 6 and all("momentum1" in k or "weight@" in k for k in r["keys"]), r["keys"]
+        assert r["equal"] == r["keys"]
+        assert r["changed_by_load"] == r["keys"]  # the fresh model's values really were replaced
+        # What ettkit records for each ShardedTensor (size, dtype, this rank's offsets, sizes, placements)
+        # equals TorchRec's ShardedTensor metadata: 4 tables and 3 local momentum tensors per rank.
+        assert r["recorded"] == 7 and r["recorded_mismatched"] == []
+        # ettkit builds every table's global ShardedTensorMetadata locally from the plan, equal to TorchRec's.
+        assert r["local_metadata_equal"] == ["t0", "t1", "t2", "t3"]
+        # The restored trainer goes on exactly as the uninterrupted one did: weights and Adagrad state.
+        assert r["losses"] == {s: t["losses"][s] for s in ("7", "8")}
+
+    # The same checkpoint into another sharding plan (t1 table-wise instead of row-wise) is refused before
+    # anything is copied, naming the tensors whose shards differ on each rank.
+    for p in run_ranks("other-plan", ckpt, out):
+        assert p.returncode == 0, p.stdout[-3000:]
+    for rank in range(WORLD):
+        r = read(out, "other-plan", rank)
+        assert "InvalidArgumentError" in r["error"] and "another sharding plan or world size" in r["error"], r
+        assert "'model.embedding_bags.t1.weight'" in r["error"]
+        assert "'optim.state.embedding_bags.t1.weight.t1.momentum1'" in r["error"], r["error"]
+        assert "t0.weight'" not in r["error"] and "t2.weight'" not in r["error"], r["error"]
+        assert r["unchanged"] is True

@@ -1,0 +1,201 @@
+"""One rank of a TorchRec trainer checkpointed by ettkit (tests/python/test_checkpoint_torchrec.py).
+
+An ``EmbeddingBagCollection`` of four tables (table-wise on each rank, row-wise, column-wise) sharded by
+``DistributedModelParallel`` over gloo ranks on CPU, trained with TorchRec's fused Adagrad (the tables and
+their optimizer state are updated inside the backward kernel: no version bump, no optimizer step to hook).
+
+``train``: eight steps on fixed batches; ``AsyncCheckpointer.save`` after steps 3 and 6 returns before its
+copies are done (the model is attached) and the next step runs at once. A forward pre-hook registered after
+``attach`` records whether the copies were done by the time the forward ran. Writes what step 6 held
+(cloned when ``save`` returned, before the next forward) and the losses of steps 7 and 8, then kills itself
+with SIGKILL. ``restore``: a fresh model (another seed), ``load_latest``, the checks below, steps 7 and 8.
+Usage: ``torchrec_dmp_trainer.py train|restore|other-plan CKPT_DIR OUT_DIR`` under RANK, WORLD_SIZE and
+INIT_METHOD (``other-plan``: t1 table-wise instead of row-wise; records the load's error).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+import ettkit.sharding as S
+import torch
+import torch.distributed as dist
+from ettkit.checkpoint import AsyncCheckpointer
+
+TABLES = [("t0", 37, 8), ("t1", 47, 16), ("t2", 57, 24), ("t3", 67, 32)]
+STEPS, SAVES = 8, (3, 6)
+
+
+def build(seed: int, world: int, t1_row_wise: bool = True):
+    import torchrec
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import (
+        column_wise,
+        construct_module_sharding_plan,
+        row_wise,
+        table_wise,
+    )
+    from torchrec.distributed.types import ShardingPlan
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    torch.manual_seed(seed)
+    configs = [EmbeddingBagConfig(name=n, embedding_dim=d, num_embeddings=r, feature_names=[f"f_{n}"])
+               for n, r, d in TABLES]
+    ebc = torchrec.EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
+    apply_optimizer_in_backward(torch.optim.Adagrad, ebc.parameters(), {"lr": 0.05})
+    generators = {"t0": table_wise(rank=0), "t1": row_wise() if t1_row_wise else table_wise(rank=0), "t2": column_wise(ranks=list(range(world))),
+                  "t3": table_wise(rank=world - 1)}
+    module_plan = construct_module_sharding_plan(ebc, generators, local_size=world, world_size=world,
+                                                 device_type="cpu")
+    plan = ShardingPlan({"": module_plan})
+    model = DistributedModelParallel(ebc, device=torch.device("cpu"), plan=plan)
+    return model, plan, configs
+
+
+def batch(step: int, rank: int):
+    import torchrec
+
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    keys = [f"f_{n}" for n, _, _ in TABLES]
+    lengths = torch.randint(0, 4, (len(keys) * 3,), generator=g)
+    values = torch.cat([torch.randint(0, rows, (int(n),), generator=g)
+                        for (_, rows, _), n in zip(TABLES, lengths.view(len(keys), 3).sum(1))])
+    return torchrec.KeyedJaggedTensor.from_lengths_sync(keys=keys, values=values, lengths=lengths)
+
+
+def train_step(model, step: int, rank: int) -> float:
+    out = model(batch(step, rank)).values()
+    loss = (out * out).mean()
+    loss.backward()  # the fused optimizer updates the tables and their momentum here
+    return float(loss.detach())
+
+
+def shard_tensors(state: dict) -> dict:
+    """``key@offsets`` -> a copy of each local shard of each ShardedTensor in ``state`` (nested)."""
+    out = {}
+
+    def walk(x, prefix):
+        if isinstance(x, dict):
+            for k, v in x.items():
+                walk(v, f"{prefix}.{k}" if prefix else str(k))
+        elif hasattr(x, "local_shards"):
+            for s in x.local_shards():
+                out[f"{prefix}@{','.join(map(str, s.metadata.shard_offsets))}"] = s.tensor.detach().clone()
+
+    walk(state, "")
+    return out
+
+
+def live_state(model) -> dict:
+    return {"model": model.state_dict(), "optim": model.fused_optimizer.state_dict()}
+
+
+def main() -> None:
+    mode, ckpt_dir, out_dir = sys.argv[1:4]
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", init_method=os.environ["INIT_METHOD"], rank=rank, world_size=world)
+    model, plan, configs = build(seed=0 if mode == "train" else 99, world=world, t1_row_wise=mode != "other-plan")
+    ck = AsyncCheckpointer(ckpt_dir, keep_last=2)
+    state = {"model": model, "optim": model.fused_optimizer}
+    report = {"rank": rank}
+    if mode == "train":
+        ck.attach(model=model)
+        staged_at_forward = []
+        pending = {}
+
+        def after_fence(module, args):
+            # Runs after ettkit's fence (registered later): the save's copies must all be done by now.
+            if "h" in pending:
+                staged_at_forward.append(bool(pending.pop("h").staged))
+
+        model.register_forward_pre_hook(after_fence)
+        losses = {}
+        for step in range(1, STEPS + 1):
+            losses[step] = train_step(model, step, rank)
+            if step in SAVES:
+                h = ck.save(step, state)
+                pending["h"] = h
+                if step == SAVES[-1]:
+                    expected = shard_tensors(live_state(model))
+                    handle = h
+        handle.wait()
+        report.update(losses=losses, staged_at_forward=staged_at_forward, refused=ck.saves_refused)
+        torch.save(expected, os.path.join(out_dir, f"expected-{rank}.pt"))
+        with open(os.path.join(out_dir, f"train-{rank}.json"), "w") as f:
+            json.dump(report, f)
+        dist.barrier()
+        os.kill(os.getpid(), signal.SIGKILL)  # no close(), no destroy_process_group(): a crash
+
+    # ---- restore --------------------------------------------------------------------------------------
+    before = shard_tensors(live_state(model))
+    if mode == "other-plan":
+        try:
+            ck.load_latest(state)
+            report["error"] = None
+        except Exception as e:  # noqa: BLE001 - the test reads the type and message
+            report["error"] = f"{type(e).__name__}: {e}"
+        after = shard_tensors(live_state(model))
+        report["unchanged"] = sorted(before) == sorted(after) and all(torch.equal(before[k], after[k])
+                                                                       for k in before)
+        with open(os.path.join(out_dir, f"other-plan-{rank}.json"), "w") as f:
+            json.dump(report, f)
+        ck.close()
+        dist.destroy_process_group()
+        return
+    step, _ = ck.load_latest(state)
+    expected = torch.load(os.path.join(out_dir, f"expected-{rank}.pt"))
+    restored = shard_tensors(live_state(model))
+    report["step"] = step
+    report["keys"] = sorted(expected)
+    report["equal"] = sorted(k for k in expected if k in restored and torch.equal(
+        expected[k].view(torch.uint8), restored[k].view(torch.uint8)))
+    report["changed_by_load"] = sorted(k for k in expected if not torch.equal(before[k], restored[k]))
+    # What ettkit recorded for each ShardedTensor, against TorchRec's own ShardedTensor metadata.
+    from ettkit.checkpoint._flatten import ShardedSlot, flatten_state
+
+    _, _, skeleton, _, _ = flatten_state(live_state(model))
+    recorded = {}
+
+    def collect(x):
+        if isinstance(x, ShardedSlot):
+            recorded[x.key] = x
+        elif isinstance(x, dict):
+            for v in x.values():
+                collect(v)
+
+    collect(skeleton)
+    mismatched = []
+    for key, slot in recorded.items():
+        st = slot.live
+        md = st.metadata()
+        mine = [(list(o), list(s), p) for o, s, p in slot.shards]
+        theirs = [(list(s.metadata.shard_offsets), list(s.metadata.shard_sizes), str(s.metadata.placement))
+                  for s in st.local_shards()]
+        if mine != theirs or list(slot.size) != list(md.size) or slot.dtype != md.tensor_properties.dtype:
+            mismatched.append(key)
+    report["recorded"] = len(recorded)
+    report["recorded_mismatched"] = mismatched
+    # ettkit's local build of the global metadata (from the plan, no collective) against TorchRec's.
+    converted = S.from_torchrec(plan, world_size=world, ranks_per_host=world, tables=configs, qualify=False)
+    built = S.build_global_metadata(converted)
+    weights = live_state(model)["model"]
+    local_equal = []
+    for name, _, _ in TABLES:
+        theirs = weights[f"embedding_bags.{name}.weight"].metadata()
+        ours = built.to_sharded_tensor_metadata(name)
+        if ours.shards_metadata == theirs.shards_metadata and ours.size == theirs.size:
+            local_equal.append(name)
+    report["local_metadata_equal"] = local_equal
+    report["losses"] = {s: train_step(model, s, rank) for s in range(step + 1, STEPS + 1)}
+    with open(os.path.join(out_dir, f"restore-{rank}.json"), "w") as f:
+        json.dump(report, f)
+    ck.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
