@@ -22,7 +22,9 @@ time_to_durable_s = save call -> durable (fsynced; for ettkit: committed); persi
 time_to_durable beside disk_seq_GBps (sequential 64 MiB writes + one fsync of the same bytes, same disk,
 before and after the variants); rss_growth_MB = RSS after the last save - after the first;
 persist_idle_GBps = the same save -> committed throughput with no training beside it (the RSS loop),
-next to a disk probe taken just before it.
+next to a disk probe taken just before it. restore_s = load_latest of a committed step into the state's
+tensors (verified, unverified, cold cache) beside dcp.load, torch.load(mmap=True) + copy_ and a memcpy of
+the same bytes, interleaved in one run; restore_vs_memcpy = each over the memcpy.
 
 Integrity is always on. `ettkit` overlaps its saves (overlap=True, unfenced_sync_max_bytes=0: this loop
 fences its only writer, the optimizer step, with the pre-step wait, and has no BatchNorm); `ettkit_unfenced` is what a loop gets without attach(): save()
@@ -130,6 +132,66 @@ def disk_seq_GBps(directory: str, size: int) -> float:
     dt = time.perf_counter() - t
     os.unlink(path)
     return size / dt / 1e9
+
+
+def _evict(directory: str) -> None:
+    """Drops a checkpoint's (fsynced, hence clean) pages from the page cache: the next read is cold."""
+    for root, _, files in os.walk(directory):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def restore_times(state, directory: str, rounds: int) -> dict:
+    """restore_s: seconds to bring a committed checkpoint of ``state`` back into its tensors, in place.
+    ``ettkit`` (load_latest, checksums verified), ``ettkit_unverified`` (verify_on_load=False),
+    ``ettkit_cold`` (verified, the files evicted from the page cache first), ``dcp_load`` (dcp.load of DCP's
+    own checkpoint of the same state), ``torch_load_mmap`` (torch.load(mmap=True) of a torch.save file, then
+    copy_ into the state), ``memcpy`` (one copy_ of the same number of bytes, memory to memory: the floor).
+    Rounds interleave the variants; medians."""
+    import torch.distributed.checkpoint as dcp
+
+    from ettkit.checkpoint import AsyncCheckpointer
+
+    shutil.rmtree(directory, ignore_errors=True)
+    ck_dir, dcp_dir, pt = (os.path.join(directory, x) for x in ("ettkit", "dcp", "state.pt"))
+    with AsyncCheckpointer(ck_dir, keep_last=1, recorder=None, preempt_signals=()) as ck:
+        ck.save(1, state).wait()
+    dcp.save(state, checkpoint_id=dcp_dir)
+    torch.save(state, pt)
+    total = nbytes(state)
+    src, dst = torch.ones(total, dtype=torch.uint8), torch.zeros(total, dtype=torch.uint8)
+    readers = {v: AsyncCheckpointer(ck_dir, read_only=True, recorder=None, preempt_signals=(), verify_on_load=v)
+               for v in (True, False)}
+
+    def torch_load_mmap():
+        loaded = torch.load(pt, mmap=True)
+        for mine, theirs in zip(tensors_of(state), tensors_of(loaded)):
+            mine.copy_(theirs)
+
+    def cold():
+        _evict(ck_dir)
+        return _timed(lambda: readers[True].load_latest(state))
+
+    variants = {"ettkit": lambda: _timed(lambda: readers[True].load_latest(state)),
+                "ettkit_unverified": lambda: _timed(lambda: readers[False].load_latest(state)),
+                "ettkit_cold": cold,
+                "dcp_load": lambda: _timed(lambda: dcp.load(state, checkpoint_id=dcp_dir)),
+                "torch_load_mmap": lambda: _timed(torch_load_mmap),
+                "memcpy": lambda: _timed(lambda: dst.copy_(src))}
+    times: dict = {v: [] for v in variants}
+    for v in variants:  # one warm-up each: the files in the page cache, the code paths loaded
+        variants[v]()
+    for _ in range(rounds):
+        for v, fn in variants.items():
+            times[v].append(fn())
+    for r in readers.values():
+        r.close()
+    shutil.rmtree(directory, ignore_errors=True)
+    return {v: statistics.median(t) for v, t in times.items()}
 
 
 def run_variant(variant: str, state, directory: str, saves: int, base_step_s: float, matmuls: int,
@@ -367,6 +429,11 @@ def main() -> None:
                 results.setdefault(f"arena_allocations[state={case}]", {})["ettkit"] = ck.arena_allocations
                 results.setdefault(f"rss_saves[state={case}]", {})["ettkit"] = rss_saves
             shutil.rmtree(d, ignore_errors=True)
+            rs = restore_times(state, os.path.join(args.dir, "restore"), rounds=3 if args.quick else 5)
+            results[f"restore_s[state={case}]"] = rs
+            results[f"restore_vs_memcpy[state={case}]"] = {v: t / rs["memcpy"] for v, t in rs.items()}
+            print(f"{case}: restore " + ", ".join(f"{v}={t:.3f}s ({t / rs['memcpy']:.2f}x memcpy)"
+                                                 for v, t in rs.items()), flush=True)
         del state, tr
     if "ettkit" in args.variants:
         t = torn_commits_in_backward(os.path.join(args.dir, "torn"), args.quick)

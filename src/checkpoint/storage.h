@@ -35,10 +35,18 @@ struct ConstBuffer {
   size_t size;
 };
 
-/// What a durably written file is: its size and its XXH3-64 checksum (lowercase hex, 16 digits).
+/// Size of the pieces a file's chunk checksums cover (the last piece may be shorter).
+inline constexpr uint64_t kHashChunkBytes = uint64_t{32} << 20;
+
+/// What a durably written file is: its size and its XXH3-64 checksum (lowercase hex, 16 digits), and the
+/// XXH3-64 of each `chunk_bytes` piece of it in order (empty in manifests written before chunks existed).
+/// Why both: the whole-file hash is what every earlier reader checks; the chunk hashes let a loader
+/// verify the pieces on several threads (one XXH3 stream cannot be split), and name the bad byte range.
 struct FileDigest {
   uint64_t size = 0;
   std::string xxh3;
+  uint64_t chunk_bytes = 0;
+  std::vector<std::string> chunks;
 };
 
 /// Writes `buffers` back to back into a new file `path` (O_CREAT|O_EXCL), hashing the bytes as they go,
@@ -57,6 +65,15 @@ void remove_tree_quietly(const std::string& path);
 std::optional<uint64_t> file_size(const std::string& path);
 /// Reads `size` bytes at `offset` into `dst`; throws CorruptData when the file is shorter, IoError otherwise.
 void read_exact(int fd, void* dst, uint64_t size, uint64_t offset, const std::string& path);
+/// A byte range of a file to read into memory (`dst` not owned).
+struct ReadRange {
+  void* dst;
+  uint64_t size;
+  uint64_t offset;
+};
+/// Reads every range on up to `threads` threads (ranges are split into pieces of a few MiB, so that one
+/// large tensor is read by all of them). Throws like read_exact (the first error of any thread).
+void read_ranges(int fd, const std::vector<ReadRange>& ranges, int threads, const std::string& path);
 /// Reads a whole (small) file. Throws IoError.
 std::string read_small_file(const std::string& path);
 std::string hex64(uint64_t v);
@@ -108,6 +125,10 @@ SafetensorsIndex read_safetensors_index(const std::string& path, uint64_t file_s
 SafetensorsIndex read_safetensors_index(const ReadFile& file);
 /// XXH3-64 of a whole open file (hex). Throws IoError.
 std::string file_xxh3(const ReadFile& file);
+/// Checks `file` against `digest`'s chunk checksums on up to `threads` threads, each reading its chunks
+/// through a small buffer. Throws CorruptData naming the file and the first bad byte range, IoError on a
+/// read error. Requires digest.chunks (ETTKIT_EXPECTS).
+void verify_file_chunks(const ReadFile& file, const FileDigest& digest, int threads);
 /// Bytes per element of a safetensors dtype string, or 0 when unknown.
 int safetensors_dtype_size(const std::string& dtype);
 

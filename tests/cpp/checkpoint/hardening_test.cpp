@@ -59,7 +59,7 @@ json valid_manifest() {
   m.world_size = 2;
   m.created_unix_us = 1700000000000000;
   m.commit_seq = 3;
-  m.files["rank-0.safetensors"] = {100, "0123456789abcdef"};
+  m.files["rank-0.safetensors"] = {100, "0123456789abcdef", 0, {}};
   m.metadata["job"] = "x";
   return json::parse(ckd::encode_manifest(m));
 }
