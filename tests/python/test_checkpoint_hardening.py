@@ -205,6 +205,61 @@ def test_a_manifest_that_is_a_number_or_a_list_falls_back(tmp_path):
         assert load(tmp_path)[0] == 1
 
 
+# ---- chunk checksums (issue 23 item 5) ----------------------------------------------------------------------
+
+def _big_steps(tmp_path):
+    """Steps 1 and 2 of a 40 MiB tensor (two 32 MiB chunks); returns step 1's values."""
+    t = torch.arange(10 << 20, dtype=torch.float32)
+    with AsyncCheckpointer(tmp_path, recorder=None) as ck:
+        ck.save(1, {"t": t}).wait()
+        ck.save(2, {"t": t + 1}).wait()
+    return t
+
+
+def _flip(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def test_a_flipped_byte_in_a_later_chunk_is_named_by_its_range_and_falls_back(tmp_path):
+    want = _big_steps(tmp_path)
+    m = json.loads((tmp_path / "step-2" / "manifest.json").read_text())
+    f = m["files"]["rank-0.safetensors"]
+    assert f["chunk_bytes"] == 32 << 20 and len(f["chunks"]) == 2 and f["size"] > 40 << 20
+    _flip(tmp_path / "step-2" / "rank-0.safetensors", (35 << 20) + 3)
+    with pytest.warns(RuntimeWarning, match=r"newer steps \[2\]"):
+        with AsyncCheckpointer(tmp_path, recorder=None, read_only=True) as ck:
+            got = {"t": torch.zeros_like(want)}
+            assert ck.load_latest(got)[0] == 1
+    assert torch.equal(got["t"], want)
+    # The same corruption in both steps: no valid step, the error names the range of each.
+    _flip(tmp_path / "step-1" / "rank-0.safetensors", (35 << 20) + 3)
+    with AsyncCheckpointer(tmp_path, recorder=None, read_only=True) as ck:
+        with pytest.raises(ettkit.CorruptCheckpointError, match=r"bytes \[33554432, \d+\) have XXH3"):
+            ck.load_latest({"t": torch.zeros_like(want)})
+
+
+def test_a_manifest_without_chunk_checksums_is_verified_whole(tmp_path):
+    # A step written before chunk checksums existed: the whole-file XXH3 still verifies it.
+    want = _big_steps(tmp_path)
+    for step in (1, 2):
+        path = tmp_path / f"step-{step}" / "manifest.json"
+        m = json.loads(path.read_text())
+        for f in m["files"].values():
+            del f["chunk_bytes"], f["chunks"]
+        path.write_text(json.dumps(m))
+    with AsyncCheckpointer(tmp_path, recorder=None, read_only=True) as ck:
+        got = {"t": torch.zeros_like(want)}
+        assert ck.load_latest(got)[0] == 2 and torch.equal(got["t"], want + 1)
+    _flip(tmp_path / "step-2" / "rank-0.safetensors", (35 << 20) + 3)
+    with pytest.warns(RuntimeWarning, match=r"newer steps \[2\]"):
+        with AsyncCheckpointer(tmp_path, recorder=None, read_only=True) as ck:
+            assert ck.load_latest(got)[0] == 1 and torch.equal(got["t"], want)
+
+
 # ---- 4: reserved names -------------------------------------------------------------------------------------
 
 def test_reserved_safetensors_key_is_refused_at_save(tmp_path):
