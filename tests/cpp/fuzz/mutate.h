@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "test_scale.h"
+
 namespace ettkit::testing {
 
 inline void mutate(std::string& b, const std::vector<std::string>& corpus, std::mt19937_64& rng) {
@@ -48,10 +50,11 @@ inline void mutate(std::string& b, const std::vector<std::string>& corpus, std::
   }
 }
 
-/// Iterations of a fuzz loop: `fixed` in CI, or as many as fit in ETTKIT_FUZZ_SECONDS when it is set.
+/// Iterations of a fuzz loop: `fixed` (scaled by ETTKIT_TEST_SCALE, as the sanitizer runs set it) in CI, or
+/// as many as fit in ETTKIT_FUZZ_SECONDS when it is set.
 class FuzzBudget {
  public:
-  explicit FuzzBudget(long fixed) : fixed_(fixed) {
+  explicit FuzzBudget(long fixed) : fixed_(scaled_trials(static_cast<int>(fixed), 100)) {
     if (const char* env = std::getenv("ETTKIT_FUZZ_SECONDS")) seconds_ = std::atof(env);
     deadline_ = std::chrono::steady_clock::now() +
                 std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(seconds_));
