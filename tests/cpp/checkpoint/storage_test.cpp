@@ -1,0 +1,203 @@
+// The checkpointer's file-system side (src/checkpoint/storage.h): durable writes and their checksums
+// (whole file and 32 MiB chunks), parallel reads, and the safetensors-header and manifest codecs fed with
+// malformed input. Seeded mutation loops over the two codecs: decoder_fuzz_test.cpp.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <random>
+
+#include "checkpoint/storage.h"
+#include "common/remove_tree.h"
+#include "ettkit/common/error.h"
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+using ettkit::CorruptData;
+using ettkit::IoError;
+using ettkit::Unsupported;
+namespace ckd = ettkit::checkpoint::detail;
+
+namespace {
+std::string temp_dir() {
+  auto p = fs::temp_directory_path() / ("ettkit_storage_test_" + std::to_string(::getpid()) + "_" +
+                                        ckd::random_id());
+  fs::create_directories(p);
+  return p.string();
+}
+}  // namespace
+
+TEST(Storage, SafetensorsHeaderRoundTripAndRejectsMalformed) {
+  std::string dir = temp_dir();
+  std::vector<ckd::SafetensorsEntry> entries = {{"a", "F32", {2, 3}, 0, 24}, {"b", "I64", {1}, 24, 32}};
+  std::string header = ckd::encode_safetensors_header(entries, {{"format", "pt"}});
+  EXPECT_EQ(header.size() % 8, 0u);
+  std::string path = dir + "/x.safetensors";
+  std::string body = header + std::string(32, '\0');
+  std::ofstream(path, std::ios::binary) << body;
+  auto idx = ckd::read_safetensors_index(path, body.size());
+  EXPECT_EQ(idx.tensors.size(), 2u);
+  EXPECT_EQ(idx.tensors.at("b").begin, 24u);
+  EXPECT_EQ(idx.data_offset, header.size());
+  // Random byte flips in the header must give CorruptData (or a valid parse), never a crash.
+  std::mt19937 gen(7);
+  int rejected = 0;
+  for (int trial = 0; trial < 300; ++trial) {
+    std::string bad = body;
+    for (int k = 0; k < 3; ++k) bad[gen() % header.size()] = static_cast<char>(gen());
+    std::ofstream(path, std::ios::binary | std::ios::trunc) << bad;
+    try {
+      ckd::read_safetensors_index(path, bad.size());
+    } catch (const CorruptData&) {
+      ++rejected;
+    }
+  }
+  EXPECT_GT(rejected, 200);
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << body.substr(0, 20);
+  EXPECT_THROW(ckd::read_safetensors_index(path, 20), CorruptData);
+  ettkit::detail::remove_tree(std::string(dir));
+}
+
+TEST(Storage, ManifestRoundTripAndErrors) {
+  ckd::Manifest m;
+  m.step = 12;
+  m.world_size = 2;
+  m.files["rank-0.safetensors"] = {100, "0123456789abcdef", 0, {}};
+  m.metadata["job"] = "x";
+  ckd::Manifest back = ckd::decode_manifest(ckd::encode_manifest(m), "m.json");
+  EXPECT_EQ(back.step, 12);
+  EXPECT_EQ(back.files.at("rank-0.safetensors").size, 100u);
+  EXPECT_EQ(back.metadata.at("job"), "x");
+  EXPECT_THROW(ckd::decode_manifest("{", "m.json"), CorruptData);
+  EXPECT_THROW(ckd::decode_manifest(R"({"format":"ettkit-checkpoint","version":1,"step":"x"})", "m.json"),
+               CorruptData);
+  EXPECT_THROW(ckd::decode_manifest(R"({"format":"ettkit-checkpoint","version":9})", "m.json"), Unsupported);
+}
+
+TEST(Storage, WriteFailureNamesTheFile) {
+  try {
+    ckd::write_file_durably("/nonexistent-dir/rank-0.safetensors", {});
+    FAIL();
+  } catch (const IoError& e) {
+    EXPECT_NE(e.message().find("/nonexistent-dir/rank-0.safetensors"), std::string::npos);
+  }
+}
+
+TEST(Storage, LargeWriteThroughTheWritebackPipelineIsExact) {
+  // 40 MiB + an odd tail: several 16 MiB slices whose writeback is started and waited on while later
+  // slices are written, then a tail smaller than a slice. Size, digest and bytes must all match.
+  std::string dir = temp_dir();
+  std::vector<uint8_t> data((size_t{40} << 20) + 12345);
+  std::mt19937_64 rng(7);
+  for (auto& b : data) b = static_cast<uint8_t>(rng());
+  std::string header = "header";
+  std::string path = dir + "/big.bin";
+  ckd::FileDigest d = ckd::write_file_durably(path, {{header.data(), header.size()}, {data.data(), data.size()}});
+  EXPECT_EQ(d.size, header.size() + data.size());
+  EXPECT_EQ(ckd::file_size(path).value(), d.size);
+  EXPECT_EQ(ckd::file_xxh3(path), d.xxh3);
+  std::ifstream in(path, std::ios::binary);
+  std::vector<char> back((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSERT_EQ(back.size(), d.size);
+  EXPECT_EQ(std::memcmp(back.data(), header.data(), header.size()), 0);
+  EXPECT_EQ(std::memcmp(back.data() + header.size(), data.data(), data.size()), 0);
+  // O_EXCL: a file is never overwritten in place.
+  EXPECT_THROW(ckd::write_file_durably(path, {{header.data(), header.size()}}), IoError);
+  ettkit::detail::remove_tree(std::string(dir));
+}
+
+TEST(Storage, ChunkChecksumsCoverTheFileAndNameTheBadRange) {
+  // 72 MiB + a tail behind a short header: two whole 32 MiB chunks and a short last one.
+  std::string dir = temp_dir();
+  std::vector<uint8_t> data((size_t{72} << 20) + 777);
+  std::mt19937_64 rng(11);
+  for (auto& b : data) b = static_cast<uint8_t>(rng());
+  std::string header = "hdr";
+  std::string path = dir + "/chunked.bin";
+  ckd::FileDigest d = ckd::write_file_durably(path, {{header.data(), header.size()}, {data.data(), data.size()}});
+  ASSERT_EQ(d.chunk_bytes, ckd::kHashChunkBytes);
+  ASSERT_EQ(d.chunks.size(), 3u);
+  EXPECT_EQ(ckd::file_xxh3(path), d.xxh3);  // the whole-file checksum is still the one earlier readers check
+  auto open_file = [&] { return ckd::ReadFile(::open(path.c_str(), O_RDONLY | O_CLOEXEC), path); };
+  for (int threads : {1, 3, 8}) EXPECT_NO_THROW(ckd::verify_file_chunks(open_file(), d, threads));
+
+  // The manifest keeps them; hostile values are refused by field.
+  ckd::Manifest m;
+  m.step = 1;
+  m.world_size = 1;
+  m.files["rank-0.safetensors"] = d;
+  std::string text = ckd::encode_manifest(m);
+  ckd::Manifest back = ckd::decode_manifest(text, "m.json");
+  EXPECT_EQ(back.files.at("rank-0.safetensors").chunks, d.chunks);
+  EXPECT_EQ(back.files.at("rank-0.safetensors").chunk_bytes, d.chunk_bytes);
+  auto edited = [&](const std::function<void(json&)>& edit) {
+    json j = json::parse(text);
+    edit(j["files"]["rank-0.safetensors"]);
+    try {
+      ckd::decode_manifest(j.dump(), "m.json");
+    } catch (const CorruptData& e) {
+      return e.message();
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(edited([](json& f) { f["chunk_bytes"] = 4096; }).find("chunk_bytes"), std::string::npos);
+  EXPECT_NE(edited([](json& f) { f["chunks"].erase(2); }).find("an array of 3 checksums"), std::string::npos);
+  EXPECT_NE(edited([](json& f) { f["chunks"][1] = "XYZ"; }).find("16 lowercase hex"), std::string::npos);
+  EXPECT_NE(edited([](json& f) { f.erase("chunk_bytes"); }).find("beside 'chunks'"), std::string::npos);
+  EXPECT_NE(edited([](json& f) { f["chunks"] = "0123456789abcdef"; }).find("files.rank-0.safetensors.chunks"),
+            std::string::npos);
+
+  // One flipped byte in the second chunk: named by its byte range, whatever the thread count.
+  {
+    std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(std::streamoff{40} << 20);
+    f.put(static_cast<char>(data[(size_t{40} << 20) - header.size()] ^ 0x01));
+  }
+  for (int threads : {1, 4}) {
+    try {
+      ckd::verify_file_chunks(open_file(), d, threads);
+      ADD_FAILURE() << "a flipped byte passed verification";
+    } catch (const CorruptData& e) {
+      EXPECT_NE(e.message().find("bytes [33554432, 67108864)"), std::string::npos) << e.message();
+      EXPECT_NE(e.message().find(path), std::string::npos);
+    }
+  }
+  ettkit::detail::remove_tree(std::string(dir));
+}
+
+TEST(Storage, ParallelReadsLandEveryByteAndReportAShortFile) {
+  std::string dir = temp_dir();
+  std::vector<uint8_t> data((size_t{21} << 20) + 5);
+  std::mt19937_64 rng(3);
+  for (auto& b : data) b = static_cast<uint8_t>(rng());
+  std::string path = dir + "/f.bin";
+  ckd::write_file_durably(path, {{data.data(), data.size()}});
+  ckd::ReadFile f(::open(path.c_str(), O_RDONLY | O_CLOEXEC), path);
+  // A range spanning several read pieces, a small one, one ending at the last byte, an empty one.
+  std::vector<uint8_t> a(size_t{13} << 20), b(100), c(size_t{5} << 20), e;
+  std::vector<ckd::ReadRange> ranges = {{a.data(), a.size(), 7},
+                                        {b.data(), b.size(), 1},
+                                        {c.data(), c.size(), data.size() - c.size()},
+                                        {e.data(), 0, 0}};
+  for (int threads : {1, 3}) {
+    std::fill(a.begin(), a.end(), 0);
+    std::fill(c.begin(), c.end(), 0);
+    ckd::read_ranges(f.fd(), ranges, threads, path);
+    EXPECT_EQ(std::memcmp(a.data(), data.data() + 7, a.size()), 0);
+    EXPECT_EQ(std::memcmp(b.data(), data.data() + 1, b.size()), 0);
+    EXPECT_EQ(std::memcmp(c.data(), data.data() + data.size() - c.size(), c.size()), 0);
+  }
+  std::vector<uint8_t> past(size_t{6} << 20);
+  try {
+    ckd::read_ranges(f.fd(), {{a.data(), a.size(), 0}, {past.data(), past.size(), data.size() - 10}}, 2, path);
+    ADD_FAILURE() << "a read past the end passed";
+  } catch (const CorruptData& err) {
+    EXPECT_NE(err.message().find("ends early"), std::string::npos) << err.message();
+  }
+  ettkit::detail::remove_tree(std::string(dir));
+}
