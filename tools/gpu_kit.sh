@@ -23,10 +23,10 @@ DEB_CACHE=build/gpu-kit/debs
 # though gpu_check.sh builds spdlog/fmt header-only and xxHash inline (ETTKIT_HEADER_ONLY_DEPS=ON).
 DEBS=(libspdlog-dev libspdlog1.10 libfmt-dev libfmt9 libgtest-dev libgmock-dev libbenchmark-dev
       libbenchmark1debian nlohmann-json3-dev libxxhash-dev libxxhash0)
-# What the build (scikit-build-core, pybind11, ninja) and the GPU tests and benchmarks (pytest, safetensors,
+# What the build (scikit-build-core, ninja; pybind11 comes with torch's headers) and the GPU tests and benchmarks (pytest, safetensors,
 # numpy) import besides torch. The device image has all of them today; these are the fallback. cmake is not
 # here (its wheel alone is ~30 MB and the image has it).
-WHEELS=('scikit-build-core>=0.10' 'pybind11>=2.12' ninja pytest safetensors numpy)
+WHEELS=('scikit-build-core>=0.10' ninja pytest safetensors numpy)
 PIP_TARGET=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none
             --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
             --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any)
