@@ -148,7 +148,8 @@ def _evict(directory: str) -> None:
 def restore_times(state, directory: str, rounds: int) -> dict:
     """restore_s: seconds to bring a committed checkpoint of ``state`` back into its tensors, in place.
     ``ettkit`` (load_latest, checksums verified), ``ettkit_unverified`` (verify_on_load=False),
-    ``ettkit_cold`` (verified, the files evicted from the page cache first), ``dcp_load`` (dcp.load of DCP's
+    ``ettkit_cold`` (verified, the files evicted from the page cache first; ``disk_cold_read``: the same files
+    read sequentially after the same eviction), ``dcp_load`` (dcp.load of DCP's
     own checkpoint of the same state), ``torch_load_mmap`` (torch.load(mmap=True) of a torch.save file, then
     copy_ into the state), ``memcpy`` (one copy_ of the same number of bytes, memory to memory: the floor).
     Rounds interleave the variants; medians."""
@@ -185,10 +186,27 @@ def restore_times(state, directory: str, rounds: int) -> dict:
             times[v].append(fn())
     # Cold last: on this VM, warm reads of a file that was evicted and read back run slower afterwards
     # (0.19-0.21 s instead of 0.13 s for 1 GiB, verified), which would skew the warm figures above.
-    times["ettkit_cold"] = []
+    # disk_cold_read: the same files read sequentially in 64 MiB preads after the same eviction: the
+    # disk's sequential read speed that ettkit_cold is held against.
+    files = [os.path.join(root, f) for root, _, names in os.walk(ck_dir) for f in names]
+    buf = bytearray(64 << 20)
+
+    def read_all():
+        for path in files:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                off = 0
+                while n := os.preadv(fd, [buf], off):
+                    off += n
+            finally:
+                os.close(fd)
+
+    times["ettkit_cold"], times["disk_cold_read"] = [], []
     for _ in range(rounds):
         _evict(ck_dir)
         times["ettkit_cold"].append(_timed(lambda: readers[True].load_latest(state)))
+        _evict(ck_dir)
+        times["disk_cold_read"].append(_timed(read_all))
     for r in readers.values():
         r.close()
     shutil.rmtree(directory, ignore_errors=True)
