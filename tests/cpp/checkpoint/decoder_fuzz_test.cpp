@@ -4,7 +4,6 @@
 // fixed number of iterations; ETTKIT_FUZZ_SECONDS=N runs for N seconds instead. The libFuzzer harnesses
 // (tests/cpp/fuzz/*_fuzzer.cpp, Clang with -DETTKIT_BUILD_FUZZERS=ON) drive the same checks.
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -12,12 +11,11 @@
 #include <string>
 
 #include "checkpoint/storage.h"
-#include "common/remove_tree.h"
+#include "ett/test_dir.h"
 #include "ettkit/common/error.h"
 #include "fuzz/decoder_checks.h"
 #include "fuzz/mutate.h"
 
-namespace fs = std::filesystem;
 namespace ckd = ettkit::checkpoint::detail;
 using ettkit::testing::FuzzBudget;
 using ettkit::testing::mutate;
@@ -92,10 +90,8 @@ TEST(DecoderFuzz, ManifestMutationsDecodeConsistentlyOrAreRefused) {
 
 TEST(DecoderFuzz, SafetensorsHeaderMutationsIndexConsistentlyOrAreRefused) {
   const std::vector<std::string> corpus = safetensors_corpus();
-  const fs::path dir = fs::temp_directory_path() / ("ettkit_fuzz_st_" + std::to_string(::getpid()) + "_" +
-                                                    ckd::random_id());
-  fs::create_directories(dir);
-  const std::string path = (dir / "f.safetensors").string();
+  ettkit::testing::TempDir dir;
+  const std::string path = (dir.path() / "f.safetensors").string();
   std::mt19937_64 rng(0x5AFE7E25);
   FuzzBudget budget(4000);
   long indexed = 0, refused = 0, n = 0;
@@ -111,11 +107,9 @@ TEST(DecoderFuzz, SafetensorsHeaderMutationsIndexConsistentlyOrAreRefused) {
         break;
       case ettkit::testing::DecoderOutcome::kBroken:
         ADD_FAILURE() << "iteration " << n << ": " << ettkit::testing::last_decoder_problem();
-        ettkit::detail::remove_tree(dir.string());
         return;
     }
   }
-  ettkit::detail::remove_tree(dir.string());
   EXPECT_GT(indexed, n / 50) << indexed << " of " << n;
   EXPECT_GT(refused, n / 2) << refused << " of " << n;
 }

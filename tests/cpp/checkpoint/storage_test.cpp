@@ -13,27 +13,18 @@
 #include <random>
 
 #include "checkpoint/storage.h"
-#include "common/remove_tree.h"
+#include "ett/test_dir.h"
 #include "ettkit/common/error.h"
 
-namespace fs = std::filesystem;
 using nlohmann::json;
 using ettkit::CorruptData;
 using ettkit::IoError;
 using ettkit::Unsupported;
 namespace ckd = ettkit::checkpoint::detail;
 
-namespace {
-std::string temp_dir() {
-  auto p = fs::temp_directory_path() / ("ettkit_storage_test_" + std::to_string(::getpid()) + "_" +
-                                        ckd::random_id());
-  fs::create_directories(p);
-  return p.string();
-}
-}  // namespace
-
 TEST(Storage, SafetensorsHeaderRoundTripAndRejectsMalformed) {
-  std::string dir = temp_dir();
+  ettkit::testing::TempDir tmp;  // removed with everything in it at the end of the test
+  const std::string dir = tmp.str();
   std::vector<ckd::SafetensorsEntry> entries = {{"a", "F32", {2, 3}, 0, 24}, {"b", "I64", {1}, 24, 32}};
   std::string header = ckd::encode_safetensors_header(entries, {{"format", "pt"}});
   EXPECT_EQ(header.size() % 8, 0u);
@@ -60,7 +51,6 @@ TEST(Storage, SafetensorsHeaderRoundTripAndRejectsMalformed) {
   EXPECT_GT(rejected, 200);
   std::ofstream(path, std::ios::binary | std::ios::trunc) << body.substr(0, 20);
   EXPECT_THROW(ckd::read_safetensors_index(path, 20), CorruptData);
-  ettkit::detail::remove_tree(std::string(dir));
 }
 
 TEST(Storage, ManifestRoundTripAndErrors) {
@@ -91,7 +81,8 @@ TEST(Storage, WriteFailureNamesTheFile) {
 TEST(Storage, LargeWriteThroughTheWritebackPipelineIsExact) {
   // 40 MiB + an odd tail: several 16 MiB slices whose writeback is started and waited on while later
   // slices are written, then a tail smaller than a slice. Size, digest and bytes must all match.
-  std::string dir = temp_dir();
+  ettkit::testing::TempDir tmp;  // removed with everything in it at the end of the test
+  const std::string dir = tmp.str();
   std::vector<uint8_t> data((size_t{40} << 20) + 12345);
   std::mt19937_64 rng(7);
   for (auto& b : data) b = static_cast<uint8_t>(rng());
@@ -108,12 +99,12 @@ TEST(Storage, LargeWriteThroughTheWritebackPipelineIsExact) {
   EXPECT_EQ(std::memcmp(back.data() + header.size(), data.data(), data.size()), 0);
   // O_EXCL: a file is never overwritten in place.
   EXPECT_THROW(ckd::write_file_durably(path, {{header.data(), header.size()}}), IoError);
-  ettkit::detail::remove_tree(std::string(dir));
 }
 
 TEST(Storage, ChunkChecksumsCoverTheFileAndNameTheBadRange) {
   // 72 MiB + a tail behind a short header: two whole 32 MiB chunks and a short last one.
-  std::string dir = temp_dir();
+  ettkit::testing::TempDir tmp;  // removed with everything in it at the end of the test
+  const std::string dir = tmp.str();
   std::vector<uint8_t> data((size_t{72} << 20) + 777);
   std::mt19937_64 rng(11);
   for (auto& b : data) b = static_cast<uint8_t>(rng());
@@ -167,11 +158,11 @@ TEST(Storage, ChunkChecksumsCoverTheFileAndNameTheBadRange) {
       EXPECT_NE(e.message().find(path), std::string::npos);
     }
   }
-  ettkit::detail::remove_tree(std::string(dir));
 }
 
 TEST(Storage, ParallelReadsLandEveryByteAndReportAShortFile) {
-  std::string dir = temp_dir();
+  ettkit::testing::TempDir tmp;  // removed with everything in it at the end of the test
+  const std::string dir = tmp.str();
   std::vector<uint8_t> data((size_t{21} << 20) + 5);
   std::mt19937_64 rng(3);
   for (auto& b : data) b = static_cast<uint8_t>(rng());
@@ -199,5 +190,4 @@ TEST(Storage, ParallelReadsLandEveryByteAndReportAShortFile) {
   } catch (const CorruptData& err) {
     EXPECT_NE(err.message().find("ends early"), std::string::npos) << err.message();
   }
-  ettkit::detail::remove_tree(std::string(dir));
 }
