@@ -954,27 +954,24 @@ NamedTensors copy_in_place(const Candidate& c, const NamedTensors& tensors, int 
   const ReadFile& data = c.files->data;
   at::NoGradGuard no_grad;
   // Contiguous CPU tensors are read straight into their storage, on several threads at once (one thread's
-  // pread from the page cache runs well below memory bandwidth).
+  // pread from the page cache runs well below memory bandwidth). The others go through a contiguous CPU
+  // copy: a conjugate or negative view's storage holds other values than it shows, and copy_ writes what
+  // it shows.
   std::vector<ReadRange> direct;
+  std::vector<std::pair<const at::Tensor*, const SafetensorsEntry*>> staged;
   for (const auto& [name, t] : tensors) {
     const SafetensorsEntry& e = c.index.tensors.at(name);
     if (t.device().is_cpu() && t.is_contiguous() && !t.is_conj() && !t.is_neg()) {
       direct.push_back({t.data_ptr(), e.end - e.begin, c.index.data_offset + e.begin});
+    } else {
+      staged.emplace_back(&t, &e);
     }
   }
   read_ranges(data.fd(), direct, threads, data.path());
-  for (const auto& [name, t] : tensors) {
-    const SafetensorsEntry& e = c.index.tensors.at(name);
-    uint64_t off = c.index.data_offset + e.begin;
-    uint64_t n = e.end - e.begin;
-    // A conjugate or negative view's storage holds other values than it shows: copy_ writes what it shows.
-    if (t.device().is_cpu() && t.is_contiguous() && !t.is_conj() && !t.is_neg()) {
-      continue;  // read above
-    } else {
-      at::Tensor tmp = at::empty(t.sizes(), t.options().device(c10::kCPU).memory_format(at::MemoryFormat::Contiguous));
-      read_exact(data.fd(), tmp.data_ptr(), n, off, data.path());
-      t.copy_(tmp);
-    }
+  for (const auto& [t, e] : staged) {
+    at::Tensor tmp = at::empty(t->sizes(), t->options().device(c10::kCPU).memory_format(at::MemoryFormat::Contiguous));
+    read_exact(data.fd(), tmp.data_ptr(), e->end - e->begin, c.index.data_offset + e->begin, data.path());
+    t->copy_(tmp);
   }
   NamedTensors read;
   read.reserve(c.to_read.size());
