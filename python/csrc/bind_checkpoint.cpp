@@ -127,6 +127,7 @@ void bind_checkpoint(py::module_& m) {
 
   py::class_<SaveHandle>(m, "SaveHandle", py::release_gil_before_calling_cpp_dtor())
       .def_property_readonly("step", &SaveHandle::step)
+      .def_property_readonly("tier", [](const SaveHandle& h) { return tier_name(h.tier()); })
       .def_property_readonly("skipped", &SaveHandle::skipped)
       .def_property_readonly("staged", &SaveHandle::staged)
       .def_property_readonly("durable", &SaveHandle::durable)
@@ -142,7 +143,8 @@ void bind_checkpoint(py::module_& m) {
                        int64_t memory_budget_bytes, int num_arenas, int copy_threads, int64_t sync_copy_max_bytes,
                        int pin_memory, int rank, int world_size, double commit_timeout_s, ett::Recorder* recorder,
                        std::map<std::string, std::string> metadata, py::object store, bool read_only,
-                       double peer_timeout_s) {
+                       double peer_timeout_s, const std::string& memory_tier, const std::string& job_id,
+                       int64_t memory_tier_budget_bytes) {
              CheckpointerOptions o;
              o.directory = directory;
              o.keep_last = keep_last;
@@ -162,6 +164,9 @@ void bind_checkpoint(py::module_& m) {
              o.metadata = std::move(metadata);
              o.read_only = read_only;
              o.peer_timeout_s = peer_timeout_s;
+             o.memory_tier.root = memory_tier;
+             o.memory_tier.job_id = job_id;
+             o.memory_tier.budget_bytes = memory_tier_budget_bytes;
              c10::intrusive_ptr<c10d::Store> s;
              if (!store.is_none()) s = store.cast<c10::intrusive_ptr<c10d::Store>>();
              py::gil_scoped_release nogil;
@@ -173,21 +178,23 @@ void bind_checkpoint(py::module_& m) {
            py::arg("rank") = -1, py::arg("world_size") = -1, py::arg("commit_timeout_s") = 600.0,
            py::arg("recorder") = nullptr, py::arg("metadata") = std::map<std::string, std::string>{},
            py::arg("store") = py::none(), py::arg("read_only") = false, py::arg("peer_timeout_s") = 3.0,
+           py::arg("memory_tier") = "", py::arg("job_id") = "", py::arg("memory_tier_budget_bytes") = 0,
            py::keep_alive<1, 15>(),
            py::keep_alive<1, 17>())
       .def(
           "save",
-          [](AsyncCheckpointer& c, int64_t step, TensorList& list, const py::bytes& extra) {
+          [](AsyncCheckpointer& c, int64_t step, TensorList& list, const py::bytes& extra, const std::string& tier) {
             std::string blob = extra;
+            Tier t = parse_tier(tier);
             std::optional<SaveHandle> h;
             {
               py::gil_scoped_release nogil;
-              h.emplace(c.save(step, list.items, blob));
+              h.emplace(c.save(step, list.items, blob, t));
             }
             list.clear_tensors();  // the snapshot holds what it still needs
             return *h;
           },
-          py::arg("step"), py::arg("tensors"), py::arg("extra") = py::bytes())
+          py::arg("step"), py::arg("tensors"), py::arg("extra") = py::bytes(), py::arg("tier") = "disk")
       .def("wait_staged_on_current_stream", &AsyncCheckpointer::wait_staged_on_current_stream,
            py::call_guard<py::gil_scoped_release>())
       .def("wait_for", &AsyncCheckpointer::wait_for, py::arg("tensors"), py::call_guard<py::gil_scoped_release>())
@@ -239,13 +246,16 @@ void bind_checkpoint(py::module_& m) {
             if (!r) return py::none();
             py::dict read;
             for (auto& [name, t] : r->read) read[py::str(name)] = py::cast(std::move(t));
-            return py::make_tuple(r->step, py::bytes(r->extra), r->skipped_steps, read);
+            return py::make_tuple(r->step, py::bytes(r->extra), r->skipped_steps, read, tier_name(r->tier),
+                                  r->memory_fallback);
           },
           py::arg("names"), py::arg("tensors"), py::arg("validate_extra") = py::none(),
           py::arg("read_prefixes") = std::vector<std::string>{},
-          "Returns (step, extra bytes, skipped steps, {name: new CPU tensor} for read_prefixes) or None.")
+          "Returns (step, extra bytes, skipped steps, {name: new CPU tensor} for read_prefixes, tier, why the "
+          "memory tier was not used or '') or None.")
       .def("wait_all", &AsyncCheckpointer::wait_all, py::call_guard<py::gil_scoped_release>())
-      .def("close", &AsyncCheckpointer::close, py::call_guard<py::gil_scoped_release>())
+      .def("close", &AsyncCheckpointer::close, py::arg("discard_memory_tier") = true,
+           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("rank", &AsyncCheckpointer::rank)
       .def_property_readonly("world_size", &AsyncCheckpointer::world_size)
       .def_property_readonly("directory", &AsyncCheckpointer::directory)
@@ -258,6 +268,8 @@ void bind_checkpoint(py::module_& m) {
       .def_property_readonly("mean_blocking_s", &AsyncCheckpointer::mean_blocking_s)
       .def_property_readonly("mean_time_to_durable_s", &AsyncCheckpointer::mean_time_to_durable_s)
       .def_property_readonly("saves_committed", &AsyncCheckpointer::saves_committed)
+      .def_property_readonly("memory_saves_committed", &AsyncCheckpointer::memory_saves_committed)
+      .def_property_readonly("memory_tier_directory", &AsyncCheckpointer::memory_tier_directory)
       .def_property_readonly("saves_failed", &AsyncCheckpointer::saves_failed)
       .def_property_readonly("saves_refused", &AsyncCheckpointer::saves_refused);
 }

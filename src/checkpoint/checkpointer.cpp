@@ -2,6 +2,7 @@
 #include "ettkit/checkpoint/checkpointer.h"
 
 #include <fcntl.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 #include <ATen/ATen.h>
@@ -13,9 +14,12 @@
 #include <deque>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <algorithm>
+#include <iterator>
 #include <set>
 #include <thread>
 
+#include "checkpoint/memory_tier.h"
 #include "checkpoint/peer_monitor.h"
 #include "checkpoint/storage.h"
 #include "common/background_thread.h"
@@ -38,10 +42,19 @@ Overlap parse_overlap(const std::string& s) {
   ETTKIT_THROW(InvalidArgument, "overlap='", s, "' is not one of 'auto', 'on', 'off'");
 }
 
+Tier parse_tier(const std::string& s) {
+  if (s == "disk") return Tier::kDisk;
+  if (s == "memory") return Tier::kMemory;
+  ETTKIT_THROW(InvalidArgument, "tier='", s, "' is not one of 'disk', 'memory'");
+}
+
+const char* tier_name(Tier t) { return t == Tier::kMemory ? "memory" : "disk"; }
+
 // ---- SaveHandle ----------------------------------------------------------------------------------------
 
 struct SaveHandle::State {
   int64_t step = -1;
+  Tier tier = Tier::kDisk;
   bool skipped = false;
   double blocking_s = 0;
   std::shared_ptr<Snapshot> snapshot;  // cleared by the writer once the data is on disk
@@ -67,6 +80,7 @@ struct SaveHandle::State {
 };
 
 int64_t SaveHandle::step() const { return state_->step; }
+Tier SaveHandle::tier() const { return state_->tier; }
 bool SaveHandle::skipped() const { return state_->skipped; }
 bool SaveHandle::staged() const {
   std::shared_ptr<Snapshot> s;
@@ -218,8 +232,20 @@ std::string result_text(std::exception_ptr e) {
   return json{{"kind", kind}, {"message", describe(e)}}.dump();
 }
 
+/// The safetensors header of a staged snapshot (offsets relative to the arena, which is the data section).
+std::string header_of(const std::vector<PlanEntry>& plan) {
+  std::vector<SafetensorsEntry> entries;
+  entries.reserve(plan.size());
+  for (const PlanEntry& e : plan) {
+    entries.push_back({e.name, safetensors_dtype(e.dtype, e.name), e.shape, static_cast<uint64_t>(e.offset),
+                       static_cast<uint64_t>(e.offset + e.nbytes)});
+  }
+  return encode_safetensors_header(entries, {{"format", "pt"}});
+}
+
 struct Job {
   int64_t step;
+  Tier tier;
   uint64_t seq;
   int64_t call_us;
   std::shared_ptr<Snapshot> snapshot;
@@ -239,7 +265,13 @@ struct AsyncCheckpointer::Impl {
   std::string run_id;
   std::string key_prefix;
   std::unique_ptr<Stager> stager;
-  uint32_t blocking_id = 0, persist_id = 0, staging_id = 0, refused_id = 0;
+  uint32_t blocking_id = 0, persist_id = 0, staging_id = 0, refused_id = 0, memory_id = 0;
+  // The memory tier (null without one). Written by the writer thread only; load_latest and close touch it
+  // after wait_all() / the writer's join.
+  std::unique_ptr<MemoryTier> memory;
+  std::string job_id;
+  std::string memory_dir;
+  int64_t memory_committed = 0;
 
   std::mutex mu;  // guards queue, closing, in_flight, stats below
   std::condition_variable cv;
@@ -325,7 +357,16 @@ struct AsyncCheckpointer::Impl {
       }
       if (!err) {
         try {
-          persist(job);
+          if (job.tier == Tier::kMemory) {
+            persist_memory(job);
+          } else {
+            persist(job);
+            // A durable step supersedes the memory snapshots up to it, and those of other runs (another
+            // timeline: this run's saves are what a restart must come back to).
+            if (memory) {
+              memory->retire_if([&](const MemoryStep& s) { return s.step <= job.step || s.run_id != run_id; });
+            }
+          }
         } catch (const PeerLost&) {
           err = std::current_exception();
           std::lock_guard<std::mutex> lk(mu);
@@ -341,7 +382,9 @@ struct AsyncCheckpointer::Impl {
         job.handle->snapshot.reset();
       }
       int64_t end = epoch_us();
-      if (!err && opt.recorder) opt.recorder->record_background(persist_id, job.call_us, end, job.step);
+      if (!err && opt.recorder) {
+        opt.recorder->record_background(job.tier == Tier::kMemory ? memory_id : persist_id, job.call_us, end, job.step);
+      }
       bool torn = false;
       if (err) {
         try {
@@ -358,6 +401,8 @@ struct AsyncCheckpointer::Impl {
         if (err) {
           ++failed;
           if (torn) ++refused;
+        } else if (job.tier == Tier::kMemory) {
+          ++memory_committed;
         } else {
           ++committed;
           durable_sum += static_cast<double>(end - job.call_us) * 1e-6;
@@ -372,8 +417,7 @@ struct AsyncCheckpointer::Impl {
     }
   }
 
-  void persist(Job& job) {
-    const std::string& dir = opt.directory;
+  void await_staging(Job& job) {
     job.snapshot->wait_staged();
     {
       std::lock_guard<std::mutex> lk(job.handle->mu);
@@ -383,18 +427,149 @@ struct AsyncCheckpointer::Impl {
       opt.recorder->record_background(staging_id, job.snapshot->stage_begin_us(),
                                       std::max(job.snapshot->staged_us(), job.snapshot->stage_begin_us()), job.step);
     }
+  }
+
+  /// The integrity verdict, as late as possible: entries no fence decided are judged after the (slow)
+  /// write, so that a write that overlapped a copy has had every chance to finish and bump its counter
+  /// (docs/checkpoint.md: what detection can and cannot see).
+  void refuse_if_torn(Job& job) {
+    {
+      std::unique_lock<std::mutex> lk(mu);
+      cv.wait(lk, [&] { return !hold_commits; });
+    }
+    std::vector<std::string> changed = job.snapshot->changed_entries();
+    if (!changed.empty()) throw TornSnapshot(torn_message(job.step, changed), __FILE__, __LINE__);
+  }
+
+  /// A memory-tier save: this rank's snapshot into its memory directory, committed on its own (the load
+  /// vote, not the save, makes the ranks agree). Same order as the disk commit: data and checksums, the
+  /// verdict, the manifest, the rename.
+  void persist_memory(Job& job) {
+    await_staging(job);
+    std::string header = header_of(job.snapshot->plan());
+    uint64_t bytes = header.size() + static_cast<uint64_t>(job.snapshot->total_bytes()) + job.extra.size();
+    std::string tmp = memory->begin(job.step, run_id, bytes);
+    try {
+      Manifest m;
+      std::string base = "rank-" + std::to_string(rank);
+      m.files[base + ".safetensors"] = write_file_durably(
+          tmp + "/" + base + ".safetensors",
+          {ConstBuffer{header.data(), header.size()},
+           ConstBuffer{job.snapshot->data(), static_cast<size_t>(job.snapshot->total_bytes())}});
+      job.snapshot->release();
+      m.files[base + ".extra"] = write_file_durably(tmp + "/" + base + ".extra", {ConstBuffer{job.extra.data(), job.extra.size()}});
+      refuse_if_torn(job);
+      m.step = job.step;
+      m.world_size = world;
+      m.created_unix_us = epoch_us();
+      m.metadata = opt.metadata;
+      m.metadata["ettkit.run_id"] = run_id;
+      m.metadata["ettkit.job"] = job_id;
+      m.metadata["ettkit.tier"] = "memory";
+      m.torch_version = TORCH_VERSION;
+      memory->commit(tmp, std::move(m));
+    } catch (...) {
+      memory->abort(tmp);
+      throw;
+    }
+  }
+
+  /// Opens this rank's memory tier (after the run id is agreed): its lock, then the stale tiers of earlier
+  /// jobs of this directory go.
+  void open_memory_tier() {
+    const MemoryTierOptions& mt = opt.memory_tier;
+    ETTKIT_EXPECTS(!opt.read_only, "memory_tier on a read_only checkpointer: only the job that saves has one");
+    job_id = MemoryTier::job_id_from_environment(mt.job_id);
+    memory = std::make_unique<MemoryTier>(mt.root, job_id, opt.directory, rank, mt.budget_bytes);
+    memory_dir = memory->dir();
+    if (auto holder = memory->try_lock()) {
+      throw checkpoint::DirectoryLocked(
+          ettkit::detail::concat("the memory tier '", memory->dir(), "' of job '", job_id, "' is in use: ", *holder,
+                                 " holds it. Two processes of one job and rank would overwrite each other's "
+                                 "snapshots: stop the other one, or give this one another job_id"),
+          __FILE__, __LINE__);
+    }
+    remove_stale_memory_tiers(mt.root, job_id, opt.directory);
+    struct statfs sfs {};
+    constexpr long kTmpfsMagic = 0x01021994;
+    if (::statfs(mt.root.c_str(), &sfs) == 0 && static_cast<long>(sfs.f_type) != kTmpfsMagic) {
+      ETTKIT_LOG_INFO("checkpoint memory tier: '", mt.root, "' is not a tmpfs mount; its snapshots are written "
+                      "to that file system (give /dev/shm for memory speed)");
+    }
+  }
+
+  /// The memory step load_latest tries first: the newest that every rank holds from one and the same run
+  /// (a rank's snapshot of another run is another timeline), unless a step committed on disk has a larger
+  /// number. nullopt: restore from the disk tier. Every rank returns the same value.
+  std::optional<int64_t> agree_on_memory_step(const std::vector<MemoryStep>& held, uint64_t seq) {
+    json mine = json::array();
+    for (const MemoryStep& s : held) {
+      if (s.world_size == world) {
+        mine.push_back(json::array({s.step, s.run_id}));
+      } else {
+        ETTKIT_LOG_INFO("checkpoint memory tier: step ", s.step, " in '", memory->dir(), "' was written by ",
+                        s.world_size, " ranks; this job has ", world, ": not used");
+      }
+    }
+    int64_t disk_newest = -1;
+    if (rank == 0) {
+      StepListing l = list_steps(opt.directory);
+      if (!l.committed.empty()) disk_newest = l.committed.front().step;
+    }
+    std::vector<json> reports{json{{"held", mine}, {"disk", disk_newest}}};
+    if (world > 1) {
+      std::string p = key_prefix + "load/" + std::to_string(seq) + "/memory/";
+      store->set(p + std::to_string(rank), bytes_of(reports[0].dump()));
+      std::vector<std::string> keys;
+      std::vector<int> others;
+      for (int r = 0; r < world; ++r) {
+        keys.push_back(p + std::to_string(r));
+        if (r != rank) others.push_back(r);
+      }
+      peers->wait_keys(keys, others, opt.commit_timeout_s, "load_latest: the other ranks' memory-tier steps");
+      reports.clear();
+      for (const std::string& k : keys) reports.push_back(json::parse(string_of(store->get(k))));
+    }
+    auto steps_of = [](const json& report) {
+      std::set<std::pair<int64_t, std::string>> out;
+      for (const json& e : report.at("held")) out.emplace(e.at(0).get<int64_t>(), e.at(1).get<std::string>());
+      return out;
+    };
+    std::set<std::pair<int64_t, std::string>> common = steps_of(reports[0]);
+    std::string missing;
+    for (size_t r = 1; r < reports.size() && !common.empty(); ++r) {
+      std::set<std::pair<int64_t, std::string>> theirs = steps_of(reports[r]), both;
+      std::set_intersection(common.begin(), common.end(), theirs.begin(), theirs.end(), std::inserter(both, both.end()));
+      if (both.size() < common.size() && missing.empty()) missing = " (rank " + std::to_string(r) + " lacks it)";
+      common = std::move(both);
+    }
+    disk_newest = reports[0].at("disk").get<int64_t>();
+    if (common.empty()) {
+      if (!held.empty()) {
+        ETTKIT_LOG_WARN("checkpoint memory tier: this rank holds step ", held.front().step, " in memory, but not every "
+                        "rank holds it", missing, ": all ranks restore from the disk tier");
+      }
+      return std::nullopt;
+    }
+    int64_t best = common.rbegin()->first;
+    if (best < disk_newest) {
+      ETTKIT_LOG_INFO("checkpoint memory tier: step ", best, " is older than step ", disk_newest,
+                      " on disk: restoring from the disk tier");
+      return std::nullopt;
+    }
+    return best;
+  }
+
+  void persist(Job& job) {
+    const std::string& dir = opt.directory;
+    await_staging(job);
     std::string tmp = dir + "/" + temp_dir_name(job.step, run_id);
     std::string prefix = key_prefix + "save/" + std::to_string(job.seq) + "/";
     std::map<std::string, FileDigest> mine;
     std::exception_ptr local_error;
     try {
       make_directories(tmp);
-      std::vector<SafetensorsEntry> entries;
-      for (const PlanEntry& e : job.snapshot->plan()) {
-        entries.push_back({e.name, safetensors_dtype(e.dtype, e.name), e.shape, static_cast<uint64_t>(e.offset),
-                           static_cast<uint64_t>(e.offset + e.nbytes)});
-      }
-      std::string header = encode_safetensors_header(entries, {{"format", "pt"}});
+      std::string header = header_of(job.snapshot->plan());
       std::string base = "rank-" + std::to_string(rank);
       std::string data_path = tmp + "/" + base + ".safetensors";
       // A leftover from an earlier failed attempt at the same step in this run.
@@ -406,15 +581,7 @@ struct AsyncCheckpointer::Impl {
       // The arena is free as soon as its bytes are on disk; the commit below does not need it.
       job.snapshot->release();
       mine[base + ".extra"] = write_file_durably(tmp + "/" + base + ".extra", {ConstBuffer{job.extra.data(), job.extra.size()}});
-      // The integrity verdict, as late as possible: entries no fence decided are judged now, after the
-      // (slow) durable write, so that a write that overlapped a copy has had every chance to finish and
-      // bump its counter (docs/checkpoint.md: what detection can and cannot see).
-      {
-        std::unique_lock<std::mutex> lk(mu);
-        cv.wait(lk, [&] { return !hold_commits; });
-      }
-      std::vector<std::string> changed = job.snapshot->changed_entries();
-      if (!changed.empty()) throw TornSnapshot(torn_message(job.step, changed), __FILE__, __LINE__);
+      refuse_if_torn(job);
       // Other ranks make their directory entries durable before reporting; rank 0's are covered by the
       // directory fsync that follows its manifest.
       if (rank != 0) fsync_directory(tmp);
@@ -578,6 +745,8 @@ AsyncCheckpointer::AsyncCheckpointer(CheckpointerOptions options, c10::intrusive
     im.staging_id = im.opt.recorder->phase_id("checkpoint_staging");
     im.refused_id = im.opt.recorder->phase_id("checkpoint_refused");
   }
+  if (!im.opt.memory_tier.root.empty()) im.open_memory_tier();
+  if (im.opt.recorder) im.memory_id = im.opt.recorder->phase_id("checkpoint_memory_persist");
   im.stager = std::make_unique<Stager>(im.opt.stager);
   im.writer = std::thread([this] {
     ettkit::detail::mark_background_thread();
@@ -587,13 +756,15 @@ AsyncCheckpointer::AsyncCheckpointer(CheckpointerOptions options, c10::intrusive
 
 AsyncCheckpointer::~AsyncCheckpointer() {
   try {
-    close();
+    close(/*discard_memory_tier=*/false);
   } catch (...) {
   }
 }
 
-SaveHandle AsyncCheckpointer::save(int64_t step, const NamedTensors& tensors, const std::string& extra) {
+SaveHandle AsyncCheckpointer::save(int64_t step, const NamedTensors& tensors, const std::string& extra, Tier tier) {
   Impl& im = *impl_;
+  ETTKIT_EXPECTS(tier != Tier::kMemory || im.memory, "save(step=", step, ", tier='memory') needs a memory tier: "
+                 "construct the checkpointer with memory_tier (e.g. root \"/dev/shm\")");
   int64_t b = epoch_us();
   CopyPriority priority;
   {
@@ -622,6 +793,7 @@ SaveHandle AsyncCheckpointer::save(int64_t step, const NamedTensors& tensors, co
   im.collect_sources(/*all=*/false);
   auto hs = std::make_shared<SaveHandle::State>();
   hs->step = step;
+  hs->tier = tier;
   bool overlap = im.opt.overlap == Overlap::kOn || (im.opt.overlap == Overlap::kAuto && im.overlap.load());
   std::shared_ptr<Snapshot> snap =
       im.stager->stage(tensors, im.opt.on_busy, priority, overlap ? im.unfenced_sync_max_bytes.load() : 0);
@@ -647,7 +819,7 @@ SaveHandle AsyncCheckpointer::save(int64_t step, const NamedTensors& tensors, co
   hs->snapshot = snap;
   {
     std::lock_guard<std::mutex> lk(im.mu);
-    im.queue.push_back(Job{step, im.seq++, b, snap, extra, hs});
+    im.queue.push_back(Job{step, tier, im.seq++, b, snap, extra, hs});
     ++im.in_flight;
     im.last = hs;
     im.active = overlap ? snap : nullptr;
@@ -717,7 +889,7 @@ void AsyncCheckpointer::wait_all() {
   impl_->collect_sources(/*all=*/true);
 }
 
-void AsyncCheckpointer::close() {
+void AsyncCheckpointer::close(bool discard_memory_tier) {
   Impl& im = *impl_;
   // Several threads may close at once (make tsan's stress test; two Python threads): without this lock each
   // saw a joinable writer and joined it, and std::thread::join() raced with itself (a data race on the
@@ -740,6 +912,10 @@ void AsyncCheckpointer::close() {
     im.peers->close(/*clean=*/!lost);
   }
   im.collect_sources(/*all=*/true);
+  if (im.memory) {
+    if (discard_memory_tier) im.memory->discard();
+    im.memory.reset();  // releases the rank's memory-tier lock
+  }
   im.lock.release();
   std::lock_guard<std::mutex> lk(im.mu);
   im.active.reset();
@@ -762,6 +938,11 @@ int64_t AsyncCheckpointer::saves_committed() const {
   std::lock_guard<std::mutex> lk(impl_->mu);
   return impl_->committed;
 }
+int64_t AsyncCheckpointer::memory_saves_committed() const {
+  std::lock_guard<std::mutex> lk(impl_->mu);
+  return impl_->memory_committed;
+}
+std::string AsyncCheckpointer::memory_tier_directory() const { return impl_->memory_dir; }
 int64_t AsyncCheckpointer::saves_failed() const {
   std::lock_guard<std::mutex> lk(impl_->mu);
   return impl_->failed;
@@ -1002,6 +1183,59 @@ std::optional<LoadResult> AsyncCheckpointer::load_latest(const NamedTensors& ten
   LoadResult out;
   std::string reasons;
   bool listed_any = false;
+  // Every rank's verdict on its candidate for one step, combined: the worst wins, with its reason.
+  auto vote = [&](const std::string& key, const Candidate& c) -> std::pair<Verdict, std::string> {
+    Verdict all = c.verdict;
+    std::string why = c.reason;
+    if (im.world == 1) return {all, why};
+    std::string p = im.key_prefix + key + "/";
+    json mine = {{"v", static_cast<int>(c.verdict)}, {"why", c.reason}};
+    im.store->set(p + std::to_string(im.rank), bytes_of(mine.dump()));
+    std::vector<std::string> keys;
+    std::vector<int> others;
+    for (int r = 0; r < im.world; ++r) {
+      keys.push_back(p + std::to_string(r));
+      if (r != im.rank) others.push_back(r);
+    }
+    im.peers->wait_keys(keys, others, im.opt.commit_timeout_s, "load_latest: the other ranks' verdicts (" + key + ")");
+    for (int r = 0; r < im.world; ++r) {
+      json rep = json::parse(string_of(im.store->get(keys[static_cast<size_t>(r)])));
+      auto v = static_cast<Verdict>(rep["v"].get<int>());
+      if (severity(v) > severity(all)) {
+        all = v;
+        why = "rank " + std::to_string(r) + ": " + rep["why"].get<std::string>();
+      }
+    }
+    return {all, why};
+  };
+  auto record_restore = [&](int64_t step) {
+    if (im.opt.recorder) {
+      im.opt.recorder->record_phase(im.opt.recorder->phase_id(ett::phase::kCheckpointRestore), b, epoch_us(), step);
+    }
+  };
+  if (im.memory) {
+    if (auto step = im.agree_on_memory_step(im.memory->committed(), im.load_seq++)) {
+      Candidate c = check_candidate(im.memory->dir(), *step, im.rank, im.world, im.opt.verify_on_load,
+                                    load_threads(im.opt), tensors, validate_extra, read_prefixes);
+      auto [all, why] = vote("load/" + std::to_string(im.load_seq++) + "/memory-" + std::to_string(*step), c);
+      if (all == Verdict::kMismatch) ETTKIT_THROW(InvalidArgument, why);
+      if (all == Verdict::kOk) {
+        out.read = copy_in_place(c, tensors, load_threads(im.opt));
+        out.step = *step;
+        out.extra = std::move(c.extra);
+        out.tier = Tier::kMemory;
+        int64_t loaded = *step;
+        im.memory->retire_if([&](const MemoryStep& s) { return s.step != loaded; });
+        ETTKIT_LOG_INFO("checkpoint: restored step ", loaded, " from the memory tier '", im.memory->dir(), "'");
+        record_restore(loaded);
+        return out;
+      }
+      ETTKIT_LOG_WARN("checkpoint: memory-tier step ", *step, " is not loadable, restoring from the disk tier '",
+                      im.opt.directory, "': ", why);
+      out.memory_fallback = "memory-tier step " + std::to_string(*step) + ": " + why;
+      reasons += "\n  " + out.memory_fallback;
+    }
+  }
   // A round tries every candidate of one listing. Only retention removing steps under the loader (a writer
   // in another job) makes a new round necessary: the steps it committed meanwhile are in the next listing.
   constexpr int kRounds = 8;
@@ -1027,29 +1261,7 @@ std::optional<LoadResult> AsyncCheckpointer::load_latest(const NamedTensors& ten
       run_before_open_step_hook(step);
       Candidate c = check_candidate(im.opt.directory, step, im.rank, im.world, im.opt.verify_on_load,
                                     load_threads(im.opt), tensors, validate_extra, read_prefixes);
-      Verdict all = c.verdict;
-      std::string why = c.reason;
-      if (im.world > 1) {
-        std::string p = im.key_prefix + "load/" + std::to_string(lseq) + "/" + std::to_string(step) + "/";
-        json mine = {{"v", static_cast<int>(c.verdict)}, {"why", c.reason}};
-        im.store->set(p + std::to_string(im.rank), bytes_of(mine.dump()));
-        std::vector<std::string> keys;
-        for (int r = 0; r < im.world; ++r) keys.push_back(p + std::to_string(r));
-        std::vector<int> others;
-        for (int r = 0; r < im.world; ++r) {
-          if (r != im.rank) others.push_back(r);
-        }
-        im.peers->wait_keys(keys, others, im.opt.commit_timeout_s,
-                            "load_latest: the other ranks' verdicts on step " + std::to_string(step));
-        for (int r = 0; r < im.world; ++r) {
-          json rep = json::parse(string_of(im.store->get(keys[static_cast<size_t>(r)])));
-          auto v = static_cast<Verdict>(rep["v"].get<int>());
-          if (severity(v) > severity(all)) {
-            all = v;
-            why = "rank " + std::to_string(r) + ": " + rep["why"].get<std::string>();
-          }
-        }
-      }
+      auto [all, why] = vote("load/" + std::to_string(lseq) + "/" + std::to_string(step), c);
       if (all == Verdict::kMismatch) ETTKIT_THROW(InvalidArgument, why);
       if (all == Verdict::kVanished) {
         ETTKIT_LOG_INFO("checkpoint load: ", why, "; trying the next one");
@@ -1065,15 +1277,16 @@ std::optional<LoadResult> AsyncCheckpointer::load_latest(const NamedTensors& ten
       out.read = copy_in_place(c, tensors, load_threads(im.opt));
       out.step = step;
       out.extra = std::move(c.extra);
-      if (im.opt.recorder) {
-        im.opt.recorder->record_phase(im.opt.recorder->phase_id(ett::phase::kCheckpointRestore), b, epoch_us(), step);
-      }
+      // The memory tier holds no step this one does not supersede: it is another timeline, or older.
+      if (im.memory) im.memory->retire_if([](const MemoryStep&) { return true; });
+      record_restore(step);
       return out;
     }
     if (!vanished) break;
   }
-  if (!listed_any || out.skipped_steps.empty()) return std::nullopt;
-  ETTKIT_THROW(checkpoint::CorruptCheckpoint, "no committed checkpoint in '", im.opt.directory, "' is valid:", reasons);
+  if ((!listed_any || out.skipped_steps.empty()) && out.memory_fallback.empty()) return std::nullopt;
+  ETTKIT_THROW(checkpoint::CorruptCheckpoint, "no committed checkpoint in '", im.opt.directory, "'",
+               im.memory ? " or its memory tier '" + im.memory->dir() + "'" : std::string(), " is valid:", reasons);
 }
 
 }  // namespace ettkit::checkpoint

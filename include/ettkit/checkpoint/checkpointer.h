@@ -23,6 +23,11 @@
 //    directory to step-<N>, fsyncs CKPT_DIR, updates `latest` atomically and applies keep_last. A step is committed exactly when
 //    step-<N>/manifest.json exists; a crash at any point leaves earlier committed steps intact.
 //  - Errors on the writer thread are values: they travel to SaveHandle::wait() / error(); training goes on.
+//  - Memory tier (CheckpointerOptions::memory_tier, off by default): save(..., Tier::kMemory) commits the
+//    snapshot into a shared-memory file system (/dev/shm) under the same rule as the disk commit (bytes and
+//    checksums first, then the manifest, then the rename), per rank and without any collective. It survives
+//    the process, not the node. load_latest restores from it when every rank holds the same step of one run
+//    and no newer step is on disk; otherwise, or when it fails verification, from the disk tier (warning).
 //
 // Threads and ownership
 //  - The *owner* thread is the one that calls save(). Source tensors (the caller's) are referenced by a
@@ -98,6 +103,26 @@ enum class OnBusy : uint8_t {
 ETTKIT_API OnBusy parse_on_busy(const std::string& s);
 
 using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
+
+/// Where a save is committed.
+enum class Tier : uint8_t {
+  kDisk,    ///< CKPT_DIR: durable, all ranks commit together (the default)
+  kMemory,  ///< the memory tier: survives a killed process on the same node, per-rank commit
+};
+ETTKIT_API Tier parse_tier(const std::string& s);
+ETTKIT_API const char* tier_name(Tier t);
+
+/// The memory tier (docs/checkpoint.md, "The memory tier"). Off while `root` is empty.
+struct ETTKIT_API MemoryTierOptions {
+  /// A directory on a memory file system that outlives the process (e.g. "/dev/shm"); empty: no memory tier.
+  std::string root;
+  /// Names the job, so that a restarted process finds its own snapshots and a later job never restores an
+  /// earlier job's. Empty: $TORCHELASTIC_RUN_ID (unless "none"), else $SLURM_JOB_ID, else an error.
+  std::string job_id;
+  /// Upper bound on the tier's bytes per rank (<= 0: none). When two snapshots do not fit, the held one is
+  /// retired before the next is written; a snapshot larger than the budget is refused (InvalidArgument).
+  int64_t budget_bytes = 0;
+};
 
 struct ETTKIT_API StagerOptions {
   /// Upper bound on host arena bytes (all arenas together); <= 0: no bound.
@@ -219,8 +244,10 @@ class ETTKIT_API SaveHandle {
   struct State;
   explicit SaveHandle(std::shared_ptr<State> state) : state_(std::move(state)) {}
   int64_t step() const;
+  Tier tier() const;
   bool skipped() const;
   bool staged() const;
+  /// Committed: on disk (Tier::kDisk) or in the memory tier (Tier::kMemory).
   bool durable() const;
   /// The writer's error, or nullptr.
   std::exception_ptr error() const;
@@ -267,6 +294,7 @@ struct ETTKIT_API CheckpointerOptions {
   /// Only loads: takes no directory lock, removes nothing, and save() throws InvalidArgument. For jobs and
   /// tools that read a directory another job writes.
   bool read_only = false;
+  MemoryTierOptions memory_tier;
 };
 
 struct LoadResult {
@@ -276,6 +304,11 @@ struct LoadResult {
   /// The loaded step's tensors that had no destination and are under one of load_latest()'s
   /// `read_prefixes`, read into new contiguous CPU tensors, in the checkpoint's name order.
   NamedTensors read;
+  /// Where the step came from.
+  Tier tier = Tier::kDisk;
+  /// Why a memory-tier step that every rank held was not loaded (it failed verification on some rank);
+  /// empty otherwise.
+  std::string memory_fallback;
 };
 
 class ETTKIT_API AsyncCheckpointer {
@@ -293,8 +326,10 @@ class ETTKIT_API AsyncCheckpointer {
   /// rank's non-tensor state. Blocking time (including waits for a busy arena) is recorded. Throws
   /// InvalidArgument for a step outside [0, 10^18), the name "__metadata__" (reserved by safetensors), a
   /// dtype safetensors cannot store, or a conjugate / negative-bit view (resolve_conj() / resolve_neg() it:
-  /// its storage holds other values than it shows).
-  SaveHandle save(int64_t step, const NamedTensors& tensors, const std::string& extra = {});
+  /// its storage holds other values than it shows), or Tier::kMemory without a memory tier.
+  /// Tier::kMemory commits this rank's snapshot into the memory tier only (no Store traffic); a later
+  /// committed disk save of a step >= it retires it.
+  SaveHandle save(int64_t step, const NamedTensors& tensors, const std::string& extra = {}, Tier tier = Tier::kDisk);
   /// Makes the caller's current stream (GPU) or the host (CPU) wait until the latest save is staged, and
   /// records the wait as checkpoint_blocking. Call before mutating saved tensors.
   void wait_staged_on_current_stream();
@@ -327,13 +362,19 @@ class ETTKIT_API AsyncCheckpointer {
   /// those are read into new CPU tensors (LoadResult::read) from the same step, after the same checks
   /// (checksums included) and only once the step is chosen. For state that does not exist before it is
   /// loaded: an optimizer whose lazy state its first step() would create.
+  ///
+  /// With a memory tier: the ranks agree through the Store on the newest step that every one of them holds
+  /// in memory from the same run; it is loaded (same checks) when no newer step is committed on disk. All
+  /// ranks load from the same tier. Afterwards every memory step but the loaded one is retired.
   std::optional<LoadResult> load_latest(const NamedTensors& tensors,
                                         const std::function<void(const std::string&)>& validate_extra = {},
                                         const std::vector<std::string>& read_prefixes = {});
   /// Waits for every queued save (durable or failed); rethrows nothing.
   void wait_all();
-  /// wait_all() and stop the writer, then release the directory lock. Idempotent.
-  void close();
+  /// wait_all() and stop the writer, then release the directory lock. Idempotent. A clean end of the job:
+  /// `discard_memory_tier` also removes this rank's memory tier (the destructor, which also runs while an
+  /// exception unwinds, keeps it for the restart).
+  void close(bool discard_memory_tier = true);
 
   int rank() const;
   int world_size() const;
@@ -342,7 +383,11 @@ class ETTKIT_API AsyncCheckpointer {
   /// Mean measured time a save blocked training and mean time to durable (seconds; 0 before any).
   double mean_blocking_s() const;
   double mean_time_to_durable_s() const;
+  /// Disk saves committed (memory-tier saves: memory_saves_committed()).
   int64_t saves_committed() const;
+  int64_t memory_saves_committed() const;
+  /// The rank's memory-tier directory ("" without a memory tier).
+  std::string memory_tier_directory() const;
   int64_t saves_failed() const;
   /// Saves refused because tensors changed while being copied (also counted in saves_failed()).
   int64_t saves_refused() const;

@@ -104,6 +104,18 @@ def latest_step(directory: str | os.PathLike) -> Optional[int]:
     return _C.checkpoint.latest_step(os.fspath(directory))
 
 
+def _memory_tier_root(memory_tier: Any) -> str:
+    """``memory_tier=``: None/False (off), True (``/dev/shm``) or a directory on a memory file system."""
+    if memory_tier is None or memory_tier is False:
+        return ""
+    if memory_tier is True:
+        return "/dev/shm"
+    if isinstance(memory_tier, (str, os.PathLike)) and os.fspath(memory_tier):
+        return os.fspath(memory_tier)
+    raise InvalidArgumentError(f"memory_tier={memory_tier!r} must be True (/dev/shm), a directory on a memory file "
+                               f"system, or None/False (off)")
+
+
 def _decode_extra(blob: bytes) -> Optional[tuple[Any, Any]]:
     """``(skeleton, extra)`` of a ``rank-<r>.extra`` written from Python; ``None`` for the C++ checkpointer's
     opaque bytes. Raises when the record does not decode."""
@@ -198,11 +210,17 @@ class AsyncCheckpointer:
                  commit_timeout_s: float = 600.0, metadata: Optional[dict] = None,
                  preempt_signals: Optional[Iterable[int]] = None, preempt_deadline_s: float = 60.0,
                  mtbf_prior_s: float = 24 * 3600.0, pin_memory: Optional[bool] = None, overlap: Any = "auto",
-                 unfenced_sync_max_bytes: int = 64 * 1024, read_only: bool = False, peer_timeout_s: float = 3.0):
+                 unfenced_sync_max_bytes: int = 64 * 1024, read_only: bool = False, peer_timeout_s: float = 3.0,
+                 memory_tier: Any = None, job_id: Optional[str] = None,
+                 memory_tier_budget_bytes: Optional[int] = None):
         if on_busy not in ("wait", "skip", "error"):
             raise InvalidArgumentError(f"on_busy={on_busy!r} is not one of 'wait', 'skip', 'error'")
         if memory_budget_bytes is not None and memory_budget_bytes <= 0:
             raise InvalidArgumentError(f"memory_budget_bytes={memory_budget_bytes} must be positive (or None)")
+        if memory_tier_budget_bytes is not None and memory_tier_budget_bytes <= 0:
+            raise InvalidArgumentError(
+                f"memory_tier_budget_bytes={memory_tier_budget_bytes} must be positive (or None)")
+        memory_root = _memory_tier_root(memory_tier)
         self._every_kind, self._every_value = parse_every(every)
         rank, world = 0, 1
         if process_group is not None or (torch.distributed.is_available() and torch.distributed.is_initialized()):
@@ -223,7 +241,9 @@ class AsyncCheckpointer:
             copy_threads=int(copy_threads), pin_memory=-1 if pin_memory is None else int(bool(pin_memory)),
             rank=rank, world_size=world, commit_timeout_s=float(commit_timeout_s), recorder=recorder,
             metadata={str(k): str(v) for k, v in (metadata or {}).items()}, store=store, read_only=bool(read_only),
-            peer_timeout_s=float(peer_timeout_s))
+            peer_timeout_s=float(peer_timeout_s), memory_tier=memory_root, job_id=str(job_id or ""),
+            memory_tier_budget_bytes=int(memory_tier_budget_bytes or 0))
+        self.restored_from: Optional[str] = None
         if unfenced_sync_max_bytes < 0:
             raise InvalidArgumentError(f"unfenced_sync_max_bytes={unfenced_sync_max_bytes} must be >= 0")
         self._c.set_unfenced_sync_max_bytes(int(unfenced_sync_max_bytes))
@@ -251,10 +271,11 @@ class AsyncCheckpointer:
         self._closed = False
         # A checkpointer nobody closed (a loop that raised outside a `with` block) still finishes its queued
         # saves when it is collected or the interpreter exits; its writer never needs the GIL to do so.
-        self._finalizer = weakref.finalize(self, self._c.close)
+        # Not a clean end either: the memory tier stays for the restart.
+        self._finalizer = weakref.finalize(self, self._c.close, False)
 
     # ---- saving -------------------------------------------------------------------------------------
-    def save(self, step: int, state_dict: Any, extra: Any = None) -> SaveHandle:
+    def save(self, step: int, state_dict: Any, extra: Any = None, *, tier: str = "disk") -> SaveHandle:
         """Stages ``state_dict`` and persists it in the background as step ``step``. Statefuls in it (modules,
         optimizers, schedulers, anything with ``state_dict()``/``load_state_dict()``) are saved through a
         fresh ``state_dict()``, and so is a dict captured from an attached optimizer's ``state_dict()``
@@ -264,7 +285,13 @@ class AsyncCheckpointer:
         ``wait()``, ``staged``, ``durable``, ``error``. Without :meth:`attach` (and ``overlap="auto"``) it
         returns once the copies are done; with it, it returns once they are queued, and the attached hooks
         make each writer wait for the copies of what it writes. A save whose tensors changed while being
-        copied is refused: its handle's ``wait()`` raises :class:`ettkit.TornSnapshotError`."""
+        copied is refused: its handle's ``wait()`` raises :class:`ettkit.TornSnapshotError`.
+
+        ``tier="memory"`` (needs ``memory_tier``) commits this rank's snapshot into the memory tier instead of
+        the directory: no disk write and no collective, it survives a killed process on this node (not the
+        node), and a later disk save of a step at least as new retires it."""
+        if tier not in ("disk", "memory"):
+            raise InvalidArgumentError(f"tier={tier!r} is not one of 'disk', 'memory'")
         # Statefuls (modules, optimizers, ...) give a fresh state_dict() here, so the save holds the state an
         # optimizer created since the last one; so does a dict captured from an attached optimizer.
         names, tensors, skeleton, comparable, _ = flatten_state(state_dict, self._find_optimizer())
@@ -283,7 +310,7 @@ class AsyncCheckpointer:
             self._skeleton, self._skeleton_comparable = skeleton, comparable
         blob = _PY_EXTRA_MAGIC + pickle.dumps({"skeleton_pickle": self._skeleton_blob, "extra": extra},
                                               protocol=pickle.HIGHEST_PROTOCOL)
-        handle = self._c.save(int(step), self._tensor_list, blob)
+        handle = self._c.save(int(step), self._tensor_list, blob, tier)
         if not handle.skipped:
             self._last_save_step = int(step)
             self._last_save_time = self._clock()
@@ -440,12 +467,16 @@ class AsyncCheckpointer:
         res = self._c.load_latest(names, tensors, validate, read_prefixes)
         if res is None:
             return None
-        step, blob, skipped, read = res
-        if skipped:
+        step, blob, skipped, read, tier, memory_fallback = res
+        self.restored_from = tier
+        if skipped or memory_fallback:
             import warnings
 
-            warnings.warn(f"ettkit.checkpoint: newer steps {skipped} in {self._c.directory} failed validation; "
-                          f"loaded step {step}", RuntimeWarning, stacklevel=2)
+            why = f"newer steps {skipped} in {self._c.directory} failed validation" if skipped else ""
+            if memory_fallback:
+                why += ("; " if why else "") + f"the memory tier was not usable ({memory_fallback})"
+            warnings.warn(f"ettkit.checkpoint: {why}; loaded step {step} from the {tier} tier", RuntimeWarning,
+                          stacklevel=2)
         if decoded.get("blob") == blob:
             value, saved = decoded["value"], decoded["saved"]
         else:
@@ -470,15 +501,17 @@ class AsyncCheckpointer:
         return find_captured_optimizer(self._fences.optimizers)
 
     # ---- lifetime ---------------------------------------------------------------------------------------
-    def close(self) -> None:
-        """Waits for queued saves and stops the writer. Idempotent."""
+    def close(self, discard_memory_tier: bool = True) -> None:
+        """Waits for queued saves and stops the writer. Idempotent. A call is a clean end of the job: it also
+        removes this rank's memory tier, unless ``discard_memory_tier=False`` (a ``with`` block left by an
+        exception, and a checkpointer nobody closed, keep it for the restart)."""
         if self._closed:
             return
         self._closed = True
         for att in self._fences.attachments:
             att.remove()
         self._finalizer.detach()
-        self._c.close()
+        self._c.close(bool(discard_memory_tier))
         if threading.current_thread() is threading.main_thread():
             for sig, old in self._old_handlers.items():
                 if signal.getsignal(sig) == self._on_preempt_signal:
@@ -487,8 +520,10 @@ class AsyncCheckpointer:
     def __enter__(self) -> "AsyncCheckpointer":
         return self
 
-    def __exit__(self, *exc) -> bool:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        # Left by an exception (a lost peer, a crash of the step): the job will be restarted, and its memory
+        # tier is what the restart restores from.
+        self.close(discard_memory_tier=exc_type is None)
         return False
 
     # ---- introspection ----------------------------------------------------------------------------------
@@ -504,6 +539,9 @@ class AsyncCheckpointer:
     mean_time_to_durable_s = property(lambda self: self._c.mean_time_to_durable_s)
     overlapped = property(lambda self: self._c.overlapped)
     saves_committed = property(lambda self: self._c.saves_committed)
+    memory_saves_committed = property(lambda self: self._c.memory_saves_committed)
+    #: This rank's memory-tier directory ("" without one).
+    memory_tier_directory = property(lambda self: self._c.memory_tier_directory)
     saves_refused = property(lambda self: self._c.saves_refused)
 
 

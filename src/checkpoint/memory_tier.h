@@ -1,0 +1,102 @@
+#pragma once
+// The memory tier: this rank's latest snapshots kept in a shared-memory file system (/dev/shm), where they
+// survive the process (kill -9, an OOM kill, a torchrun restart) but not the node. A restarted process on the
+// same node restores from it at memory speed instead of reading the disk tier back.
+//
+// Layout (one directory per job and checkpoint directory, one per rank inside):
+//   <root>/ettkit-mem-<key>/owner.json               {"job", "directory", "host"}: whose tier this is
+//   <root>/ettkit-mem-<key>/rank-<r>/.lock           held by the rank's process for its life (flock)
+//   <root>/ettkit-mem-<key>/rank-<r>/step-<N>/       rank-<r>.safetensors, rank-<r>.extra, manifest.json
+//   <root>/ettkit-mem-<key>/rank-<r>/.tmp-step-...   a snapshot being written
+// key = XXH3-64 of the job id and the checkpoint directory's canonical path.
+//
+// Why files in tmpfs and not a raw mapping with a hand-made header: the step directory gives the memory
+// tier the disk tier's commit rule unchanged (a step exists exactly when step-<N>/manifest.json does, and
+// the manifest is written after the bytes and their checksums) and the same verified, parallel read path
+// on load; tmpfs pages live in the page cache, so writing and reading them costs a memcpy each.
+//
+// Each rank commits on its own (no collective at save time); which step to restore is agreed at load
+// (AsyncCheckpointer::load_latest: the newest step every rank holds from the same run).
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "checkpoint/storage.h"
+
+#pragma GCC visibility push(default)
+
+namespace ettkit::checkpoint::detail {
+
+/// One committed snapshot of the tier.
+struct MemoryStep {
+  int64_t step = -1;
+  std::string run_id;  ///< the AsyncCheckpointer run that wrote it (agreed by all ranks of that run)
+  int world_size = 0;
+  uint64_t bytes = 0;  ///< data + extra
+};
+
+/// This rank's part of a job's memory tier. Owns its rank directory's lock from construction to discard()
+/// or destruction; writing goes through begin() / commit() / abort() on one thread (the writer).
+class MemoryTier {
+ public:
+  /// Creates <root>/ettkit-mem-<key>/rank-<rank>/ (the job directory with mode 0700) and its owner.json.
+  /// InvalidArgument when `job_id` is empty or `root` is not a directory. `budget_bytes` <= 0: no bound.
+  MemoryTier(const std::string& root, const std::string& job_id, const std::string& directory, int rank,
+             int64_t budget_bytes);
+  ~MemoryTier();
+  MemoryTier(const MemoryTier&) = delete;
+  MemoryTier& operator=(const MemoryTier&) = delete;
+
+  /// The job id given, else $TORCHELASTIC_RUN_ID (when not "none"), else $SLURM_JOB_ID, else "".
+  static std::string job_id_from_environment(const std::string& given);
+
+  /// Takes the rank directory's lock for this object's life, then removes what a killed writer of this rank
+  /// left half-done. Returns the holder's description when another process holds it (nothing is touched).
+  std::optional<std::string> try_lock();
+
+  /// The rank directory (a checkpoint-directory layout holding only this rank's files).
+  const std::string& dir() const { return dir_; }
+  const std::string& job_dir() const { return job_dir_; }
+
+  /// The committed steps, newest commit first, with the manifest fields the load vote needs. A step whose
+  /// manifest does not decode is left out with a warning (load_latest then uses the disk tier).
+  std::vector<MemoryStep> committed() const;
+
+  /// Before a snapshot of `bytes` is written: InvalidArgument when it alone exceeds the budget; otherwise
+  /// retires committed steps until it fits beside them (with a bounded budget, a crash while writing can
+  /// then leave no memory step: the disk tier is the fallback). Returns the temporary directory to write
+  /// rank-<r>.safetensors / .extra into.
+  std::string begin(int64_t step, const std::string& run_id, uint64_t bytes);
+  /// Writes the manifest (this rank's files only, run id and job in its metadata), renames the temporary
+  /// directory to step-<N> (replacing an older step-<N>), then retires every other committed step.
+  void commit(const std::string& tmp, Manifest manifest);
+  /// Removes a temporary directory of a failed or refused snapshot. Never throws.
+  void abort(const std::string& tmp) noexcept;
+  /// Retires the committed steps for which `drop` is true, and every step-* entry that is not a committed
+  /// step (nothing else writes a rank directory). Never throws (failures are logged).
+  void retire_if(const std::function<bool(const MemoryStep&)>& drop) noexcept;
+  /// Removes this rank's directory (and the job directory once no rank's is left), releases the lock.
+  /// Idempotent; never throws.
+  void discard() noexcept;
+
+ private:
+  std::string job_id_;
+  std::string job_dir_;
+  std::string dir_;
+  int rank_ = 0;
+  int64_t budget_ = 0;
+  DirectoryLock lock_;
+  bool discarded_ = false;
+};
+
+/// Removes every tier under `root` that belongs to `directory` but another job and whose ranks' locks are
+/// all free (that job's processes are gone). Tiers of other checkpoint directories are left alone: they
+/// may belong to a job that is between two restarts. Returns the directories removed. Never throws.
+std::vector<std::string> remove_stale_memory_tiers(const std::string& root, const std::string& job_id,
+                                                   const std::string& directory) noexcept;
+
+}  // namespace ettkit::checkpoint::detail
+
+#pragma GCC visibility pop
