@@ -1,0 +1,154 @@
+"""The memory tier from Python (#23 item 1): a 2-rank job killed with SIGKILL restores from memory when
+both ranks' snapshots survive, and both ranks restore the same disk step when one rank's memory is gone (its
+node was lost); the API's errors, the clean-exit cleanup and the fallback warning. The commit and kill -9
+rules themselves are pinned in C++ (tests/cpp/checkpoint/memory_tier_test.cpp)."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import ettkit
+from ettkit.checkpoint import AsyncCheckpointer
+
+TRAINER = os.path.join(os.path.dirname(__file__), "memory_tier_trainer.py")
+STEPS, KILL_AT, LAST_DISK = 14, 10, 6
+
+
+def run_job(tmp_path, name, kill_at, out, shm_of_rank):
+    """Both ranks of one attempt; returns their return codes."""
+    os.makedirs(out, exist_ok=True)
+    init = f"file://{tmp_path / ('rendezvous-' + name)}"
+    procs = [subprocess.Popen([sys.executable, TRAINER, str(r), "2", init, str(tmp_path / "run"), str(shm_of_rank(r)),
+                               str(STEPS), str(kill_at), str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for r in range(2)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    return [p.returncode for p in procs], [e for _, e in outs]
+
+
+def assert_same(a, b, where=""):
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert set(a) == set(b), (where, set(a) ^ set(b))
+        for k in a:
+            assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}.{i}")
+    else:
+        assert a == b, (where, a, b)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted run: what every resumed run must end with."""
+    tmp = tmp_path_factory.mktemp("reference")
+    for r in range(2):
+        (tmp / f"shm-{r}").mkdir()
+    codes, errs = run_job(tmp, "ref", -1, tmp / "out", lambda r: tmp / f"shm-{r}")
+    assert codes == [0, 0], errs
+    return [torch.load(tmp / "out" / f"final-{r}.pt") for r in range(2)]
+
+
+@pytest.mark.parametrize("lose_rank_1_memory", [False, True], ids=["memory-survives", "node-of-rank-1-lost"])
+def test_sigkilled_job_restores_from_memory_or_all_ranks_from_disk(tmp_path, reference, lose_rank_1_memory):
+    # Each rank gets its own memory root: two "nodes" on one machine.
+    shm = [tmp_path / f"shm-{r}" for r in range(2)]
+    for s in shm:
+        s.mkdir()
+    codes, errs = run_job(tmp_path, "a", KILL_AT, tmp_path / "a", lambda r: shm[r])
+    assert codes == [-signal.SIGKILL] * 2, errs
+    for r in range(2):  # each rank's memory tier holds the killed step
+        (job,) = os.listdir(shm[r])
+        assert sorted(os.listdir(shm[r] / job / f"rank-{r}")) == [".lock", f"step-{KILL_AT}"]
+    if lose_rank_1_memory:
+        shutil.rmtree(shm[1])
+        shm[1].mkdir()
+    codes, errs = run_job(tmp_path, "b", -1, tmp_path / "b", lambda r: shm[r])
+    assert codes == [0, 0], errs
+    for r in range(2):
+        resumed = torch.load(tmp_path / "b" / f"resumed-{r}.pt")
+        expected = torch.load(tmp_path / "a" / f"expected-{r}.pt")
+        if lose_rank_1_memory:
+            # Rank 0 still held step 10 in memory, but rank 1 did not: both restore the disk step together.
+            assert (resumed["step"], resumed["tier"]) == (LAST_DISK, "disk"), resumed["step"]
+            assert resumed["extra"] == {"step": LAST_DISK}
+        else:
+            assert (resumed["step"], resumed["tier"]) == (KILL_AT, "memory")
+            assert resumed["extra"] == {"step": KILL_AT}
+            # Model (BatchNorm statistics included) and Adam's moments, bit for bit.
+            assert_same(expected["model"], resumed["model"], "model")
+            assert_same(expected["optim"], resumed["optim"], "optim")
+        final = torch.load(tmp_path / "b" / f"final-{r}.pt")
+        # The resumed run trains exactly the steps after the restored one, and ends where the uninterrupted
+        # run does: the same losses, the same weights and moments.
+        assert sorted(final["losses"]) == list(range(resumed["step"] + 1, STEPS + 1))
+        for step, loss in final["losses"].items():
+            assert loss == reference[r]["losses"][step], (r, step)
+        assert_same(reference[r]["model"], final["model"], "final model")
+        assert_same(reference[r]["optim"], final["optim"], "final optim")
+        # The job ended cleanly: its memory tier is gone.
+        assert os.listdir(shm[r]) == [], os.listdir(shm[r])
+    if lose_rank_1_memory:
+        assert "not every rank holds it" in errs[0], errs[0][-3000:]
+
+
+def _state(step):
+    return {"w": torch.full((1000,), float(step)), "n": torch.tensor([step])}
+
+
+def test_memory_saves_need_a_memory_tier_and_valid_arguments(tmp_path):
+    with AsyncCheckpointer(tmp_path / "ck", recorder=None) as ck:
+        with pytest.raises(ettkit.InvalidArgumentError, match="memory tier"):
+            ck.save(1, _state(1), tier="memory")
+        with pytest.raises(ettkit.InvalidArgumentError, match="tier='tape'"):
+            ck.save(1, _state(1), tier="tape")
+    with pytest.raises(ettkit.InvalidArgumentError, match="memory_tier=3"):
+        AsyncCheckpointer(tmp_path / "ck", recorder=None, memory_tier=3)
+    with pytest.raises(ettkit.InvalidArgumentError, match="memory_tier_budget_bytes=0"):
+        AsyncCheckpointer(tmp_path / "ck", recorder=None, memory_tier=True, memory_tier_budget_bytes=0)
+    with pytest.raises(ettkit.InvalidArgumentError, match="is not a directory"):
+        AsyncCheckpointer(tmp_path / "ck", recorder=None, memory_tier=tmp_path / "nowhere", job_id="j")
+
+
+def test_an_exception_keeps_the_memory_tier_and_a_clean_close_removes_it(tmp_path):
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    with pytest.raises(RuntimeError, match="the step failed"):
+        with AsyncCheckpointer(tmp_path / "ck", recorder=None, memory_tier=shm, job_id="j") as ck:
+            h = ck.save(4, _state(4), tier="memory")
+            assert h.wait() and h.tier == "memory" and h.durable
+            assert ck.memory_saves_committed == 1 and ck.saves_committed == 0
+            raise RuntimeError("the step failed")
+    assert sorted(os.listdir(ck.memory_tier_directory)) == [".lock", "step-4"]
+    target = {"w": torch.zeros(1000), "n": torch.tensor([0])}
+    ck = AsyncCheckpointer(tmp_path / "ck", recorder=None, memory_tier=shm, job_id="j")
+    assert ck.load_latest(target) == (4, None) and ck.restored_from == "memory"
+    assert torch.equal(target["w"], _state(4)["w"])
+    ck.close()
+    assert os.listdir(shm) == []
+
+
+def test_a_corrupt_memory_step_falls_back_to_disk_with_a_warning(tmp_path):
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    ck = AsyncCheckpointer(tmp_path / "ck", recorder=None, memory_tier=shm, job_id="j")
+    ck.save(2, _state(2)).wait()
+    ck.save(3, _state(3), tier="memory").wait()
+    data = os.path.join(ck.memory_tier_directory, "step-3", "rank-0.safetensors")
+    ck.close(discard_memory_tier=False)
+    raw = bytearray(open(data, "rb").read())
+    raw[-5] ^= 0x40
+    open(data, "wb").write(bytes(raw))
+    target = {"w": torch.zeros(1000), "n": torch.tensor([0])}
+    with AsyncCheckpointer(tmp_path / "ck", recorder=None, memory_tier=shm, job_id="j") as ck:
+        with pytest.warns(RuntimeWarning, match=r"memory tier was not usable \(memory-tier step 3.*XXH3"):
+            assert ck.load_latest(target) == (2, None)
+        assert ck.restored_from == "disk"
+    assert torch.equal(target["w"], _state(2)["w"])
