@@ -145,14 +145,24 @@ def _evict(directory: str) -> None:
                 os.close(fd)
 
 
+def memory_root(directory: str) -> str:
+    """Where the memory tier lives: /dev/shm (tmpfs) when the machine has it."""
+    if os.path.isdir("/dev/shm"):
+        return "/dev/shm"
+    root = os.path.join(directory, "shm")
+    os.makedirs(root, exist_ok=True)
+    return root
+
+
 def restore_times(state, directory: str, rounds: int) -> dict:
     """restore_s: seconds to bring a committed checkpoint of ``state`` back into its tensors, in place.
     ``ettkit`` (load_latest, checksums verified), ``ettkit_unverified`` (verify_on_load=False),
     ``ettkit_cold`` (verified, the files evicted from the page cache first; ``disk_cold_read``: the same files
     read sequentially after the same eviction), ``dcp_load`` (dcp.load of DCP's
     own checkpoint of the same state), ``torch_load_mmap`` (torch.load(mmap=True) of a torch.save file, then
-    copy_ into the state), ``memcpy`` (one copy_ of the same number of bytes, memory to memory: the floor).
-    Rounds interleave the variants; medians."""
+    copy_ into the state), ``memory_tier`` / ``memory_tier_unverified`` (load_latest of a memory-tier
+    snapshot in /dev/shm, checksums verified / not), ``memcpy`` (one copy_ of the same number of bytes,
+    memory to memory: the floor). Rounds interleave the variants; medians."""
     import torch.distributed.checkpoint as dcp
 
     from ettkit.checkpoint import AsyncCheckpointer
@@ -167,6 +177,20 @@ def restore_times(state, directory: str, rounds: int) -> dict:
     src, dst = torch.ones(total, dtype=torch.uint8), torch.zeros(total, dtype=torch.uint8)
     readers = {v: AsyncCheckpointer(ck_dir, read_only=True, recorder=None, preempt_signals=(), verify_on_load=v)
                for v in (True, False)}
+    # The memory tier: one snapshot per reader (each checkpointer holds its own directory and tier), left
+    # by a writer that did not close cleanly (what a killed process leaves).
+    mem_readers = {}
+    for v in (True, False):
+        d = os.path.join(directory, f"memory-{v}")
+        w = AsyncCheckpointer(d, recorder=None, preempt_signals=(), memory_tier=memory_root(directory),
+                              job_id=f"bench-restore-{os.getpid()}")
+        w.save(1, state, tier="memory").wait()
+        w.close(discard_memory_tier=False)
+        mem_readers[v] = AsyncCheckpointer(d, recorder=None, preempt_signals=(), verify_memory_tier=v,
+                                           memory_tier=memory_root(directory), job_id=f"bench-restore-{os.getpid()}")
+
+    def memory_load(v):
+        assert mem_readers[v].load_latest(state)[0] == 1 and mem_readers[v].restored_from == "memory"
 
     def torch_load_mmap():
         loaded = torch.load(pt, mmap=True)
@@ -177,6 +201,8 @@ def restore_times(state, directory: str, rounds: int) -> dict:
                 "ettkit_unverified": lambda: _timed(lambda: readers[False].load_latest(state)),
                 "dcp_load": lambda: _timed(lambda: dcp.load(state, checkpoint_id=dcp_dir)),
                 "torch_load_mmap": lambda: _timed(torch_load_mmap),
+                "memory_tier": lambda: _timed(lambda: memory_load(True)),
+                "memory_tier_unverified": lambda: _timed(lambda: memory_load(False)),
                 "memcpy": lambda: _timed(lambda: dst.copy_(src))}
     times: dict = {v: [] for v in variants}
     for v in variants:  # one warm-up each: the files in the page cache, the code paths loaded
@@ -209,6 +235,8 @@ def restore_times(state, directory: str, rounds: int) -> dict:
         times["disk_cold_read"].append(_timed(read_all))
     for r in readers.values():
         r.close()
+    for r in mem_readers.values():
+        r.close()  # a clean end: the memory tier is removed
     shutil.rmtree(directory, ignore_errors=True)
     return {v: statistics.median(t) for v, t in times.items()}
 
@@ -227,6 +255,11 @@ def run_variant(variant: str, state, directory: str, saves: int, base_step_s: fl
 
         ck = AsyncCheckpointer(directory, keep_last=2, recorder=None, preempt_signals=(), overlap=True,
                                unfenced_sync_max_bytes=0)
+    elif variant == "ettkit_memory":
+        from ettkit.checkpoint import AsyncCheckpointer
+
+        ck = AsyncCheckpointer(directory, keep_last=2, recorder=None, preempt_signals=(), overlap=True,
+                               unfenced_sync_max_bytes=0, memory_tier=memory_root(directory), job_id="bench")
     elif variant == "ettkit_unfenced":
         from ettkit.checkpoint import AsyncCheckpointer
 
@@ -243,7 +276,7 @@ def run_variant(variant: str, state, directory: str, saves: int, base_step_s: fl
             t0 = time.perf_counter()
             path = os.path.join(directory, f"step-{i}")
             if variant.startswith("ettkit"):
-                h = ck.save(i, state)
+                h = ck.save(i, state, tier="memory" if variant == "ettkit_memory" else "disk")
                 is_durable = lambda: h.durable  # noqa: E731
                 wait_staged = ck.wait_staged
             elif variant == "torch_save":
@@ -377,7 +410,8 @@ def main() -> None:
     ap.add_argument("--fwd-bwd-ms", type=float, default=200.0,
                     help="target time of one step's forward/backward (the optimizer step comes on top)")
     ap.add_argument("--rss-saves", type=int, default=None)
-    ap.add_argument("--variants", default="ettkit,ettkit_unfenced,torch_save,dcp_save,dcp_async,dcp_async_best")
+    ap.add_argument("--variants",
+                    default="ettkit,ettkit_memory,ettkit_unfenced,torch_save,dcp_save,dcp_async,dcp_async_best")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cuda: the state on the GPU, ettkit against DCP's DefaultStager (pinned, non-blocking) "
                          "and plain pinned cudaMemcpyAsync (tools/gpu_check.sh)")

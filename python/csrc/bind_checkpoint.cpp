@@ -144,7 +144,7 @@ void bind_checkpoint(py::module_& m) {
                        int pin_memory, int rank, int world_size, double commit_timeout_s, ett::Recorder* recorder,
                        std::map<std::string, std::string> metadata, py::object store, bool read_only,
                        double peer_timeout_s, const std::string& memory_tier, const std::string& job_id,
-                       int64_t memory_tier_budget_bytes) {
+                       int64_t memory_tier_budget_bytes, bool verify_memory_tier) {
              CheckpointerOptions o;
              o.directory = directory;
              o.keep_last = keep_last;
@@ -167,6 +167,7 @@ void bind_checkpoint(py::module_& m) {
              o.memory_tier.root = memory_tier;
              o.memory_tier.job_id = job_id;
              o.memory_tier.budget_bytes = memory_tier_budget_bytes;
+             o.memory_tier.verify = verify_memory_tier;
              c10::intrusive_ptr<c10d::Store> s;
              if (!store.is_none()) s = store.cast<c10::intrusive_ptr<c10d::Store>>();
              py::gil_scoped_release nogil;
@@ -179,6 +180,7 @@ void bind_checkpoint(py::module_& m) {
            py::arg("recorder") = nullptr, py::arg("metadata") = std::map<std::string, std::string>{},
            py::arg("store") = py::none(), py::arg("read_only") = false, py::arg("peer_timeout_s") = 3.0,
            py::arg("memory_tier") = "", py::arg("job_id") = "", py::arg("memory_tier_budget_bytes") = 0,
+           py::arg("verify_memory_tier") = true,
            py::keep_alive<1, 15>(),
            py::keep_alive<1, 17>())
       .def(
@@ -265,8 +267,16 @@ void bind_checkpoint(py::module_& m) {
       .def_property_readonly("plan_builds", [](const AsyncCheckpointer& c) { return c.stager().plan_builds(); })
       .def_property_readonly("arena_allocations",
                              [](const AsyncCheckpointer& c) { return c.stager().arena_allocations(); })
-      .def_property_readonly("mean_blocking_s", &AsyncCheckpointer::mean_blocking_s)
-      .def_property_readonly("mean_time_to_durable_s", &AsyncCheckpointer::mean_time_to_durable_s)
+      .def_property_readonly("mean_blocking_s", py::overload_cast<>(&AsyncCheckpointer::mean_blocking_s, py::const_))
+      .def_property_readonly("mean_time_to_durable_s",
+                             py::overload_cast<>(&AsyncCheckpointer::mean_time_to_durable_s, py::const_))
+      .def(
+          "tier_costs",
+          [](const AsyncCheckpointer& c, const std::string& tier) {
+            Tier t = parse_tier(tier);
+            return py::make_tuple(c.mean_blocking_s(t), c.mean_time_to_durable_s(t));
+          },
+          py::arg("tier"), "(mean blocking s, mean save -> committed s) of one tier's saves")
       .def_property_readonly("saves_committed", &AsyncCheckpointer::saves_committed)
       .def_property_readonly("memory_saves_committed", &AsyncCheckpointer::memory_saves_committed)
       .def_property_readonly("memory_tier_directory", &AsyncCheckpointer::memory_tier_directory)

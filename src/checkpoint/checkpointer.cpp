@@ -272,6 +272,12 @@ struct AsyncCheckpointer::Impl {
   std::string job_id;
   std::string memory_dir;
   int64_t memory_committed = 0;
+  double memory_durable_sum = 0;
+  // Per tier (index: Tier): what a save blocked training, and how many saves it was summed over. The fences'
+  // waits count against the tier of the save they wait for.
+  double tier_blocking_sum[2] = {0, 0};
+  int64_t tier_blocking_n[2] = {0, 0};
+  Tier last_tier = Tier::kDisk;
 
   std::mutex mu;  // guards queue, closing, in_flight, stats below
   std::condition_variable cv;
@@ -336,6 +342,7 @@ struct AsyncCheckpointer::Impl {
     {
       std::lock_guard<std::mutex> lk(mu);
       blocking_sum += static_cast<double>(e - b) * 1e-6;
+      tier_blocking_sum[static_cast<int>(last_tier)] += static_cast<double>(e - b) * 1e-6;
     }
     if (opt.recorder) opt.recorder->record_phase(blocking_id, b, e, step);
   }
@@ -403,6 +410,7 @@ struct AsyncCheckpointer::Impl {
           if (torn) ++refused;
         } else if (job.tier == Tier::kMemory) {
           ++memory_committed;
+          memory_durable_sum += static_cast<double>(end - job.call_us) * 1e-6;
         } else {
           ++committed;
           durable_sum += static_cast<double>(end - job.call_us) * 1e-6;
@@ -824,6 +832,8 @@ SaveHandle AsyncCheckpointer::save(int64_t step, const NamedTensors& tensors, co
     im.last = hs;
     im.active = overlap ? snap : nullptr;
     ++im.blocking_n;
+    ++im.tier_blocking_n[static_cast<int>(tier)];
+    im.last_tier = tier;
   }
   im.cv.notify_all();
   int64_t e = epoch_us();
@@ -929,6 +939,16 @@ const Stager& AsyncCheckpointer::stager() const { return *impl_->stager; }
 double AsyncCheckpointer::mean_blocking_s() const {
   std::lock_guard<std::mutex> lk(impl_->mu);
   return impl_->blocking_n ? impl_->blocking_sum / static_cast<double>(impl_->blocking_n) : 0.0;
+}
+double AsyncCheckpointer::mean_blocking_s(Tier tier) const {
+  std::lock_guard<std::mutex> lk(impl_->mu);
+  int t = static_cast<int>(tier);
+  return impl_->tier_blocking_n[t] ? impl_->tier_blocking_sum[t] / static_cast<double>(impl_->tier_blocking_n[t]) : 0.0;
+}
+double AsyncCheckpointer::mean_time_to_durable_s(Tier tier) const {
+  if (tier == Tier::kDisk) return mean_time_to_durable_s();
+  std::lock_guard<std::mutex> lk(impl_->mu);
+  return impl_->memory_committed ? impl_->memory_durable_sum / static_cast<double>(impl_->memory_committed) : 0.0;
 }
 double AsyncCheckpointer::mean_time_to_durable_s() const {
   std::lock_guard<std::mutex> lk(impl_->mu);
@@ -1215,8 +1235,9 @@ std::optional<LoadResult> AsyncCheckpointer::load_latest(const NamedTensors& ten
   };
   if (im.memory) {
     if (auto step = im.agree_on_memory_step(im.memory->committed(), im.load_seq++)) {
-      Candidate c = check_candidate(im.memory->dir(), *step, im.rank, im.world, im.opt.verify_on_load,
-                                    load_threads(im.opt), tensors, validate_extra, read_prefixes);
+      Candidate c = check_candidate(im.memory->dir(), *step, im.rank, im.world,
+                                    im.opt.verify_on_load && im.opt.memory_tier.verify, load_threads(im.opt), tensors,
+                                    validate_extra, read_prefixes);
       auto [all, why] = vote("load/" + std::to_string(im.load_seq++) + "/memory-" + std::to_string(*step), c);
       if (all == Verdict::kMismatch) ETTKIT_THROW(InvalidArgument, why);
       if (all == Verdict::kOk) {

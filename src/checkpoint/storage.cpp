@@ -7,6 +7,7 @@
 #include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 #include <xxhash.h>
 #if ETTKIT_XXH_DISPATCH
@@ -312,6 +313,14 @@ void read_ranges(int fd, const std::vector<ReadRange>& ranges, int threads, cons
 
 void verify_file_chunks(const ReadFile& file, const FileDigest& digest, int threads) {
   ETTKIT_EXPECTS(digest.chunk_bytes > 0 && !digest.chunks.empty(), "verify_file_chunks needs chunk checksums");
+  // MAP_POPULATE maps a chunk's cached pages in one call instead of one fault per few pages: verification
+  // of 1 GiB in ext4's page cache went from 2.3x to 1.6-1.8x a memcpy of the same bytes. tmpfs (the memory
+  // tier) is the exception, measured the other way (2.3x without, 2.8-3.2x with): its pages are populated
+  // one by one in either case, and the up-front pass only adds one more walk over them.
+  struct statfs sfs {};
+  constexpr long kTmpfsMagic = 0x01021994;
+  bool tmpfs = ::fstatfs(file.fd(), &sfs) == 0 && static_cast<long>(sfs.f_type) == kTmpfsMagic;
+  const int populate = tmpfs ? 0 : MAP_POPULATE;
   run_parallel(digest.chunks.size(), threads, [&](size_t i) {
     uint64_t begin = i * digest.chunk_bytes;
     uint64_t end = std::min(digest.size, begin + digest.chunk_bytes);
@@ -319,7 +328,8 @@ void verify_file_chunks(const ReadFile& file, const FileDigest& digest, int thre
     // Hashed where the page cache holds it (a mapping: no copy into a buffer, 3-4x faster than pread on
     // the CI machine); chunk offsets are multiples of chunk_bytes, so page-aligned. The file is a committed
     // step's, never written again; its size was checked against the manifest before this.
-    void* map = end > begin ? ::mmap(nullptr, end - begin, PROT_READ, MAP_SHARED, file.fd(), static_cast<off_t>(begin))
+    void* map = end > begin ? ::mmap(nullptr, end - begin, PROT_READ, MAP_SHARED | populate, file.fd(),
+                                     static_cast<off_t>(begin))
                             : MAP_FAILED;
     if (map != MAP_FAILED) {
       ::madvise(map, end - begin, MADV_SEQUENTIAL);

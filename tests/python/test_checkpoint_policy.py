@@ -29,7 +29,7 @@ def test_every_auto_saves_once_to_measure_then_waits_for_the_measurement_then_fo
     with AsyncCheckpointer(tmp_path, recorder=None, every="auto", preempt_signals=(),
                            mtbf_prior_s=3600) as ck:
         ck._clock = clock
-        ck._measured_costs = lambda: (costs["committed"], costs["blocking"], costs["durable"])
+        ck._measured_costs = lambda tier="disk": (costs["committed"], costs["blocking"], costs["durable"])
         assert ck.should_save(1)  # nothing saved yet: the first save measures what a save costs
         ck.save(1, state(1)).wait()
         # Not measured yet (as while the first save still persists, or after it failed): the conservative
@@ -89,3 +89,65 @@ def test_latest_step_is_the_newest_commit_and_reads_only(tmp_path):
         with pytest.warns(RuntimeWarning):  # step-9 and step-8 are reported as not loadable
             restored = ck.load_latest(state(0))
     assert restored[0] == latest_step(ckpt)
+
+
+def test_two_intervals_memory_between_disk_saves(tmp_path):
+    # every=6 (disk), every_memory=2: the policy's saves alternate tiers, and save() without a tier follows it.
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    with AsyncCheckpointer(tmp_path / "ck", recorder=None, every=6, every_memory=2, memory_tier=shm, job_id="j",
+                           preempt_signals=()) as ck:
+        tiers = {}
+        for step in range(1, 13):
+            tier = ck.due(step)
+            assert ck.should_save(step) == (tier is not None)
+            if tier:
+                h = ck.save(step, state(step))
+                assert h.tier == tier
+                h.wait()
+                tiers[step] = tier
+        assert tiers == {2: "memory", 4: "memory", 6: "disk", 8: "memory", 10: "memory", 12: "disk"}
+        assert ck.saves_committed == 2 and ck.memory_saves_committed == 4
+        # An explicit tier wins; a save outside the policy goes to disk.
+        assert ck.save(13, state(13)).tier == "disk"
+        assert ck.save(14, state(14), tier="memory").tier == "memory"
+        ck.wait()
+        assert latest_step(tmp_path / "ck") == 13
+
+
+def test_every_memory_auto_measures_its_own_tier(tmp_path):
+    clock = FakeClock()
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    costs = {"disk": (0, 0.0, 0.0), "memory": (0, 0.0, 0.0)}
+    with AsyncCheckpointer(tmp_path / "ck", recorder=None, every=100, every_memory="auto", memory_tier=shm,
+                           job_id="j", preempt_signals=(), mtbf_prior_s=3600) as ck:
+        ck._clock = clock
+        ck._measured_costs = lambda tier="disk": costs[tier]
+        assert ck.due(1) == "memory"  # the first memory save measures the tier
+        ck.save(1, state(1)).wait()
+        assert ck.auto_interval_s("memory") == AUTO_UNMEASURED_INTERVAL_S
+        costs["memory"] = (1, 0.004, 0.3)
+        expected = max(recommend_interval(0.004, 3600.0, 0.0, "daly"), 0.3)
+        assert ck.auto_interval_s("memory") == pytest.approx(expected)
+        clock.now += expected - 0.5
+        assert ck.due(2) is None
+        clock.now += 1.0
+        assert ck.due(3) == "memory"
+        assert ck.due(100) == "disk"  # the disk interval is due: disk wins the step
+    # The memory interval is the tier's own: real costs, every save measured.
+    with AsyncCheckpointer(tmp_path / "ck2", recorder=None, every_memory=2, memory_tier=shm, job_id="j2",
+                           preempt_signals=()) as ck:
+        ck.save(2, state(2)).wait()
+        committed, blocking, durable = ck._measured_costs("memory")
+        assert committed == 1 and blocking > 0 and durable > 0
+        assert ck._measured_costs("disk")[0] == 0
+
+
+def test_every_memory_needs_a_memory_tier_and_a_valid_interval(tmp_path):
+    from ettkit import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="every_memory=2 needs a memory tier"):
+        AsyncCheckpointer(tmp_path, recorder=None, every_memory=2)
+    with pytest.raises(InvalidArgumentError, match="every_memory=-1"):
+        AsyncCheckpointer(tmp_path, recorder=None, every_memory=-1, memory_tier=True, job_id="j")

@@ -122,6 +122,9 @@ struct ETTKIT_API MemoryTierOptions {
   /// Upper bound on the tier's bytes per rank (<= 0: none). When two snapshots do not fit, the held one is
   /// retired before the next is written; a snapshot larger than the budget is refused (InvalidArgument).
   int64_t budget_bytes = 0;
+  /// Checksums of a memory step are verified on load when this and CheckpointerOptions::verify_on_load are
+  /// both true. Verification reads the bytes once more before copying them (docs/benchmarks.md: restore).
+  bool verify = true;
 };
 
 struct ETTKIT_API StagerOptions {
@@ -383,6 +386,10 @@ class ETTKIT_API AsyncCheckpointer {
   /// Mean measured time a save blocked training and mean time to durable (seconds; 0 before any).
   double mean_blocking_s() const;
   double mean_time_to_durable_s() const;
+  /// The same for one tier's saves (the fences' waits count against the tier of the save they wait for);
+  /// Tier::kMemory's time to durable is save() -> committed in the memory tier.
+  double mean_blocking_s(Tier tier) const;
+  double mean_time_to_durable_s(Tier tier) const;
   /// Disk saves committed (memory-tier saves: memory_saves_committed()).
   int64_t saves_committed() const;
   int64_t memory_saves_committed() const;

@@ -199,6 +199,13 @@ class AsyncCheckpointer:
     model is attached, overlapped saves copy tensors up to this size inside ``save()`` (BatchNorm
     statistics are written without a version bump); 0 for a loop that fences every writer itself.
 
+    ``memory_tier`` (``True`` for ``/dev/shm``, or a directory on a memory file system) keeps this rank's
+    latest snapshot where it survives the process but not the node; ``job_id`` names the job (default
+    ``TORCHELASTIC_RUN_ID``, else ``SLURM_JOB_ID``); ``memory_tier_budget_bytes`` bounds it per rank;
+    ``verify_memory_tier=False`` skips the checksums of memory steps on load (the disk tier's stay on).
+    ``every_memory`` (steps, a duration or ``"auto"``) is the memory tier's own interval: a save the
+    policy makes between two disk saves goes to the memory tier (docs/checkpoint.md, "The memory tier").
+
     Rank 0 holds the directory's lock (``CKPT_DIR/.lock``) from here to :meth:`close`: a second checkpointer
     on the same directory, in another job or in this process, raises :class:`ettkit.CheckpointLockedError`
     naming the holder. ``read_only=True`` only loads: no lock, nothing removed, ``save()`` raises.
@@ -212,7 +219,8 @@ class AsyncCheckpointer:
                  mtbf_prior_s: float = 24 * 3600.0, pin_memory: Optional[bool] = None, overlap: Any = "auto",
                  unfenced_sync_max_bytes: int = 64 * 1024, read_only: bool = False, peer_timeout_s: float = 3.0,
                  memory_tier: Any = None, job_id: Optional[str] = None,
-                 memory_tier_budget_bytes: Optional[int] = None):
+                 memory_tier_budget_bytes: Optional[int] = None, every_memory: Any = None,
+                 verify_memory_tier: bool = True):
         if on_busy not in ("wait", "skip", "error"):
             raise InvalidArgumentError(f"on_busy={on_busy!r} is not one of 'wait', 'skip', 'error'")
         if memory_budget_bytes is not None and memory_budget_bytes <= 0:
@@ -222,6 +230,13 @@ class AsyncCheckpointer:
                 f"memory_tier_budget_bytes={memory_tier_budget_bytes} must be positive (or None)")
         memory_root = _memory_tier_root(memory_tier)
         self._every_kind, self._every_value = parse_every(every)
+        try:
+            self._mem_kind, self._mem_value = parse_every(every_memory)
+        except InvalidArgumentError as e:
+            raise InvalidArgumentError(str(e).replace("every=", "every_memory=", 1)) from None
+        if self._mem_kind != "never" and not memory_root:
+            raise InvalidArgumentError(f"every_memory={every_memory!r} needs a memory tier: pass memory_tier=True "
+                                       f"(/dev/shm) or a directory on a memory file system")
         rank, world = 0, 1
         if process_group is not None or (torch.distributed.is_available() and torch.distributed.is_initialized()):
             import torch.distributed as dist
@@ -242,15 +257,19 @@ class AsyncCheckpointer:
             rank=rank, world_size=world, commit_timeout_s=float(commit_timeout_s), recorder=recorder,
             metadata={str(k): str(v) for k, v in (metadata or {}).items()}, store=store, read_only=bool(read_only),
             peer_timeout_s=float(peer_timeout_s), memory_tier=memory_root, job_id=str(job_id or ""),
-            memory_tier_budget_bytes=int(memory_tier_budget_bytes or 0))
+            memory_tier_budget_bytes=int(memory_tier_budget_bytes or 0), verify_memory_tier=bool(verify_memory_tier))
         self.restored_from: Optional[str] = None
         if unfenced_sync_max_bytes < 0:
             raise InvalidArgumentError(f"unfenced_sync_max_bytes={unfenced_sync_max_bytes} must be >= 0")
         self._c.set_unfenced_sync_max_bytes(int(unfenced_sync_max_bytes))
         self._clock = time.monotonic  # the interval policy's clock (tests replace it)
+        # The interval policy's state, per tier.
         self._last_save_step: Optional[int] = None
         self._last_save_time = self._clock()
         self._saves_made = 0
+        self._last_mem_step: Optional[int] = None
+        self._last_mem_time = self._last_save_time
+        self._mem_saves_made = 0
         self._fences = Fences(self._c)
         self._handles: deque = deque(maxlen=4)
         self._tensor_list = _C.checkpoint.TensorList()
@@ -263,7 +282,7 @@ class AsyncCheckpointer:
         self._preempt_time = 0.0
         self._preempt_deadline_s = float(preempt_deadline_s)
         self._old_handlers: dict = {}
-        if preempt_signals is None and self._every_kind != "never":
+        if preempt_signals is None and (self._every_kind != "never" or self._mem_kind != "never"):
             preempt_signals = (signal.SIGTERM,)
         if preempt_signals and threading.current_thread() is threading.main_thread():
             for sig in preempt_signals:
@@ -275,7 +294,7 @@ class AsyncCheckpointer:
         self._finalizer = weakref.finalize(self, self._c.close, False)
 
     # ---- saving -------------------------------------------------------------------------------------
-    def save(self, step: int, state_dict: Any, extra: Any = None, *, tier: str = "disk") -> SaveHandle:
+    def save(self, step: int, state_dict: Any, extra: Any = None, *, tier: Optional[str] = None) -> SaveHandle:
         """Stages ``state_dict`` and persists it in the background as step ``step``. Statefuls in it (modules,
         optimizers, schedulers, anything with ``state_dict()``/``load_state_dict()``) are saved through a
         fresh ``state_dict()``, and so is a dict captured from an attached optimizer's ``state_dict()``
@@ -289,7 +308,10 @@ class AsyncCheckpointer:
 
         ``tier="memory"`` (needs ``memory_tier``) commits this rank's snapshot into the memory tier instead of
         the directory: no disk write and no collective, it survives a killed process on this node (not the
-        node), and a later disk save of a step at least as new retires it."""
+        node), and a later disk save of a step at least as new retires it. ``tier=None`` (default): the tier
+        :meth:`due` names for this step, and ``"disk"`` when it names none (a save outside the policy)."""
+        if tier is None:
+            tier = self.due(step) or "disk"
         if tier not in ("disk", "memory"):
             raise InvalidArgumentError(f"tier={tier!r} is not one of 'disk', 'memory'")
         # Statefuls (modules, optimizers, ...) give a fresh state_dict() here, so the save holds the state an
@@ -312,9 +334,12 @@ class AsyncCheckpointer:
                                               protocol=pickle.HIGHEST_PROTOCOL)
         handle = self._c.save(int(step), self._tensor_list, blob, tier)
         if not handle.skipped:
-            self._last_save_step = int(step)
-            self._last_save_time = self._clock()
-            self._saves_made += 1
+            if tier == "memory":
+                self._last_mem_step, self._last_mem_time = int(step), self._clock()
+                self._mem_saves_made += 1
+            else:
+                self._last_save_step, self._last_save_time = int(step), self._clock()
+                self._saves_made += 1
             self._handles.append(handle)
         if self._preempt_signal is not None:
             self._finish_preemption(handle)
@@ -358,26 +383,43 @@ class AsyncCheckpointer:
 
     # ---- when to save -------------------------------------------------------------------------------
     def should_save(self, step: int) -> bool:
-        """The interval policy given as ``every``; always True once a preemption signal arrived."""
+        """Whether the interval policy (``every``, and ``every_memory`` with a memory tier) saves at this
+        step: ``due(step) is not None``. Always True once a preemption signal arrived."""
+        return self.due(step) is not None
+
+    def due(self, step: int) -> Optional[str]:
+        """The tier the interval policy saves to at this step: ``"disk"`` when ``every`` is due (always once
+        a preemption signal arrived), else ``"memory"`` when ``every_memory`` is, else ``None``. The two
+        intervals run separately: a memory save does not reset the disk interval."""
         if self._preempt_signal is not None:
-            return True
-        kind = self._every_kind
+            return "disk"
+        if self._interval_due(step, self._every_kind, self._every_value, self._last_save_step,
+                              self._last_save_time, self._saves_made, "disk"):
+            return "disk"
+        if self._interval_due(step, self._mem_kind, self._mem_value, self._last_mem_step, self._last_mem_time,
+                              self._mem_saves_made, "memory"):
+            return "memory"
+        return None
+
+    def _interval_due(self, step, kind, value, last_step, last_time, made, tier) -> bool:
         if kind == "never":
             return False
         if kind == "steps":
-            return step > 0 and step % int(self._every_value) == 0 and step != self._last_save_step
-        elapsed = self._clock() - self._last_save_time
+            return step > 0 and step % int(value) == 0 and step != last_step and step != self._last_save_step
+        elapsed = self._clock() - last_time
         if kind == "seconds":
-            return elapsed >= self._every_value
-        if self._saves_made == 0:
+            return elapsed >= value
+        if made == 0:
             return True  # "auto": the first save measures what a save costs
-        return elapsed >= self.auto_interval_s()
+        return elapsed >= self.auto_interval_s(tier)
 
-    def auto_interval_s(self) -> float:
-        """The interval the ETT advisor recommends from this job's measured blocking time, save duration
-        and failure history (Daly's first order, never below the time a save takes to become durable).
-        Before a save has committed (nothing measured): :data:`AUTO_UNMEASURED_INTERVAL_S`."""
-        committed, blocking, durable = self._measured_costs()
+    def auto_interval_s(self, tier: str = "disk") -> float:
+        """The interval the ETT advisor recommends for one tier from this job's measured blocking time and
+        save duration in that tier and its failure history (Daly's first order, never below the time a save
+        of that tier takes to commit). Before a save of the tier has committed (nothing measured):
+        :data:`AUTO_UNMEASURED_INTERVAL_S`. Both tiers are held against every failure the history shows
+        (the ledger does not say which failures lost a node; the disk interval is the conservative one)."""
+        committed, blocking, durable = self._measured_costs(tier)
         if committed == 0:
             return AUTO_UNMEASURED_INTERVAL_S
         from ..ett import recommend_interval
@@ -385,9 +427,12 @@ class AsyncCheckpointer:
         interval = recommend_interval(max(blocking, 1e-4), self._mtbf_s, self._restart_s, "daly")
         return max(interval, durable)
 
-    def _measured_costs(self) -> tuple[int, float, float]:
-        """(saves committed, mean blocking s, mean time to durable s): what ``every="auto"`` decides from."""
-        return self._c.saves_committed, self._c.mean_blocking_s, self._c.mean_time_to_durable_s
+    def _measured_costs(self, tier: str = "disk") -> tuple[int, float, float]:
+        """(saves committed, mean blocking s, mean time to committed s) of one tier: what ``"auto"`` decides
+        from."""
+        if tier == "memory":
+            return (self._c.memory_saves_committed, *self._c.tier_costs("memory"))
+        return (self._c.saves_committed, *self._c.tier_costs("disk"))
 
     def _failure_history(self, prior: float) -> tuple[float, float]:
         rec = self._recorder
@@ -482,7 +527,7 @@ class AsyncCheckpointer:
         else:
             value = _decode_extra(blob)
             saved = _saved_states(slots, live, value)
-        self._last_save_step = int(step)
+        self._last_save_step = self._last_mem_step = int(step)
         if slots:
             loaded = dict(zip(names, tensors))
             loaded.update(read)
