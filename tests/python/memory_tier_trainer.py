@@ -17,7 +17,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-
 from ettkit.checkpoint import AsyncCheckpointer
 
 

@@ -9,10 +9,9 @@ import signal
 import subprocess
 import sys
 
+import ettkit
 import pytest
 import torch
-
-import ettkit
 from ettkit.checkpoint import AsyncCheckpointer
 
 TRAINER = os.path.join(os.path.dirname(__file__), "memory_tier_trainer.py")
