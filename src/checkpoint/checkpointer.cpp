@@ -371,7 +371,7 @@ struct AsyncCheckpointer::Impl {
             // A durable step supersedes the memory snapshots up to it, and those of other runs (another
             // timeline: this run's saves are what a restart must come back to).
             if (memory) {
-              memory->retire_if([&](const MemoryStep& s) { return s.step <= job.step || s.run_id != run_id; });
+              memory->retire_if([&](const MemoryStep& s) { return s.step <= job.step || !memory->in_lineage(s.run_id); });
             }
           }
         } catch (const PeerLost&) {
@@ -1246,6 +1246,12 @@ std::optional<LoadResult> AsyncCheckpointer::load_latest(const NamedTensors& ten
         out.extra = std::move(c.extra);
         out.tier = Tier::kMemory;
         int64_t loaded = *step;
+        // The loaded step's run becomes this run's lineage; every other step is another timeline.
+        std::string loaded_run;
+        for (const MemoryStep& s : im.memory->committed(/*warn=*/false)) {
+          if (s.step == loaded) loaded_run = s.run_id;
+        }
+        im.memory->adopt(loaded_run);
         im.memory->retire_if([&](const MemoryStep& s) { return s.step != loaded; });
         ETTKIT_LOG_INFO("checkpoint: restored step ", loaded, " from the memory tier '", im.memory->dir(), "'");
         record_restore(loaded);

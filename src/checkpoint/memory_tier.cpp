@@ -109,10 +109,11 @@ std::optional<std::string> MemoryTier::try_lock() {
   return std::nullopt;
 }
 
-std::vector<MemoryStep> MemoryTier::committed() const {
+std::vector<MemoryStep> MemoryTier::committed(bool warn) const {
   std::vector<MemoryStep> out;
   StepListing l = list_steps(dir_);
   for (const StepEntry& e : l.others) {
+    if (!warn) break;
     // Everything in a rank directory is ettkit's: an entry that is not a committed step is removed by the
     // next retention (retire_if).
     ETTKIT_LOG_WARN("checkpoint memory tier: '", dir_, "/", e.name, "' is not usable (", e.problem,
@@ -131,8 +132,10 @@ std::vector<MemoryStep> MemoryTier::committed() const {
       for (const auto& [name, d] : m.files) s.bytes += d.size;
       out.push_back(std::move(s));
     } catch (const Error& x) {
-      ETTKIT_LOG_WARN("checkpoint memory tier: '", mpath, "' is not usable (", x.message(),
-                      "); the disk tier is used instead");
+      if (warn) {
+        ETTKIT_LOG_WARN("checkpoint memory tier: '", mpath, "' is not usable (", x.message(),
+                        "); the disk tier is used instead");
+      }
     }
   }
   return out;
@@ -140,12 +143,20 @@ std::vector<MemoryStep> MemoryTier::committed() const {
 
 std::string MemoryTier::begin(int64_t step, const std::string& run_id, uint64_t bytes) {
   ETTKIT_EXPECTS(!discarded_, "the memory tier was discarded");
+  ETTKIT_EXPECTS(budget_ <= 0 || bytes <= static_cast<uint64_t>(budget_), "a memory-tier snapshot of step ", step,
+                 " needs ", bytes, " bytes; memory_tier_budget_bytes=", budget_, " is smaller: raise it, or save "
+                 "this state to the disk tier only");
+  adopt(run_id);
+  // Newest commit first: the first step of the lineage is the one kept.
+  bool kept = false;
+  retire_if([&](const MemoryStep& s) {
+    if (!in_lineage(s.run_id) || kept) return true;
+    kept = true;
+    return false;
+  });
   if (budget_ > 0) {
-    ETTKIT_EXPECTS(bytes <= static_cast<uint64_t>(budget_), "a memory-tier snapshot of step ", step, " needs ",
-                   bytes, " bytes; memory_tier_budget_bytes=", budget_, " is smaller: raise it, or save this "
-                   "state to the disk tier only");
     uint64_t held = 0;
-    for (const MemoryStep& s : committed()) held += s.bytes;
+    for (const MemoryStep& s : committed(/*warn=*/false)) held += s.bytes;
     if (held + bytes > static_cast<uint64_t>(budget_)) {
       // Two snapshots do not fit: the old one goes first, so a crash while this one is written leaves the
       // disk tier as the only copy (said once per run at info level: it is the configured trade-off).
@@ -165,8 +176,6 @@ void MemoryTier::commit(const std::string& tmp, Manifest manifest) {
   std::string text = encode_manifest(manifest);
   write_file_durably(tmp + "/manifest.json", {ConstBuffer{text.data(), text.size()}});
   commit_step_directory(dir_, tmp, step);
-  const std::string run = manifest.metadata.at("ettkit.run_id");
-  retire_if([&](const MemoryStep& s) { return s.step != step || s.run_id != run; });
 }
 
 void MemoryTier::abort(const std::string& tmp) noexcept { remove_tree_quietly(tmp); }
@@ -175,7 +184,7 @@ void MemoryTier::retire_if(const std::function<bool(const MemoryStep&)>& drop) n
   try {
     // Unusable entries (a manifest that does not decode) go too: they could only be warned about again.
     for (const StepEntry& e : list_steps(dir_).others) retire(dir_, e.name);
-    for (const MemoryStep& s : committed()) {
+    for (const MemoryStep& s : committed(/*warn=*/false)) {
       if (drop(s)) retire(dir_, step_dir_name(s.step));
     }
   } catch (const std::exception& e) {

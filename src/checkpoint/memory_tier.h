@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -62,15 +63,23 @@ class MemoryTier {
 
   /// The committed steps, newest commit first, with the manifest fields the load vote needs. A step whose
   /// manifest does not decode is left out with a warning (load_latest then uses the disk tier).
-  std::vector<MemoryStep> committed() const;
+  std::vector<MemoryStep> committed(bool warn = true) const;
 
-  /// Before a snapshot of `bytes` is written: InvalidArgument when it alone exceeds the budget; otherwise
-  /// retires committed steps until it fits beside them (with a bounded budget, a crash while writing can
-  /// then leave no memory step: the disk tier is the fallback). Returns the temporary directory to write
+  /// Marks a run's snapshots as this process's lineage: its own run (at the first begin()) and the run of
+  /// a memory step it restored. Snapshots of other runs are other timelines, retired by the next begin().
+  void adopt(const std::string& run_id) { lineage_.insert(run_id); }
+  bool in_lineage(const std::string& run_id) const { return lineage_.count(run_id) > 0; }
+
+  /// Before a snapshot of `bytes` is written: InvalidArgument when it alone exceeds the budget. Retires
+  /// every committed step but the newest of the lineage, so that the tier holds at most two snapshots at
+  /// any moment (the previous and the next until the next commits; the two newest after it), and more when
+  /// the budget needs it (with a bounded budget a crash while writing can then leave no memory step: the
+  /// disk tier is the fallback). Why two: a rank killed while writing step N leaves the other ranks with N
+  /// committed; the previous step is what every rank still holds. Returns the temporary directory to write
   /// rank-<r>.safetensors / .extra into.
   std::string begin(int64_t step, const std::string& run_id, uint64_t bytes);
-  /// Writes the manifest (this rank's files only, run id and job in its metadata), renames the temporary
-  /// directory to step-<N> (replacing an older step-<N>), then retires every other committed step.
+  /// Writes the manifest (this rank's files only, run id and job in its metadata) and renames the temporary
+  /// directory to step-<N> (replacing an older step-<N>).
   void commit(const std::string& tmp, Manifest manifest);
   /// Removes a temporary directory of a failed or refused snapshot. Never throws.
   void abort(const std::string& tmp) noexcept;
@@ -89,6 +98,7 @@ class MemoryTier {
   int64_t budget_ = 0;
   DirectoryLock lock_;
   bool discarded_ = false;
+  std::set<std::string> lineage_;
 };
 
 /// Removes every tier under `root` that belongs to `directory` but another job and whose ranks' locks are

@@ -65,7 +65,7 @@ def test_sigkilled_job_restores_from_memory_or_all_ranks_from_disk(tmp_path, ref
     assert codes == [-signal.SIGKILL] * 2, errs
     for r in range(2):  # each rank's memory tier holds the killed step
         (job,) = os.listdir(shm[r])
-        assert sorted(os.listdir(shm[r] / job / f"rank-{r}")) == [".lock", f"step-{KILL_AT}"]
+        assert sorted(os.listdir(shm[r] / job / f"rank-{r}")) == [".lock", f"step-{KILL_AT}", f"step-{KILL_AT - 2}"]
     if lose_rank_1_memory:
         shutil.rmtree(shm[1])
         shm[1].mkdir()

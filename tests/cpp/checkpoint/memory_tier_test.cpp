@@ -109,8 +109,10 @@ TEST(MemoryTier, ADiskSaveOfANewerStepRetiresTheMemoryStep) {
     ASSERT_TRUE(ck.save(3, state(3), "m3", Tier::kMemory).wait());
     ASSERT_TRUE(ck.save(4, state(4), "m4", Tier::kMemory).wait());
     mem_dir = ck.memory_tier_directory();
-    EXPECT_EQ(memory_steps(mem_dir), (std::vector<int64_t>{4}));  // one held snapshot
-    ASSERT_TRUE(ck.save(4, state(4), "d4").wait());
+    EXPECT_EQ(memory_steps(mem_dir), (std::vector<int64_t>{4, 3}));  // the two newest
+    ASSERT_TRUE(ck.save(5, state(5), "m5", Tier::kMemory).wait());
+    EXPECT_EQ(memory_steps(mem_dir), (std::vector<int64_t>{5, 4}));
+    ASSERT_TRUE(ck.save(5, state(5), "d5").wait());
     EXPECT_TRUE(memory_steps(mem_dir).empty());
     ASSERT_TRUE(ck.save(6, state(6), "m6", Tier::kMemory).wait());
   }
