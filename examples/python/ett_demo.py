@@ -44,6 +44,7 @@ FULL = {
     "batch_size": 1024,
     "steps": 600,
     "ckpt_every": 100,
+    "ckpt_every_memory": 20,  # the ettkit arm's memory tier, with --same-host-restart only
     "crash_at_step": 380,
     "crash_rank": 1,
     "embedding_dim": 32,
@@ -80,6 +81,7 @@ QUICK.update(
         "batch_size": 512,
         "steps": 200,
         "ckpt_every": 40,
+        "ckpt_every_memory": 8,
         "crash_at_step": 150,
         "bottom_mlp": [64],
         "top_mlp": [64],

@@ -21,7 +21,8 @@ checkpoint           ``torch.save`` of each rank's state (tmp,    ``AsyncCheckpo
 
 Each attempt compiles with an empty node-local Inductor cache (``TORCHINDUCTOR_CACHE_DIR`` per attempt and
 rank), as on a replacement node; ``"fresh_node_per_attempt": false`` in the config (the driver's
-``--same-host-restart``) keeps it across attempts.
+``--same-host-restart``) keeps it across attempts, and then the ettkit arm also keeps a memory tier in
+``/dev/shm`` (a memory save every ``ckpt_every_memory`` steps), which only a restart on the same node finds.
 
     torchrun --nproc-per-node=2 --max-restarts=1 examples/python/demo/train.py --arm ettkit \
         --config CONFIG.json --run-dir RUN --data-dir DATA
@@ -79,6 +80,8 @@ DIM = CFG["embedding_dim"]
 B = CFG["batch_size"]
 STEPS = CFG["steps"]
 EVERY = CFG["ckpt_every"]
+# The memory tier survives a killed process, not a replacement node: used only when restarts stay on the node.
+MEMORY_EVERY = None if CFG.get("fresh_node_per_attempt", True) else CFG.get("ckpt_every_memory")
 
 
 def say(msg: str, *, all_ranks: bool = False) -> None:
@@ -371,8 +374,14 @@ def run_ettkit(rec) -> None:
             keep_last=2,
             metadata={"shard_layout": json.dumps(layout)},
             preempt_signals=(),
+            memory_tier=MEMORY_EVERY is not None,  # job id: torchrun's TORCHELASTIC_RUN_ID
+            every_memory=MEMORY_EVERY,
         )
-    start = ettkit_peek_latest_step() + 1  # where the data loader starts; checked after the restore
+    # Where the data loader starts; checked after the restore. With a memory tier, this rank's newest memory
+    # step counts too (the restore takes it when every rank holds it and the disk has nothing newer).
+    start = ettkit_peek_latest_step() + 1
+    if ck.memory_tier_directory:
+        start = max(start, (latest_step(ck.memory_tier_directory) or 0) + 1)
     built: dict = {}
 
     def create_tables():
@@ -451,7 +460,9 @@ def run_ettkit(rec) -> None:
         tr.finish_step(tr.forward_backward(batch))
         tr.maybe_crash(step)
         if ck.should_save(step):
-            ck.save(step, state)  # records checkpoint_blocking; persists and commits in the background
+            # records checkpoint_blocking; persists and commits in the background, to disk every EVERY steps
+            # and, with a memory tier, to /dev/shm every MEMORY_EVERY steps in between
+            ck.save(step, state)
         rec.step(step)
         if step == start and RANK == 0:
             with rec.phase("compile/cache_save"):  # forward and backward have compiled: a restart is warm
@@ -460,7 +471,7 @@ def run_ettkit(rec) -> None:
             say(f"recompiles after the first real steps: {report.recompiles}")
         tr.progress(step, start)
     with rec.phase("shutdown"):
-        ck.close()  # waits until the last save is durable
+        ck.close()  # waits until the last save is durable; a clean end removes the memory tier
         del batches
         dist.destroy_process_group()
 
