@@ -265,7 +265,9 @@ struct AsyncCheckpointer::Impl {
   std::string run_id;
   std::string key_prefix;
   std::unique_ptr<Stager> stager;
-  uint32_t blocking_id = 0, persist_id = 0, staging_id = 0, refused_id = 0, memory_id = 0;
+  // Ledger phase ids, per tier where the tier is in the name (index: Tier; docs/ett.md, "checkpoint tiers").
+  uint32_t blocking_id[2] = {0, 0}, refused_id[2] = {0, 0}, restore_id[2] = {0, 0};
+  uint32_t persist_id = 0, staging_id = 0, memory_id = 0;
   // The memory tier (null without one). Written by the writer thread only; load_latest and close touch it
   // after wait_all() / the writer's join.
   std::unique_ptr<MemoryTier> memory;
@@ -344,7 +346,7 @@ struct AsyncCheckpointer::Impl {
       blocking_sum += static_cast<double>(e - b) * 1e-6;
       tier_blocking_sum[static_cast<int>(last_tier)] += static_cast<double>(e - b) * 1e-6;
     }
-    if (opt.recorder) opt.recorder->record_phase(blocking_id, b, e, step);
+    if (opt.recorder) opt.recorder->record_phase(blocking_id[static_cast<int>(last_tier)], b, e, step);
   }
 
   void run_writer() {
@@ -401,7 +403,9 @@ struct AsyncCheckpointer::Impl {
         } catch (...) {
         }
       }
-      if (torn && opt.recorder) opt.recorder->record_background(refused_id, job.call_us, end, job.step);
+      if (torn && opt.recorder) {
+        opt.recorder->record_background(refused_id[static_cast<int>(job.tier)], job.call_us, end, job.step);
+      }
       {
         // Statistics first, so a caller woken by the handle sees them.
         std::lock_guard<std::mutex> lk(mu);
@@ -748,13 +752,20 @@ AsyncCheckpointer::AsyncCheckpointer(CheckpointerOptions options, c10::intrusive
     if (!im.opt.read_only) remove_stale_temporaries(im.opt.directory, im.run_id);
   }
   if (im.opt.recorder) {
-    im.blocking_id = im.opt.recorder->phase_id(ett::phase::kCheckpointBlocking);
-    im.persist_id = im.opt.recorder->phase_id(ett::phase::kCheckpointPersist);
-    im.staging_id = im.opt.recorder->phase_id("checkpoint_staging");
-    im.refused_id = im.opt.recorder->phase_id("checkpoint_refused");
+    auto& rec = *im.opt.recorder;
+    const std::string memory(ett::phase::kMemoryTierSuffix);
+    for (Tier t : {Tier::kDisk, Tier::kMemory}) {
+      const std::string suffix = t == Tier::kMemory ? memory : std::string();
+      const int i = static_cast<int>(t);
+      im.blocking_id[i] = rec.phase_id(std::string(ett::phase::kCheckpointBlocking) + suffix);
+      im.refused_id[i] = rec.phase_id(std::string(ett::phase::kCheckpointRefused) + suffix);
+      im.restore_id[i] = rec.phase_id(std::string(ett::phase::kCheckpointRestore) + suffix);
+    }
+    im.persist_id = rec.phase_id(ett::phase::kCheckpointPersist);
+    im.memory_id = rec.phase_id(ett::phase::kCheckpointMemoryPersist);
+    im.staging_id = rec.phase_id("checkpoint_staging");
   }
   if (!im.opt.memory_tier.root.empty()) im.open_memory_tier();
-  if (im.opt.recorder) im.memory_id = im.opt.recorder->phase_id("checkpoint_memory_persist");
   im.stager = std::make_unique<Stager>(im.opt.stager);
   im.writer = std::thread([this] {
     ettkit::detail::mark_background_thread();
@@ -1228,10 +1239,8 @@ std::optional<LoadResult> AsyncCheckpointer::load_latest(const NamedTensors& ten
     }
     return {all, why};
   };
-  auto record_restore = [&](int64_t step) {
-    if (im.opt.recorder) {
-      im.opt.recorder->record_phase(im.opt.recorder->phase_id(ett::phase::kCheckpointRestore), b, epoch_us(), step);
-    }
+  auto record_restore = [&](int64_t step, Tier tier) {
+    if (im.opt.recorder) im.opt.recorder->record_phase(im.restore_id[static_cast<int>(tier)], b, epoch_us(), step);
   };
   if (im.memory) {
     if (auto step = im.agree_on_memory_step(im.memory->committed(), im.load_seq++)) {
@@ -1254,7 +1263,7 @@ std::optional<LoadResult> AsyncCheckpointer::load_latest(const NamedTensors& ten
         im.memory->adopt(loaded_run);
         im.memory->retire_if([&](const MemoryStep& s) { return s.step != loaded; });
         ETTKIT_LOG_INFO("checkpoint: restored step ", loaded, " from the memory tier '", im.memory->dir(), "'");
-        record_restore(loaded);
+        record_restore(loaded, Tier::kMemory);
         return out;
       }
       ETTKIT_LOG_WARN("checkpoint: memory-tier step ", *step, " is not loadable, restoring from the disk tier '",
@@ -1306,7 +1315,7 @@ std::optional<LoadResult> AsyncCheckpointer::load_latest(const NamedTensors& ten
       out.extra = std::move(c.extra);
       // The memory tier holds no step this one does not supersede: it is another timeline, or older.
       if (im.memory) im.memory->retire_if([](const MemoryStep&) { return true; });
-      record_restore(step);
+      record_restore(step, Tier::kDisk);
       return out;
     }
     if (!vanished) break;

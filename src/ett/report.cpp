@@ -359,6 +359,149 @@ void stream_chrome_trace(const std::string& path, const std::string& run_dir, in
   out.commit(other.dump(-1, ' ', false, json::error_handler_t::replace));
 }
 
+// ---- checkpoint tiers -------------------------------------------------------------------------------------
+// A checkpoint record's tier is in its name: "<phase>/memory" (checkpoint_blocking/memory,
+// checkpoint_restore/memory, checkpoint_refused/memory) and checkpoint_memory_persist are the memory tier's;
+// the phase itself and its other sub-stages are the durable (disk) tier's, as every record was before the
+// memory tier existed.
+enum class CkptTier : uint8_t { kDisk = 0, kMemory = 1 };
+constexpr CkptTier kCkptTiers[] = {CkptTier::kDisk, CkptTier::kMemory};
+const char* tier_key(CkptTier t) { return t == CkptTier::kMemory ? "memory" : "disk"; }
+
+std::optional<CkptTier> checkpoint_tier(const std::string& name, std::string_view phase_name) {
+  if (name == phase_name) return CkptTier::kDisk;
+  if (name.size() <= phase_name.size() || name.compare(0, phase_name.size(), phase_name) != 0 ||
+      name[phase_name.size()] != '/') {
+    return std::nullopt;
+  }
+  return std::string_view(name).substr(phase_name.size() + 1) == "memory" ? CkptTier::kMemory : CkptTier::kDisk;
+}
+
+std::optional<CkptTier> persist_tier(const std::string& name) {
+  if (name == phase::kCheckpointMemoryPersist) return CkptTier::kMemory;
+  return checkpoint_tier(name, phase::kCheckpointPersist);
+}
+
+// What the lowest rank's records say about one tier's saves.
+struct TierSaves {
+  int count = 0;    // saves (blocking records; several of the same step are one save)
+  int refused = 0;  // saves the integrity check refused (tensors changed while being copied)
+  std::vector<double> between_training;  // training seconds between consecutive saves of the tier
+  std::vector<double> durable_latency;   // save call -> committed, per committed save
+};
+
+// Per-rank figures come from the lowest rank (every rank runs the same loop in data-parallel jobs).
+template <typename Attempts>
+TierSaves tier_saves(const Attempts& ref_attempts, const std::vector<std::string>& names, CkptTier tier) {
+  TierSaves out;
+  for (const auto& ra : ref_attempts) {
+    const auto& a = *ra.ledger;
+    for (const auto& p : a.background) {
+      const std::string& n = names[p.name];
+      if (persist_tier(n) == tier) out.durable_latency.push_back(seconds(p.e - p.b));
+      if (checkpoint_tier(n, phase::kCheckpointRefused) == tier) ++out.refused;
+    }
+    std::vector<std::pair<int64_t, int64_t>> blocks;
+    // One checkpoint can block more than once (the save call, then the optimizer's wait for its copies):
+    // records that carry the same step are one checkpoint.
+    std::set<int64_t> blocked_steps;
+    int unnumbered = 0;
+    for (const auto& p : a.phases) {
+      if (checkpoint_tier(names[p.name], phase::kCheckpointBlocking) != tier) continue;
+      if (p.step >= 0 && !blocked_steps.insert(p.step).second) continue;  // a later wait of the same save
+      if (p.step < 0) ++unnumbered;
+      blocks.emplace_back(p.b, p.e);
+    }
+    std::sort(blocks.begin(), blocks.end());
+    out.count += static_cast<int>(blocked_steps.size()) + unnumbered;
+    // Training time accumulated since the previous checkpoint (or attempt start), sampled at each one.
+    size_t bi = 0;
+    int64_t acc = 0;
+    for (const auto& seg : ra.segments) {
+      while (bi < blocks.size() && blocks[bi].first <= seg.b) {
+        if (acc > 0) out.between_training.push_back(seconds(acc));
+        acc = 0;
+        ++bi;
+      }
+      if (seg.kind == Kind::kTraining || seg.kind == Kind::kWasted) acc += seg.e - seg.b;
+    }
+    for (; bi < blocks.size(); ++bi) {
+      if (acc > 0) out.between_training.push_back(seconds(acc));
+      acc = 0;
+    }
+  }
+  return out;
+}
+
+// The interval recommendation (docs/ett.md §7) for saves that block `blocking_mean` seconds each and take
+// `durable_median` seconds to commit, against failures every `mtbf` seconds that cost `restart_s` each.
+// Null without a positive blocking time or an MTBF.
+json recommendation_for(const std::optional<double>& blocking_mean, const std::optional<double>& mtbf,
+                        const json& mtbf_source, double restart_s, double durable_median,
+                        const std::optional<double>& interval_s, double effective_s, double median_step_s,
+                        IntervalMethod method) {
+  if (!blocking_mean || *blocking_mean <= 0 || !mtbf) return nullptr;
+  json variants = json::object();
+  variants["young"] = recommend_interval(*blocking_mean, *mtbf, restart_s, IntervalMethod::kYoung);
+  variants["daly"] = recommend_interval(*blocking_mean, *mtbf, restart_s, IntervalMethod::kDaly);
+  variants["daly_series"] = recommend_interval(*blocking_mean, *mtbf, restart_s, IntervalMethod::kDalySeries);
+  variants["daly_exact"] = recommend_interval(*blocking_mean, *mtbf, restart_s, IntervalMethod::kDalyExact);
+  double optimum = recommend_interval(*blocking_mean, *mtbf, restart_s, method);
+  double chosen = optimum;
+  std::string note;
+  if (std::isfinite(durable_median) && durable_median > chosen) {
+    chosen = durable_median;
+    note = "the optimum is shorter than the time a save takes to become durable; saving as often as "
+           "persistence allows (continuous checkpointing)";
+  }
+  const double t = effective_s;
+  const char* method_names[] = {"young", "daly", "daly_series", "daly_exact"};
+  json waste_cur = nullptr, saving = nullptr;
+  double waste_rec = t * waste_fraction(chosen, *blocking_mean, *mtbf);
+  if (interval_s && *interval_s > 0) {
+    double wc = t * waste_fraction(*interval_s, *blocking_mean, *mtbf);
+    waste_cur = wc;
+    saving = wc - waste_rec;
+    if (note.empty()) {
+      double excess = waste_rec > 0 ? 100.0 * (wc - waste_rec) / waste_rec : 0.0;
+      note = "the current interval wastes " + std::to_string(static_cast<int>(std::round(excess))) +
+             "% more than the optimum" +
+             (excess < 10.0 ? "; the waste curve is flat near the optimum, change only if it is cheap"
+                            : "; consider the recommended interval");
+    }
+  }
+  if (mtbf_source == "lower_bound_no_failures") {
+    note += note.empty() ? "" : "; ";
+    note += "no failure observed: MTBF taken as the observed training time (a lower bound); pass a "
+            "fleet MTBF prior for a better estimate";
+  }
+  json steps_json = nullptr;
+  if (std::isfinite(median_step_s) && median_step_s > 0) {
+    steps_json = std::max<int64_t>(1, std::llround(chosen / median_step_s));
+  }
+  return {{"method", method_names[static_cast<int>(method)]},
+          {"interval_s", chosen},
+          {"interval_steps", steps_json},
+          {"optimum_s", optimum},
+          {"blocking_s", *blocking_mean},
+          {"mtbf_s", *mtbf},
+          {"restart_s", restart_s},
+          {"current_interval_s", opt(interval_s)},
+          {"waste_at_current_s", waste_cur},
+          {"waste_at_recommended_s", waste_rec},
+          {"expected_saving_s", saving},
+          {"variants", variants},
+          {"floor_s", num_or_null(durable_median)},
+          {"note", note}};
+}
+
+double mean(const std::vector<double>& v) {
+  if (v.empty()) return 0.0;
+  double s = 0;
+  for (double x : v) s += x;
+  return s / static_cast<double>(v.size());
+}
+
 struct Analysis {
   json doc;
   ReportSummary summary;
@@ -663,6 +806,27 @@ Analysis analyse(const LedgerSet& set, const std::string& run_dir, const ReportO
                         {"last_step", opt_i(job.last_step)}});
   }
 
+  // Which tier each attempt restored from: its lowest rank's checkpoint_restore records (the ranks agree on
+  // the step and tier through the Store before loading). A memory-tier record wins over a plain one: a
+  // trainer may wrap the checkpointer's load in its own checkpoint_restore phase.
+  std::map<int, CkptTier> restored_tier;
+  for (const auto& [rank, vec] : per_rank) {
+    for (const auto& ra : vec) {
+      if (restored_tier.count(ra.ledger->attempt)) continue;
+      std::optional<CkptTier> tier;
+      for (const auto& p : ra.ledger->phases) {
+        auto t = checkpoint_tier(names[p.name], phase::kCheckpointRestore);
+        if (t && (!tier || *t == CkptTier::kMemory)) tier = t;
+      }
+      if (tier) restored_tier[ra.ledger->attempt] = *tier;
+    }
+  }
+  int restores_from[2] = {0, 0};
+  for (const auto& [n, t] : restored_tier) ++restores_from[static_cast<int>(t)];
+  std::vector<double> recovered_ttr[2];      // Time to Recover of the failures restored from each tier
+  std::vector<double> ttr_values_not_memory;  // ... and of those not restored from the memory tier
+  double retraining_from[2] = {0, 0};         // re-training after the failures restored from each tier
+
   json recoveries = json::array();
   json ttr = json::array();
   std::vector<double> ttr_values;
@@ -710,7 +874,18 @@ Analysis analyse(const LedgerSet& set, const std::string& run_dir, const ReportO
     for (const auto& [name, us] : breakdown_us) breakdown[name] = seconds(us);
     double total = seconds(std::max<int64_t>(stop - f, 0));
     ttr.push_back(total);
-    if (recovered) ttr_values.push_back(total);
+    json restored_from = nullptr;
+    if (recovered) {
+      ttr_values.push_back(total);
+      auto rt = restored_tier.find(resumed_attempt);
+      if (rt != restored_tier.end()) {
+        const int i = static_cast<int>(rt->second);
+        restored_from = tier_key(rt->second);
+        recovered_ttr[i].push_back(total);
+        retraining_from[i] += seconds(retrain_us);
+      }
+      if (rt == restored_tier.end() || rt->second != CkptTier::kMemory) ttr_values_not_memory.push_back(total);
+    }
     recoveries.push_back({{"failed_attempt", attempt},
                           {"resumed_attempt", recovered ? json(resumed_attempt) : json(nullptr)},
                           {"failure_us", f},
@@ -719,58 +894,24 @@ Analysis analyse(const LedgerSet& set, const std::string& run_dir, const ReportO
                           {"total_s", total},
                           {"breakdown", breakdown},
                           {"retraining_s", seconds(retrain_us)},
+                          {"restored_from", restored_from},
                           {"category", category}});
   }
 
-  // ---- 7. checkpoints, steps, MTBF, recommendation -------------------------------------------------------
-  // Per-rank figures come from the lowest rank (every rank runs the same loop in data-parallel jobs).
+  // ---- 7. checkpoints per tier, steps, MTBF, recommendations ---------------------------------------------
   const auto& ref_attempts = per_rank.begin()->second;
-  int ckpt_count = 0;
-  int ckpt_refused = 0;  // saves the integrity check refused (tensors changed while being copied)
-  std::vector<double> between_ckpt_training;  // training seconds between consecutive checkpoints
-  std::vector<double> durable_latency;
+  std::optional<double> cfg_interval_s[2], cfg_interval_steps[2];
+  for (const auto& ra : ref_attempts) {
+    const auto& cfg = ra.ledger->config;
+    for (CkptTier t : kCkptTiers) {
+      const std::string prefix = t == CkptTier::kMemory ? "checkpoint_memory_interval" : "checkpoint_interval";
+      if (auto it = cfg.find(prefix + "_s"); it != cfg.end()) cfg_interval_s[static_cast<int>(t)] = it->second;
+      if (auto it = cfg.find(prefix + "_steps"); it != cfg.end()) cfg_interval_steps[static_cast<int>(t)] = it->second;
+    }
+  }
   std::vector<double> step_seconds;
   int64_t steps_recorded = 0, steps_effective = 0, steps_retrained = 0;
   std::optional<int64_t> max_step;
-  std::optional<double> cfg_interval_s, cfg_interval_steps;
-  for (const auto& ra : ref_attempts) {
-    const auto& a = *ra.ledger;
-    if (auto it = a.config.find("checkpoint_interval_s"); it != a.config.end()) cfg_interval_s = it->second;
-    if (auto it = a.config.find("checkpoint_interval_steps"); it != a.config.end()) cfg_interval_steps = it->second;
-    for (const auto& p : a.background) {
-      if (names[p.name] == phase::kCheckpointPersist) durable_latency.push_back(seconds(p.e - p.b));
-      if (names[p.name] == "checkpoint_refused") ++ckpt_refused;
-    }
-    std::vector<std::pair<int64_t, int64_t>> blocks;
-    // One checkpoint can block more than once (the save call, then the optimizer's wait for its copies):
-    // records that carry the same step are one checkpoint.
-    std::set<int64_t> blocked_steps;
-    int unnumbered = 0;
-    for (const auto& p : a.phases) {
-      if (names[p.name] != phase::kCheckpointBlocking) continue;
-      if (p.step >= 0 && !blocked_steps.insert(p.step).second) continue;  // a later wait of the same save
-      if (p.step < 0) ++unnumbered;
-      blocks.emplace_back(p.b, p.e);
-    }
-    std::sort(blocks.begin(), blocks.end());
-    ckpt_count += static_cast<int>(blocked_steps.size()) + unnumbered;
-    // Training time accumulated since the previous checkpoint (or attempt start), sampled at each one.
-    size_t bi = 0;
-    int64_t acc = 0;
-    for (const auto& seg : ra.segments) {
-      while (bi < blocks.size() && blocks[bi].first <= seg.b) {
-        if (acc > 0) between_ckpt_training.push_back(seconds(acc));
-        acc = 0;
-        ++bi;
-      }
-      if (seg.kind == Kind::kTraining || seg.kind == Kind::kWasted) acc += seg.e - seg.b;
-    }
-    while (bi < blocks.size()) {
-      if (acc > 0) between_ckpt_training.push_back(seconds(acc));
-      acc = 0;
-      ++bi;
-    }
-  }
   {
     int64_t high_water = INT64_MIN;
     for (const auto& ra : ref_attempts) {
@@ -796,24 +937,11 @@ Analysis analyse(const LedgerSet& set, const std::string& run_dir, const ReportO
   const double wasted_s = seconds(phase_us.count(std::string(phase::kWastedTraining))
                                       ? phase_us[std::string(phase::kWastedTraining)]
                                       : 0);
-  std::optional<double> interval_s;
-  json interval_source = nullptr;
-  if (cfg_interval_s) {
-    interval_s = cfg_interval_s;
-    interval_source = "configured";
-  } else if (cfg_interval_steps && std::isfinite(median_step_s)) {
-    interval_s = *cfg_interval_steps * median_step_s;
-    interval_source = "configured_steps";
-  } else if (!between_ckpt_training.empty()) {
-    interval_s = median(between_ckpt_training);
-    interval_source = "inferred";
+  // Job-level blocking per tier: the job timeline's checkpoint_blocking time, split by record name.
+  int64_t tier_blocking_us[2] = {0, 0};
+  for (const auto& seg : job_timeline) {
+    if (auto t = checkpoint_tier(seg.name, phase::kCheckpointBlocking)) tier_blocking_us[static_cast<int>(*t)] += seg.e - seg.b;
   }
-  std::optional<double> blocking_mean;
-  if (ckpt_count > 0) blocking_mean = blocking_measured_s / ckpt_count;
-  std::optional<double> blocking_est, unsaved_est;
-  if (interval_s && *interval_s > 0 && blocking_mean) blocking_est = effective_s / *interval_s * *blocking_mean;
-  if (interval_s) unsaved_est = failures * *interval_s / 2.0;
-  const double durable_median = median(durable_latency);
 
   std::optional<double> mtbf;
   json mtbf_source = nullptr;
@@ -827,71 +955,74 @@ Analysis analyse(const LedgerSet& set, const std::string& run_dir, const ReportO
     mtbf = effective_s;
     mtbf_source = "lower_bound_no_failures";
   }
-  double restart_s = ttr_values.empty() ? 0.0 : [&] {
-    double s = 0;
-    for (double v : ttr_values) s += v;
-    return s / static_cast<double>(ttr_values.size());
-  }();
 
-  json recommendation = nullptr;
-  std::optional<double> recommended;
-  if (blocking_mean && *blocking_mean > 0 && mtbf) {
-    json variants = json::object();
-    variants["young"] = recommend_interval(*blocking_mean, *mtbf, restart_s, IntervalMethod::kYoung);
-    variants["daly"] = recommend_interval(*blocking_mean, *mtbf, restart_s, IntervalMethod::kDaly);
-    variants["daly_series"] = recommend_interval(*blocking_mean, *mtbf, restart_s, IntervalMethod::kDalySeries);
-    variants["daly_exact"] = recommend_interval(*blocking_mean, *mtbf, restart_s, IntervalMethod::kDalyExact);
-    double optimum = recommend_interval(*blocking_mean, *mtbf, restart_s, options.method);
-    double chosen = optimum;
-    std::string note;
-    if (std::isfinite(durable_median) && durable_median > chosen) {
-      chosen = durable_median;
-      note = "the optimum is shorter than the time a save takes to become durable; saving as often as "
-             "persistence allows (continuous checkpointing)";
+  // One entry per tier. The disk tier's is also the top-level `checkpoints` and `recommendation` (the
+  // durable tier: a run without a memory tier has only it, with the figures it always had).
+  json tiers = json::object();
+  json tier_recommendation[2];
+  std::optional<double> tier_interval[2], tier_blocking_mean[2];
+  int tier_count[2] = {0, 0}, tier_refused[2] = {0, 0};
+  json tier_interval_source[2];
+  double tier_durable_median[2];
+  for (CkptTier t : kCkptTiers) {
+    const int i = static_cast<int>(t);
+    const TierSaves saves = tier_saves(ref_attempts, names, t);
+    tier_count[i] = saves.count;
+    tier_refused[i] = saves.refused;
+    tier_durable_median[i] = median(saves.durable_latency);
+    tier_interval_source[i] = nullptr;
+    if (cfg_interval_s[i]) {
+      tier_interval[i] = cfg_interval_s[i];
+      tier_interval_source[i] = "configured";
+    } else if (cfg_interval_steps[i] && std::isfinite(median_step_s)) {
+      tier_interval[i] = *cfg_interval_steps[i] * median_step_s;
+      tier_interval_source[i] = "configured_steps";
+    } else if (!saves.between_training.empty()) {
+      tier_interval[i] = median(saves.between_training);
+      tier_interval_source[i] = "inferred";
     }
-    recommended = chosen;
-    const double t = effective_s;
-    const char* method_names[] = {"young", "daly", "daly_series", "daly_exact"};
-    json waste_cur = nullptr, saving = nullptr;
-    double waste_rec = t * waste_fraction(chosen, *blocking_mean, *mtbf);
-    if (interval_s && *interval_s > 0) {
-      double wc = t * waste_fraction(*interval_s, *blocking_mean, *mtbf);
-      waste_cur = wc;
-      saving = wc - waste_rec;
-      if (note.empty()) {
-        double excess = waste_rec > 0 ? 100.0 * (wc - waste_rec) / waste_rec : 0.0;
-        note = "the current interval wastes " + std::to_string(static_cast<int>(std::round(excess))) +
-               "% more than the optimum" +
-               (excess < 10.0 ? "; the waste curve is flat near the optimum, change only if it is cheap"
-                              : "; consider the recommended interval");
-      }
-    }
-    if (mtbf_source == "lower_bound_no_failures") {
-      note += note.empty() ? "" : "; ";
-      note += "no failure observed: MTBF taken as the observed training time (a lower bound); pass a "
-              "fleet MTBF prior for a better estimate";
-    }
-    json steps_json = nullptr;
-    if (std::isfinite(median_step_s) && median_step_s > 0) {
-      steps_json = std::max<int64_t>(1, std::llround(chosen / median_step_s));
-    }
-    recommendation = {{"method", method_names[static_cast<int>(options.method)]},
-                      {"interval_s", chosen},
-                      {"interval_steps", steps_json},
-                      {"optimum_s", optimum},
-                      {"blocking_s", *blocking_mean},
-                      {"mtbf_s", *mtbf},
-                      {"restart_s", restart_s},
-                      {"current_interval_s", opt(interval_s)},
-                      {"waste_at_current_s", waste_cur},
-                      {"waste_at_recommended_s", waste_rec},
-                      {"expected_saving_s", saving},
-                      {"variants", variants},
-                      {"floor_s", num_or_null(durable_median)},
-                      {"note", note}};
-  } else {
-    recommendation = nullptr;
+    const double blocking_s = seconds(tier_blocking_us[i]);
+    if (saves.count > 0) tier_blocking_mean[i] = blocking_s / saves.count;
+    // The restart cost a tier's interval is weighed against: the mean Time to Recover of the failures
+    // restored from it. A memory tier with no such failure yet, and the disk tier, also count the recoveries
+    // that restored from no tier at all (the disk tier is what a run without a memory tier restores from).
+    const std::vector<double>& own_ttr = recovered_ttr[i];
+    const double restart_s = t == CkptTier::kMemory && !own_ttr.empty() ? mean(own_ttr)
+                             : t == CkptTier::kMemory ? mean(ttr_values)
+                                                      : mean(ttr_values_not_memory);
+    tier_recommendation[i] =
+        recommendation_for(tier_blocking_mean[i], mtbf, mtbf_source, restart_s, tier_durable_median[i],
+                           tier_interval[i], effective_s, median_step_s, options.method);
+    if (t == CkptTier::kMemory && saves.count == 0 && saves.refused == 0 && restores_from[i] == 0) continue;
+    tiers[tier_key(t)] = {
+        {"count", saves.count},
+        {"refused", saves.refused},
+        {"blocking_s", blocking_s},
+        {"blocking_mean_s", opt(tier_blocking_mean[i])},
+        {"interval_s", opt(tier_interval[i])},
+        {"interval_source", tier_interval_source[i]},
+        {"durable_latency_median_s", num_or_null(tier_durable_median[i])},
+        {"restores", restores_from[i]},
+        {"recovered_failures", static_cast<int>(own_ttr.size())},
+        {"retraining_s", retraining_from[i]},
+        {"recommended_interval_s", tier_recommendation[i].is_null() ? json(nullptr) : tier_recommendation[i]["interval_s"]},
+        {"recommendation", tier_recommendation[i]}};
   }
+  const int disk = static_cast<int>(CkptTier::kDisk);
+  // Meta's estimates: blocking summed over the tiers; unsaved work as if every failure went back to the
+  // durable tier (the ledger does not say which failures a memory tier could have covered).
+  std::optional<double> blocking_est;
+  for (CkptTier t : kCkptTiers) {
+    const int i = static_cast<int>(t);
+    if (tier_interval[i] && *tier_interval[i] > 0 && tier_blocking_mean[i]) {
+      blocking_est = blocking_est.value_or(0.0) + effective_s / *tier_interval[i] * *tier_blocking_mean[i];
+    }
+  }
+  std::optional<double> unsaved_est;
+  if (tier_interval[disk]) unsaved_est = failures * *tier_interval[disk] / 2.0;
+  json recommendation = tier_recommendation[disk];
+  std::optional<double> recommended;
+  if (!recommendation.is_null()) recommended = recommendation["interval_s"].get<double>();
 
   // ---- 8. per-rank skew -------------------------------------------------------------------------------------
   std::map<std::string, std::map<int, double>> rank_phase_s;
@@ -968,12 +1099,13 @@ Analysis analyse(const LedgerSet& set, const std::string& run_dir, const ReportO
   doc["failures_by_category"] = fb;
   doc["unsaved_training_s"] = {{"measured", wasted_s}, {"estimated", opt(unsaved_est)}};
   doc["checkpoint_blocking_s"] = {{"measured", blocking_measured_s}, {"estimated", opt(blocking_est)}};
-  doc["checkpoints"] = {{"count", ckpt_count},
-                        {"refused", ckpt_refused},
-                        {"blocking_mean_s", opt(blocking_mean)},
-                        {"interval_s", opt(interval_s)},
-                        {"interval_source", interval_source},
-                        {"durable_latency_median_s", num_or_null(durable_median)}};
+  doc["checkpoints"] = {{"count", tier_count[disk]},
+                        {"refused", tier_refused[disk]},
+                        {"blocking_mean_s", opt(tier_blocking_mean[disk])},
+                        {"interval_s", opt(tier_interval[disk])},
+                        {"interval_source", tier_interval_source[disk]},
+                        {"durable_latency_median_s", num_or_null(tier_durable_median[disk])},
+                        {"tiers", tiers}};
   doc["steps"] = {{"recorded", steps_recorded},
                   {"effective", steps_effective},
                   {"retrained", steps_retrained},

@@ -7,7 +7,8 @@ saves), gradients all-reduced over gloo. A memory-tier save every 2 steps, a dis
 KILL_AT (-1: never) the rank waits for that step's memory save to commit, writes what it saved to
 OUT_DIR/expected-<rank>.pt, and dies by SIGKILL. A process that finds a checkpoint resumes from it and
 writes OUT_DIR/resumed-<rank>.pt (step, tier, state); every run that reaches STEPS writes
-OUT_DIR/final-<rank>.pt (state, and the loss of every step it trained).
+OUT_DIR/final-<rank>.pt (state, and the loss of every step it trained). Each rank records its attempt into
+RUN_DIR/ett (an ETT ledger), so the test can read the report's per-tier figures.
 """
 
 import copy
@@ -17,6 +18,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from ettkit import ett
 from ettkit.checkpoint import AsyncCheckpointer
 
 
@@ -40,8 +42,9 @@ def main() -> int:
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     state = {"model": model, "optim": optimizer}
     losses = {}
-    with AsyncCheckpointer(os.path.join(run_dir, "ckpt"), recorder=None, keep_last=2, memory_tier=shm,
-                           job_id="memory-tier-test") as ck:
+    with ett.Recorder(run_dir, rank=rank, world_size=world) as rec, \
+            AsyncCheckpointer(os.path.join(run_dir, "ckpt"), recorder=rec, keep_last=2, memory_tier=shm,
+                              job_id="memory-tier-test") as ck:
         ck.attach(model=model, optimizer=optimizer)
         restored = ck.load_latest(state)
         start = 1
@@ -59,6 +62,7 @@ def main() -> int:
                 p.grad /= world
             optimizer.step()
             losses[step] = loss.item()
+            rec.step(step)
             if step % 6 == 0:
                 ck.save(step, state, extra={"step": step})
             elif step % 2 == 0:
@@ -67,6 +71,7 @@ def main() -> int:
                     h.wait()
                     torch.save({"step": step, **snapshot(model, optimizer)}, os.path.join(out, f"expected-{rank}.pt"))
                     dist.barrier()  # both ranks' memory snapshots of this step are committed
+                    rec.flush()
                     sys.stdout.flush()
                     os.kill(os.getpid(), signal.SIGKILL)
     torch.save({"losses": losses, **snapshot(model, optimizer)}, os.path.join(out, f"final-{rank}.pt"))

@@ -12,6 +12,7 @@ import sys
 import ettkit
 import pytest
 import torch
+from ettkit import ett
 from ettkit.checkpoint import AsyncCheckpointer
 
 TRAINER = os.path.join(os.path.dirname(__file__), "memory_tier_trainer.py")
@@ -96,6 +97,28 @@ def test_sigkilled_job_restores_from_memory_or_all_ranks_from_disk(tmp_path, ref
         assert os.listdir(shm[r]) == [], os.listdir(shm[r])
     if lose_rank_1_memory:
         assert "not every rank holds it" in errs[0], errs[0][-3000:]
+    # The ETT report splits the checkpoints by tier and says which tier the recovery restored from.
+    rep = ett.build_report(str(tmp_path / "run"), include_timeline=False)
+    tiers = rep["checkpoints"]["tiers"]
+    (recovery,) = rep["recoveries"]
+    assert recovery["recovered"] is True
+    # Memory saves at steps 2, 4, 8, 10 (attempt 0), then 14, or 8, 10 and 14 again after a restore of step 6
+    # (attempt 1); disk saves at 6 and 12.
+    memory_saves = 7 if lose_rank_1_memory else 5
+    assert (tiers["memory"]["count"], tiers["disk"]["count"], rep["checkpoints"]["count"]) == (memory_saves, 2, 2)
+    assert tiers["memory"]["blocking_s"] > 0 and tiers["disk"]["blocking_s"] > 0
+    assert rep["phases"]["checkpoint_blocking"] == pytest.approx(tiers["memory"]["blocking_s"] + tiers["disk"]["blocking_s"],
+                                                                abs=1e-6)
+    if lose_rank_1_memory:
+        assert recovery["restored_from"] == "disk"
+        assert (tiers["disk"]["restores"], tiers["memory"]["restores"]) == (1, 0)
+        assert rep["steps"]["retrained"] == KILL_AT - LAST_DISK  # steps 7..10 again
+        assert tiers["disk"]["retraining_s"] == recovery["retraining_s"] > 0
+    else:
+        assert recovery["restored_from"] == "memory"
+        assert (tiers["disk"]["restores"], tiers["memory"]["restores"]) == (0, 1)
+        assert rep["steps"]["retrained"] == 0 and tiers["memory"]["retraining_s"] == 0
+        assert tiers["memory"]["recovered_failures"] == 1
 
 
 def _state(step):

@@ -408,6 +408,44 @@ def test_table_shows_the_key_numbers(report):
     assert text.index("\n  training ") < text.index("\n  scheduling ") < text.index("\n  compile ")
 
 
+def _with_memory_tier(report):
+    report["recoveries"][0]["restored_from"] = "memory"
+    report["checkpoints"]["tiers"] = {
+        "disk": {"count": 3, "refused": 0, "blocking_s": 180.0, "blocking_mean_s": 60.0, "interval_s": 3600.0,
+                 "interval_source": "configured", "durable_latency_median_s": 90.0, "restores": 0,
+                 "recovered_failures": 0, "retraining_s": 0.0, "recommended_interval_s": 2573.7,
+                 "recommendation": None},
+        "memory": {"count": 40, "refused": 1, "blocking_s": 24.0, "blocking_mean_s": 0.6, "interval_s": 300.0,
+                   "interval_source": "inferred", "durable_latency_median_s": 4.5, "restores": 1,
+                   "recovered_failures": 1, "retraining_s": 1200.0, "recommended_interval_s": 257.4,
+                   "recommendation": None},
+    }
+    return report
+
+
+def test_table_shows_the_memory_tier_and_where_each_recovery_restored_from(report):
+    plain = table.format_report(report)
+    assert "memory tier" not in plain and "restored from" in plain
+    text = table.format_report(_with_memory_tier(report))
+    assert "  memory tier       40 saves, mean blocking 0.600 s, median time to committed 4.500 s, 1 refused" in text
+    assert "interval 300.0 s (inferred), recommended 257.4 s; 1 restore, re-trained 1200.0 s after them" in text
+    (row,) = [line for line in text.splitlines() if "0 -> 1" in line]
+    assert row.split()[7] == "memory", row
+
+
+def test_prometheus_per_tier(report, tmp_path):
+    path = tmp_path / "ett.prom"
+    prometheus.write_prometheus(_with_memory_tier(report), path)
+    samples = _samples(path)
+    assert samples[("ettkit_checkpoint_tier_saves", (("tier", "memory"),))] == 40
+    assert samples[("ettkit_checkpoint_tier_saves", (("tier", "disk"),))] == 3
+    assert samples[("ettkit_checkpoint_tier_blocking_seconds", (("tier", "memory"),))] == 24
+    assert samples[("ettkit_checkpoint_tier_interval_seconds", (("tier", "disk"),))] == 3600
+    assert samples[("ettkit_checkpoint_tier_recommended_interval_seconds", (("tier", "memory"),))] == 257.4
+    assert samples[("ettkit_checkpoint_tier_restores", (("tier", "memory"),))] == 1
+    assert samples[("ettkit_checkpoint_tier_retraining_seconds", (("tier", "memory"),))] == 1200
+
+
 def test_table_survives_a_sparse_report():
     text = table.format_report({"run_dir": "/runs/empty", "e2e_s": None, "recommendation": None,
                                 "attempts": [{"attempt": 0, "status": "exception", "begin_us": None}]})

@@ -27,6 +27,12 @@ inline constexpr std::string_view kCheckpointBlocking = "checkpoint_blocking";
 inline constexpr std::string_view kShutdown = "shutdown";
 // Background track (does not block training; drawn on its own trace track).
 inline constexpr std::string_view kCheckpointPersist = "checkpoint_persist";
+inline constexpr std::string_view kCheckpointMemoryPersist = "checkpoint_memory_persist";
+// A save the integrity check refused (a saved tensor changed while it was copied).
+inline constexpr std::string_view kCheckpointRefused = "checkpoint_refused";
+// The memory tier's records are the sub-stage "memory" of the disk tier's names: checkpoint_blocking/memory,
+// checkpoint_restore/memory, checkpoint_refused/memory (their time rolls up into the parent phase).
+inline constexpr std::string_view kMemoryTierSuffix = "/memory";
 // Sub-stage the recorder writes for [process start, recorder start): interpreter start, imports.
 inline constexpr std::string_view kProcessBootstrap = "process_bootstrap";
 // Sub-stage the report derives for [allocation, process start): the launcher's own start-up (torchrun

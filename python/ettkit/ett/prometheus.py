@@ -114,6 +114,21 @@ class ReportCollector(Collector):
         yield from self._scalar("ettkit_recommended_checkpoint_interval_seconds",
                                 "Checkpoint interval that minimises expected waste.",
                                 r.get("recommended_interval_s"))
+        tiers = (r.get("checkpoints") or {}).get("tiers") or {}
+        for name, key, doc in (
+            ("ettkit_checkpoint_tier_saves", "count", "Checkpoint saves per tier (disk, memory)."),
+            ("ettkit_checkpoint_tier_blocking_seconds", "blocking_s", "Training time blocked by saves, per tier."),
+            ("ettkit_checkpoint_tier_interval_seconds", "interval_s", "Checkpoint interval in use, per tier."),
+            ("ettkit_checkpoint_tier_recommended_interval_seconds", "recommended_interval_s",
+             "Checkpoint interval that minimises expected waste, per tier."),
+            ("ettkit_checkpoint_tier_restores", "restores", "Attempts that restored from each tier."),
+            ("ettkit_checkpoint_tier_retraining_seconds", "retraining_s",
+             "Training re-done after the failures restored from each tier."),
+        ):
+            family = self._family(GaugeMetricFamily, name, doc, ("tier",))
+            for tier, figures in tiers.items():
+                self._add(family, (figures or {}).get(key), tier)
+            yield family
         yield from self._scalar("ettkit_mtbf_seconds", "Mean time between failures used by the advisor.",
                                 r.get("mtbf_s"))
 

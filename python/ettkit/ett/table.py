@@ -112,11 +112,12 @@ def _recoveries(report: dict) -> list[str]:
         breakdown = " ".join(f"{k}={_sec(v)}" for k, v in (r.get("breakdown") or {}).items())
         rows.append([
             str(i), f"{_text(r.get('failed_attempt'))} -> {_text(resumed)}", _text(r.get("category")),
-            _sec(r.get("total_s")), _sec(r.get("retraining_s")), breakdown or MISSING,
+            _sec(r.get("total_s")), _sec(r.get("retraining_s")), _text(r.get("restored_from")),
+            breakdown or MISSING,
         ])
-    headers = ["failure", "attempts", "category", "total s", "retraining s", "breakdown (s)"]
+    headers = ["failure", "attempts", "category", "total s", "retraining s", "restored from", "breakdown (s)"]
     return ["Failures / Time to Recover",
-            *_grid(headers, rows, [True, False, False, True, True, False])]
+            *_grid(headers, rows, [True, False, False, True, True, False, False])]
 
 
 def _checkpointing(report: dict) -> list[str]:
@@ -134,6 +135,25 @@ def _checkpointing(report: dict) -> list[str]:
         f"median durable latency {_sec(ckpt.get('durable_latency_median_s'))} s"
         + (f", {ckpt['refused']} refused (torn snapshot)" if ckpt.get("refused") else ""),
         f"  interval in use   {_sec(ckpt.get('interval_s'))} s" + (f" ({source})" if source else ""),
+        *_memory_tier(ckpt),
+    ]
+
+
+def _memory_tier(ckpt: dict) -> list[str]:
+    """The memory tier's line; without one the lines above are all there is (they are the disk tier's)."""
+    mem = (ckpt.get("tiers") or {}).get("memory")
+    if not mem:
+        return []
+    source = mem.get("interval_source")
+    restores = mem.get("restores") or 0
+    return [
+        f"  memory tier       {_text(mem.get('count'))} saves, mean blocking {_sec(mem.get('blocking_mean_s'))} s, "
+        f"median time to committed {_sec(mem.get('durable_latency_median_s'))} s"
+        + (f", {mem['refused']} refused (torn snapshot)" if mem.get("refused") else ""),
+        f"                    interval {_sec(mem.get('interval_s'))} s" + (f" ({source})" if source else "")
+        + f", recommended {_sec(mem.get('recommended_interval_s'))} s; {restores} "
+        + ("restore" if restores == 1 else "restores") + f", re-trained {_sec(mem.get('retraining_s'))} s after them",
+        "  (the checkpoint lines above and the recommendation below are the disk tier's)",
     ]
 
 

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 #include <nlohmann/json.hpp>
 
 #include "ett/test_dir.h"
@@ -33,6 +35,15 @@ class LedgerFile {
   }
   LedgerFile& phase(const std::string& name, double b, double e) {
     return line({{"t", "phase"}, {"name", name}, {"b", s(b)}, {"e", s(e)}});
+  }
+  LedgerFile& phase(const std::string& name, double b, double e, int step) {
+    return line({{"t", "phase"}, {"name", name}, {"b", s(b)}, {"e", s(e)}, {"step", step}});
+  }
+  LedgerFile& background(const std::string& name, double b, double e, int step) {
+    return line({{"t", "bg"}, {"name", name}, {"b", s(b)}, {"e", s(e)}, {"step", step}});
+  }
+  LedgerFile& config(const std::string& key, double value) {
+    return line({{"t", "config"}, {"key", key}, {"value", value}});
   }
   LedgerFile& step(int n, double b, double e) { return line({{"t", "step"}, {"n", n}, {"b", s(b)}, {"e", s(e)}}); }
   LedgerFile& hb(double ts) { return line({{"t", "hb"}, {"ts", s(ts)}}); }
@@ -361,6 +372,89 @@ TEST(Report, AnOpenRunIsReportedAsRunning) {
   rec.close();
   json closed = report(dir);
   EXPECT_EQ(closed["attempts"][0]["status"], "clean");
+}
+
+// A run with a memory tier: cheap memory saves (1 s) at steps 2 and 6, durable saves (3 s) at 4 and 8; killed
+// after step 7, restored from memory (step 6), step 7 re-trained. Every figure below is worked out by hand
+// from these records.
+TEST(Report, CheckpointFiguresPerTierAndTheTierEachRecoveryRestoredFrom) {
+  TempDir dir;
+  LedgerFile f(dir, 0);
+  f.attempt(0, 0).step(1, 0, 10).step(2, 10, 20).phase("checkpoint_blocking/memory", 20, 21, 2)
+      .background("checkpoint_memory_persist", 20, 22, 2).step(3, 21, 31).step(4, 31, 41)
+      .phase("checkpoint_blocking", 41, 44, 4).background("checkpoint_persist", 41, 49, 4).step(5, 44, 54)
+      .step(6, 54, 64).phase("checkpoint_blocking/memory", 64, 65, 6)
+      .phase("checkpoint_blocking/memory", 65, 65.5, 6)  // the optimizer's wait for the same save's copies
+      .background("checkpoint_memory_persist", 64, 66, 6).step(7, 65.5, 75.5);
+  f.attempt(1, 80).phase("checkpoint_restore/memory", 80, 82, 6).step(7, 82, 92).step(8, 92, 102)
+      .phase("checkpoint_blocking", 102, 105, 8).end(105);
+  auto r = report(dir);
+  // Both tiers' blocking rolls up into checkpoint_blocking; the memory tier's is its sub-stage.
+  EXPECT_DOUBLE_EQ(r["phases"]["checkpoint_blocking"], 8.5);
+  EXPECT_DOUBLE_EQ(r["substages"]["checkpoint_blocking/memory"], 2.5);
+  EXPECT_DOUBLE_EQ(r["substages"]["checkpoint_restore/memory"], 2.0);
+  const json& mem = r["checkpoints"]["tiers"]["memory"];
+  const json& disk = r["checkpoints"]["tiers"]["disk"];
+  EXPECT_EQ(mem["count"], 2);
+  EXPECT_DOUBLE_EQ(mem["blocking_s"], 2.5);
+  EXPECT_DOUBLE_EQ(mem["blocking_mean_s"], 1.25);
+  // Training between memory saves: 20 s before step 2's save, then 20 + 20 s around the disk save.
+  EXPECT_DOUBLE_EQ(mem["interval_s"], 30.0);
+  EXPECT_EQ(mem["interval_source"], "inferred");
+  EXPECT_DOUBLE_EQ(mem["durable_latency_median_s"], 2.0);
+  EXPECT_EQ(mem["restores"], 1);
+  EXPECT_EQ(mem["recovered_failures"], 1);
+  EXPECT_DOUBLE_EQ(mem["retraining_s"], 10.0);
+  EXPECT_EQ(disk["count"], 2);
+  EXPECT_DOUBLE_EQ(disk["blocking_mean_s"], 3.0);
+  EXPECT_DOUBLE_EQ(disk["interval_s"], 30.0);  // median of 40 (20 + 20 around the memory save) and 20
+  EXPECT_DOUBLE_EQ(disk["durable_latency_median_s"], 8.0);
+  EXPECT_EQ(disk["restores"], 0);
+  EXPECT_DOUBLE_EQ(disk["retraining_s"], 0.0);
+  // The top level is the durable tier's, as in a run without a memory tier.
+  EXPECT_EQ(r["checkpoints"]["count"], 2);
+  EXPECT_DOUBLE_EQ(r["checkpoints"]["blocking_mean_s"], 3.0);
+  EXPECT_EQ(r["recoveries"][0]["restored_from"], "memory");
+  EXPECT_DOUBLE_EQ(r["recoveries"][0]["total_s"], 6.5);  // 75.5 -> 82
+  // Effective: 20 + 20 + 20 + 10 (attempt 0) + 10 (step 8); one failure, so MTBF = 80 s.
+  EXPECT_DOUBLE_EQ(r["effective_s"], 80.0);
+  EXPECT_DOUBLE_EQ(r["mtbf_s"], 80.0);
+  // Young: sqrt(2 * blocking * MTBF); each tier's own blocking, its own restart cost, its own floor.
+  EXPECT_NEAR(mem["recommended_interval_s"].get<double>(), std::sqrt(2 * 1.25 * 80.0), 1e-9);
+  EXPECT_DOUBLE_EQ(mem["recommendation"]["restart_s"], 6.5);
+  EXPECT_DOUBLE_EQ(mem["recommendation"]["floor_s"], 2.0);
+  EXPECT_NEAR(disk["recommended_interval_s"].get<double>(), std::sqrt(2 * 3.0 * 80.0), 1e-9);
+  EXPECT_DOUBLE_EQ(disk["recommendation"]["restart_s"], 0.0);  // no failure was restored from disk
+  EXPECT_DOUBLE_EQ(r["recommended_interval_s"], disk["recommended_interval_s"]);
+  // Meta's estimates: blocking summed over the tiers, unsaved work at the durable interval.
+  EXPECT_NEAR(r["checkpoint_blocking_s"]["estimated"].get<double>(), 80.0 / 30.0 * 1.25 + 80.0 / 30.0 * 3.0, 1e-9);
+  EXPECT_DOUBLE_EQ(r["unsaved_training_s"]["estimated"], 15.0);
+  EXPECT_DOUBLE_EQ(r["unsaved_training_s"]["measured"], 10.0);
+}
+
+TEST(Report, ARunWithoutAMemoryTierHasOnlyTheDiskTierAndConfiguredIntervalsPerTier) {
+  TempDir dir;
+  LedgerFile f(dir, 0);
+  f.attempt(0, 0).config("checkpoint_memory_interval_steps", 2).config("checkpoint_interval_s", 50)
+      .step(1, 0, 10).step(2, 10, 20).phase("checkpoint_blocking", 20, 22, 2).step(3, 22, 32).end(32);
+  auto r = report(dir);
+  EXPECT_FALSE(r["checkpoints"]["tiers"].contains("memory"));
+  EXPECT_EQ(r["checkpoints"]["tiers"]["disk"]["interval_source"], "configured");
+  EXPECT_DOUBLE_EQ(r["checkpoints"]["interval_s"], 50.0);
+  EXPECT_EQ(r["checkpoints"]["count"], 1);
+
+  TempDir dir2;
+  LedgerFile g(dir2, 0);
+  g.attempt(0, 0).config("checkpoint_memory_interval_steps", 2).step(1, 0, 10).step(2, 10, 20)
+      .phase("checkpoint_blocking/memory", 20, 21, 2).step(3, 21, 31).end(31);
+  auto r2 = report(dir2);
+  EXPECT_EQ(r2["checkpoints"]["tiers"]["memory"]["interval_source"], "configured_steps");
+  EXPECT_DOUBLE_EQ(r2["checkpoints"]["tiers"]["memory"]["interval_s"], 20.0);  // 2 steps x 10 s
+  // Only memory saves: the durable tier has none and makes no recommendation.
+  EXPECT_EQ(r2["checkpoints"]["count"], 0);
+  EXPECT_TRUE(r2["recommendation"].is_null());
+  EXPECT_FALSE(r2["checkpoints"]["tiers"]["memory"]["recommendation"].is_null());
+  EXPECT_TRUE(r2["recoveries"].empty());
 }
 
 }  // namespace
