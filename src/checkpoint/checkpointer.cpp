@@ -23,6 +23,7 @@
 #include "checkpoint/peer_monitor.h"
 #include "checkpoint/storage.h"
 #include "common/background_thread.h"
+#include "common/describe.h"
 #include "common/logging.h"
 #include "ettkit/common/clock.h"
 #include "ettkit/ett/phases.h"
@@ -34,6 +35,7 @@ using nlohmann::json;
 namespace ettkit::checkpoint {
 
 using namespace detail;
+using ::ettkit::detail::describe;
 
 Overlap parse_overlap(const std::string& s) {
   if (s == "auto") return Overlap::kAuto;
@@ -189,20 +191,6 @@ void check_save_arguments(int64_t step, const NamedTensors& tensors, bool read_o
 
 std::vector<uint8_t> bytes_of(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
 std::string string_of(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
-
-std::string describe(std::exception_ptr e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const Error& x) {
-    return x.message();
-  } catch (const c10::Error& x) {
-    return detail::first_line(x);
-  } catch (const std::exception& x) {
-    return x.what();
-  } catch (...) {
-    return "unknown error";
-  }
-}
 
 /// Why a save was refused, from the names of the tensors that changed while being copied.
 std::string torn_message(int64_t step, const std::vector<std::string>& changed) {

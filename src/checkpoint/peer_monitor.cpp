@@ -7,17 +7,13 @@
 #include <utility>
 
 #include "common/background_thread.h"
+#include "common/describe.h"
 #include "common/logging.h"
 #include "ettkit/checkpoint/checkpointer.h"
 
 namespace ettkit::checkpoint::detail {
 
-std::string first_line(const std::exception& e) {
-  const auto* c10e = dynamic_cast<const c10::Error*>(&e);
-  std::string s = c10e ? c10e->what_without_backtrace() : e.what();
-  auto nl = s.find('\n');
-  return nl == std::string::npos ? s : s.substr(0, nl);
-}
+using ::ettkit::detail::first_line;
 
 namespace {
 std::vector<uint8_t> bytes_of(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }

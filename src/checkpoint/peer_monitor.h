@@ -65,7 +65,4 @@ class PeerMonitor {
   std::thread heartbeat_;
 };
 
-/// The first line of an exception's message (c10 errors carry C++ stack traces below it).
-std::string first_line(const std::exception& e);
-
 }  // namespace ettkit::checkpoint::detail

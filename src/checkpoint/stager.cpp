@@ -22,10 +22,11 @@
 
 #if ETTKIT_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
-#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
+
+#include "common/cuda_check.h"
 #endif
 
 namespace ettkit::checkpoint {
@@ -46,17 +47,17 @@ class CudaEvent {
  public:
   explicit CudaEvent(c10::DeviceIndex device) : device_(device) {
     c10::cuda::CUDAGuard g(device_);
-    C10_CUDA_CHECK(cudaEventCreateWithFlags(&ev_, cudaEventDisableTiming));
+    ETTKIT_CUDA_CHECK(cudaEventCreateWithFlags(&ev_, cudaEventDisableTiming));
   }
   ~CudaEvent() {
     if (ev_) cudaEventDestroy(ev_);
   }
   CudaEvent(const CudaEvent&) = delete;
   CudaEvent& operator=(const CudaEvent&) = delete;
-  void record(const c10::cuda::CUDAStream& s) { C10_CUDA_CHECK(cudaEventRecord(ev_, s.stream())); }
-  void block(const c10::cuda::CUDAStream& s) { C10_CUDA_CHECK(cudaStreamWaitEvent(s.stream(), ev_, 0)); }
+  void record(const c10::cuda::CUDAStream& s) { ETTKIT_CUDA_CHECK(cudaEventRecord(ev_, s.stream())); }
+  void block(const c10::cuda::CUDAStream& s) { ETTKIT_CUDA_CHECK(cudaStreamWaitEvent(s.stream(), ev_, 0)); }
   bool query() const { return cudaEventQuery(ev_) == cudaSuccess; }
-  void synchronize() { C10_CUDA_CHECK(cudaEventSynchronize(ev_)); }
+  void synchronize() { ETTKIT_CUDA_CHECK(cudaEventSynchronize(ev_)); }
   c10::DeviceIndex device() const { return device_; }
 
  private:
@@ -79,9 +80,8 @@ struct Arena {
     if (pin) {
       void* p = nullptr;
       // cudaHostAlloc, not the CachingHostAllocator: exact size, no power-of-two rounding.
-      cudaError_t err = cudaHostAlloc(&p, size, cudaHostAllocPortable);
-      ETTKIT_CHECK(err == cudaSuccess, IoError, "cudaHostAlloc of a ", size,
-                   "-byte checkpoint arena failed: ", cudaGetErrorString(err));
+      ETTKIT_CUDA_CHECK(cudaHostAlloc(&p, size, cudaHostAllocPortable), "allocating a ", size,
+                        "-byte pinned checkpoint arena (pin_memory=False stages into plain host memory)");
       ptr = static_cast<uint8_t*>(p);
       return;
     }
@@ -515,7 +515,7 @@ std::shared_ptr<Snapshot> Stager::stage(const NamedTensors& tensors, OnBusy on_b
         const PlanEntry& e = (*plan)[i];
         uint8_t* dst = base + e.offset;
         if (t.is_contiguous()) {
-          C10_CUDA_CHECK(cudaMemcpyAsync(dst, t.const_data_ptr(), static_cast<size_t>(e.nbytes),
+          ETTKIT_CUDA_CHECK(cudaMemcpyAsync(dst, t.const_data_ptr(), static_cast<size_t>(e.nbytes),
                                          cudaMemcpyDeviceToHost, stream.stream()));
         } else {
           at::from_blob(dst, e.shape, t.options().device(c10::kCPU)).copy_(t, /*non_blocking=*/true);

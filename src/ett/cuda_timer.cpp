@@ -4,17 +4,11 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 
+#include "common/cuda_check.h"
 #include "ettkit/common/clock.h"
 #include "ettkit/common/error.h"
 
 namespace ettkit::ett {
-
-namespace {
-void check(cudaError_t err, const char* call) {
-  ETTKIT_CHECK(err == cudaSuccess, Error, call, " failed: ", cudaGetErrorString(err));
-}
-#define ETTKIT_CUDA_CHECK(call) check((call), #call)
-}  // namespace
 
 CudaEventTimer::CudaEventTimer(Recorder& recorder, std::string_view phase, void* stream)
     : recorder_(recorder), phase_(recorder.phase_id(phase)), stream_(stream) {

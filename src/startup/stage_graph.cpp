@@ -18,6 +18,7 @@
 #include <thread>
 #include <unordered_map>
 
+#include "common/describe.h"
 #include "common/logging.h"
 #include "ettkit/common/clock.h"
 #include "ettkit/ett/phases.h"
@@ -27,18 +28,6 @@ namespace ettkit::startup {
 
 namespace {
 constexpr size_t kNone = std::numeric_limits<size_t>::max();
-
-std::string describe(const std::exception_ptr& e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const Error& err) {
-    return err.message();
-  } catch (const std::exception& err) {
-    return err.what();
-  } catch (...) {
-    return "an exception that is not a std::exception";
-  }
-}
 
 // Inside a catch (...): the caught exception, or a rethrow when it is a foreign one, which no exception_ptr
 // can hold. The forced unwind of pthread_exit / pthread_cancel is foreign (CPython ends a thread that asks
@@ -428,7 +417,7 @@ class StageGraph::Impl : public std::enable_shared_from_this<StageGraph::Impl> {
     r.end_epoch_us = epoch_of(now);
     if (err) {
       r.status = StageStatus::kFailed;
-      r.error = describe(err);
+      r.error = ettkit::detail::describe(err);
       set_first_error_locked(i, err, false);
       cancel_dependents_locked(i);
       if (options_.fail_fast) fail_fast_locked(i);
@@ -850,7 +839,7 @@ StageReport StageGraph::Impl::run(const InterruptCheck& interrupted, double poll
   }
   if (err) {
     if (is_timeout) std::rethrow_exception(err);
-    throw StageFailed(stages_[err_stage].name, err, describe(err), __FILE__, __LINE__);
+    throw StageFailed(stages_[err_stage].name, err, ettkit::detail::describe(err), __FILE__, __LINE__);
   }
   return out;
 }
