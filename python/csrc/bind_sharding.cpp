@@ -16,7 +16,9 @@
 #include "ettkit/sharding/plan.h"
 #include "ettkit/sharding/split.h"
 #include "ettkit/sharding/validate.h"
-#include "sharding/codec_format.h"
+#if ETTKIT_PYTHON_TEST_HOOKS
+#include "sharding/codec_format.h"  // the codec's private test hook (builds with the test suite only)
+#endif
 
 namespace py = pybind11;
 
@@ -159,6 +161,9 @@ void bind_sharding(py::module_& m) {
   m.attr("CODEC_VERSION") = kPlanCodecVersion;
   m.attr("DEFAULT_MAX_SHARDS") = kDefaultMaxShards;
   m.attr("MAX_TOTAL_SHARDS") = kMaxTotalShards;
+#if ETTKIT_PYTHON_TEST_HOOKS
+  // For the decoder's tests: rewrites a damaged plan's length and checksum so that the damage reaches the
+  // parser. Not in the released module (python/csrc/CMakeLists.txt).
   m.def("_reseal_for_testing", [](const py::buffer& data) {
     py::buffer_info info;
     auto view = as_bytes(data, info);
@@ -166,6 +171,7 @@ void bind_sharding(py::module_& m) {
     codec::reseal_for_testing(bytes);
     return py::bytes(reinterpret_cast<const char*>(bytes.data()), bytes.size());
   });
+#endif
 
   m.def("validate_shards",
         [](const std::string& table, const std::string& sharding_type, int64_t rows, int64_t cols,

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 #include <string_view>
 #include <unordered_map>
+#include <utility>
 
 #include "common/logging.h"
 #include "ett/flat_record.h"
@@ -21,10 +22,12 @@ namespace ettkit::ett::detail {
 
 namespace {
 
-// A record the reader skips; what() says why (it ends up in ledger.warnings).
-class CorruptRecord : public std::invalid_argument {
+// A record the reader skips; message() says why (it ends up in ledger.warnings). One of ettkit's errors
+// (CorruptData), like everything the library throws, although the reader catches every one of them.
+class CorruptRecord : public CorruptData {
  public:
-  using std::invalid_argument::invalid_argument;
+  explicit CorruptRecord(std::string why, const char* file = __builtin_FILE(), int line = __builtin_LINE())
+      : CorruptData(std::move(why), file, line) {}
 };
 
 // UTC epoch microseconds a ledger time may take: 1970-01-01 up to 9999-12-31T23:59:59 (a whole second, so
@@ -215,7 +218,7 @@ void read_file(const fs::path& path, int rank, LedgerSet& set, NameTable& names,
             break;
         }
       } catch (const CorruptRecord& e) {
-        bad(e.what());
+        bad(e.message());
       } catch (const std::exception&) {
         bad();  // a field of the wrong JSON type
       }

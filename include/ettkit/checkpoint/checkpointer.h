@@ -37,18 +37,16 @@
 //  - save/load_latest/close/enable_overlap: the owner thread. wait_staged_on_current_stream() and
 //    wait_for(): the owner or the autograd thread (hooks). SaveHandle: any thread.
 
-#include <ATen/ATen.h>
+// The Tensor class only: the header is included by every trainer; ATen.h (every operator) is theirs to include.
+#include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <atomic>
-#include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <exception>
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <utility>

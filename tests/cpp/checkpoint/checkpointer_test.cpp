@@ -3,6 +3,7 @@
 #include "common/remove_tree.h"
 #include "ettkit/checkpoint/checkpointer.h"
 
+#include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 

@@ -3,6 +3,7 @@
 // from a second thread, and close from several threads at once. Natively they check the outcome (every save
 // committed, the last one loads with the values it had at save()); under TSan they also check that no access
 // to shared state is unordered. ETTKIT_TEST_SCALE scales the number of saves (test_scale.h).
+#include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
 #include <atomic>

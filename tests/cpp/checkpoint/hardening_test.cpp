@@ -1,6 +1,7 @@
 // Issue 12 (items 1-5, 7, 12) and issue 25 (item 3) in C++: retention and loading by commit order, a
 // `latest` pointer that cannot be written, typed manifest/header decoding, save()'s argument checks, the
 // extra validated before any copy, the directory lock, and a loader racing retention.
+#include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 

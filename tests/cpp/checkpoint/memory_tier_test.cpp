@@ -4,6 +4,7 @@
 // random moments (the test binary re-executes itself as the saving child).
 #include "checkpoint/memory_tier.h"
 
+#include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <spawn.h>
