@@ -374,7 +374,9 @@ std::optional<CkptTier> checkpoint_tier(const std::string& name, std::string_vie
       name[phase_name.size()] != '/') {
     return std::nullopt;
   }
-  return std::string_view(name).substr(phase_name.size() + 1) == "memory" ? CkptTier::kMemory : CkptTier::kDisk;
+  // The sub-stage the checkpointer writes for the memory tier (phase::kMemoryTierSuffix, without its '/').
+  return std::string_view(name).substr(phase_name.size()) == phase::kMemoryTierSuffix ? CkptTier::kMemory
+                                                                                       : CkptTier::kDisk;
 }
 
 std::optional<CkptTier> persist_tier(const std::string& name) {
@@ -958,31 +960,33 @@ Analysis analyse(const LedgerSet& set, const std::string& run_dir, const ReportO
 
   // One entry per tier. The disk tier's is also the top-level `checkpoints` and `recommendation` (the
   // durable tier: a run without a memory tier has only it, with the figures it always had).
+  struct TierFigures {
+    TierSaves saves;
+    double blocking_s = 0;
+    std::optional<double> blocking_mean, interval;
+    json interval_source = nullptr;
+    double durable_median = 0;
+    json recommendation = nullptr;
+  };
+  TierFigures tier[2];
   json tiers = json::object();
-  json tier_recommendation[2];
-  std::optional<double> tier_interval[2], tier_blocking_mean[2];
-  int tier_count[2] = {0, 0}, tier_refused[2] = {0, 0};
-  json tier_interval_source[2];
-  double tier_durable_median[2];
   for (CkptTier t : kCkptTiers) {
     const int i = static_cast<int>(t);
-    const TierSaves saves = tier_saves(ref_attempts, names, t);
-    tier_count[i] = saves.count;
-    tier_refused[i] = saves.refused;
-    tier_durable_median[i] = median(saves.durable_latency);
-    tier_interval_source[i] = nullptr;
+    TierFigures& f = tier[i];
+    f.saves = tier_saves(ref_attempts, names, t);
+    f.durable_median = median(f.saves.durable_latency);
     if (cfg_interval_s[i]) {
-      tier_interval[i] = cfg_interval_s[i];
-      tier_interval_source[i] = "configured";
+      f.interval = cfg_interval_s[i];
+      f.interval_source = "configured";
     } else if (cfg_interval_steps[i] && std::isfinite(median_step_s)) {
-      tier_interval[i] = *cfg_interval_steps[i] * median_step_s;
-      tier_interval_source[i] = "configured_steps";
-    } else if (!saves.between_training.empty()) {
-      tier_interval[i] = median(saves.between_training);
-      tier_interval_source[i] = "inferred";
+      f.interval = *cfg_interval_steps[i] * median_step_s;
+      f.interval_source = "configured_steps";
+    } else if (!f.saves.between_training.empty()) {
+      f.interval = median(f.saves.between_training);
+      f.interval_source = "inferred";
     }
-    const double blocking_s = seconds(tier_blocking_us[i]);
-    if (saves.count > 0) tier_blocking_mean[i] = blocking_s / saves.count;
+    f.blocking_s = seconds(tier_blocking_us[i]);
+    if (f.saves.count > 0) f.blocking_mean = f.blocking_s / f.saves.count;
     // The restart cost a tier's interval is weighed against: the mean Time to Recover of the failures
     // restored from it. A memory tier with no such failure yet, and the disk tier, also count the recoveries
     // that restored from no tier at all (the disk tier is what a run without a memory tier restores from).
@@ -990,37 +994,35 @@ Analysis analyse(const LedgerSet& set, const std::string& run_dir, const ReportO
     const double restart_s = t == CkptTier::kMemory && !own_ttr.empty() ? mean(own_ttr)
                              : t == CkptTier::kMemory ? mean(ttr_values)
                                                       : mean(ttr_values_not_memory);
-    tier_recommendation[i] =
-        recommendation_for(tier_blocking_mean[i], mtbf, mtbf_source, restart_s, tier_durable_median[i],
-                           tier_interval[i], effective_s, median_step_s, options.method);
-    if (t == CkptTier::kMemory && saves.count == 0 && saves.refused == 0 && restores_from[i] == 0) continue;
+    f.recommendation = recommendation_for(f.blocking_mean, mtbf, mtbf_source, restart_s, f.durable_median,
+                                          f.interval, effective_s, median_step_s, options.method);
+    if (t == CkptTier::kMemory && f.saves.count == 0 && f.saves.refused == 0 && restores_from[i] == 0) continue;
     tiers[tier_key(t)] = {
-        {"count", saves.count},
-        {"refused", saves.refused},
-        {"blocking_s", blocking_s},
-        {"blocking_mean_s", opt(tier_blocking_mean[i])},
-        {"interval_s", opt(tier_interval[i])},
-        {"interval_source", tier_interval_source[i]},
-        {"durable_latency_median_s", num_or_null(tier_durable_median[i])},
+        {"count", f.saves.count},
+        {"refused", f.saves.refused},
+        {"blocking_s", f.blocking_s},
+        {"blocking_mean_s", opt(f.blocking_mean)},
+        {"interval_s", opt(f.interval)},
+        {"interval_source", f.interval_source},
+        {"durable_latency_median_s", num_or_null(f.durable_median)},
         {"restores", restores_from[i]},
         {"recovered_failures", static_cast<int>(own_ttr.size())},
         {"retraining_s", retraining_from[i]},
-        {"recommended_interval_s", tier_recommendation[i].is_null() ? json(nullptr) : tier_recommendation[i]["interval_s"]},
-        {"recommendation", tier_recommendation[i]}};
+        {"recommended_interval_s", f.recommendation.is_null() ? json(nullptr) : f.recommendation["interval_s"]},
+        {"recommendation", f.recommendation}};
   }
-  const int disk = static_cast<int>(CkptTier::kDisk);
+  const TierFigures& disk = tier[static_cast<int>(CkptTier::kDisk)];
   // Meta's estimates: blocking summed over the tiers; unsaved work as if every failure went back to the
   // durable tier (the ledger does not say which failures a memory tier could have covered).
   std::optional<double> blocking_est;
-  for (CkptTier t : kCkptTiers) {
-    const int i = static_cast<int>(t);
-    if (tier_interval[i] && *tier_interval[i] > 0 && tier_blocking_mean[i]) {
-      blocking_est = blocking_est.value_or(0.0) + effective_s / *tier_interval[i] * *tier_blocking_mean[i];
+  for (const TierFigures& f : tier) {
+    if (f.interval && *f.interval > 0 && f.blocking_mean) {
+      blocking_est = blocking_est.value_or(0.0) + effective_s / *f.interval * *f.blocking_mean;
     }
   }
   std::optional<double> unsaved_est;
-  if (tier_interval[disk]) unsaved_est = failures * *tier_interval[disk] / 2.0;
-  json recommendation = tier_recommendation[disk];
+  if (disk.interval) unsaved_est = failures * *disk.interval / 2.0;
+  const json& recommendation = disk.recommendation;
   std::optional<double> recommended;
   if (!recommendation.is_null()) recommended = recommendation["interval_s"].get<double>();
 
@@ -1099,12 +1101,12 @@ Analysis analyse(const LedgerSet& set, const std::string& run_dir, const ReportO
   doc["failures_by_category"] = fb;
   doc["unsaved_training_s"] = {{"measured", wasted_s}, {"estimated", opt(unsaved_est)}};
   doc["checkpoint_blocking_s"] = {{"measured", blocking_measured_s}, {"estimated", opt(blocking_est)}};
-  doc["checkpoints"] = {{"count", tier_count[disk]},
-                        {"refused", tier_refused[disk]},
-                        {"blocking_mean_s", opt(tier_blocking_mean[disk])},
-                        {"interval_s", opt(tier_interval[disk])},
-                        {"interval_source", tier_interval_source[disk]},
-                        {"durable_latency_median_s", num_or_null(tier_durable_median[disk])},
+  doc["checkpoints"] = {{"count", disk.saves.count},
+                        {"refused", disk.saves.refused},
+                        {"blocking_mean_s", opt(disk.blocking_mean)},
+                        {"interval_s", opt(disk.interval)},
+                        {"interval_source", disk.interval_source},
+                        {"durable_latency_median_s", num_or_null(disk.durable_median)},
                         {"tiers", tiers}};
   doc["steps"] = {{"recorded", steps_recorded},
                   {"effective", steps_effective},
