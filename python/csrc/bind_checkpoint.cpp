@@ -1,6 +1,7 @@
 // ettkit._C.checkpoint: the C++ Stager / AsyncCheckpointer. Every blocking call releases the GIL.
 #include <pybind11/stl.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/utils/pybind.h>
 
 #include <optional>
@@ -249,12 +250,30 @@ void bind_checkpoint(py::module_& m) {
             py::dict read;
             for (auto& [name, t] : r->read) read[py::str(name)] = py::cast(std::move(t));
             return py::make_tuple(r->step, py::bytes(r->extra), r->skipped_steps, read, tier_name(r->tier),
-                                  r->memory_fallback);
+                                  r->memory_fallback, r->memory_from_rank);
           },
           py::arg("names"), py::arg("tensors"), py::arg("validate_extra") = py::none(),
           py::arg("read_prefixes") = std::vector<std::string>{},
           "Returns (step, extra bytes, skipped steps, {name: new CPU tensor} for read_prefixes, tier, why the "
-          "memory tier was not used or '') or None.")
+          "memory tier was not used or '', the rank that gave the memory step back or -1) or None.")
+      .def(
+          "enable_peer_replica",
+          [](AsyncCheckpointer& c, const py::object& group, int ranks_per_host) {
+            auto backend = group.cast<c10::intrusive_ptr<c10d::Backend>>();
+            py::gil_scoped_release nogil;
+            c.enable_peer_replica(std::move(backend), ranks_per_host);
+          },
+          py::arg("group"), py::arg("ranks_per_host"),
+          "group: a torch.distributed Backend (ProcessGroupGloo) of exactly this checkpointer's ranks.")
+      .def_property_readonly("run_id", &AsyncCheckpointer::run_id)
+      .def_property_readonly("replica_stats",
+                             [](const AsyncCheckpointer& c) {
+                               py::dict d;
+                               d["sent"] = c.replicas_sent();
+                               d["received"] = c.replicas_received();
+                               d["failed"] = c.replica_failures();
+                               return d;
+                             })
       .def("wait_all", &AsyncCheckpointer::wait_all, py::call_guard<py::gil_scoped_release>())
       .def("close", &AsyncCheckpointer::close, py::arg("discard_memory_tier") = true,
            py::call_guard<py::gil_scoped_release>())

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/version.h>
 
 #include <atomic>
@@ -21,6 +22,7 @@
 
 #include "checkpoint/memory_tier.h"
 #include "checkpoint/peer_monitor.h"
+#include "checkpoint/peer_replica.h"
 #include "checkpoint/storage.h"
 #include "common/background_thread.h"
 #include "common/describe.h"
@@ -263,6 +265,8 @@ struct AsyncCheckpointer::Impl {
   std::string memory_dir;
   int64_t memory_committed = 0;
   double memory_durable_sum = 0;
+  // The peer replica (null unless enable_peer_replica()); closed before `memory` and `peers`, which it borrows.
+  std::unique_ptr<PeerReplica> replica;
   // Per tier (index: Tier): what a save blocked training, and how many saves it was summed over. The fences'
   // waits count against the tier of the save they wait for.
   double tier_blocking_sum[2] = {0, 0};
@@ -361,7 +365,9 @@ struct AsyncCheckpointer::Impl {
             // A durable step supersedes the memory snapshots up to it, and those of other runs (another
             // timeline: this run's saves are what a restart must come back to).
             if (memory) {
-              memory->retire_if([&](const MemoryStep& s) { return s.step <= job.step || !memory->in_lineage(s.run_id); });
+              auto superseded = [&](const MemoryStep& s) { return s.step <= job.step || !memory->in_lineage(s.run_id); };
+              memory->retire_if(superseded);
+              for (const std::string& shelf : memory->replica_shelves()) memory->retire_in(shelf, superseded);
             }
           }
         } catch (const PeerLost&) {
@@ -472,6 +478,13 @@ struct AsyncCheckpointer::Impl {
       memory->abort(tmp);
       throw;
     }
+    if (replica) {
+      std::string why = replica->send(memory->dir() + "/" + step_dir_name(job.step), job.step);
+      if (!why.empty()) {
+        ETTKIT_LOG_WARN("checkpoint memory tier: step ", job.step, " is held by this rank only; rank ",
+                        replica->partner(), " keeps no replica of it: ", why);
+      }
+    }
   }
 
   /// Opens this rank's memory tier (after the run id is agreed): its lock, then the stale tiers of earlier
@@ -498,28 +511,45 @@ struct AsyncCheckpointer::Impl {
     }
   }
 
+  /// What the ranks agreed to restore from the memory tier.
+  struct MemoryChoice {
+    int64_t step = -1;
+    bool take = false;  ///< this rank lacks the step: its partner gives its replica back
+    bool give = false;  ///< the rank this one keeps replicas for lacks it: this rank gives it back
+  };
+
   /// The memory step load_latest tries first: the newest that every rank holds from one and the same run
   /// (a rank's snapshot of another run is another timeline), unless a step committed on disk has a larger
-  /// number. nullopt: restore from the disk tier. Every rank returns the same value.
-  std::optional<int64_t> agree_on_memory_step(const std::vector<MemoryStep>& held, uint64_t seq) {
-    json mine = json::array();
-    for (const MemoryStep& s : held) {
-      if (s.world_size == world) {
-        mine.push_back(json::array({s.step, s.run_id}));
-      } else {
-        ETTKIT_LOG_INFO("checkpoint memory tier: step ", s.step, " in '", memory->dir(), "' was written by ",
-                        s.world_size, " ranks; this job has ", world, ": not used");
+  /// number. With a peer replica a rank also "holds" a step its partner keeps a replica of. nullopt:
+  /// restore from the disk tier. Every rank returns the same step.
+  std::optional<MemoryChoice> agree_on_memory_step(const std::vector<MemoryStep>& held, uint64_t seq) {
+    auto usable = [&](const std::vector<MemoryStep>& steps, const char* what) {
+      json out = json::array();
+      for (const MemoryStep& s : steps) {
+        if (s.world_size == world) {
+          out.push_back(json::array({s.step, s.run_id}));
+        } else {
+          ETTKIT_LOG_INFO("checkpoint memory tier: ", what, " step ", s.step, " in '", memory->dir(), "' was written by ",
+                          s.world_size, " ranks; this job has ", world, ": not used");
+        }
       }
+      return out;
+    };
+    json report{{"held", usable(held, "")}};
+    if (replica) {
+      report["replica"] = usable(memory->committed_in(memory->replica_dir(replica->held_for()), /*warn=*/true),
+                                 "the replica's");
     }
     int64_t disk_newest = -1;
     if (rank == 0) {
       StepListing l = list_steps(opt.directory);
       if (!l.committed.empty()) disk_newest = l.committed.front().step;
     }
-    std::vector<json> reports{json{{"held", mine}, {"disk", disk_newest}}};
+    report["disk"] = disk_newest;
+    std::vector<json> reports{report};
     if (world > 1) {
       std::string p = key_prefix + "load/" + std::to_string(seq) + "/memory/";
-      store->set(p + std::to_string(rank), bytes_of(reports[0].dump()));
+      store->set(p + std::to_string(rank), bytes_of(report.dump()));
       std::vector<std::string> keys;
       std::vector<int> others;
       for (int r = 0; r < world; ++r) {
@@ -530,15 +560,26 @@ struct AsyncCheckpointer::Impl {
       reports.clear();
       for (const std::string& k : keys) reports.push_back(json::parse(string_of(store->get(k))));
     }
-    auto steps_of = [](const json& report) {
-      std::set<std::pair<int64_t, std::string>> out;
-      for (const json& e : report.at("held")) out.emplace(e.at(0).get<int64_t>(), e.at(1).get<std::string>());
+    using Held = std::set<std::pair<int64_t, std::string>>;
+    auto steps_of = [](const json& report, const char* key) {
+      Held out;
+      if (!report.contains(key)) return out;
+      for (const json& e : report.at(key)) out.emplace(e.at(0).get<int64_t>(), e.at(1).get<std::string>());
       return out;
     };
-    std::set<std::pair<int64_t, std::string>> common = steps_of(reports[0]);
+    // What rank r can restore: its own steps, and the replicas its partner keeps of them.
+    auto available = [&](int r) {
+      Held out = steps_of(reports[static_cast<size_t>(r)], "held");
+      if (replica) {
+        Held kept = steps_of(reports[static_cast<size_t>(replica->partner_of(r))], "replica");
+        out.insert(kept.begin(), kept.end());
+      }
+      return out;
+    };
+    Held common = available(0);
     std::string missing;
-    for (size_t r = 1; r < reports.size() && !common.empty(); ++r) {
-      std::set<std::pair<int64_t, std::string>> theirs = steps_of(reports[r]), both;
+    for (int r = 1; r < static_cast<int>(reports.size()) && !common.empty(); ++r) {
+      Held theirs = available(r), both;
       std::set_intersection(common.begin(), common.end(), theirs.begin(), theirs.end(), std::inserter(both, both.end()));
       if (both.size() < common.size() && missing.empty()) missing = " (rank " + std::to_string(r) + " lacks it)";
       common = std::move(both);
@@ -551,13 +592,20 @@ struct AsyncCheckpointer::Impl {
       }
       return std::nullopt;
     }
-    int64_t best = common.rbegin()->first;
-    if (best < disk_newest) {
-      ETTKIT_LOG_INFO("checkpoint memory tier: step ", best, " is older than step ", disk_newest,
+    auto best = *common.rbegin();
+    if (best.first < disk_newest) {
+      ETTKIT_LOG_INFO("checkpoint memory tier: step ", best.first, " is older than step ", disk_newest,
                       " on disk: restoring from the disk tier");
       return std::nullopt;
     }
-    return best;
+    MemoryChoice choice;
+    choice.step = best.first;
+    if (replica) {
+      auto lacks = [&](int r) { return steps_of(reports[static_cast<size_t>(r)], "held").count(best) == 0; };
+      choice.take = lacks(rank);
+      choice.give = lacks(replica->held_for());
+    }
+    return choice;
   }
 
   void persist(Job& job) {
@@ -912,6 +960,8 @@ void AsyncCheckpointer::close(bool discard_memory_tier) {
   }
   im.cv.notify_all();
   if (im.writer.joinable()) im.writer.join();
+  // Before the heartbeat stops: the replica's receiver waits for its sender's count with the monitor.
+  if (im.replica) im.replica->close();
   if (im.peers) {
     bool lost;
     {
@@ -962,6 +1012,25 @@ int64_t AsyncCheckpointer::memory_saves_committed() const {
   return impl_->memory_committed;
 }
 std::string AsyncCheckpointer::memory_tier_directory() const { return impl_->memory_dir; }
+const std::string& AsyncCheckpointer::run_id() const { return impl_->run_id; }
+
+void AsyncCheckpointer::enable_peer_replica(c10::intrusive_ptr<c10d::Backend> group, int ranks_per_host) {
+  Impl& im = *impl_;
+  ETTKIT_EXPECTS(im.memory, "peer_replica needs a memory tier (memory_tier root, e.g. \"/dev/shm\"): the replica "
+                 "of a snapshot is kept in the partner's memory tier");
+  ETTKIT_EXPECTS(im.world > 1, "peer_replica needs world_size > 1 (a partner on another node); this job has 1 rank");
+  {
+    std::lock_guard<std::mutex> lk(im.mu);
+    ETTKIT_EXPECTS(!im.replica, "enable_peer_replica() was already called");
+    ETTKIT_EXPECTS(im.seq == 0 && im.load_seq == 0 && !im.closing,
+                   "enable_peer_replica() must come before the first save() and load_latest(), on every rank");
+  }
+  im.replica = std::make_unique<PeerReplica>(std::move(group), im.store, im.key_prefix + "replica/", im.peers.get(),
+                                             im.rank, im.world, ranks_per_host, *im.memory, im.opt.commit_timeout_s);
+}
+int64_t AsyncCheckpointer::replicas_sent() const { return impl_->replica ? impl_->replica->sent() : 0; }
+int64_t AsyncCheckpointer::replicas_received() const { return impl_->replica ? impl_->replica->received() : 0; }
+int64_t AsyncCheckpointer::replica_failures() const { return impl_->replica ? impl_->replica->failed() : 0; }
 int64_t AsyncCheckpointer::saves_failed() const {
   std::lock_guard<std::mutex> lk(impl_->mu);
   return impl_->failed;
@@ -1231,32 +1300,46 @@ std::optional<LoadResult> AsyncCheckpointer::load_latest(const NamedTensors& ten
     if (im.opt.recorder) im.opt.recorder->record_phase(im.restore_id[static_cast<int>(tier)], b, epoch_us(), step);
   };
   if (im.memory) {
-    if (auto step = im.agree_on_memory_step(im.memory->committed(), im.load_seq++)) {
-      Candidate c = check_candidate(im.memory->dir(), *step, im.rank, im.world,
-                                    im.opt.verify_on_load && im.opt.memory_tier.verify, load_threads(im.opt), tensors,
-                                    validate_extra, read_prefixes);
-      auto [all, why] = vote("load/" + std::to_string(im.load_seq++) + "/memory-" + std::to_string(*step), c);
+    if (auto choice = im.agree_on_memory_step(im.memory->committed(), im.load_seq++)) {
+      const int64_t step = choice->step;
+      std::string taken;
+      if (im.replica) {
+        // Every rank takes part (the vote's sequence numbers must stay in step), most with nothing to do.
+        taken = im.replica->restore_exchange(im.load_seq++, choice->give ? step : -1, choice->take ? step : -1);
+      }
+      Candidate c;
+      if (!taken.empty()) {
+        c.verdict = Verdict::kBad;
+        c.reason = "its replica did not come back from rank " + std::to_string(im.replica->partner()) + ": " + taken;
+      } else {
+        c = check_candidate(im.memory->dir(), step, im.rank, im.world, im.opt.verify_on_load && im.opt.memory_tier.verify,
+                            load_threads(im.opt), tensors, validate_extra, read_prefixes);
+      }
+      auto [all, why] = vote("load/" + std::to_string(im.load_seq++) + "/memory-" + std::to_string(step), c);
       if (all == Verdict::kMismatch) ETTKIT_THROW(InvalidArgument, why);
       if (all == Verdict::kOk) {
         out.read = copy_in_place(c, tensors, load_threads(im.opt));
-        out.step = *step;
+        out.step = step;
         out.extra = std::move(c.extra);
         out.tier = Tier::kMemory;
-        int64_t loaded = *step;
+        if (choice->take) out.memory_from_rank = im.replica->partner();
         // The loaded step's run becomes this run's lineage; every other step is another timeline.
         std::string loaded_run;
         for (const MemoryStep& s : im.memory->committed(/*warn=*/false)) {
-          if (s.step == loaded) loaded_run = s.run_id;
+          if (s.step == step) loaded_run = s.run_id;
         }
         im.memory->adopt(loaded_run);
-        im.memory->retire_if([&](const MemoryStep& s) { return s.step != loaded; });
-        ETTKIT_LOG_INFO("checkpoint: restored step ", loaded, " from the memory tier '", im.memory->dir(), "'");
-        record_restore(loaded, Tier::kMemory);
+        auto other = [&](const MemoryStep& s) { return s.step != step; };
+        im.memory->retire_if(other);
+        for (const std::string& shelf : im.memory->replica_shelves()) im.memory->retire_in(shelf, other);
+        ETTKIT_LOG_INFO("checkpoint: restored step ", step, " from the memory tier '", im.memory->dir(), "'",
+                        choice->take ? " (given back by rank " + std::to_string(im.replica->partner()) + ")" : "");
+        record_restore(step, Tier::kMemory);
         return out;
       }
-      ETTKIT_LOG_WARN("checkpoint: memory-tier step ", *step, " is not loadable, restoring from the disk tier '",
+      ETTKIT_LOG_WARN("checkpoint: memory-tier step ", step, " is not loadable, restoring from the disk tier '",
                       im.opt.directory, "': ", why);
-      out.memory_fallback = "memory-tier step " + std::to_string(*step) + ": " + why;
+      out.memory_fallback = "memory-tier step " + std::to_string(step) + ": " + why;
       reasons += "\n  " + out.memory_fallback;
     }
   }
@@ -1302,7 +1385,11 @@ std::optional<LoadResult> AsyncCheckpointer::load_latest(const NamedTensors& ten
       out.step = step;
       out.extra = std::move(c.extra);
       // The memory tier holds no step this one does not supersede: it is another timeline, or older.
-      if (im.memory) im.memory->retire_if([](const MemoryStep&) { return true; });
+      if (im.memory) {
+        auto all_steps = [](const MemoryStep&) { return true; };
+        im.memory->retire_if(all_steps);
+        for (const std::string& shelf : im.memory->replica_shelves()) im.memory->retire_in(shelf, all_steps);
+      }
       record_restore(step, Tier::kDisk);
       return out;
     }

@@ -106,21 +106,22 @@ std::optional<std::string> MemoryTier::try_lock() {
   if (holder) return holder;
   // A killed process's temporaries and half-retired steps (the lock says no writer of this rank is alive).
   remove_stale_temporaries(dir_, "\n");
+  for (const std::string& shelf : replica_shelves()) remove_stale_temporaries(shelf, "\n");
   return std::nullopt;
 }
 
-std::vector<MemoryStep> MemoryTier::committed(bool warn) const {
+std::vector<MemoryStep> MemoryTier::committed_in(const std::string& shelf, bool warn) const {
   std::vector<MemoryStep> out;
-  StepListing l = list_steps(dir_);
+  StepListing l = list_steps(shelf);
   for (const StepEntry& e : l.others) {
     if (!warn) break;
     // Everything in a rank directory is ettkit's: an entry that is not a committed step is removed by the
     // next retention (retire_if).
-    ETTKIT_LOG_WARN("checkpoint memory tier: '", dir_, "/", e.name, "' is not usable (", e.problem,
+    ETTKIT_LOG_WARN("checkpoint memory tier: '", shelf, "/", e.name, "' is not usable (", e.problem,
                     "); the disk tier is used instead");
   }
   for (const StepEntry& e : l.committed) {
-    std::string mpath = dir_ + "/" + e.name + "/manifest.json";
+    std::string mpath = shelf + "/" + e.name + "/manifest.json";
     try {
       Manifest m = decode_manifest(read_small_file(mpath), mpath);
       MemoryStep s;
@@ -141,28 +142,54 @@ std::vector<MemoryStep> MemoryTier::committed(bool warn) const {
   return out;
 }
 
+std::string MemoryTier::replica_dir(int src) const { return dir_ + "/replica-of-rank-" + std::to_string(src); }
+
+std::vector<std::string> MemoryTier::replica_shelves() const {
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (const auto& de : fs::directory_iterator(dir_, ec)) {
+    if (de.path().filename().string().rfind("replica-of-rank-", 0) == 0) out.push_back(de.path().string());
+  }
+  return out;
+}
+
+uint64_t MemoryTier::held_bytes_locked() const {
+  uint64_t held = 0;
+  for (const MemoryStep& s : committed_in(dir_, /*warn=*/false)) held += s.bytes;
+  for (const std::string& shelf : replica_shelves()) {
+    for (const MemoryStep& s : committed_in(shelf, /*warn=*/false)) held += s.bytes;
+  }
+  return held;
+}
+
 std::string MemoryTier::begin(int64_t step, const std::string& run_id, uint64_t bytes) {
   ETTKIT_EXPECTS(!discarded_, "the memory tier was discarded");
   ETTKIT_EXPECTS(budget_ <= 0 || bytes <= static_cast<uint64_t>(budget_), "a memory-tier snapshot of step ", step,
                  " needs ", bytes, " bytes; memory_tier_budget_bytes=", budget_, " is smaller: raise it, or save "
                  "this state to the disk tier only");
   adopt(run_id);
+  std::lock_guard<std::mutex> lk(mu_);
   // Newest commit first: the first step of the lineage is the one kept.
   bool kept = false;
-  retire_if([&](const MemoryStep& s) {
+  retire_locked(dir_, [&](const MemoryStep& s) {
     if (!in_lineage(s.run_id) || kept) return true;
     kept = true;
     return false;
   });
   if (budget_ > 0) {
-    uint64_t held = 0;
-    for (const MemoryStep& s : committed(/*warn=*/false)) held += s.bytes;
+    uint64_t held = held_bytes_locked();
     if (held + bytes > static_cast<uint64_t>(budget_)) {
       // Two snapshots do not fit: the old one goes first, so a crash while this one is written leaves the
       // disk tier as the only copy (said once per run at info level: it is the configured trade-off).
-      ETTKIT_LOG_INFO("checkpoint memory tier: step ", step, " (", bytes, " bytes) and the held snapshot (", held,
+      ETTKIT_LOG_INFO("checkpoint memory tier: step ", step, " (", bytes, " bytes) and the held snapshots (", held,
                       " bytes) exceed memory_tier_budget_bytes=", budget_, "; the held one is retired first");
-      retire_if([](const MemoryStep&) { return true; });
+      retire_locked(dir_, [](const MemoryStep&) { return true; });
+      if (held_bytes_locked() + bytes > static_cast<uint64_t>(budget_)) {
+        // This rank's own snapshot comes before the partner's copy: the partner still has its own.
+        ETTKIT_LOG_WARN("checkpoint memory tier: step ", step, " does not fit next to the peer replicas held; "
+                        "they are retired (the partner keeps its own snapshot)");
+        for (const std::string& shelf : replica_shelves()) retire_locked(shelf, [](const MemoryStep&) { return true; });
+      }
     }
   }
   std::string tmp = dir_ + "/" + temp_dir_name(step, run_id);
@@ -171,24 +198,55 @@ std::string MemoryTier::begin(int64_t step, const std::string& run_id, uint64_t 
   return tmp;
 }
 
-void MemoryTier::commit(const std::string& tmp, Manifest manifest) {
+std::string MemoryTier::begin_replica(int src, int64_t step, const std::string& run_id, uint64_t bytes) {
+  ETTKIT_EXPECTS(!discarded_, "the memory tier was discarded");
+  std::string shelf = replica_dir(src);
+  std::lock_guard<std::mutex> lk(mu_);
+  make_directories(shelf);
+  // The newest replica stays while this one is received (the partner may die mid-send); older ones go.
+  bool kept = false;
+  retire_locked(shelf, [&](const MemoryStep&) {
+    if (kept) return true;
+    kept = true;
+    return false;
+  });
+  if (budget_ > 0 && held_bytes_locked() + bytes > static_cast<uint64_t>(budget_)) {
+    retire_locked(shelf, [](const MemoryStep&) { return true; });
+    uint64_t held = held_bytes_locked();
+    ETTKIT_EXPECTS(held + bytes <= static_cast<uint64_t>(budget_), "rank ", src, "'s replica of step ", step,
+                   " needs ", bytes, " bytes; this rank's own snapshots hold ", held,
+                   " of memory_tier_budget_bytes=", budget_, ": raise the budget to hold both");
+  }
+  std::string tmp = shelf + "/" + temp_dir_name(step, run_id);
+  remove_tree_quietly(tmp);
+  make_directories(tmp);
+  return tmp;
+}
+
+void MemoryTier::commit_in(const std::string& shelf, const std::string& tmp, Manifest manifest) {
   int64_t step = manifest.step;
   std::string text = encode_manifest(manifest);
   write_file_durably(tmp + "/manifest.json", {ConstBuffer{text.data(), text.size()}});
-  commit_step_directory(dir_, tmp, step);
+  std::lock_guard<std::mutex> lk(mu_);
+  commit_step_directory(shelf, tmp, step);
 }
 
 void MemoryTier::abort(const std::string& tmp) noexcept { remove_tree_quietly(tmp); }
 
-void MemoryTier::retire_if(const std::function<bool(const MemoryStep&)>& drop) noexcept {
+void MemoryTier::retire_in(const std::string& shelf, const std::function<bool(const MemoryStep&)>& drop) noexcept {
+  std::lock_guard<std::mutex> lk(mu_);
+  retire_locked(shelf, drop);
+}
+
+void MemoryTier::retire_locked(const std::string& shelf, const std::function<bool(const MemoryStep&)>& drop) noexcept {
   try {
     // Unusable entries (a manifest that does not decode) go too: they could only be warned about again.
-    for (const StepEntry& e : list_steps(dir_).others) retire(dir_, e.name);
-    for (const MemoryStep& s : committed(/*warn=*/false)) {
-      if (drop(s)) retire(dir_, step_dir_name(s.step));
+    for (const StepEntry& e : list_steps(shelf).others) retire(shelf, e.name);
+    for (const MemoryStep& s : committed_in(shelf, /*warn=*/false)) {
+      if (drop(s)) retire(shelf, step_dir_name(s.step));
     }
   } catch (const std::exception& e) {
-    ETTKIT_LOG_WARN("checkpoint memory tier: retention in '", dir_, "' failed: ", e.what());
+    ETTKIT_LOG_WARN("checkpoint memory tier: retention in '", shelf, "' failed: ", e.what());
   }
 }
 

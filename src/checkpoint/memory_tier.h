@@ -8,6 +8,8 @@
 //   <root>/ettkit-mem-<key>/rank-<r>/.lock           held by the rank's process for its life (flock)
 //   <root>/ettkit-mem-<key>/rank-<r>/step-<N>/       rank-<r>.safetensors, rank-<r>.extra, manifest.json
 //   <root>/ettkit-mem-<key>/rank-<r>/.tmp-step-...   a snapshot being written
+//   <root>/ettkit-mem-<key>/rank-<r>/replica-of-rank-<s>/step-<N>/   with a peer replica: rank s's snapshot,
+//                                                    received from s (peer_replica.h); same layout and rule
 // key = XXH3-64 of the job id and the checkpoint directory's canonical path.
 //
 // Why files in tmpfs and not a raw mapping with a hand-made header: the step directory gives the memory
@@ -19,6 +21,7 @@
 // (AsyncCheckpointer::load_latest: the newest step every rank holds from the same run).
 #include <cstdint>
 #include <functional>
+#include <mutex>
 #include <optional>
 #include <set>
 #include <string>
@@ -39,7 +42,10 @@ struct MemoryStep {
 };
 
 /// This rank's part of a job's memory tier. Owns its rank directory's lock from construction to discard()
-/// or destruction; writing goes through begin() / commit() / abort() on one thread (the writer).
+/// or destruction. Two shelves: this rank's own snapshots (begin() / commit() / abort(), written by the
+/// checkpointer's writer thread) and, with a peer replica, the partner's (begin_replica() / commit_in(),
+/// written by the replica's receiver thread). Retention and the budget see both; they are serialized by an
+/// internal mutex.
 class MemoryTier {
  public:
   /// Creates <root>/ettkit-mem-<key>/rank-<rank>/ (the job directory with mode 0700) and its owner.json.
@@ -63,12 +69,22 @@ class MemoryTier {
 
   /// The committed steps, newest commit first, with the manifest fields the load vote needs. A step whose
   /// manifest does not decode is left out with a warning (load_latest then uses the disk tier).
-  std::vector<MemoryStep> committed(bool warn = true) const;
+  std::vector<MemoryStep> committed(bool warn = true) const { return committed_in(dir_, warn); }
+  /// The same for another shelf of this rank directory (replica_dir()).
+  std::vector<MemoryStep> committed_in(const std::string& shelf, bool warn) const;
+  /// Where this rank keeps rank `src`'s replicas: <dir()>/replica-of-rank-<src>.
+  std::string replica_dir(int src) const;
 
   /// Marks a run's snapshots as this process's lineage: its own run (at the first begin()) and the run of
   /// a memory step it restored. Snapshots of other runs are other timelines, retired by the next begin().
-  void adopt(const std::string& run_id) { lineage_.insert(run_id); }
-  bool in_lineage(const std::string& run_id) const { return lineage_.count(run_id) > 0; }
+  void adopt(const std::string& run_id) {
+    std::lock_guard<std::mutex> lk(lineage_mu_);
+    lineage_.insert(run_id);
+  }
+  bool in_lineage(const std::string& run_id) const {
+    std::lock_guard<std::mutex> lk(lineage_mu_);
+    return lineage_.count(run_id) > 0;
+  }
 
   /// Before a snapshot of `bytes` is written: InvalidArgument when it alone exceeds the budget. Retires
   /// every committed step but the newest of the lineage, so that the tier holds at most two snapshots at
@@ -78,14 +94,22 @@ class MemoryTier {
   /// committed; the previous step is what every rank still holds. Returns the temporary directory to write
   /// rank-<r>.safetensors / .extra into.
   std::string begin(int64_t step, const std::string& run_id, uint64_t bytes);
+  /// Before rank `src`'s replica of `bytes` is received: retires every replica but the newest of `src`,
+  /// and that one too when the budget needs it. InvalidArgument when it does not fit next to this rank's
+  /// own snapshots (the own snapshots come first). Returns the temporary directory to receive into.
+  std::string begin_replica(int src, int64_t step, const std::string& run_id, uint64_t bytes);
   /// Writes the manifest (this rank's files only, run id and job in its metadata) and renames the temporary
   /// directory to step-<N> (replacing an older step-<N>).
-  void commit(const std::string& tmp, Manifest manifest);
+  void commit(const std::string& tmp, Manifest manifest) { commit_in(dir_, tmp, std::move(manifest)); }
+  void commit_in(const std::string& shelf, const std::string& tmp, Manifest manifest);
   /// Removes a temporary directory of a failed or refused snapshot. Never throws.
   void abort(const std::string& tmp) noexcept;
   /// Retires the committed steps for which `drop` is true, and every step-* entry that is not a committed
   /// step (nothing else writes a rank directory). Never throws (failures are logged).
-  void retire_if(const std::function<bool(const MemoryStep&)>& drop) noexcept;
+  void retire_if(const std::function<bool(const MemoryStep&)>& drop) noexcept { retire_in(dir_, drop); }
+  void retire_in(const std::string& shelf, const std::function<bool(const MemoryStep&)>& drop) noexcept;
+  /// Every replica shelf of this rank directory.
+  std::vector<std::string> replica_shelves() const;
   /// Removes this rank's directory (and the job directory once no rank's is left), releases the lock.
   /// Idempotent; never throws.
   void discard() noexcept;
@@ -99,6 +123,12 @@ class MemoryTier {
   DirectoryLock lock_;
   bool discarded_ = false;
   std::set<std::string> lineage_;
+  mutable std::mutex mu_;          // begin/commit/retire of both shelves (never held while taking lineage_mu_'s
+                                   // callers: retire predicates call in_lineage)
+  mutable std::mutex lineage_mu_;  // lineage_
+
+  void retire_locked(const std::string& shelf, const std::function<bool(const MemoryStep&)>& drop) noexcept;
+  uint64_t held_bytes_locked() const;
 };
 
 /// Removes every tier under `root` that belongs to `directory` but another job and whose ranks' locks are

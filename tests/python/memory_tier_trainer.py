@@ -8,7 +8,9 @@ KILL_AT (-1: never) the rank waits for that step's memory save to commit, writes
 OUT_DIR/expected-<rank>.pt, and dies by SIGKILL. A process that finds a checkpoint resumes from it and
 writes OUT_DIR/resumed-<rank>.pt (step, tier, state); every run that reaches STEPS writes
 OUT_DIR/final-<rank>.pt (state, and the loss of every step it trained). Each rank records its attempt into
-RUN_DIR/ett (an ETT ledger), so the test can read the report's per-tier figures.
+RUN_DIR/ett (an ETT ledger), so the test can read the report's per-tier figures. With
+ETTKIT_TEST_PEER_REPLICA=1 the checkpointer also keeps a peer replica (ranks_per_host=1: each rank is a
+"node"), and OUT_DIR/replica-<rank>.pt records its counters at the end.
 """
 
 import copy
@@ -42,15 +44,17 @@ def main() -> int:
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     state = {"model": model, "optim": optimizer}
     losses = {}
+    peer = os.environ.get("ETTKIT_TEST_PEER_REPLICA") == "1"
     with ett.Recorder(run_dir, rank=rank, world_size=world) as rec, \
             AsyncCheckpointer(os.path.join(run_dir, "ckpt"), recorder=rec, keep_last=2, memory_tier=shm,
-                              job_id="memory-tier-test") as ck:
+                              job_id="memory-tier-test", peer_replica=peer, ranks_per_host=1 if peer else None) as ck:
         ck.attach(model=model, optimizer=optimizer)
         restored = ck.load_latest(state)
         start = 1
         if restored is not None:
             start = restored[0] + 1
-            torch.save({"step": restored[0], "tier": ck.restored_from, "extra": restored[1],
+            torch.save({"step": restored[0], "tier": ck.restored_from, "from_rank": ck.restored_from_rank,
+                        "extra": restored[1],
                         **snapshot(model, optimizer)}, os.path.join(out, f"resumed-{rank}.pt"))
         for step in range(start, steps + 1):
             x, y = batch(step, rank)
@@ -74,6 +78,8 @@ def main() -> int:
                     rec.flush()
                     sys.stdout.flush()
                     os.kill(os.getpid(), signal.SIGKILL)
+    # After close(): every snapshot the other rank announced has been received (or refused) by then.
+    torch.save(ck.replica_stats, os.path.join(out, f"replica-{rank}.pt"))
     torch.save({"losses": losses, **snapshot(model, optimizer)}, os.path.join(out, f"final-{rank}.pt"))
     dist.destroy_process_group()
     return 0

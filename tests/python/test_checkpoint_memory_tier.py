@@ -19,13 +19,14 @@ TRAINER = os.path.join(os.path.dirname(__file__), "memory_tier_trainer.py")
 STEPS, KILL_AT, LAST_DISK = 14, 10, 6
 
 
-def run_job(tmp_path, name, kill_at, out, shm_of_rank):
+def run_job(tmp_path, name, kill_at, out, shm_of_rank, peer_replica=False):
     """Both ranks of one attempt; returns their return codes."""
     os.makedirs(out, exist_ok=True)
+    env = dict(os.environ, ETTKIT_TEST_PEER_REPLICA="1" if peer_replica else "0")
     init = f"file://{tmp_path / ('rendezvous-' + name)}"
     procs = [subprocess.Popen([sys.executable, TRAINER, str(r), "2", init, str(tmp_path / "run"), str(shm_of_rank(r)),
                                str(STEPS), str(kill_at), str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for r in range(2)]
+                              text=True, env=env) for r in range(2)]
     outs = [p.communicate(timeout=240) for p in procs]
     return [p.returncode for p in procs], [e for _, e in outs]
 
@@ -174,3 +175,70 @@ def test_a_corrupt_memory_step_falls_back_to_disk_with_a_warning(tmp_path):
             assert ck.load_latest(target) == (2, None)
         assert ck.restored_from == "disk"
     assert torch.equal(target["w"], _state(2)["w"])
+
+
+# ---- the peer replica (#23 item 3) ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("corrupt_replica", [False, True], ids=["replica-restores", "corrupt-replica-falls-back"])
+def test_a_rank_whose_node_was_lost_restores_from_its_partners_replica(tmp_path, reference, corrupt_replica):
+    # Two "nodes" (one memory root each), ranks_per_host=1: rank 0 keeps rank 1's replica and the reverse.
+    shm = [tmp_path / f"shm-{r}" for r in range(2)]
+    for s in shm:
+        s.mkdir()
+    codes, errs = run_job(tmp_path, "a", KILL_AT, tmp_path / "a", lambda r: shm[r], peer_replica=True)
+    assert codes == [-signal.SIGKILL] * 2, errs
+    (job,) = os.listdir(shm[0])
+    for r in range(2):
+        # Each rank holds its own two newest snapshots and its partner's: save().wait() returned only once
+        # the partner had committed its copy.
+        other = 1 - r
+        rank_dir = shm[r] / job / f"rank-{r}"
+        assert sorted(os.listdir(rank_dir)) == [".lock", f"replica-of-rank-{other}", f"step-{KILL_AT}",
+                                                f"step-{KILL_AT - 2}"]
+        assert sorted(os.listdir(rank_dir / f"replica-of-rank-{other}")) == [f"step-{KILL_AT}", f"step-{KILL_AT - 2}"]
+    # Rank 1's node is lost with its memory.
+    shutil.rmtree(shm[1])
+    shm[1].mkdir()
+    if corrupt_replica:
+        data = shm[0] / job / "rank-0" / "replica-of-rank-1" / f"step-{KILL_AT}" / "rank-1.safetensors"
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0x10
+        data.write_bytes(bytes(raw))
+    codes, errs = run_job(tmp_path, "b", -1, tmp_path / "b", lambda r: shm[r], peer_replica=True)
+    assert codes == [0, 0], errs
+    for r in range(2):
+        resumed = torch.load(tmp_path / "b" / f"resumed-{r}.pt")
+        if corrupt_replica:
+            # The bytes rank 1 got back fail their checksum: both ranks restore the same disk step.
+            assert (resumed["step"], resumed["tier"], resumed["from_rank"]) == (LAST_DISK, "disk", None)
+        else:
+            expected = torch.load(tmp_path / "a" / f"expected-{r}.pt")
+            assert (resumed["step"], resumed["tier"]) == (KILL_AT, "memory")
+            assert resumed["from_rank"] == (0 if r == 1 else None)
+            assert_same(expected["model"], resumed["model"], "model")
+            assert_same(expected["optim"], resumed["optim"], "optim")
+        final = torch.load(tmp_path / "b" / f"final-{r}.pt")
+        assert sorted(final["losses"]) == list(range(resumed["step"] + 1, STEPS + 1))
+        assert_same(reference[r]["model"], final["model"], "final model")
+        assert_same(reference[r]["optim"], final["optim"], "final optim")
+        assert os.listdir(shm[r]) == [], os.listdir(shm[r])
+    if corrupt_replica:
+        assert "did not come back from rank 0" in errs[1] and "XXH3" in errs[1], errs[1][-3000:]
+    # Attempt b's memory saves (step 14, or 8, 10 and 14 after the disk restore) all reached the partner.
+    memory_saves = 3 if corrupt_replica else 1
+    for r in range(2):
+        stats = torch.load(tmp_path / "b" / f"replica-{r}.pt")
+        assert stats == {"sent": memory_saves, "received": memory_saves, "failed": 0}, (r, stats)
+
+
+def test_peer_replica_arguments_are_checked(tmp_path, monkeypatch):
+    with pytest.raises(ettkit.InvalidArgumentError, match="peer_replica=True needs a memory tier"):
+        AsyncCheckpointer(tmp_path / "ck", recorder=None, peer_replica=True)
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    with pytest.raises(ettkit.InvalidArgumentError, match="needs world_size > 1"):
+        AsyncCheckpointer(tmp_path / "ck", recorder=None, memory_tier=shm, job_id="j", peer_replica=True)
+    # The checkpointer that refused to open released its directory and memory tier.
+    with AsyncCheckpointer(tmp_path / "ck", recorder=None, memory_tier=shm, job_id="j") as ck:
+        assert ck.replica_stats == {"sent": 0, "received": 0, "failed": 0}

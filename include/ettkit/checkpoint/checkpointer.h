@@ -28,6 +28,9 @@
 //    checksums first, then the manifest, then the rename), per rank and without any collective. It survives
 //    the process, not the node. load_latest restores from it when every rank holds the same step of one run
 //    and no newer step is on disk; otherwise, or when it fails verification, from the disk tier (warning).
+//  - Peer replica (enable_peer_replica(), off by default): each memory-tier snapshot is also sent to a
+//    partner rank on another node, which keeps it in its memory tier; a rank whose node was lost gets its
+//    snapshot back from that partner in load_latest. Survives the loss of one node of each partner pair.
 //
 // Threads and ownership
 //  - The *owner* thread is the one that calls save(). Source tensors (the caller's) are referenced by a
@@ -54,6 +57,10 @@
 
 #include "ettkit/common/error.h"
 #include "ettkit/common/export.h"
+
+namespace c10d {
+class Backend;
+}
 
 namespace ettkit::ett {
 class Recorder;
@@ -310,6 +317,9 @@ struct LoadResult {
   /// Why a memory-tier step that every rank held was not loaded (it failed verification on some rank);
   /// empty otherwise.
   std::string memory_fallback;
+  /// With a peer replica: the rank that gave this rank its memory-tier snapshot back (its own was gone);
+  /// -1 when the snapshot was this rank's own, or came from disk.
+  int memory_from_rank = -1;
 };
 
 class ETTKIT_API AsyncCheckpointer {
@@ -367,9 +377,29 @@ class ETTKIT_API AsyncCheckpointer {
   /// With a memory tier: the ranks agree through the Store on the newest step that every one of them holds
   /// in memory from the same run; it is loaded (same checks) when no newer step is committed on disk. All
   /// ranks load from the same tier. Afterwards every memory step but the loaded one is retired.
+  ///
+  /// With a peer replica, a rank that lacks the step but whose partner holds its replica of it counts as
+  /// holding it: the partner sends it back (checked against its checksums) before the ranks vote on it.
   std::optional<LoadResult> load_latest(const NamedTensors& tensors,
                                         const std::function<void(const std::string&)>& validate_extra = {},
                                         const std::vector<std::string>& read_prefixes = {});
+  /// Turns on the peer replica (collective: every rank, before its first save and load_latest; needs a
+  /// memory tier). `group` is a process group of exactly this checkpointer's ranks, kept for the
+  /// checkpointer's life, that carries the snapshots' bytes as CPU tensors (a c10d ProcessGroupGloo on its
+  /// own PrefixStore; the checkpointer's Store carries the announcements). Rank r's partner, which keeps
+  /// r's replica, is (r + ranks_per_host) % world_size: the same local rank on the next node when each node
+  /// runs ranks_per_host consecutive ranks. A memory save's handle completes once the partner has verified
+  /// and committed its copy, or refused it (a warning; the local snapshot stands). InvalidArgument for a
+  /// group of another size or rank, ranks_per_host outside [1, world_size), no memory tier, or a call after
+  /// a save or load.
+  void enable_peer_replica(c10::intrusive_ptr<c10d::Backend> group, int ranks_per_host);
+  /// Snapshots sent to the partner and committed there, received from the rank this one keeps replicas
+  /// for, and not replicated (either direction).
+  int64_t replicas_sent() const;
+  int64_t replicas_received() const;
+  int64_t replica_failures() const;
+  /// The run id the ranks agreed on (names this run's Store keys; a side group's PrefixStore can use it).
+  const std::string& run_id() const;
   /// Waits for every queued save (durable or failed); rethrows nothing.
   void wait_all();
   /// wait_all() and stop the writer, then release the directory lock. Idempotent. A clean end of the job:

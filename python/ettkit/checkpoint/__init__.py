@@ -205,6 +205,10 @@ class AsyncCheckpointer:
     ``verify_memory_tier=False`` skips the checksums of memory steps on load (the disk tier's stay on).
     ``every_memory`` (steps, a duration or ``"auto"``) is the memory tier's own interval: a save the
     policy makes between two disk saves goes to the memory tier (docs/checkpoint.md, "The memory tier").
+    ``peer_replica=True`` also sends each memory snapshot to a partner rank on another node, rank
+    ``(rank + ranks_per_host) % world``, which keeps it in its memory tier, so that a rank whose node was
+    lost restores from its partner (default ``ranks_per_host``: ``LOCAL_WORLD_SIZE``, set by torchrun). The
+    bytes travel over a gloo process group this checkpointer creates on its own Store prefix.
 
     Rank 0 holds the directory's lock (``CKPT_DIR/.lock``) from here to :meth:`close`: a second checkpointer
     on the same directory, in another job or in this process, raises :class:`ettkit.CheckpointLockedError`
@@ -220,7 +224,7 @@ class AsyncCheckpointer:
                  unfenced_sync_max_bytes: int = 64 * 1024, read_only: bool = False, peer_timeout_s: float = 3.0,
                  memory_tier: Any = None, job_id: Optional[str] = None,
                  memory_tier_budget_bytes: Optional[int] = None, every_memory: Any = None,
-                 verify_memory_tier: bool = True):
+                 verify_memory_tier: bool = True, peer_replica: bool = False, ranks_per_host: Optional[int] = None):
         if on_busy not in ("wait", "skip", "error"):
             raise InvalidArgumentError(f"on_busy={on_busy!r} is not one of 'wait', 'skip', 'error'")
         if memory_budget_bytes is not None and memory_budget_bytes <= 0:
@@ -237,6 +241,9 @@ class AsyncCheckpointer:
         if self._mem_kind != "never" and not memory_root:
             raise InvalidArgumentError(f"every_memory={every_memory!r} needs a memory tier: pass memory_tier=True "
                                        f"(/dev/shm) or a directory on a memory file system")
+        if peer_replica and not memory_root:
+            raise InvalidArgumentError("peer_replica=True needs a memory tier (memory_tier=True for /dev/shm): the "
+                                       "partner keeps the replica in its memory tier")
         rank, world = 0, 1
         if process_group is not None or (torch.distributed.is_available() and torch.distributed.is_initialized()):
             import torch.distributed as dist
@@ -259,6 +266,16 @@ class AsyncCheckpointer:
             peer_timeout_s=float(peer_timeout_s), memory_tier=memory_root, job_id=str(job_id or ""),
             memory_tier_budget_bytes=int(memory_tier_budget_bytes or 0), verify_memory_tier=bool(verify_memory_tier))
         self.restored_from: Optional[str] = None
+        # With a peer replica: the rank that gave this rank's memory step back at the last load_latest.
+        self.restored_from_rank: Optional[int] = None
+        self._replica_group = None
+        if peer_replica:
+            try:
+                self._replica_group = self._open_replica_group(store, rank, world, ranks_per_host,
+                                                               float(commit_timeout_s))
+            except BaseException:
+                self._c.close(False)
+                raise
         if unfenced_sync_max_bytes < 0:
             raise InvalidArgumentError(f"unfenced_sync_max_bytes={unfenced_sync_max_bytes} must be >= 0")
         self._c.set_unfenced_sync_max_bytes(int(unfenced_sync_max_bytes))
@@ -292,6 +309,36 @@ class AsyncCheckpointer:
         # saves when it is collected or the interpreter exits; its writer never needs the GIL to do so.
         # Not a clean end either: the memory tier stays for the restart.
         self._finalizer = weakref.finalize(self, self._c.close, False)
+
+    def _open_replica_group(self, store, rank: int, world: int, ranks_per_host: Optional[int], timeout_s: float):
+        """The side gloo group that carries replicas (its own PrefixStore: no key of the training's groups)."""
+        import datetime
+
+        import torch.distributed as dist
+
+        if world < 2:
+            raise InvalidArgumentError("peer_replica=True needs world_size > 1 (a partner on another node); "
+                                       "this job has 1 rank")
+        if ranks_per_host is None:
+            local = os.environ.get("LOCAL_WORLD_SIZE")
+            if not local:
+                raise InvalidArgumentError("peer_replica=True needs ranks_per_host (the ranks each node runs): pass "
+                                           "ranks_per_host=..., or run under torchrun (LOCAL_WORLD_SIZE)")
+            ranks_per_host = int(local)
+        if isinstance(ranks_per_host, bool) or not isinstance(ranks_per_host, int) or not 1 <= ranks_per_host < world:
+            raise InvalidArgumentError(f"ranks_per_host={ranks_per_host!r} leaves no partner on another node among "
+                                       f"world_size={world} ranks: it must be an int in [1, {world - 1}]")
+        prefix = f"ettkit_replica:{self._c.directory}/{self._c.run_id}/"
+        group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world,
+                                      datetime.timedelta(seconds=timeout_s))
+        self._c.enable_peer_replica(group, int(ranks_per_host))
+        return group
+
+    @property
+    def replica_stats(self) -> dict:
+        """Peer replica counters: snapshots ``sent`` to the partner and committed there, ``received`` from
+        the rank this one keeps replicas for, and ``failed`` (either direction; each was warned about)."""
+        return dict(self._c.replica_stats)
 
     # ---- saving -------------------------------------------------------------------------------------
     def save(self, step: int, state_dict: Any, extra: Any = None, *, tier: Optional[str] = None) -> SaveHandle:
@@ -512,8 +559,9 @@ class AsyncCheckpointer:
         res = self._c.load_latest(names, tensors, validate, read_prefixes)
         if res is None:
             return None
-        step, blob, skipped, read, tier, memory_fallback = res
+        step, blob, skipped, read, tier, memory_fallback, from_rank = res
         self.restored_from = tier
+        self.restored_from_rank = from_rank if from_rank >= 0 else None
         if skipped or memory_fallback:
             import warnings
 
