@@ -1,0 +1,363 @@
+// The peer replica (#23 item 3), two ranks in one process over an in-process c10d Backend and a HashStore:
+// a rank whose memory tier is gone gets its step back from its partner, bit for bit; a replica that fails
+// its checksums sends both ranks to the disk tier together; enable_peer_replica() checks its arguments; and a
+// hostile announcement (a file name with a path in it) is refused without writing outside the tier, while the
+// stream stays in step for the next snapshot. The same paths over gloo with SIGKILL run in
+// tests/python/test_checkpoint_memory_tier.py.
+#include "checkpoint/peer_replica.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <condition_variable>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <thread>
+#include <tuple>
+
+#include "checkpoint/peer_monitor.h"
+#include "checkpoint/storage.h"
+#include "ett/test_dir.h"
+#include "ettkit/checkpoint/checkpointer.h"
+
+namespace fs = std::filesystem;
+using ettkit::InvalidArgument;
+using ettkit::testing::TempDir;
+using namespace ettkit::checkpoint;
+namespace ckd = ettkit::checkpoint::detail;
+
+namespace {
+
+/// Messages between the in-process ranks, in order per (src, dst, tag), like a process group's pairs.
+struct Mailbox {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::map<std::tuple<int, int, int>, std::deque<at::Tensor>> queues;
+};
+
+class DoneWork : public c10d::Work {
+ public:
+  bool isCompleted() override { return true; }
+  bool wait(std::chrono::milliseconds) override { return true; }
+};
+
+class RecvWork : public c10d::Work {
+ public:
+  RecvWork(std::shared_ptr<Mailbox> box, std::tuple<int, int, int> key, at::Tensor into)
+      : box_(std::move(box)), key_(key), into_(std::move(into)) {}
+  bool wait(std::chrono::milliseconds timeout) override {
+    std::unique_lock<std::mutex> lk(box_->mu);
+    auto& q = box_->queues[key_];
+    if (!box_->cv.wait_for(lk, timeout == kNoTimeout ? std::chrono::milliseconds(60000) : timeout,
+                           [&] { return !q.empty(); })) {
+      TORCH_CHECK(false, "fake recv timed out");
+    }
+    at::Tensor t = q.front();
+    q.pop_front();
+    TORCH_CHECK(t.numel() == into_.numel(), "fake recv of ", into_.numel(), " bytes got ", t.numel());
+    into_.copy_(t);
+    return true;
+  }
+
+ private:
+  std::shared_ptr<Mailbox> box_;
+  std::tuple<int, int, int> key_;
+  at::Tensor into_;
+};
+
+/// send() copies the tensor into the mailbox at once; recv() waits for it. Enough of a process group for the
+/// replica, which only sends and receives CPU byte tensors.
+class FakeBackend : public c10d::Backend {
+ public:
+  FakeBackend(int rank, int size, std::shared_ptr<Mailbox> box) : Backend(rank, size), box_(std::move(box)) {}
+  const std::string getBackendName() const override { return "fake"; }
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override {
+    {
+      std::lock_guard<std::mutex> lk(box_->mu);
+      box_->queues[{getRank(), dst, tag}].push_back(tensors.at(0).clone());
+    }
+    box_->cv.notify_all();
+    return c10::make_intrusive<DoneWork>();
+  }
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override {
+    return c10::make_intrusive<RecvWork>(box_, std::make_tuple(src, getRank(), tag), tensors.at(0));
+  }
+
+ private:
+  std::shared_ptr<Mailbox> box_;
+};
+
+NamedTensors state(int rank, int64_t step) {
+  return {{"w", at::full({1 << 15}, static_cast<double>(100 * rank + step))}, {"i", at::arange(77, at::kLong) * step}};
+}
+NamedTensors zeros_like_state() { return {{"w", at::zeros({1 << 15})}, {"i", at::zeros({77}, at::kLong)}}; }
+
+/// Two ranks ("nodes": one memory root each) of one job, opened together.
+struct Pair {
+  const TempDir& dir;
+  c10::intrusive_ptr<c10d::Store> store = c10::make_intrusive<c10d::HashStore>();
+  std::shared_ptr<Mailbox> box = std::make_shared<Mailbox>();
+  std::unique_ptr<AsyncCheckpointer> ck[2];
+
+  explicit Pair(const TempDir& d) : dir(d) {}
+
+  std::string root(int r) const { return dir.str() + "/node-" + std::to_string(r); }
+
+  void open(bool replica = true) {
+    std::thread t[2];
+    for (int r = 0; r < 2; ++r) {
+      t[r] = std::thread([&, r] {
+        CheckpointerOptions o;
+        o.directory = dir.str() + "/ck";
+        o.use_current_recorder = false;
+        o.rank = r;
+        o.world_size = 2;
+        o.commit_timeout_s = 30;
+        o.memory_tier.root = root(r);
+        o.memory_tier.job_id = "replica-test";
+        fs::create_directories(o.memory_tier.root);
+        ck[r] = std::make_unique<AsyncCheckpointer>(o, store);
+        if (replica) ck[r]->enable_peer_replica(c10::make_intrusive<FakeBackend>(r, 2, box), 1);
+      });
+    }
+    for (auto& x : t) x.join();
+  }
+  /// `fn(rank)` on both ranks at once (saves and loads are collective).
+  template <class F>
+  void both(F fn) {
+    std::thread t[2];
+    for (int r = 0; r < 2; ++r) t[r] = std::thread([&, r] { fn(r); });
+    for (auto& x : t) x.join();
+  }
+  void close(bool discard) {
+    both([&](int r) { ck[r]->close(discard); });
+    ck[0].reset();
+    ck[1].reset();
+  }
+  std::string rank_dir(int r) const {
+    for (const auto& e : fs::directory_iterator(root(r))) return e.path().string() + "/rank-" + std::to_string(r);
+    return "";
+  }
+};
+
+void flip_byte(const std::string& path, uint64_t offset) {
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(static_cast<std::streamoff>(offset));
+  char c = 0;
+  f.read(&c, 1);
+  c = static_cast<char>(c ^ 0x5a);
+  f.seekp(static_cast<std::streamoff>(offset));
+  f.write(&c, 1);
+}
+
+}  // namespace
+
+TEST(PeerReplica, ARankWhoseTierIsGoneGetsItsStepBackFromItsPartner) {
+  TempDir d;
+  Pair p(d);
+  p.open();
+  p.both([&](int r) {
+    ASSERT_TRUE(p.ck[r]->save(2, state(r, 2)).wait());
+    ASSERT_TRUE(p.ck[r]->save(4, state(r, 4), "x" + std::to_string(r), Tier::kMemory).wait());
+  });
+  // wait() returned after the partner committed its copy.
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(p.ck[r]->replicas_sent(), 1);
+    EXPECT_EQ(ckd::list_step_dirs(p.rank_dir(r) + "/replica-of-rank-" + std::to_string(1 - r)), std::vector<int64_t>{4});
+  }
+  p.close(/*discard=*/false);
+  fs::remove_all(p.root(1));  // rank 1's node is lost
+  fs::create_directories(p.root(1));
+  p.open();
+  std::optional<LoadResult> got[2];
+  NamedTensors into[2] = {zeros_like_state(), zeros_like_state()};
+  p.both([&](int r) { got[r] = p.ck[r]->load_latest(into[r]); });
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(got[r]);
+    EXPECT_EQ(got[r]->step, 4);
+    EXPECT_EQ(got[r]->tier, Tier::kMemory) << got[r]->memory_fallback;
+    EXPECT_EQ(got[r]->extra, "x" + std::to_string(r));
+    EXPECT_EQ(got[r]->memory_from_rank, r == 1 ? 0 : -1);
+    NamedTensors want = state(r, 4);
+    for (size_t i = 0; i < want.size(); ++i) EXPECT_TRUE(at::equal(into[r][i].second, want[i].second)) << r;
+  }
+  // Rank 1 holds the step itself again.
+  EXPECT_EQ(ckd::list_step_dirs(p.rank_dir(1)), std::vector<int64_t>{4});
+  p.close(/*discard=*/true);
+  EXPECT_TRUE(fs::is_empty(p.root(0)) && fs::is_empty(p.root(1)));
+}
+
+TEST(PeerReplica, ACorruptReplicaSendsBothRanksToTheDiskTier) {
+  TempDir d;
+  Pair p(d);
+  p.open();
+  p.both([&](int r) {
+    ASSERT_TRUE(p.ck[r]->save(2, state(r, 2)).wait());
+    ASSERT_TRUE(p.ck[r]->save(4, state(r, 4), {}, Tier::kMemory).wait());
+  });
+  p.close(false);
+  std::string data = p.rank_dir(0) + "/replica-of-rank-1/step-4/rank-1.safetensors";
+  flip_byte(data, *ckd::file_size(data) - 9);
+  fs::remove_all(p.root(1));
+  fs::create_directories(p.root(1));
+  p.open();
+  std::optional<LoadResult> got[2];
+  NamedTensors into[2] = {zeros_like_state(), zeros_like_state()};
+  p.both([&](int r) { got[r] = p.ck[r]->load_latest(into[r]); });
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(got[r]);
+    EXPECT_EQ(got[r]->step, 2);
+    EXPECT_EQ(got[r]->tier, Tier::kDisk);
+    EXPECT_NE(got[r]->memory_fallback.find("did not come back from rank 0"), std::string::npos) << got[r]->memory_fallback;
+    EXPECT_NE(got[r]->memory_fallback.find("XXH3"), std::string::npos) << got[r]->memory_fallback;
+    EXPECT_TRUE(at::equal(into[r][0].second, state(r, 2)[0].second));
+  }
+  p.close(true);
+}
+
+TEST(PeerReplica, EnableChecksItsArguments) {
+  TempDir d;
+  {
+    CheckpointerOptions o;
+    o.directory = d.str() + "/single";
+    o.use_current_recorder = false;
+    AsyncCheckpointer one(o);
+    auto box = std::make_shared<Mailbox>();
+    EXPECT_THROW(one.enable_peer_replica(c10::make_intrusive<FakeBackend>(0, 1, box), 1), InvalidArgument);
+  }
+  Pair p(d);
+  p.open(/*replica=*/false);
+  auto expect_refused = [&](int r, c10::intrusive_ptr<c10d::Backend> g, int rph, const std::string& words) {
+    try {
+      p.ck[r]->enable_peer_replica(std::move(g), rph);
+      ADD_FAILURE() << "accepted: " << words;
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+    }
+  };
+  expect_refused(0, c10::make_intrusive<FakeBackend>(1, 2, p.box), 1, "the process group has rank 1 of 2");
+  expect_refused(0, c10::make_intrusive<FakeBackend>(0, 3, p.box), 1, "rank 0 of 3");
+  expect_refused(0, c10::make_intrusive<FakeBackend>(0, 2, p.box), 0, "ranks_per_host=0");
+  expect_refused(0, c10::make_intrusive<FakeBackend>(0, 2, p.box), 2, "ranks_per_host=2");
+  p.both([&](int r) { ASSERT_TRUE(p.ck[r]->save(1, state(r, 1)).wait()); });
+  expect_refused(1, c10::make_intrusive<FakeBackend>(1, 2, p.box), 1, "before the first save()");
+  p.close(true);
+}
+
+TEST(PeerReplica, AHostileAnnouncementIsRefusedAndTheStreamStaysInStep) {
+  // Rank 0 is a real receiver; the test plays rank 1, announcing snapshots by hand.
+  TempDir d;
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  auto box = std::make_shared<Mailbox>();
+  std::string root = d.str() + "/node-0";
+  fs::create_directories(root);
+  ckd::MemoryTier tier(root, "job", d.str() + "/ck", 0, 0);
+  ASSERT_FALSE(tier.try_lock());
+  const std::string prefix = "t/replica/";
+  ckd::PeerMonitor peers(store, "t/", 0, 2, 5.0);
+  ckd::PeerReplica replica(c10::make_intrusive<FakeBackend>(0, 2, box), store, prefix, &peers, 0, 2, 1, tier, 10.0);
+  FakeBackend rank1(1, 2, box);
+
+  // A snapshot of rank 1: its two files, their digests, a manifest.
+  std::string src = d.str() + "/src";
+  fs::create_directories(src);
+  std::string payload(3 << 20, 'p');
+  std::string extra = "extra";
+  ckd::Manifest m;
+  m.step = 6;
+  m.world_size = 2;
+  m.metadata["ettkit.run_id"] = "run-1";
+  m.files["rank-1.safetensors"] = ckd::write_file_durably(src + "/a", {{payload.data(), payload.size()}});
+  m.files["rank-1.extra"] = ckd::write_file_durably(src + "/b", {{extra.data(), extra.size()}});
+  auto send = [&](const std::string& bytes) {
+    std::vector<at::Tensor> t{at::from_blob(const_cast<char*>(bytes.data()), {static_cast<int64_t>(bytes.size())},
+                                            at::kByte).clone()};
+    rank1.send(t, 0, 0x4554);
+  };
+  auto announce = [&](int k, const ckd::Manifest& man) {
+    store->set(prefix + "announce/1/" + std::to_string(k),
+               [](const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }(
+                   nlohmann::json{{"manifest", ckd::encode_manifest(man)}}.dump()));
+    // The files in the manifest's (name) order: rank-1.extra, then rank-1.safetensors.
+    for (const auto& [name, dg] : man.files) send(dg.size == extra.size() ? extra : payload);
+  };
+  auto ack = [&](int k) {
+    std::string key = prefix + "ack/1/" + std::to_string(k);
+    store->wait({key}, std::chrono::seconds(20));
+    auto v = store->get(key);
+    return std::string(v.begin(), v.end());
+  };
+
+  // 1. A file name with a path in it: refused, nothing written outside the tier, the chunks consumed.
+  ckd::Manifest evil = m;
+  evil.files.clear();
+  evil.files["../../escaped"] = m.files["rank-1.extra"];
+  evil.files["rank-1.safetensors"] = m.files["rank-1.safetensors"];
+  announce(0, evil);
+  EXPECT_NE(ack(0).find("names a file '../../escaped'"), std::string::npos) << ack(0);
+  EXPECT_FALSE(fs::exists(root + "/escaped"));
+  EXPECT_FALSE(fs::exists(d.str() + "/escaped"));
+  // 2. Bytes that do not match the manifest's checksums: refused.
+  ckd::Manifest wrong = m;
+  wrong.files["rank-1.safetensors"].chunks[0] = "0123456789abcdef";
+  announce(1, wrong);
+  EXPECT_NE(ack(1).find("XXH3"), std::string::npos) << ack(1);
+  // 3. The next honest snapshot is received in step and committed.
+  announce(2, m);
+  EXPECT_EQ(ack(2), "");
+  EXPECT_EQ(ckd::list_step_dirs(tier.replica_dir(1)), std::vector<int64_t>{6});
+  EXPECT_EQ(ckd::read_small_file(tier.replica_dir(1) + "/step-6/rank-1.extra"), extra);
+  EXPECT_EQ(replica.received(), 1);
+  EXPECT_EQ(replica.failed(), 2);
+  store->set(prefix + "done/1", std::vector<uint8_t>{'3'});
+  replica.close();
+}
+
+TEST(PeerReplica, TheBudgetHoldsOwnSnapshotsAndReplicasTogetherOwnFirst) {
+  TempDir d;
+  std::string root = d.str() + "/node";
+  fs::create_directories(root);
+  ckd::MemoryTier tier(root, "job", d.str() + "/ck", 0, /*budget_bytes=*/1000);
+  ASSERT_FALSE(tier.try_lock());
+  // A committed snapshot of `bytes` (the manifest's sizes are what the budget counts).
+  auto commit = [&](const std::string& tmp, const std::string& shelf, int64_t step, uint64_t bytes) {
+    ckd::Manifest m;
+    m.step = step;
+    m.world_size = 2;
+    m.metadata["ettkit.run_id"] = "run";
+    m.files["rank-0.extra"] = ckd::write_file_durably(tmp + "/rank-0.extra", {{"x", 1}});
+    m.files["rank-0.extra"].size = bytes;
+    tier.commit_in(shelf, tmp, m);
+  };
+  commit(tier.begin(1, "run", 600), tier.dir(), 1, 600);
+  // 600 own + 500 replica > 1000: the replica is refused, the own snapshot stays.
+  try {
+    tier.begin_replica(1, 1, "run", 500);
+    ADD_FAILURE() << "a replica beyond the budget was accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("raise the budget"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(ckd::list_step_dirs(tier.dir()), std::vector<int64_t>{1});
+  // A replica that fits is kept.
+  commit(tier.begin_replica(1, 1, "run", 300), tier.replica_dir(1), 1, 300);
+  EXPECT_EQ(ckd::list_step_dirs(tier.replica_dir(1)), std::vector<int64_t>{1});
+  // The next own snapshot (750) does not fit next to the held 600 + 300: the held own one goes first, then,
+  // as 300 + 750 still exceeds 1000, the replica (the partner still has its own copy).
+  std::string tmp = tier.begin(2, "run", 750);
+  EXPECT_TRUE(ckd::list_step_dirs(tier.dir()).empty());
+  EXPECT_TRUE(ckd::list_step_dirs(tier.replica_dir(1)).empty());
+  commit(tmp, tier.dir(), 2, 750);
+  EXPECT_EQ(ckd::list_step_dirs(tier.dir()), std::vector<int64_t>{2});
+  // One that fits next to the replica keeps it: 250 + 700 <= 1000 once the held own one is retired.
+  commit(tier.begin_replica(1, 2, "run", 250), tier.replica_dir(1), 2, 250);
+  commit(tier.begin(3, "run", 700), tier.dir(), 3, 700);
+  EXPECT_EQ(ckd::list_step_dirs(tier.replica_dir(1)), std::vector<int64_t>{2});
+  EXPECT_EQ(ckd::list_step_dirs(tier.dir()), std::vector<int64_t>{3});
+}
