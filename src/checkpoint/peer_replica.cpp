@@ -42,7 +42,10 @@ using nlohmann::json;
 constexpr int kStreamTag = 0x4554;   // snapshots sent after each memory-tier commit
 constexpr int kRestoreTag = 0x4555;  // snapshots given back during load_latest
 constexpr uint64_t kChunkBytes = uint64_t{32} << 20;
-constexpr auto kPoll = std::chrono::milliseconds(20);
+// The receiver's Store poll: quick right after a snapshot, backing off to kPollMax while idle (a TCPStore
+// serves every rank's polls: 5 a second per rank at most).
+constexpr auto kPollMin = std::chrono::milliseconds(10);
+constexpr auto kPollMax = std::chrono::milliseconds(200);
 
 std::vector<uint8_t> bytes_of(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
 std::string string_of(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
@@ -230,21 +233,23 @@ void PeerReplica::receive_loop() {
     // the commit votes share).
     try {
       std::optional<std::chrono::steady_clock::time_point> deadline;
+      auto nap = kPollMin;
       for (;;) {
         if (store_->check({key})) break;
         bool stopping;
         {
           std::unique_lock<std::mutex> lk(mu_);
-          if (!stop_) cv_.wait_for(lk, kPoll, [&] { return stop_; });
+          if (!stop_) cv_.wait_for(lk, nap, [&] { return stop_; });
           stopping = stop_;
         }
+        nap = std::min(nap * 2, kPollMax);
         if (!stopping) continue;
         // Closing: the snapshots the sender announced are still received; it publishes its count at its
         // close. The short wait is the poll's nap and sees a sender that is gone (PeerLost).
         auto now = std::chrono::steady_clock::now();
         if (!deadline) deadline = now + std::chrono::milliseconds(static_cast<int64_t>(timeout_s_ * 1000));
         try {
-          peers_->wait_keys({done_key}, {src}, std::chrono::duration<double>(kPoll).count(),
+          peers_->wait_keys({done_key}, {src}, std::chrono::duration<double>(kPollMin).count(),
                             "peer replica: rank " + std::to_string(src) + "'s count of snapshots");
           if (k >= std::stoll(string_of(store_->get(done_key)))) return;
         } catch (const Timeout&) {
