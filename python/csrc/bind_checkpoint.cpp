@@ -234,7 +234,7 @@ void bind_checkpoint(py::module_& m) {
                 try {
                   validate_extra(py::bytes(blob));
                 } catch (py::error_already_set& e) {
-                  if (e.matches(py::module_::import("ettkit.errors").attr("InvalidArgumentError"))) {
+                  if (e.matches(error_class("InvalidArgumentError"))) {
                     ETTKIT_THROW(InvalidArgument, py::str(e.value()).cast<std::string>());
                   }
                   ETTKIT_THROW(CorruptData, e.what());

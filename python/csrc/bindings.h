@@ -13,7 +13,11 @@ std::string user_message(const std::exception& e);
 /// table as the translator of raised errors (bind_errors.cpp); None for no error.
 pybind11::object python_exception(std::exception_ptr p);
 
-/// Registers the translator of ettkit's C++ exceptions into ettkit.errors (bind_errors.cpp).
+/// The class ettkit.errors.<name> (created in ettkit._C by bind_errors).
+pybind11::object error_class(const char* name);
+
+/// Creates ettkit's exception classes in the module and registers the translator of ettkit's C++ exceptions
+/// into them (bind_errors.cpp).
 void bind_errors(pybind11::module_& m);
 void bind_common(pybind11::module_& m);
 void bind_ett(pybind11::module_& m);
