@@ -1,0 +1,158 @@
+// Resharding reads (reshard.h): box intersection and difference, and the contiguous runs of an overlap.
+#include "checkpoint/reshard.h"
+
+#include <algorithm>
+#include <optional>
+
+#include "ettkit/common/error.h"
+
+namespace ettkit::checkpoint::detail {
+
+namespace {
+
+std::string show(const std::vector<int64_t>& v) {
+  std::string s = "[";
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  return s + "]";
+}
+
+std::string show(const Box& b) { return "offsets " + show(b.offsets) + " sizes " + show(b.sizes); }
+
+std::optional<Box> intersect(const Box& a, const Box& b) {
+  Box out;
+  for (size_t d = 0; d < a.sizes.size(); ++d) {
+    int64_t lo = std::max(a.offsets[d], b.offsets[d]);
+    int64_t hi = std::min(a.offsets[d] + a.sizes[d], b.offsets[d] + b.sizes[d]);
+    if (hi <= lo) return std::nullopt;
+    out.offsets.push_back(lo);
+    out.sizes.push_back(hi - lo);
+  }
+  return out;
+}
+
+/// `a` minus `cut` (which lies inside `a`) as disjoint boxes: slab by slab, one dimension at a time.
+std::vector<Box> subtract(Box a, const Box& cut) {
+  std::vector<Box> out;
+  for (size_t d = 0; d < a.sizes.size(); ++d) {
+    int64_t lo = cut.offsets[d], hi = cut.offsets[d] + cut.sizes[d];
+    int64_t a_lo = a.offsets[d], a_hi = a.offsets[d] + a.sizes[d];
+    if (lo > a_lo) {
+      Box below = a;
+      below.sizes[d] = lo - a_lo;
+      out.push_back(below);
+    }
+    if (hi < a_hi) {
+      Box above = a;
+      above.offsets[d] = hi;
+      above.sizes[d] = a_hi - hi;
+      out.push_back(above);
+    }
+    a.offsets[d] = lo;  // what is left of `a` lies inside the cut along d
+    a.sizes[d] = hi - lo;
+  }
+  return out;
+}
+
+/// Row-major element strides of a box.
+std::vector<int64_t> strides_of(const Box& b) {
+  std::vector<int64_t> s(b.sizes.size(), 1);
+  for (size_t d = b.sizes.size(); d-- > 1;) s[d - 1] = s[d] * b.sizes[d];
+  return s;
+}
+
+/// The runs that copy the overlap `part` from `piece` into `want`.
+void emit(const SavedPiece& piece, const Box& want, const Box& part, uint64_t elem, std::vector<CopyRange>& out) {
+  const size_t n = part.sizes.size();
+  const std::vector<int64_t> ps = strides_of(piece.box), ws = strides_of(want);
+  // Dimensions [k, n) are one contiguous run in both layouts: every dimension after k is whole in the
+  // piece, in the wanted box and in the overlap.
+  size_t k = n;
+  int64_t run = 1;
+  while (k > 0) {
+    size_t d = k - 1;
+    run *= part.sizes[d];
+    k = d;
+    if (part.sizes[d] != piece.box.sizes[d] || part.sizes[d] != want.sizes[d]) break;
+  }
+  std::vector<int64_t> idx(k, 0);  // position inside `part` over dimensions [0, k)
+  for (;;) {
+    int64_t src = 0, dst = 0;
+    for (size_t d = 0; d < n; ++d) {
+      int64_t g = part.offsets[d] + (d < k ? idx[d] : 0);
+      src += (g - piece.box.offsets[d]) * ps[d];
+      dst += (g - want.offsets[d]) * ws[d];
+    }
+    out.push_back({piece.source, piece.byte_offset + static_cast<uint64_t>(src) * elem,
+                   static_cast<uint64_t>(dst) * elem, static_cast<uint64_t>(run) * elem});
+    size_t d = k;
+    while (d > 0 && ++idx[d - 1] == part.sizes[d - 1]) idx[--d] = 0;
+    if (d == 0) break;
+  }
+}
+
+void check_box(const std::string& name, const std::vector<int64_t>& global, const Box& b, const std::string& what) {
+  ETTKIT_EXPECTS(b.offsets.size() == global.size() && b.sizes.size() == global.size(), "'", name, "': ", what,
+                 " has ", b.offsets.size(), " offsets and ", b.sizes.size(), " sizes; the tensor has ",
+                 global.size(), " dimensions ", show(global));
+  for (size_t d = 0; d < global.size(); ++d) {
+    ETTKIT_EXPECTS(b.offsets[d] >= 0 && b.sizes[d] >= 0 && b.offsets[d] + b.sizes[d] <= global[d], "'", name, "': ",
+                   what, " (", show(b), ") lies outside the global shape ", show(global), " in dimension ", d);
+  }
+}
+
+}  // namespace
+
+int64_t Box::numel() const {
+  int64_t n = 1;
+  for (int64_t s : sizes) n *= s;
+  return n;
+}
+
+std::vector<CopyRange> plan_reshard(const std::string& name, const std::vector<int64_t>& global_shape,
+                                    const std::vector<SavedPiece>& saved, const Box& want, uint64_t element_size) {
+  check_box(name, global_shape, want, "the wanted shard");
+  for (const SavedPiece& p : saved) check_box(name, global_shape, p.box, "the piece saved by " + std::to_string(p.source));
+  std::vector<CopyRange> out;
+  if (want.numel() == 0) return out;
+  std::vector<Box> remaining{want};
+  for (const SavedPiece& p : saved) {
+    if (p.box.numel() == 0) continue;
+    std::vector<Box> next;
+    for (const Box& r : remaining) {
+      std::optional<Box> part = intersect(r, p.box);
+      if (!part) {
+        next.push_back(r);
+        continue;
+      }
+      emit(p, want, *part, element_size, out);
+      for (Box& rest : subtract(r, *part)) next.push_back(std::move(rest));
+    }
+    remaining = std::move(next);
+    if (remaining.empty()) break;
+  }
+  ETTKIT_EXPECTS(remaining.empty(), "'", name, "': no saved piece holds ", show(remaining.front()),
+                 " of the wanted shard (", show(want), "); the checkpoint's pieces do not cover the tensor ",
+                 show(global_shape));
+  std::sort(out.begin(), out.end(), [](const CopyRange& a, const CopyRange& b) { return a.dst_offset < b.dst_offset; });
+  // Neighbours that continue each other in both files become one read.
+  std::vector<CopyRange> merged;
+  for (const CopyRange& r : out) {
+    if (!merged.empty()) {
+      CopyRange& m = merged.back();
+      if (m.source == r.source && m.src_offset + m.length == r.src_offset && m.dst_offset + m.length == r.dst_offset) {
+        m.length += r.length;
+        continue;
+      }
+    }
+    merged.push_back(r);
+  }
+  return merged;
+}
+
+uint64_t planned_bytes(const std::vector<CopyRange>& plan) {
+  uint64_t n = 0;
+  for (const CopyRange& r : plan) n += r.length;
+  return n;
+}
+
+}  // namespace ettkit::checkpoint::detail

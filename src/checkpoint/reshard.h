@@ -1,0 +1,55 @@
+#pragma once
+// Resharding reads (#20, elastic restore; the first piece): which byte ranges of which saved shards fill a
+// shard of another layout. A saved tensor is a set of boxes of one global tensor (row-wise, column-wise,
+// table-wise, or a DTensor's Shard(d) pieces), each stored row-major and contiguous in some rank's file; a
+// shard the new job wants is another box. The plan is computed locally from the saved boxes (their offsets
+// and sizes are in the files' headers and names), with no collective, and reads only the bytes the new box
+// needs: each overlap is read in runs as long as both layouts are contiguous over it.
+//
+// Torch-free: boxes, element sizes and byte offsets only; the caller maps dtypes and files.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#pragma GCC visibility push(default)
+
+namespace ettkit::checkpoint::detail {
+
+/// An N-dimensional box of a global tensor: where it starts and how large it is, per dimension.
+struct Box {
+  std::vector<int64_t> offsets;
+  std::vector<int64_t> sizes;
+  int64_t numel() const;
+};
+
+/// One saved piece of the tensor: its box, and where its first byte is (row-major, contiguous) in the
+/// file of `source` (an index the caller gives meaning to: an old rank).
+struct SavedPiece {
+  int source = 0;
+  Box box;
+  uint64_t byte_offset = 0;
+};
+
+/// Copy `length` bytes from `source`'s file at `src_offset` to byte `dst_offset` of the wanted box (row-major).
+struct CopyRange {
+  int source = 0;
+  uint64_t src_offset = 0;
+  uint64_t dst_offset = 0;
+  uint64_t length = 0;
+};
+
+/// The reads that fill `want` (row-major, `element_size` bytes per element) from `saved`, in order of the
+/// destination. Each element of `want` is read exactly once; where saved pieces overlap (a replicated
+/// tensor saved by every rank), the first piece in `saved` order that holds an element provides it.
+/// `name` names the tensor in errors. Throws InvalidArgument when ranks differ, a box has a negative
+/// offset or size or lies outside `global_shape`, or some element of `want` is in no saved piece (naming
+/// the first one missing).
+std::vector<CopyRange> plan_reshard(const std::string& name, const std::vector<int64_t>& global_shape,
+                                    const std::vector<SavedPiece>& saved, const Box& want, uint64_t element_size);
+
+/// Bytes the plan reads in all (the sum of its lengths; equals want.numel() * element_size).
+uint64_t planned_bytes(const std::vector<CopyRange>& plan);
+
+}  // namespace ettkit::checkpoint::detail
+
+#pragma GCC visibility pop

@@ -1,0 +1,190 @@
+// Resharding reads (#20, first piece): the plan that fills a shard of one layout from the pieces of another
+// reads every wanted element exactly once, from the right place, in as few contiguous runs as the layouts
+// allow; replicated pieces are read once; a gap in the saved pieces or a box outside the tensor is an error
+// naming it. Randomized over grid layouts (row-wise, column-wise, table-wise and block pieces) and boxes.
+#include "checkpoint/reshard.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <random>
+
+#include "ettkit/common/error.h"
+#include "test_scale.h"
+
+using ettkit::InvalidArgument;
+namespace ckd = ettkit::checkpoint::detail;
+
+namespace {
+
+using Shape = std::vector<int64_t>;
+
+/// The global tensor's value at a flat index: the index itself (int64, 8 bytes an element).
+std::vector<int64_t> values_of_box(const Shape& global, const ckd::Box& b) {
+  std::vector<int64_t> out;
+  std::vector<int64_t> idx(b.sizes.size(), 0);
+  if (b.numel() == 0) return out;
+  for (;;) {
+    int64_t flat = 0;
+    for (size_t d = 0; d < global.size(); ++d) flat = flat * global[d] + b.offsets[d] + idx[d];
+    out.push_back(flat);
+    size_t d = idx.size();
+    while (d > 0 && ++idx[d - 1] == b.sizes[d - 1]) idx[--d] = 0;
+    if (d == 0) break;
+  }
+  return out;
+}
+
+/// Every piece of a grid that cuts each dimension at `cuts[d]`.
+std::vector<ckd::Box> grid(const Shape& global, const std::vector<std::vector<int64_t>>& cuts) {
+  std::vector<ckd::Box> out{ckd::Box{}};
+  for (size_t d = 0; d < global.size(); ++d) {
+    std::vector<int64_t> edges = cuts[d];
+    edges.insert(edges.begin(), 0);
+    edges.push_back(global[d]);
+    std::vector<ckd::Box> next;
+    for (const ckd::Box& b : out) {
+      for (size_t i = 0; i + 1 < edges.size(); ++i) {
+        ckd::Box c = b;
+        c.offsets.push_back(edges[i]);
+        c.sizes.push_back(edges[i + 1] - edges[i]);
+        next.push_back(c);
+      }
+    }
+    out = std::move(next);
+  }
+  return out;
+}
+
+std::vector<int64_t> random_cuts(std::mt19937& rng, int64_t extent) {
+  std::vector<int64_t> cuts;
+  for (int64_t i = 1; i < extent; ++i) {
+    if (rng() % 3 == 0) cuts.push_back(i);
+  }
+  return cuts;
+}
+
+struct Files {
+  std::vector<std::vector<char>> bytes;  // per source
+};
+
+/// Saves `pieces` into per-source files (each piece at a random offset after the previous one).
+std::vector<ckd::SavedPiece> save(std::mt19937& rng, const Shape& global, const std::vector<ckd::Box>& pieces,
+                                  int sources, Files& files) {
+  files.bytes.assign(static_cast<size_t>(sources), {});
+  std::vector<ckd::SavedPiece> out;
+  for (const ckd::Box& b : pieces) {
+    int src = static_cast<int>(rng() % static_cast<unsigned>(sources));
+    auto& f = files.bytes[static_cast<size_t>(src)];
+    f.resize(f.size() + rng() % 17, '\xee');  // a header or another tensor before it
+    std::vector<int64_t> v = values_of_box(global, b);
+    uint64_t at = f.size();
+    f.resize(f.size() + v.size() * 8);
+    if (!v.empty()) std::memcpy(f.data() + at, v.data(), v.size() * 8);
+    out.push_back({src, b, at});
+  }
+  return out;
+}
+
+std::vector<int64_t> execute(const std::vector<ckd::CopyRange>& plan, const Files& files, int64_t n) {
+  std::vector<int64_t> dst(static_cast<size_t>(n), -1);
+  for (const ckd::CopyRange& r : plan) {
+    const auto& f = files.bytes.at(static_cast<size_t>(r.source));
+    EXPECT_LE(r.src_offset + r.length, f.size());
+    EXPECT_LE(r.dst_offset + r.length, static_cast<uint64_t>(n) * 8);
+    std::memcpy(reinterpret_cast<char*>(dst.data()) + r.dst_offset, f.data() + r.src_offset, r.length);
+  }
+  return dst;
+}
+
+}  // namespace
+
+TEST(Reshard, RandomLayoutsFillEveryWantedBoxExactlyOnce) {
+  std::mt19937 rng(1234);
+  const int trials = ettkit::testing::scaled_trials(400, 40);
+  for (int t = 0; t < trials; ++t) {
+    Shape global;
+    int dims = static_cast<int>(rng() % 4);  // 0-d (a scalar) to 3-d
+    for (int d = 0; d < dims; ++d) global.push_back(1 + static_cast<int64_t>(rng() % 7));
+    std::vector<std::vector<int64_t>> cuts;
+    for (int64_t e : global) cuts.push_back(random_cuts(rng, e));
+    std::vector<ckd::Box> pieces = grid(global, cuts);
+    std::shuffle(pieces.begin(), pieces.end(), rng);
+    Files files;
+    auto saved = save(rng, global, pieces, 1 + static_cast<int>(rng() % 4), files);
+    for (int w = 0; w < 5; ++w) {
+      ckd::Box want;
+      for (int64_t e : global) {
+        int64_t lo = static_cast<int64_t>(rng() % static_cast<unsigned>(e));
+        int64_t hi = lo + 1 + static_cast<int64_t>(rng() % static_cast<unsigned>(e - lo));
+        want.offsets.push_back(lo);
+        want.sizes.push_back(hi - lo);
+      }
+      auto plan = ckd::plan_reshard("t", global, saved, want, 8);
+      ASSERT_EQ(ckd::planned_bytes(plan), static_cast<uint64_t>(want.numel()) * 8) << "trial " << t;
+      // Destination ranges are disjoint and in order: each element is read once.
+      for (size_t i = 1; i < plan.size(); ++i) ASSERT_LE(plan[i - 1].dst_offset + plan[i - 1].length, plan[i].dst_offset);
+      ASSERT_EQ(execute(plan, files, want.numel()), values_of_box(global, want)) << "trial " << t;
+    }
+  }
+}
+
+TEST(Reshard, RowWiseToFewerRanksReadsOneRunPerOverlappingPiece) {
+  // 10 rows of 4 saved by 4 ranks (3, 3, 2, 2 rows); rank 0 of 2 wants rows 0-4: two runs, whole rows.
+  Shape global{10, 4};
+  Files files;
+  std::mt19937 rng(7);
+  std::vector<ckd::Box> pieces{{{0, 0}, {3, 4}}, {{3, 0}, {3, 4}}, {{6, 0}, {2, 4}}, {{8, 0}, {2, 4}}};
+  std::vector<ckd::SavedPiece> saved;
+  files.bytes.resize(4);
+  for (int r = 0; r < 4; ++r) {
+    std::vector<int64_t> v = values_of_box(global, pieces[static_cast<size_t>(r)]);
+    files.bytes[static_cast<size_t>(r)].resize(v.size() * 8 + 16);
+    std::memcpy(files.bytes[static_cast<size_t>(r)].data() + 16, v.data(), v.size() * 8);
+    saved.push_back({r, pieces[static_cast<size_t>(r)], 16});
+  }
+  ckd::Box want{{0, 0}, {5, 4}};
+  auto plan = ckd::plan_reshard("emb", global, saved, want, 8);
+  ASSERT_EQ(plan.size(), 2u);
+  EXPECT_EQ(plan[0].source, 0);
+  EXPECT_EQ(plan[0].length, 3u * 4 * 8);
+  EXPECT_EQ(plan[1].source, 1);
+  EXPECT_EQ(plan[1].src_offset, 16u);
+  EXPECT_EQ(plan[1].length, 2u * 4 * 8);
+  EXPECT_EQ(execute(plan, files, want.numel()), values_of_box(global, want));
+  // Column-wise: one run per row (the columns are a slice of each row).
+  ckd::Box cols{{0, 1}, {10, 2}};
+  auto col_plan = ckd::plan_reshard("emb", global, saved, cols, 8);
+  EXPECT_EQ(col_plan.size(), 10u);
+  EXPECT_EQ(execute(col_plan, files, cols.numel()), values_of_box(global, cols));
+}
+
+TEST(Reshard, AReplicatedTensorIsReadFromOneCopyOnly) {
+  Shape global{6, 3};
+  Files files;
+  std::mt19937 rng(3);
+  ckd::Box all{{0, 0}, {6, 3}};
+  auto saved = save(rng, global, {all, all, all}, 3, files);
+  auto plan = ckd::plan_reshard("bias", global, saved, all, 8);
+  ASSERT_EQ(plan.size(), 1u);
+  EXPECT_EQ(plan[0].source, saved[0].source);
+  EXPECT_EQ(execute(plan, files, all.numel()), values_of_box(global, all));
+}
+
+TEST(Reshard, AGapOrABoxOutsideTheTensorIsAnErrorNamingIt) {
+  Shape global{8, 2};
+  std::vector<ckd::SavedPiece> saved{{0, {{0, 0}, {3, 2}}, 0}, {1, {{5, 0}, {3, 2}}, 0}};  // rows 3-4 missing
+  try {
+    ckd::plan_reshard("table.weight", global, saved, {{0, 0}, {8, 2}}, 4);
+    FAIL() << "a gap was accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("'table.weight': no saved piece holds offsets [3, 0] sizes [2, 2]"),
+              std::string::npos) << e.what();
+  }
+  EXPECT_THROW(ckd::plan_reshard("t", global, saved, {{6, 0}, {3, 2}}, 4), InvalidArgument);  // past row 8
+  EXPECT_THROW(ckd::plan_reshard("t", global, saved, {{0}, {8}}, 4), InvalidArgument);        // wrong rank
+  std::vector<ckd::SavedPiece> negative{{0, {{-1, 0}, {3, 2}}, 0}};
+  EXPECT_THROW(ckd::plan_reshard("t", global, negative, {{0, 0}, {1, 2}}, 4), InvalidArgument);
+  EXPECT_TRUE(ckd::plan_reshard("t", global, saved, {{4, 0}, {0, 2}}, 4).empty());  // an empty shard reads nothing
+}
