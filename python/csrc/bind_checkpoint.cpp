@@ -250,12 +250,14 @@ void bind_checkpoint(py::module_& m) {
             py::dict read;
             for (auto& [name, t] : r->read) read[py::str(name)] = py::cast(std::move(t));
             return py::make_tuple(r->step, py::bytes(r->extra), r->skipped_steps, read, tier_name(r->tier),
-                                  r->memory_fallback, r->memory_from_rank);
+                                  r->memory_fallback, r->memory_from_rank, r->saved_world_size,
+                                  r->reshard_bytes_read, r->reshard_bytes_verified);
           },
           py::arg("names"), py::arg("tensors"), py::arg("validate_extra") = py::none(),
           py::arg("read_prefixes") = std::vector<std::string>{},
           "Returns (step, extra bytes, skipped steps, {name: new CPU tensor} for read_prefixes, tier, why the "
-          "memory tier was not used or '', the rank that gave the memory step back or -1) or None.")
+          "memory tier was not used or '', the rank that gave the memory step back or -1, the world size that "
+          "wrote the step, bytes read and verified by a resharding load) or None.")
       .def(
           "enable_peer_replica",
           [](AsyncCheckpointer& c, const py::object& group, int ranks_per_host) {

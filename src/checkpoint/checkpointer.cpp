@@ -23,6 +23,7 @@
 #include "checkpoint/memory_tier.h"
 #include "checkpoint/peer_monitor.h"
 #include "checkpoint/peer_replica.h"
+#include "checkpoint/reshard.h"
 #include "checkpoint/storage.h"
 #include "common/background_thread.h"
 #include "common/describe.h"
@@ -1066,6 +1067,14 @@ struct Candidate {
   SafetensorsIndex index;
   std::string extra;
   std::vector<const SafetensorsEntry*> to_read;  // into `index`: no destination, under a read prefix
+  // A step written at another world size (docs/checkpoint.md, "Elastic restore"): every old rank's files,
+  // their indexes, and per destination tensor (in the state's order) the reads that fill it.
+  bool reshard = false;
+  int saved_world = 0;
+  std::vector<OpenedStep> old;
+  std::vector<SafetensorsIndex> old_index;
+  std::vector<std::vector<CopyRange>> plans;
+  uint64_t planned = 0, verified = 0;
 };
 
 /// Whether `name` is one of `prefixes` or starts with one followed by '.' ("" covers every name).
@@ -1103,9 +1112,192 @@ int load_threads(const CheckpointerOptions& opt) {
                                      : std::clamp(static_cast<int>(std::thread::hardware_concurrency()), 1, 4);
 }
 
+/// The candidate for a step written by `saved_world` ranks when this job has another number: every old
+/// rank's files are opened and indexed (their headers only), each destination tensor gets the reads that
+/// fill it (reshard.h), and, with `verify`, the checksum chunks those reads touch are checked. The
+/// non-tensor state is old rank 0's (at another world size there is no rank it belongs to: it is taken as
+/// the same on every rank, like a whole tensor).
+Candidate check_reshard_candidate(const std::string& dir, int64_t step, int saved_world, bool verify, int threads,
+                                  const NamedTensors& tensors,
+                                  const std::function<void(const std::string&)>& validate_extra,
+                                  const std::vector<std::string>& read_prefixes) {
+  Candidate c;
+  c.reshard = true;
+  c.saved_world = saved_world;
+  std::string extra_mismatch;
+  std::vector<std::set<size_t>> chunks(static_cast<size_t>(saved_world));
+  try {
+    for (int r = 0; r < saved_world; ++r) {
+      std::optional<OpenedStep> f = open_step(dir, step, r);
+      if (!f) {
+        c.verdict = Verdict::kVanished;
+        c.reason = "step " + std::to_string(step) + " was removed while it was being loaded";
+        return c;
+      }
+      ETTKIT_CHECK(f->manifest.world_size == saved_world, CorruptData, "manifest '", f->manifest_path,
+                   "' changed while it was being read");
+      std::string name = "rank-" + std::to_string(r) + ".safetensors";
+      auto it = f->manifest.files.find(name);
+      ETTKIT_CHECK(it != f->manifest.files.end(), CorruptData, "manifest '", f->manifest_path, "' lists no '", name, "'");
+      ETTKIT_CHECK(f->data.size() == it->second.size, CorruptData, "'", f->data.path(), "' has ", f->data.size(),
+                   " bytes; the manifest says ", it->second.size);
+      c.old_index.push_back(read_safetensors_index(f->data));
+      c.old.push_back(std::move(*f));
+    }
+    const OpenedStep& first = c.old.front();
+    auto it = first.manifest.files.find("rank-0.extra");
+    ETTKIT_CHECK(it != first.manifest.files.end(), CorruptData, "manifest '", first.manifest_path, "' lists no 'rank-0.extra'");
+    c.extra = first.extra.read_all();
+    ETTKIT_CHECK(c.extra.size() == it->second.size, CorruptData, "'", first.extra.path(), "' has ", c.extra.size(),
+                 " bytes; the manifest says ", it->second.size);
+    ETTKIT_CHECK(!verify || xxh3_of(c.extra) == it->second.xxh3, CorruptData, "'", first.extra.path(), "' has XXH3 ",
+                 xxh3_of(c.extra), "; the manifest says ", it->second.xxh3);
+    if (validate_extra) {
+      try {
+        validate_extra(c.extra);
+      } catch (const InvalidArgument& e) {
+        extra_mismatch = e.message();
+      } catch (const std::exception& e) {
+        std::string why = e.what();
+        if (const auto* err = dynamic_cast<const Error*>(&e)) why = err->message();
+        ETTKIT_THROW(CorruptData, "'", first.extra.path(), "' cannot be decoded: ", why);
+      }
+    }
+  } catch (const Error& e) {
+    c.verdict = Verdict::kBad;
+    c.reason = e.message();
+    c.old.clear();
+    return c;
+  }
+  std::vector<const SafetensorsIndex*> indexes;
+  for (const SafetensorsIndex& i : c.old_index) indexes.push_back(&i);
+  std::vector<std::string> problems;
+  std::set<std::string> wanted_keys;
+  for (const auto& [name, t] : tensors) {
+    wanted_keys.insert(split_shard_name(name).first);
+    try {
+      c.plans.push_back(plan_destination(name, t.sizes().vec(), safetensors_dtype(t.scalar_type(), name), indexes));
+      c.planned += planned_bytes(c.plans.back());
+    } catch (const InvalidArgument& e) {
+      problems.push_back(e.message());
+      c.plans.emplace_back();
+    }
+  }
+  // What no destination asks for. A piece of a sharded tensor: another rank's now (a rank may hold no shard
+  // of a table; the caller checks that the state has the sharded tensor). A whole tensor under a read prefix
+  // (lazily created state): old rank 0's copy. Any other whole tensor: a mismatch, as at the same world size.
+  std::vector<std::string> unexpected;
+  for (size_t r = 0; r < c.old_index.size(); ++r) {
+    for (const auto& [name, entry] : c.old_index[r].tensors) {
+      auto [key, offsets] = split_shard_name(name);
+      if (wanted_keys.count(key) || offsets) continue;
+      if (under_prefix(name, read_prefixes) && scalar_type_of(entry.dtype)) {
+        if (r == 0) {
+          c.to_read.push_back(&entry);
+          c.planned += entry.end - entry.begin;
+        }
+      } else if (std::find(unexpected.begin(), unexpected.end(), key) == unexpected.end()) {
+        unexpected.push_back(key);
+      }
+    }
+  }
+  if (!unexpected.empty()) problems.push_back("unexpected in the checkpoint (the state dict lacks them): " + quoted_list(unexpected));
+  if (!problems.empty() || !extra_mismatch.empty()) {
+    c.verdict = Verdict::kMismatch;
+    c.reason = ettkit::detail::concat("the state dict cannot be loaded from checkpoint step ", step, " (written by ",
+                                      saved_world, " ranks) by resharding");
+    if (!extra_mismatch.empty()) c.reason += ": " + extra_mismatch;
+    if (!problems.empty()) c.reason += "; " + plain_list(problems);
+    return c;
+  }
+  if (verify) {
+    // The chunks that hold a header or a byte this rank reads, per old file.
+    try {
+      for (size_t r = 0; r < c.old.size(); ++r) {
+        const FileDigest& d = c.old[r].manifest.files.at("rank-" + std::to_string(r) + ".safetensors");
+        auto touch = [&](uint64_t begin, uint64_t length) {
+          if (length == 0 || d.chunk_bytes == 0) return;
+          for (uint64_t k = begin / d.chunk_bytes; k <= (begin + length - 1) / d.chunk_bytes; ++k) chunks[r].insert(k);
+        };
+        touch(0, c.old_index[r].data_offset);
+        for (const auto& plan : c.plans) {
+          for (const CopyRange& x : plan) {
+            if (x.source == static_cast<int>(r)) touch(x.src_offset, x.length);
+          }
+        }
+        if (r == 0) {
+          for (const SafetensorsEntry* e : c.to_read) touch(c.old_index[0].data_offset + e->begin, e->end - e->begin);
+        }
+        if (chunks[r].empty()) continue;
+        if (d.chunks.empty()) {
+          // A manifest from before chunk checksums: the whole file.
+          std::string h = file_xxh3(c.old[r].data);
+          ETTKIT_CHECK(h == d.xxh3, CorruptData, "'", c.old[r].data.path(), "' has XXH3 ", h, "; the manifest says ", d.xxh3);
+          c.verified += d.size;
+          continue;
+        }
+        std::vector<size_t> which(chunks[r].begin(), chunks[r].end());
+        verify_file_chunks(c.old[r].data, d, threads, which);
+        for (size_t k : which) c.verified += std::min(d.chunk_bytes, d.size - k * d.chunk_bytes);
+      }
+    } catch (const Error& e) {
+      c.verdict = Verdict::kBad;
+      c.reason = e.message();
+      c.old.clear();
+      return c;
+    }
+  }
+  c.verdict = Verdict::kOk;
+  return c;
+}
+
+/// Fills `tensors` from a resharding candidate's reads, then reads the whole tensors without a destination
+/// (Candidate::to_read, from old rank 0) into new CPU tensors.
+NamedTensors copy_resharded(const Candidate& c, const NamedTensors& tensors, int threads) {
+  at::NoGradGuard no_grad;
+  std::vector<std::vector<ReadRange>> direct(c.old.size());
+  std::vector<std::pair<const at::Tensor*, at::Tensor>> staged;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i].second;
+    at::Tensor dst = t;
+    if (!(t.device().is_cpu() && t.is_contiguous() && !t.is_conj() && !t.is_neg())) {
+      dst = at::empty(t.sizes(), t.options().device(c10::kCPU).memory_format(at::MemoryFormat::Contiguous));
+      staged.emplace_back(&t, dst);
+    }
+    char* base = static_cast<char*>(dst.data_ptr());
+    for (const CopyRange& r : c.plans[i]) {
+      direct[static_cast<size_t>(r.source)].push_back({base + r.dst_offset, r.length, r.src_offset});
+    }
+  }
+  for (size_t r = 0; r < c.old.size(); ++r) {
+    if (!direct[r].empty()) read_ranges(c.old[r].data.fd(), direct[r], threads, c.old[r].data.path());
+  }
+  for (auto& [t, tmp] : staged) t->copy_(tmp);
+  NamedTensors read;
+  for (const SafetensorsEntry* e : c.to_read) {
+    at::Tensor t = at::empty(e->shape, at::TensorOptions().dtype(*scalar_type_of(e->dtype)));
+    read_exact(c.old[0].data.fd(), t.data_ptr(), e->end - e->begin, c.old_index[0].data_offset + e->begin,
+               c.old[0].data.path());
+    read.emplace_back(e->name, std::move(t));
+  }
+  return read;
+}
+
 Candidate check_candidate(const std::string& dir, int64_t step, int rank, int world, bool verify, int threads,
                           const NamedTensors& tensors, const std::function<void(const std::string&)>& validate_extra,
                           const std::vector<std::string>& read_prefixes) {
+  {
+    // A step of another world size is loaded by resharding (its own rank's files may not even exist).
+    int saved_world = 0;
+    try {
+      std::string mpath = dir + "/" + step_dir_name(step) + "/manifest.json";
+      saved_world = decode_manifest(read_small_file(mpath), mpath).world_size;
+    } catch (const Error&) {  // missing or bad: the checks below say which, as for any step
+    }
+    if (saved_world > 0 && saved_world != world) {
+      return check_reshard_candidate(dir, step, saved_world, verify, threads, tensors, validate_extra, read_prefixes);
+    }
+  }
   Candidate c;
   std::string extra_mismatch;
   try {
@@ -1322,6 +1514,7 @@ std::optional<LoadResult> AsyncCheckpointer::load_latest(const NamedTensors& ten
         out.step = step;
         out.extra = std::move(c.extra);
         out.tier = Tier::kMemory;
+        out.saved_world_size = im.world;
         if (choice->take) out.memory_from_rank = im.replica->partner();
         // The loaded step's run becomes this run's lineage; every other step is another timeline.
         std::string loaded_run;
@@ -1381,9 +1574,17 @@ std::optional<LoadResult> AsyncCheckpointer::load_latest(const NamedTensors& ten
         reasons += "\n  step " + std::to_string(step) + ": " + why;
         continue;
       }
-      out.read = copy_in_place(c, tensors, load_threads(im.opt));
+      out.read = c.reshard ? copy_resharded(c, tensors, load_threads(im.opt)) : copy_in_place(c, tensors, load_threads(im.opt));
       out.step = step;
       out.extra = std::move(c.extra);
+      out.saved_world_size = im.world;
+      if (c.reshard) {
+        out.saved_world_size = c.saved_world;
+        out.reshard_bytes_read = c.planned;
+        out.reshard_bytes_verified = c.verified;
+        ETTKIT_LOG_INFO("checkpoint: step ", step, " was written by ", c.saved_world, " ranks; rank ", im.rank, " of ",
+                        im.world, " resharded it, reading ", c.planned, " bytes (", c.verified, " verified)");
+      }
       // The memory tier holds no step this one does not supersede: it is another timeline, or older.
       if (im.memory) {
         auto all_steps = [](const MemoryStep&) { return true; };

@@ -149,6 +149,66 @@ std::vector<CopyRange> plan_reshard(const std::string& name, const std::vector<i
   return merged;
 }
 
+std::pair<std::string, std::optional<std::vector<int64_t>>> split_shard_name(const std::string& name) {
+  size_t at = name.rfind('@');
+  if (at == std::string::npos || at + 1 == name.size()) return {name, std::nullopt};
+  std::vector<int64_t> offsets;
+  size_t i = at + 1;
+  for (;;) {
+    size_t j = i;
+    while (j < name.size() && name[j] >= '0' && name[j] <= '9') ++j;
+    if (j == i || j - i > 18) return {name, std::nullopt};
+    offsets.push_back(std::stoll(name.substr(i, j - i)));
+    if (j == name.size()) break;
+    if (name[j] != ',') return {name, std::nullopt};
+    i = j + 1;
+  }
+  return {name.substr(0, at), offsets};
+}
+
+std::vector<CopyRange> plan_destination(const std::string& name, const std::vector<int64_t>& shape,
+                                        const std::string& dtype, const std::vector<const SafetensorsIndex*>& indexes) {
+  auto [key, offsets] = split_shard_name(name);
+  const uint64_t elem = static_cast<uint64_t>(safetensors_dtype_size(dtype));
+  ETTKIT_EXPECTS(elem > 0, "'", name, "': dtype ", dtype, " cannot be resharded");
+  std::vector<SavedPiece> pieces;
+  std::vector<int64_t> global = shape;
+  for (size_t r = 0; r < indexes.size(); ++r) {
+    for (const auto& [saved_name, e] : indexes[r]->tensors) {
+      auto [saved_key, saved_offsets] = split_shard_name(saved_name);
+      if (saved_key != key || saved_offsets.has_value() != offsets.has_value()) continue;
+      ETTKIT_EXPECTS(e.dtype == dtype, "'", saved_name, "' is ", e.dtype, " in old rank ", r, "'s file; the state's '",
+                     name, "' is ", dtype);
+      SavedPiece p;
+      p.source = static_cast<int>(r);
+      p.box.sizes = e.shape;
+      p.box.offsets = saved_offsets.value_or(std::vector<int64_t>(e.shape.size(), 0));
+      ETTKIT_EXPECTS(p.box.offsets.size() == shape.size() && e.shape.size() == shape.size(), "'", saved_name,
+                     "' has ", e.shape.size(), " dimensions; the state's '", name, "' has ", shape.size());
+      p.byte_offset = indexes[r]->data_offset + e.begin;
+      if (!offsets) {
+        // A whole tensor: one copy is enough, and every copy must be the whole tensor.
+        ETTKIT_EXPECTS(e.shape == shape, "'", name, "' is ", show(e.shape), " in old rank ", r, "'s file; the state's is ",
+                       show(shape));
+        pieces.push_back(p);
+        break;
+      }
+      for (size_t d = 0; d < shape.size(); ++d) global[d] = std::max(global[d], p.box.offsets[d] + p.box.sizes[d]);
+      pieces.push_back(std::move(p));
+    }
+    if (!offsets && !pieces.empty()) break;
+  }
+  ETTKIT_EXPECTS(!pieces.empty(), "'", name, "': no rank of the checkpoint saved ", offsets ? "a piece of '" : "'",
+                 key, "'");
+  Box want;
+  want.sizes = shape;
+  want.offsets = offsets.value_or(std::vector<int64_t>(shape.size(), 0));
+  ETTKIT_EXPECTS(want.offsets.size() == shape.size(), "'", name, "': ", want.offsets.size(),
+                 " offsets for a tensor of ", shape.size(), " dimensions");
+  for (size_t d = 0; d < shape.size(); ++d) global[d] = std::max(global[d], want.offsets[d] + want.sizes[d]);
+  return plan_reshard(key, global, pieces, want, elem);
+}
+
 uint64_t planned_bytes(const std::vector<CopyRange>& plan) {
   uint64_t n = 0;
   for (const CopyRange& r : plan) n += r.length;

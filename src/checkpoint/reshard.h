@@ -8,8 +8,12 @@
 //
 // Torch-free: boxes, element sizes and byte offsets only; the caller maps dtypes and files.
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
+
+#include "checkpoint/storage.h"
 
 #pragma GCC visibility push(default)
 
@@ -49,6 +53,21 @@ std::vector<CopyRange> plan_reshard(const std::string& name, const std::vector<i
 
 /// Bytes the plan reads in all (the sum of its lengths; equals want.numel() * element_size).
 uint64_t planned_bytes(const std::vector<CopyRange>& plan);
+
+/// A saved tensor name split into the tensor it belongs to and, for a local shard of a sharded tensor
+/// ("emb.t1.weight@24,0", the Python layer's names for a ShardedTensor's shards), its offsets in it. A name
+/// without '@' (or whose suffix is not a list of integers) is a whole tensor: no offsets.
+std::pair<std::string, std::optional<std::vector<int64_t>>> split_shard_name(const std::string& name);
+
+/// The reads that fill the destination tensor `name` (shape `shape`, safetensors dtype `dtype`) from the
+/// files of a step written at another world size, `indexes[r]` being old rank r's safetensors index (the
+/// CopyRange sources are old ranks; src_offset is from the start of that file). A shard name reads the
+/// pieces of the same tensor that overlap it; the global shape is the extent of the saved pieces (which
+/// must cover the wanted box). A whole-tensor name reads the first old rank's copy that has it (a tensor
+/// saved without shards is taken as replicated: the same on every rank). InvalidArgument naming the tensor
+/// when no old rank saved it, a dtype differs, or the pieces do not cover it.
+std::vector<CopyRange> plan_destination(const std::string& name, const std::vector<int64_t>& shape,
+                                        const std::string& dtype, const std::vector<const SafetensorsIndex*>& indexes);
 
 }  // namespace ettkit::checkpoint::detail
 

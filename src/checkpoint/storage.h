@@ -129,6 +129,8 @@ std::string file_xxh3(const ReadFile& file);
 /// through a small buffer. Throws CorruptData naming the file and the first bad byte range, IoError on a
 /// read error. Requires digest.chunks (ETTKIT_EXPECTS).
 void verify_file_chunks(const ReadFile& file, const FileDigest& digest, int threads);
+/// The same for the chunks numbered in `which` only (a resharding load checks what it reads).
+void verify_file_chunks(const ReadFile& file, const FileDigest& digest, int threads, const std::vector<size_t>& which);
 /// Bytes per element of a safetensors dtype string, or 0 when unknown.
 int safetensors_dtype_size(const std::string& dtype);
 

@@ -320,6 +320,12 @@ struct LoadResult {
   /// With a peer replica: the rank that gave this rank its memory-tier snapshot back (its own was gone);
   /// -1 when the snapshot was this rank's own, or came from disk.
   int memory_from_rank = -1;
+  /// The number of ranks that wrote the loaded step (== world_size unless it was resharded), and for a
+  /// resharded load the bytes of the old files this rank read into its tensors and the bytes it verified
+  /// (the checksum chunks those reads touch).
+  int saved_world_size = 0;
+  uint64_t reshard_bytes_read = 0;
+  uint64_t reshard_bytes_verified = 0;
 };
 
 class ETTKIT_API AsyncCheckpointer {

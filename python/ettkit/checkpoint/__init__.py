@@ -116,6 +116,15 @@ def _memory_tier_root(memory_tier: Any) -> str:
                                f"system, or None/False (off)")
 
 
+def _saved_world_size(blob: bytes) -> Optional[int]:
+    """The world size a Python ``rank-<r>.extra`` was saved at (``None``: the C++ checkpointer's bytes, or a
+    record from before it was kept)."""
+    if not blob.startswith(_PY_EXTRA_MAGIC):
+        return None
+    payload = pickle.loads(memoryview(blob)[len(_PY_EXTRA_MAGIC):])
+    return payload.get("world_size") if isinstance(payload, dict) else None
+
+
 def _decode_extra(blob: bytes) -> Optional[tuple[Any, Any]]:
     """``(skeleton, extra)`` of a ``rank-<r>.extra`` written from Python; ``None`` for the C++ checkpointer's
     opaque bytes. Raises when the record does not decode."""
@@ -268,6 +277,10 @@ class AsyncCheckpointer:
         self.restored_from: Optional[str] = None
         # With a peer replica: the rank that gave this rank's memory step back at the last load_latest.
         self.restored_from_rank: Optional[int] = None
+        # The world size of the step the last load_latest resharded (None: it was written by this many ranks),
+        # and the bytes of the old files this rank read and verified for it.
+        self.resharded_from: Optional[int] = None
+        self.reshard_bytes: Optional[dict] = None
         self._replica_group = None
         if peer_replica:
             try:
@@ -377,7 +390,8 @@ class AsyncCheckpointer:
         if not (comparable and self._skeleton_comparable and skeleton == self._skeleton):
             self._skeleton_blob = pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL)
             self._skeleton, self._skeleton_comparable = skeleton, comparable
-        blob = _PY_EXTRA_MAGIC + pickle.dumps({"skeleton_pickle": self._skeleton_blob, "extra": extra},
+        blob = _PY_EXTRA_MAGIC + pickle.dumps({"skeleton_pickle": self._skeleton_blob, "extra": extra,
+                                               "world_size": self._c.world_size},
                                               protocol=pickle.HIGHEST_PROTOCOL)
         handle = self._c.save(int(step), self._tensor_list, blob, tier)
         if not handle.skipped:
@@ -549,7 +563,8 @@ class AsyncCheckpointer:
             # Stateful the step cannot restore is a mismatch (InvalidArgumentError: no fallback).
             value = _decode_extra(blob)
             if value is not None:
-                check_sharded(live, value[0])
+                saved_world = _saved_world_size(blob)
+                check_sharded(live, value[0], reshard=saved_world is not None and saved_world != self._c.world_size)
             saved = _saved_states(slots, live, value)
             decoded.update(blob=blob, value=value, saved=saved)
 
@@ -559,9 +574,11 @@ class AsyncCheckpointer:
         res = self._c.load_latest(names, tensors, validate, read_prefixes)
         if res is None:
             return None
-        step, blob, skipped, read, tier, memory_fallback, from_rank = res
+        step, blob, skipped, read, tier, memory_fallback, from_rank, saved_world, bytes_read, bytes_verified = res
         self.restored_from = tier
         self.restored_from_rank = from_rank if from_rank >= 0 else None
+        self.resharded_from = saved_world if saved_world != self._c.world_size else None
+        self.reshard_bytes = {"read": bytes_read, "verified": bytes_verified} if self.resharded_from else None
         if skipped or memory_fallback:
             import warnings
 

@@ -434,12 +434,14 @@ def live_sharded(skeleton: Any, out: dict) -> dict:
     return out
 
 
-def check_sharded(live: Any, saved: Any) -> None:
+def check_sharded(live: Any, saved: Any, reshard: bool = False) -> None:
     """Compares every ShardedTensor of the live skeleton (from ``flatten_state(for_load=True)``) with what
     the checkpoint holds at the same place, and every ShardedTensor of the checkpoint with the live state,
     before any tensor is copied. Raises :class:`InvalidArgumentError` naming each one whose size, dtype or
     this rank's shards differ, or that only one side has: loading shards into another plan or world size
-    would put rows where they do not belong."""
+    would put rows where they do not belong. ``reshard``: the step was written at another world size and is
+    loaded by resharding; only the whole tensor's size and dtype must match (each rank reads its new shards
+    from the old ones)."""
     wrong: list[str] = []
 
     def what(s: Any) -> str:
@@ -461,6 +463,8 @@ def check_sharded(live: Any, saved: Any) -> None:
         if isinstance(x, StatefulSlot):
             walk(x.skeleton, s, name)
         elif isinstance(x, ShardedSlot):
+            if reshard and isinstance(s, ShardedSlot) and (s.size, s.dtype) == (x.size, x.dtype):
+                return
             if not isinstance(s, ShardedSlot) or s != x:
                 wrong.append(f"'{name}': the checkpoint holds {what(s)}; the state holds {x.describe()}")
         elif isinstance(x, dict):
