@@ -1309,7 +1309,7 @@ Candidate check_candidate(const std::string& dir, int64_t step, int rank, int wo
     }
     const OpenedStep& f = *c.files;
     ETTKIT_CHECK(f.manifest.world_size == world, CorruptData, "step ", step, " was written by ", f.manifest.world_size,
-                 " ranks; this job has ", world, " (resharding is not supported)");
+                 " ranks; this job has ", world, " (the manifest changed while it was being read)");
     for (const ReadFile* file : {&f.data, &f.extra}) {
       std::string name = file->path().substr(f.path.size() + 1);
       auto it = f.manifest.files.find(name);

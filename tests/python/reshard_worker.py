@@ -4,7 +4,8 @@ test_checkpoint_reshard.py.
 python reshard_worker.py RANK WORLD INIT CKPT_DIR save|load OUT_DIR [STEP]
 
 The state: three ShardedTensors of a 10 x 6 table laid out row-wise, column-wise (torch.chunk of the rows or
-columns over the ranks, some ranks possibly empty) and table-wise (the whole table on one rank), plus a
+columns over the ranks, some ranks possibly empty) and table-wise (the whole table on one rank), three
+DTensors on a 1-D mesh (Shard(0), Shard(1), Replicate()), plus a
 replicated Linear and its Adam state after one step (plain tensors, the same on every rank). Every value is
 a function of the global position, so a loading rank knows what each of its shards must hold. `save` saves
 STEP (default 5); `load` loads the newest valid step and writes OUT_DIR/load-<rank>.json with what it
@@ -20,13 +21,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import Shard, ShardMetadata, init_from_local_shards
 
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import Shard as DShard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
 from ettkit.checkpoint import AsyncCheckpointer
 
 ROWS, COLS = 10, 6
 
 
 def full(kind: str, step: int) -> torch.Tensor:
-    base = {"row": 0, "col": 1000, "tab": 2000}[kind]
+    base = {"row": 0, "col": 1000, "tab": 2000, "dt_row": 3000, "dt_col": 4000, "dt_rep": 5000}[kind]
     return (torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS) + base + 10000 * step)
 
 
@@ -54,6 +60,23 @@ def sharded(kind: str, world: int, rank: int, values: torch.Tensor):
     return init_from_local_shards(shards, [ROWS, COLS])
 
 
+DT_PLACEMENT = {"dt_row": DShard(0), "dt_col": DShard(1), "dt_rep": Replicate()}
+
+
+def dtensor(kind: str, mesh, values: torch.Tensor):
+    # Built from this rank's piece (no collective): the values are a function of the position.
+    shape, offsets = compute_local_shape_and_global_offset(values.shape, mesh, [DT_PLACEMENT[kind]])
+    local = values[offsets[0]:offsets[0] + shape[0], offsets[1]:offsets[1] + shape[1]].clone()
+    return DTensor.from_local(local, mesh, [DT_PLACEMENT[kind]], run_check=False, shape=values.shape,
+                              stride=values.stride())
+
+
+def dtensor_ok(kind: str, t, step: int) -> bool:
+    shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    want = full(kind, step)[offsets[0]:offsets[0] + shape[0], offsets[1]:offsets[1] + shape[1]]
+    return torch.equal(t._local_tensor, want)
+
+
 def model_and_optim(trained: bool):
     torch.manual_seed(0)
     lin = torch.nn.Linear(4, 3)
@@ -76,8 +99,10 @@ def main() -> int:
     saving = mode == "save"
     tables = {k: sharded(k, world, rank, full(k, step) if saving else torch.zeros(ROWS, COLS))
               for k in ("row", "col", "tab")}
+    mesh = init_device_mesh("cpu", (world,))
+    dtensors = {k: dtensor(k, mesh, full(k, step) if saving else torch.zeros(ROWS, COLS)) for k in DT_PLACEMENT}
     lin, opt = model_and_optim(trained=saving)
-    state = {"tables": tables, "model": lin, "optim": opt}
+    state = {"tables": tables, "dtensors": dtensors, "model": lin, "optim": opt}
     with AsyncCheckpointer(ckpt, recorder=None) as ck:
         if saving:
             ck.save(step, state, extra={"step": step, "saved_by": world}).wait()
@@ -94,6 +119,8 @@ def main() -> int:
                 ok[k] = all(torch.equal(s.tensor, want[s.metadata.shard_offsets[0]:s.metadata.shard_offsets[0] + s.metadata.shard_sizes[0],
                                                        s.metadata.shard_offsets[1]:s.metadata.shard_offsets[1] + s.metadata.shard_sizes[1]])
                             for s in st.local_shards())
+            for k, t in dtensors.items():
+                ok[k] = dtensor_ok(k, t, got_step)
             ref_lin, ref_opt = model_and_optim(trained=True)
             ok["model"] = all(torch.equal(a, b) for a, b in zip(lin.state_dict().values(), ref_lin.state_dict().values()))
             mine, theirs = opt.state_dict(), ref_opt.state_dict()
@@ -101,6 +128,7 @@ def main() -> int:
                            and all(torch.equal(mine["state"][i][n], theirs["state"][i][n])
                                    for i in theirs["state"] for n in theirs["state"][i]))
             shard_bytes = sum(s.tensor.numel() * 4 for st in tables.values() for s in st.local_shards())
+            shard_bytes += sum(t._local_tensor.numel() * 4 for t in dtensors.values())
             plain_bytes = sum(t.numel() * t.element_size() for t in lin.state_dict().values())
             plain_bytes += sum(v.numel() * v.element_size() for s in theirs["state"].values() for v in s.values())
             with open(os.path.join(out, f"load-{rank}.json"), "w") as f:

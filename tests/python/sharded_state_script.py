@@ -96,12 +96,20 @@ def main() -> None:
         expect_raises(lambda: ck.load_latest({**state, "emb": torch.zeros(10, 5)}), "'emb'",
                       "the state has no ShardedTensor there")
 
-    # ---- DTensor: the native checkpointer refuses it, naming the key and the DCP path ------------------
+    # ---- DTensor: Shard(d) on a 1-D mesh saves and loads in place; a Partial one is refused, naming the key
+    # and the DCP path --------------------------------------------------------------------------------------
     mesh = init_device_mesh("cpu", (world,))
     whole = torch.randn(8, 3, generator=torch.Generator().manual_seed(4))
     dt = distribute_tensor(whole, mesh, [DShard(0)])
-    with AsyncCheckpointer(os.path.join(base, "refused")) as ck:
-        expect_raises(lambda: ck.save(1, {"w": dt}), "'w'", "DTensor", "DcpStager")
+    with AsyncCheckpointer(os.path.join(base, "dtensor")) as ck:
+        ck.save(1, {"w": dt}).wait()
+        back = distribute_tensor(torch.zeros(8, 3), mesh, [DShard(0)])
+        assert ck.load_latest({"w": back})[0] == 1
+        assert torch.equal(back.to_local(), dt.to_local()) and back.placements == dt.placements
+        from torch.distributed.tensor import DTensor, Partial
+
+        partial = DTensor.from_local(torch.ones(2, 3), mesh, [Partial()], run_check=False)
+        expect_raises(lambda: ck.save(2, {"w": partial}), "'w'", "DTensor", "Partial", "DcpStager")
 
     # ---- DcpStager under DCP: ShardedTensor and DTensor staged, written, loaded by DCP ---------------
     dcp_state = {"emb": emb, "col": col, "dt": dt, "dense": dense}

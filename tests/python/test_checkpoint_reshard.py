@@ -1,6 +1,6 @@
 """Elastic restore (#20 item 2): a step saved by one number of gloo ranks loads at another. Each rank reads
 only the byte ranges of the old files its new shards need (row-wise, column-wise and table-wise
-ShardedTensors), replicated plain tensors (a Linear and its Adam state) come from one copy, the values are
+ShardedTensors; DTensors with Shard(0), Shard(1) and Replicate() on a 1-D mesh), replicated plain tensors (a Linear and its Adam state) come from one copy, the values are
 the global tensor's, byte for byte; a corrupt range that a rank needs sends every rank to the previous step
 together; a state whose tables do not match the checkpoint is refused naming them."""
 
@@ -37,7 +37,7 @@ def saved(tmp_path_factory):
     return dirs
 
 
-@pytest.mark.parametrize("saved_by,load_at", [(4, 2), (4, 3), (4, 5), (4, 1), (3, 2)],
+@pytest.mark.parametrize("saved_by,load_at", [(4, 2), (4, 3), (4, 5), (4, 1), (3, 2), (3, 3)],
                          ids=lambda v: str(v))
 def test_a_step_loads_at_another_world_size_reading_only_what_each_rank_needs(tmp_path, saved, saved_by, load_at):
     codes, errs, out = run(tmp_path, "load", load_at, saved[saved_by], "load")
@@ -45,11 +45,16 @@ def test_a_step_loads_at_another_world_size_reading_only_what_each_rank_needs(tm
     for r in range(load_at):
         got = json.loads((out / f"load-{r}.json").read_text())
         assert got["step"] == 5 and got["extra"] == {"step": 5, "saved_by": saved_by}
-        assert got["ok"] == {"row": True, "col": True, "tab": True, "model": True, "optim": True}, (r, got)
+        assert got["ok"] == {"row": True, "col": True, "tab": True, "dt_row": True, "dt_col": True, "dt_rep": True,
+                             "model": True, "optim": True}, (r, got)
+        assert got["warnings"] == []
+        if saved_by == load_at:  # the same layout: each rank reads its own file, as always
+            assert got["resharded_from"] is None and got["bytes"] is None
+            continue
         assert got["resharded_from"] == saved_by
         # Exactly the bytes of this rank's new shards and of one copy of the replicated tensors.
         assert got["bytes"]["read"] == got["needed_bytes"], (r, got)
-        assert got["bytes"]["verified"] > 0 and got["warnings"] == []
+        assert got["bytes"]["verified"] > 0
 
 
 def test_a_corrupt_range_a_rank_needs_sends_every_rank_to_the_previous_step(tmp_path):
@@ -86,10 +91,12 @@ dist.init_process_group("gloo", init_method="file://{tmp_path}/rdv", rank=0, wor
 t = init_from_local_shards([Shard(torch.zeros(11, 6), ShardMetadata([0, 0], [11, 6], "rank:0/cpu"))], [11, 6])
 tables = {{k: w.sharded(k, 1, 0, torch.zeros(10, 6)) for k in ("col", "tab")}}
 tables["row"] = t
+mesh = w.init_device_mesh("cpu", (1,))
+dtensors = {{k: w.dtensor(k, mesh, torch.zeros(10, 6)) for k in w.DT_PLACEMENT}}
 lin, opt = w.model_and_optim(False)
 with AsyncCheckpointer({str(saved[4])!r}, recorder=None, read_only=True) as ck:
     try:
-        ck.load_latest({{"tables": tables, "model": lin, "optim": opt}})
+        ck.load_latest({{"tables": tables, "dtensors": dtensors, "model": lin, "optim": opt}})
     except ettkit.InvalidArgumentError as e:
         print("REFUSED", e)
 """)

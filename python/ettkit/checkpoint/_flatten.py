@@ -39,8 +39,9 @@ _Parameter = torch.nn.Parameter
 def _reject(obj: Any, name: str) -> None:
     raise InvalidArgumentError(
         f"state dict entry '{name}' is a {type(obj).__module__}.{type(obj).__qualname__}; ettkit saves plain "
-        "tensors and ShardedTensors (TorchRec's sharded tables: each rank its local shards). For a DTensor "
-        "(FSDP2, tensor parallel) use DCP: dcp.async_save(..., async_stager=ettkit.checkpoint.DcpStager())")
+        "tensors, ShardedTensors (TorchRec's sharded tables: each rank its local shards) and DTensors with "
+        "Shard(d) or Replicate() on a 1-D mesh. For anything else use DCP: "
+        "dcp.async_save(..., async_stager=ettkit.checkpoint.DcpStager())")
 
 
 def _sharded_tensor_type() -> Any:
@@ -108,15 +109,46 @@ def _dtensor_type() -> Any:
     return getattr(mod, "DTensor", None)
 
 
+def _dtensor_slot(obj: Any, key: str, add_name: Any, add_tensor: Any) -> "ShardedSlot":
+    """A DTensor in the native checkpointer: on a 1-D mesh, ``Shard(d)`` saves this rank's local tensor as a
+    shard of the whole tensor (named like a ShardedTensor's, so a load at another world size reshards it)
+    and ``Replicate()`` as the whole tensor. Its :class:`ShardedSlot` holds the DTensor, loaded in place
+    through its local tensor. Other placements and meshes are refused, naming the key."""
+    mesh, placements = obj.device_mesh, tuple(obj.placements)
+    local = obj._local_tensor
+    if mesh.ndim != 1 or len(placements) != 1 or not (placements[0].is_shard() or placements[0].is_replicate()) \
+            or type(placements[0]).__name__ not in ("Shard", "Replicate"):
+        raise InvalidArgumentError(
+            f"state dict entry '{key}' is a DTensor with placements {list(placements)} on a {mesh.ndim}-D mesh; "
+            "ettkit's checkpointer saves DTensors with Shard(d) or Replicate() on a 1-D mesh. For others use "
+            "DCP: dcp.async_save(..., async_stager=ettkit.checkpoint.DcpStager())")
+    if type(local) is not _Tensor and not isinstance(local, _Parameter):
+        _reject(local, key)
+    size = tuple(int(s) for s in obj.shape)
+    if placements[0].is_replicate():
+        add_name(key)
+        add_tensor(local)
+        return ShardedSlot(size, obj.dtype, (((0,) * len(size), size, "Replicate()"),), key, obj)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offsets = compute_local_shape_and_global_offset(obj.shape, mesh, placements)
+    offsets = tuple(int(o) for o in offsets)
+    add_name(shard_name(key, offsets))
+    add_tensor(local)
+    return ShardedSlot(size, obj.dtype, ((offsets, tuple(int(s) for s in shape), str(placements[0])),), key, obj)
+
+
 def _special(obj: Any, key: str, strict: bool, add_name: Any, add_tensor: Any) -> Any:
     """The skeleton node of a tensor subclass: a ShardedTensor's local shards, named and added, and its
     :class:`ShardedSlot`; in a DCP stage (not ``strict``) a DTensor's local tensor and its
     :class:`DTensorSlot`. Anything else is refused, naming the key."""
     st = _sharded_tensor_type()
     if st is None or not isinstance(obj, st):
-        dt = None if strict else _dtensor_type()
+        dt = _dtensor_type()
         if dt is None or not isinstance(obj, dt):
             _reject(obj, key)
+        if strict:
+            return _dtensor_slot(obj, key, add_name, add_tensor)
         add_name(key)
         add_tensor(obj._local_tensor)
         return DTensorSlot(obj)
@@ -485,7 +517,8 @@ def check_sharded(live: Any, saved: Any, reshard: bool = False) -> None:
     if wrong:
         raise InvalidArgumentError(
             "sharded tensors do not match the checkpoint on this rank (it was saved with another sharding "
-            "plan or world size; ettkit loads shards only into the layout they were saved from): "
+            "plan or world size; at the same world size ettkit loads shards only into the layout they were "
+            "saved from): "
             + "; ".join(wrong))
 
 
