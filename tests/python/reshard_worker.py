@@ -1,7 +1,7 @@
 """One rank of a gloo job that saves a sharded state at one world size or loads it at another, run by
 test_checkpoint_reshard.py.
 
-python reshard_worker.py RANK WORLD INIT CKPT_DIR save|load OUT_DIR [STEP]
+python reshard_worker.py RANK WORLD INIT CKPT_DIR save|load|dcp OUT_DIR [STEP]
 
 The state: three ShardedTensors of a 10 x 6 table laid out row-wise, column-wise (torch.chunk of the rows or
 columns over the ranks, some ranks possibly empty) and table-wise (the whole table on one rank), three
@@ -9,7 +9,8 @@ DTensors on a 1-D mesh (Shard(0), Shard(1), Replicate()), plus a
 replicated Linear and its Adam state after one step (plain tensors, the same on every rank). Every value is
 a function of the global position, so a loading rank knows what each of its shards must hold. `save` saves
 STEP (default 5); `load` loads the newest valid step and writes OUT_DIR/load-<rank>.json with what it
-found.
+found. `dcp` loads the tables, the DTensors and the Linear with dcp.load through EttkitStorageReader and
+writes OUT_DIR/dcp-<rank>.json.
 """
 
 import json
@@ -103,6 +104,22 @@ def main() -> int:
     dtensors = {k: dtensor(k, mesh, full(k, step) if saving else torch.zeros(ROWS, COLS)) for k in DT_PLACEMENT}
     lin, opt = model_and_optim(trained=saving)
     state = {"tables": tables, "dtensors": dtensors, "model": lin, "optim": opt}
+    if mode == "dcp":
+        import torch.distributed.checkpoint as dcp
+        from ettkit.checkpoint import EttkitStorageReader
+
+        dcp.load({"tables": tables, "dtensors": dtensors, "model": lin.state_dict()},
+                 storage_reader=EttkitStorageReader(ckpt))
+        ok = {k: all(torch.equal(s.tensor, full(k, step)[s.metadata.shard_offsets[0]:s.metadata.shard_offsets[0] + s.metadata.shard_sizes[0],
+                                                          s.metadata.shard_offsets[1]:s.metadata.shard_offsets[1] + s.metadata.shard_sizes[1]])
+                     for s in st.local_shards()) for k, st in tables.items()}
+        ok.update({k: dtensor_ok(k, t, step) for k, t in dtensors.items()})
+        ref_lin, _ = model_and_optim(trained=True)
+        ok["model"] = all(torch.equal(a, b) for a, b in zip(lin.state_dict().values(), ref_lin.state_dict().values()))
+        with open(os.path.join(out, f"dcp-{rank}.json"), "w") as f:
+            json.dump(ok, f)
+        dist.destroy_process_group()
+        return 0
     with AsyncCheckpointer(ckpt, recorder=None) as ck:
         if saving:
             ck.save(step, state, extra={"step": step, "saved_by": world}).wait()

@@ -57,6 +57,17 @@ def test_a_step_loads_at_another_world_size_reading_only_what_each_rank_needs(tm
         assert got["bytes"]["verified"] > 0
 
 
+@pytest.mark.parametrize("load_at", [2, 3])
+def test_dcp_loads_an_ettkit_step_at_another_world_size(tmp_path, saved, load_at):
+    # ettkit saved at 4 ranks -> dcp.load at 2 or 3 with EttkitStorageReader (#20 item 3).
+    codes, errs, out = run(tmp_path, "dcp", load_at, saved[4], "dcp")
+    assert codes == [0] * load_at, errs
+    for r in range(load_at):
+        got = json.loads((out / f"dcp-{r}.json").read_text())
+        assert got == {"row": True, "col": True, "tab": True, "dt_row": True, "dt_col": True, "dt_rep": True,
+                       "model": True}, (r, got)
+
+
 def test_a_corrupt_range_a_rank_needs_sends_every_rank_to_the_previous_step(tmp_path):
     ckpt = tmp_path / "ckpt"
     for step in (3, 5):

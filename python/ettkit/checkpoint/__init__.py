@@ -52,6 +52,7 @@ from ._flatten import (
 from .data_position import DataPosition
 
 __all__ = ["AUTO_UNMEASURED_INTERVAL_S", "AsyncCheckpointer", "Attachment", "DataPosition", "DcpStager",
+           "EttkitStorageReader",
            "SaveHandle", "latest_step", "parse_every"]
 
 SaveHandle = _C.checkpoint.SaveHandle
@@ -662,4 +663,8 @@ def __getattr__(name: str):
         from ._dcp import DcpStager
 
         return DcpStager
+    if name == "EttkitStorageReader":
+        from ._dcp_reader import EttkitStorageReader
+
+        return EttkitStorageReader
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

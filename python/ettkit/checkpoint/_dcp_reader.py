@@ -1,0 +1,166 @@
+"""DCP interop: ``EttkitStorageReader``, a ``torch.distributed.checkpoint`` ``StorageReader`` over a committed
+ettkit step, so that ``dcp.load`` reads ettkit's checkpoints at any world size with DCP's own planner.
+Imported lazily by ``ettkit.checkpoint`` (``torch.distributed.checkpoint`` is slow to import)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any, Optional
+
+import torch
+from torch.distributed.checkpoint import StorageReader
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.futures import Future
+
+from ..errors import CorruptDataError, InvalidArgumentError
+
+# safetensors dtype strings (what ettkit writes) -> torch dtypes.
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+           "C64": torch.complex64, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64}
+_SHARD = re.compile(r"^(.*)@(\d+(?:,\d+)*)$")
+
+
+def _step_dir(checkpoint_id: str | os.PathLike) -> str:
+    """``checkpoint_id`` is a step directory (``CKPT_DIR/step-<N>``) or a checkpoint directory (its newest
+    committed step)."""
+    path = os.path.abspath(os.fspath(checkpoint_id))
+    if os.path.isfile(os.path.join(path, "manifest.json")):
+        return path
+    from . import latest_step
+
+    step = latest_step(path)
+    if step is None:
+        raise InvalidArgumentError(f"checkpoint_id '{path}' is neither an ettkit step directory (it has no "
+                                   f"manifest.json) nor a checkpoint directory with a committed step")
+    return os.path.join(path, f"step-{step}")
+
+
+def _header(path: str) -> tuple[int, dict]:
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise CorruptDataError(f"'{path}' is shorter than a safetensors header")
+        n = int.from_bytes(raw, "little")
+        if n > 100 * (1 << 20):
+            raise CorruptDataError(f"'{path}' declares a {n}-byte safetensors header")
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return 8 + n, header
+
+
+class EttkitStorageReader(StorageReader):
+    """Reads a committed ettkit step with ``dcp.load``, at any world size::
+
+        dcp.load(state_dict, storage_reader=EttkitStorageReader("ckpt"))  # the newest committed step
+        dcp.load(state_dict, storage_reader=EttkitStorageReader("ckpt/step-300"))
+
+    Every rank's ``rank-<r>.safetensors`` header is read; a ShardedTensor's or DTensor's local shard saved
+    as ``<key>@<offsets>`` becomes a chunk of ``<key>`` at those offsets, and a whole tensor one chunk of
+    itself (old rank 0's copy: whole tensors are taken as replicated). DCP's planner then reads, on each
+    rank, the chunks that overlap its state. Tensors only: the non-tensor state in ``rank-<r>.extra`` is a
+    pickle for ettkit's own ``load_latest``. ettkit's checksums are not checked on this path (DCP has no
+    place for them): ``AsyncCheckpointer.load_latest`` is the verified load."""
+
+    def __init__(self, checkpoint_id: Optional[str | os.PathLike] = None):
+        super().__init__()
+        self._path: Optional[str] = None
+        self._storage: dict = {}
+        if checkpoint_id is not None:
+            self.reset(checkpoint_id)
+
+    def reset(self, checkpoint_id: Optional[str | os.PathLike] = None) -> None:
+        if checkpoint_id is not None:
+            self._path = _step_dir(checkpoint_id)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        try:
+            _step_dir(checkpoint_id)
+            return True
+        except Exception:
+            return False
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._path is None:
+            raise InvalidArgumentError("EttkitStorageReader needs a checkpoint_id (a step or checkpoint directory)")
+        with open(os.path.join(self._path, "manifest.json")) as f:
+            manifest = json.load(f)
+        world = manifest.get("world_size")
+        if not isinstance(world, int) or world < 1:
+            raise CorruptDataError(f"'{self._path}/manifest.json' has no valid world_size")
+        metadata: dict = {}
+        storage: dict = {}
+        for rank in range(world):
+            path = os.path.join(self._path, f"rank-{rank}.safetensors")
+            data_offset, header = _header(path)
+            for name, e in header.items():
+                m = _SHARD.match(name)
+                key = m.group(1) if m else name
+                shape = [int(s) for s in e["shape"]]
+                offsets = [int(o) for o in m.group(2).split(",")] if m else [0] * len(shape)
+                dtype = _DTYPES.get(e["dtype"])
+                if dtype is None:
+                    raise CorruptDataError(f"'{path}': tensor '{name}' has dtype {e['dtype']}, which DCP cannot read")
+                if not m and key in metadata:
+                    continue  # a whole tensor: old rank 0's copy
+                md = metadata.get(key)
+                if md is None:
+                    md = metadata[key] = TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(shape), [])
+                if md.properties.dtype != dtype:
+                    raise CorruptDataError(f"'{path}': '{name}' is {dtype}; another piece of '{key}' is "
+                                           f"{md.properties.dtype}")
+                if any(s == 0 for s in shape):
+                    continue
+                md.chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(shape)))
+                # The whole tensor's size: the extent of its pieces.
+                md.size = torch.Size(max(a, o + s) for a, o, s in zip(md.size, offsets, shape))
+                begin, end = (int(x) for x in e["data_offsets"])
+                storage[MetadataIndex(key, offsets)] = (path, data_offset + begin, end - begin, dtype, shape)
+        self._storage = storage
+        return Metadata(state_dict_metadata=metadata, storage_data=storage)
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._storage = metadata.storage_data
+
+    def prepare_local_plan(self, plan):
+        return plan
+
+    def prepare_global_plan(self, plans):
+        return plans
+
+    def read_data(self, plan, planner) -> Future:
+        from torch.distributed._shard._utils import narrow_tensor_by_index
+
+        files: dict = {}
+        try:
+            for item in plan.items:
+                path, begin, length, dtype, shape = self._storage[MetadataIndex(item.storage_index.fqn,
+                                                                                item.storage_index.offset)]
+                f = files.get(path)
+                if f is None:
+                    f = files[path] = open(path, "rb")
+                f.seek(begin)
+                raw = bytearray(f.read(length))
+                if len(raw) != length:
+                    raise CorruptDataError(f"'{path}' is shorter than its header says")
+                stored = torch.frombuffer(raw, dtype=dtype).reshape(shape) if length else torch.empty(shape, dtype=dtype)
+                src = narrow_tensor_by_index(stored, item.storage_offsets, item.lengths)
+                target = planner.resolve_tensor(item).detach()
+                target.copy_(src)
+                planner.commit_tensor(item, target)
+        finally:
+            for f in files.values():
+                f.close()
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
