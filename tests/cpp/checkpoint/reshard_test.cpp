@@ -1,15 +1,21 @@
 // Resharding reads (#20, first piece): the plan that fills a shard of one layout from the pieces of another
 // reads every wanted element exactly once, from the right place, in as few contiguous runs as the layouts
 // allow; replicated pieces are read once; a gap in the saved pieces or a box outside the tensor is an error
-// naming it. Randomized over grid layouts (row-wise, column-wise, table-wise and block pieces) and boxes.
+// naming it. Randomized over grid layouts (row-wise, column-wise, table-wise and block pieces) and boxes. And
+// through the checkpointer: a C++ trainer's shards saved by 2 ranks load at 3 and at 1.
 #include "checkpoint/reshard.h"
 
+#include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include <algorithm>
 #include <cstring>
 #include <random>
+#include <thread>
 
+#include "ett/test_dir.h"
+#include "ettkit/checkpoint/checkpointer.h"
 #include "ettkit/common/error.h"
 #include "test_scale.h"
 
@@ -187,4 +193,81 @@ TEST(Reshard, AGapOrABoxOutsideTheTensorIsAnErrorNamingIt) {
   std::vector<ckd::SavedPiece> negative{{0, {{-1, 0}, {3, 2}}, 0}};
   EXPECT_THROW(ckd::plan_reshard("t", global, negative, {{0, 0}, {1, 2}}, 4), InvalidArgument);
   EXPECT_TRUE(ckd::plan_reshard("t", global, saved, {{4, 0}, {0, 2}}, 4).empty());  // an empty shard reads nothing
+}
+
+// ---- the checkpointer: a C++ trainer's shards reshard through load_latest --------------------------------
+
+namespace {
+
+namespace ck = ettkit::checkpoint;
+
+/// `world` ranks of one job in threads (HashStore), each running `fn(rank, checkpointer)`.
+template <class F>
+void ranks(const std::string& dir, int world, F fn) {
+  c10::intrusive_ptr<c10d::Store> store = c10::make_intrusive<c10d::HashStore>();
+  std::vector<std::thread> t;
+  for (int r = 0; r < world; ++r) {
+    t.emplace_back([&, r] {
+      ck::CheckpointerOptions o;
+      o.directory = dir;
+      o.use_current_recorder = false;
+      o.rank = r;
+      o.world_size = world;
+      o.commit_timeout_s = 30;
+      ck::AsyncCheckpointer c(o, world > 1 ? store : c10::intrusive_ptr<c10d::Store>());
+      fn(r, c);
+      c.close();
+    });
+  }
+  for (auto& x : t) x.join();
+}
+
+/// Rows [lo, hi) of the 10 x 4 table whose element (i, j) is 4i + j, named like the Python layer names a shard.
+std::pair<std::string, at::Tensor> rows(int64_t lo, int64_t hi) {
+  return {"table@" + std::to_string(lo) + ",0", at::arange(lo * 4, hi * 4, at::kFloat).reshape({hi - lo, 4})};
+}
+
+}  // namespace
+
+TEST(Reshard, ACppTrainersShardsLoadAtAnotherWorldSize) {
+  ettkit::testing::TempDir d;
+  const std::string dir = d.str() + "/ck";
+  // Saved by 2 ranks: rows 0-4 and 5-9, and a replicated bias.
+  ranks(dir, 2, [](int r, ck::AsyncCheckpointer& c) {
+    ck::NamedTensors t{rows(5 * r, 5 * r + 5), {"bias", at::full({3}, 7.0)}};
+    ASSERT_TRUE(c.save(3, t, "extra-of-" + std::to_string(r)).wait());
+  });
+  // Loaded by 3 ranks: rows 0-3, 4-7, 8-9.
+  const int64_t cut[4] = {0, 4, 8, 10};
+  ranks(dir, 3, [&](int r, ck::AsyncCheckpointer& c) {
+    auto [name, want] = rows(cut[r], cut[r + 1]);
+    ck::NamedTensors t{{name, at::zeros_like(want)}, {"bias", at::zeros({3})}};
+    auto got = c.load_latest(t);
+    ASSERT_TRUE(got);
+    EXPECT_EQ(got->step, 3);
+    EXPECT_EQ(got->saved_world_size, 2);
+    EXPECT_EQ(got->extra, "extra-of-0");  // the non-tensor state is old rank 0's
+    EXPECT_TRUE(at::equal(t[0].second, want)) << r;
+    EXPECT_TRUE(at::equal(t[1].second, at::full({3}, 7.0)));
+    EXPECT_EQ(got->reshard_bytes_read, static_cast<uint64_t>(want.numel() * 4 + 3 * 4));
+  });
+  // And by 1 rank: the whole table.
+  ranks(dir, 1, [&](int, ck::AsyncCheckpointer& c) {
+    auto [name, want] = rows(0, 10);
+    ck::NamedTensors t{{name, at::zeros_like(want)}, {"bias", at::zeros({3})}};
+    auto got = c.load_latest(t);
+    ASSERT_TRUE(got);
+    EXPECT_TRUE(at::equal(t[0].second, want));
+  });
+  // A shard past the saved table is a mismatch naming it, not a partial load.
+  ranks(dir, 1, [&](int, ck::AsyncCheckpointer& c) {
+    ck::NamedTensors t{{"table@0,0", at::zeros({12, 4})}, {"bias", at::zeros({3})}};
+    try {
+      c.load_latest(t);
+      ADD_FAILURE() << "a shard past the saved rows was loaded";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("'table': no saved piece holds offsets [10, 0] sizes [2, 4]"),
+                std::string::npos) << e.what();
+    }
+  });
 }

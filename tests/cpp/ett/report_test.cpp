@@ -2,6 +2,9 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <thread>
+
 #include <cmath>
 
 #include <nlohmann/json.hpp>
@@ -357,6 +360,9 @@ TEST(Report, AnOpenRunIsReportedAsRunning) {
   Recorder rec(o);
   { auto p = rec.phase("compile"); }
   rec.step(1);
+  // At least 2 ms of training between the two steps: back to back, both can fall in the same microsecond
+  // and the report then has no training time (1 run in ~30 failed that way on the CI machine).
+  std::this_thread::sleep_for(std::chrono::milliseconds(2));
   rec.step(2);
   rec.flush();
   ReportSummary summary = build_report(dir.str());
