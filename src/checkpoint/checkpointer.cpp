@@ -224,14 +224,21 @@ std::string result_text(std::exception_ptr e) {
 }
 
 /// The safetensors header of a staged snapshot (offsets relative to the arena, which is the data section).
-std::string header_of(const std::vector<PlanEntry>& plan) {
+/// With `arena` (a disk save), it also records the XXH3 of every tensor saved whole (storage.h,
+/// kWholeTensorDigestPrefix), hashed from the staged bytes, so that a resharding load can tell a replica
+/// from per-rank state; memory-tier steps are never resharded and skip that pass.
+std::string header_of(const std::vector<PlanEntry>& plan, const uint8_t* arena) {
   std::vector<SafetensorsEntry> entries;
   entries.reserve(plan.size());
+  std::map<std::string, std::string> metadata{{"format", "pt"}};
   for (const PlanEntry& e : plan) {
     entries.push_back({e.name, safetensors_dtype(e.dtype, e.name), e.shape, static_cast<uint64_t>(e.offset),
                        static_cast<uint64_t>(e.offset + e.nbytes)});
+    if (arena != nullptr && !split_shard_name(e.name).second) {
+      metadata[kWholeTensorDigestPrefix + e.name] = xxh3_of(arena + e.offset, static_cast<size_t>(e.nbytes));
+    }
   }
-  return encode_safetensors_header(entries, {{"format", "pt"}});
+  return encode_safetensors_header(entries, metadata);
 }
 
 struct Job {
@@ -453,7 +460,7 @@ struct AsyncCheckpointer::Impl {
   /// verdict, the manifest, the rename.
   void persist_memory(Job& job) {
     await_staging(job);
-    std::string header = header_of(job.snapshot->plan());
+    std::string header = header_of(job.snapshot->plan(), nullptr);
     uint64_t bytes = header.size() + static_cast<uint64_t>(job.snapshot->total_bytes()) + job.extra.size();
     std::string tmp = memory->begin(job.step, run_id, bytes);
     try {
@@ -618,7 +625,7 @@ struct AsyncCheckpointer::Impl {
     std::exception_ptr local_error;
     try {
       make_directories(tmp);
-      std::string header = header_of(job.snapshot->plan());
+      std::string header = header_of(job.snapshot->plan(), job.snapshot->data());
       std::string base = "rank-" + std::to_string(rank);
       std::string data_path = tmp + "/" + base + ".safetensors";
       // A leftover from an earlier failed attempt at the same step in this run.
@@ -1183,6 +1190,35 @@ Candidate check_reshard_candidate(const std::string& dir, int64_t step, int save
       c.plans.emplace_back();
     }
   }
+  // A tensor saved whole is read from one old rank's copy, which is right only for a replica: the same bytes
+  // on every old rank that saved it. The digests in the old headers prove it (or show per-rank state, which
+  // is refused rather than silently replaced by old rank 0's values). Steps saved before the digests
+  // existed cannot prove it: they load as before, with a warning.
+  std::vector<std::string> unproven;
+  auto check_replicated = [&](const std::string& name) {
+    const std::string key = kWholeTensorDigestPrefix + name;
+    std::optional<std::pair<size_t, std::string>> first;
+    for (size_t r = 0; r < c.old_index.size(); ++r) {
+      if (!c.old_index[r].tensors.count(name)) continue;
+      auto d = c.old_index[r].metadata.find(key);
+      if (d == c.old_index[r].metadata.end()) {
+        unproven.push_back(name);
+        return;
+      }
+      if (!first) {
+        first.emplace(r, d->second);
+      } else if (d->second != first->second) {
+        problems.push_back(ettkit::detail::concat(
+            "'", name, "' was saved whole and differs between old ranks ", first->first, " and ", r,
+            ": per-rank state cannot be mapped onto another number of ranks (only a tensor every rank holds the "
+            "same, such as a DDP replica, can); save it as a DTensor or ShardedTensor, or keep it out of the checkpoint"));
+        return;
+      }
+    }
+  };
+  for (const auto& [name, t] : tensors) {
+    if (!split_shard_name(name).second) check_replicated(name);
+  }
   // What no destination asks for. A piece of a sharded tensor: another rank's now (a rank may hold no shard
   // of a table; the caller checks that the state has the sharded tensor). A whole tensor under a read prefix
   // (lazily created state): old rank 0's copy. Any other whole tensor: a mismatch, as at the same world size.
@@ -1195,6 +1231,7 @@ Candidate check_reshard_candidate(const std::string& dir, int64_t step, int save
         if (r == 0) {
           c.to_read.push_back(&entry);
           c.planned += entry.end - entry.begin;
+          check_replicated(name);
         }
       } else if (std::find(unexpected.begin(), unexpected.end(), key) == unexpected.end()) {
         unexpected.push_back(key);
@@ -1202,6 +1239,11 @@ Candidate check_reshard_candidate(const std::string& dir, int64_t step, int save
     }
   }
   if (!unexpected.empty()) problems.push_back("unexpected in the checkpoint (the state dict lacks them): " + quoted_list(unexpected));
+  if (!unproven.empty() && problems.empty()) {
+    ETTKIT_LOG_WARN("checkpoint: step ", step, " was saved without per-tensor digests (by an older ettkit), so ",
+                    unproven.size(), " tensor(s) saved whole (", quoted_list(unproven),
+                    ") cannot be proven the same on every old rank; old rank 0's copy is used");
+  }
   if (!problems.empty() || !extra_mismatch.empty()) {
     c.verdict = Verdict::kMismatch;
     c.reason = ettkit::detail::concat("the state dict cannot be loaded from checkpoint step ", step, " (written by ",

@@ -83,6 +83,7 @@ std::string hex64(uint64_t v) {
 }
 
 std::string xxh3_of(const std::string& bytes) { return hex64(xxh3_64(bytes.data(), bytes.size())); }
+std::string xxh3_of(const void* data, size_t size) { return hex64(xxh3_64(data, size)); }
 
 ReadFile::~ReadFile() {
   if (fd_ >= 0) ::close(fd_);
@@ -442,6 +443,7 @@ struct RawSafetensorsEntry {
 class SafetensorsHeaderDecoder final : public nlohmann::json_sax<json> {
  public:
   std::vector<RawSafetensorsEntry>& entries() { return entries_; }
+  std::map<std::string, std::string>& metadata() { return metadata_; }
   /// Why the header was refused.
   const std::string& error() const noexcept { return error_; }
 
@@ -464,7 +466,10 @@ class SafetensorsHeaderDecoder final : public nlohmann::json_sax<json> {
   }
 
   bool string(string_t& v) override {
-    if (depth_ == 2 && in_metadata_) return true;  // a __metadata__ value; not needed here
+    if (depth_ == 2 && in_metadata_) {
+      metadata_[std::move(metadata_key_)] = std::move(v);
+      return true;
+    }
     if (depth_ == 2 && field_ == Field::kDtype) {
       entries_.back().dtype = std::move(v);
       return true;
@@ -509,7 +514,10 @@ class SafetensorsHeaderDecoder final : public nlohmann::json_sax<json> {
       }
       return true;
     }
-    if (in_metadata_) return true;
+    if (in_metadata_) {
+      metadata_key_ = std::move(k);
+      return true;
+    }
     auto& e = entries_.back();
     bool* seen = nullptr;
     if (k == "dtype") {
@@ -569,6 +577,8 @@ class SafetensorsHeaderDecoder final : public nlohmann::json_sax<json> {
   }
 
   std::vector<RawSafetensorsEntry> entries_;
+  std::map<std::string, std::string> metadata_;
+  std::string metadata_key_;
   int depth_ = 0;  // containers open at the current token
   bool in_metadata_ = false;
   Field field_ = Field::kOther;
@@ -601,6 +611,7 @@ SafetensorsIndex read_safetensors_index(const ReadFile& file) {
   SafetensorsIndex idx;
   idx.data_offset = 8 + n;
   idx.data_size = size - idx.data_offset;
+  idx.metadata = std::move(decoder.metadata());
   std::vector<std::pair<uint64_t, uint64_t>> ranges;
   for (auto& raw : decoder.entries()) {
     SafetensorsEntry e;

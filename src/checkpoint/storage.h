@@ -79,6 +79,7 @@ std::string read_small_file(const std::string& path);
 std::string hex64(uint64_t v);
 /// XXH3-64 of bytes in memory (hex).
 std::string xxh3_of(const std::string& bytes);
+std::string xxh3_of(const void* data, size_t size);
 
 /// A file opened read-only; closed by its owner. Reading through it is immune to a rename or unlink of
 /// the path afterwards (the open inode outlives its directory entry).
@@ -118,7 +119,14 @@ struct SafetensorsIndex {
   uint64_t data_offset = 0;  // where the data section starts in the file
   uint64_t data_size = 0;
   std::map<std::string, SafetensorsEntry> tensors;
+  std::map<std::string, std::string> metadata;  // the header's __metadata__ (strings to strings)
 };
+/// The __metadata__ key under which a disk save records the XXH3-64 (hex) of a tensor it saved whole (no
+/// `@offsets` in its name): "ettkit.xxh3.<name>". Why: a step resharded onto another number of ranks gives
+/// every new rank one old rank's copy of such a tensor, which is right only when every old rank held the
+/// same bytes (a DDP replica); these digests prove it, or show the tensor was per-rank state, from the
+/// headers alone.
+inline constexpr const char* kWholeTensorDigestPrefix = "ettkit.xxh3.";
 /// Parses and validates the header of the safetensors file `path` whose size is `file_size`: offsets in
 /// range, non-overlapping, element counts match dtype and shape. Throws CorruptData naming the file.
 SafetensorsIndex read_safetensors_index(const std::string& path, uint64_t file_size);

@@ -113,3 +113,130 @@ with AsyncCheckpointer({str(saved[4])!r}, recorder=None, read_only=True) as ck:
 """)
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert "REFUSED" in r.stdout and "'tables.row'" in r.stdout and "[11, 6]" in r.stdout, r.stdout + r.stderr[-3000:]
+
+
+PER_RANK = """
+import json, sys, torch, torch.distributed as dist
+import ettkit
+from ettkit.checkpoint import AsyncCheckpointer
+rank, world, init, ckpt, mode, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6]
+dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+lin = torch.nn.Linear(3, 2)
+torch.nn.init.constant_(lin.weight, 0.5)
+# A per-rank tensor saved whole: a per-rank generator's state (what a data-parallel rank keeps for its own
+# dropout masks): it differs on every rank.
+gen = torch.Generator().manual_seed(100 + rank)
+state = {"model": lin, "rng": gen.get_state() if mode == "save" else torch.zeros_like(gen.get_state())}
+result = {}
+with AsyncCheckpointer(ckpt, recorder=None) as ck:
+    if mode == "save":
+        ck.save(2, state).wait()
+    elif mode == "load":
+        try:
+            result["step"] = ck.load_latest(state)[0]
+            result["rng_seed_of"] = [s for s in range(100, 110)
+                                     if torch.equal(state["rng"], torch.Generator().manual_seed(s).get_state())]
+        except ettkit.InvalidArgumentError as e:
+            result["refused"] = str(e)
+        result["rng_untouched"] = bool((state["rng"] == 0).all()) if "refused" in result else None
+    else:  # dcp: the replicated model alone reads; the per-rank tensor is refused
+        import torch.distributed.checkpoint as dcp
+        from ettkit.checkpoint import EttkitStorageReader
+        sd = {"model.weight": torch.zeros(2, 3)}
+        dcp.load(sd, storage_reader=EttkitStorageReader(ckpt))
+        result["weight"] = sd["model.weight"].tolist()
+        try:
+            dcp.load({"rng": torch.zeros_like(gen.get_state())}, storage_reader=EttkitStorageReader(ckpt))
+        except BaseException as e:  # DCP wraps a rank's error in a CheckpointException, a BaseException
+            result["refused"] = f"{type(e).__name__}: {e}"
+with open(f"{out}/{mode}-{rank}.json", "w") as f:
+    json.dump(result, f)
+dist.destroy_process_group()
+"""
+
+
+def run_script(tmp_path, source, name, world, ckpt, mode):
+    """Runs `source` as `world` gloo ranks (argv: rank world init ckpt mode out); each writes
+    out/<mode>-<rank>.json, returned in rank order."""
+    script = tmp_path / "script.py"
+    script.write_text(source)
+    out = tmp_path / f"out-{name}"
+    out.mkdir()
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(world), f"file://{tmp_path}/rdv-{name}",
+                               str(ckpt), mode, str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for r in range(world)]
+    errs = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0] * world, errs
+    return [json.loads((out / f"{mode}-{r}.json").read_text()) for r in range(world)]
+
+
+def test_per_rank_state_saved_whole_is_refused_at_another_world_size_not_replaced_by_rank_0s(tmp_path):
+    # A whole tensor is read from one old rank's copy only when the digests in the old headers show every old
+    # rank saved the same bytes; a per-rank one (here a per-rank generator state) is refused naming it.
+    ckpt = tmp_path / "ckpt"
+
+    def go(name, world, mode):
+        return run_script(tmp_path, PER_RANK, name, world, ckpt, mode)
+
+    go("save", 2, "save")
+    for world in (1, 3):
+        for got in go(f"load{world}", world, "load"):
+            assert "'rng' was saved whole and differs between old ranks 0 and 1" in got["refused"], got
+            assert "model" not in got["refused"].split("differs")[1], got  # the replicated Linear is fine
+            assert got["rng_untouched"] is True
+    # At the world size that saved it, each rank gets its own generator state back.
+    assert [g["rng_seed_of"] for g in go("load2", 2, "load")] == [[100], [101]]
+    for got in go("dcp", 1, "dcp"):
+        assert got["weight"] == [[0.5] * 3] * 2
+        assert "InvalidArgumentError" in got["refused"] and "'rng' was saved whole and differs" in got["refused"], got
+
+
+ETTKIT_PLAN = """
+import json, sys, torch, torch.distributed as dist
+import ettkit
+from ettkit import sharding
+from ettkit.checkpoint import AsyncCheckpointer
+rank, world, init, ckpt, mode, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6]
+dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+full = torch.arange(13 * 4, dtype=torch.float32).reshape(13, 4)
+plan = sharding.ShardingPlan([sharding.Table("t", 13, 4, "float32", "row_wise")], world_size=world,
+                             ranks_per_host=world) if rank == 0 else None
+md = sharding.build_global_metadata(sharding.broadcast_plan(plan))
+(piece,) = [s for s in md.local_shards(rank) if s.table == "t"]
+(r0, _), (n, _) = piece.shard.offsets, piece.shard.sizes
+rows = full[r0:r0 + n].clone() if mode == "save" else torch.zeros(n, 4)
+result = {"rows": [r0, n]}
+table = md.to_sharded_tensor("t", rank, [rows])
+result["no_copy"] = table.local_shards()[0].tensor.data_ptr() == rows.data_ptr()
+for bad in ([], [torch.zeros(n + 1, 4)], [torch.zeros(n, 4, dtype=torch.float64)]):
+    try:
+        md.to_sharded_tensor("t", rank, bad)
+    except ettkit.InvalidArgumentError as e:
+        result.setdefault("refused", []).append(str(e))
+with AsyncCheckpointer(ckpt, recorder=None) as ck:
+    if mode == "save":
+        ck.save(4, {"t": table}).wait()
+    else:
+        result["step"] = ck.load_latest({"t": table})[0]
+        result["resharded_from"] = ck.resharded_from
+        result["ok"] = torch.equal(rows, full[r0:r0 + n])
+with open(f"{out}/{mode}-{rank}.json", "w") as f:
+    json.dump(result, f)
+dist.destroy_process_group()
+"""
+
+
+def test_tables_kept_as_plain_tensors_placed_by_an_ettkit_plan_reshard(tmp_path):
+    # #20 item 1's third source of placement: an ettkit ShardingPlan. The plain row tensors are wrapped without
+    # a copy or a collective; saved by 2 ranks, loaded by 3 (13 rows: 7/6 -> 5/5/3, TorchRec's row-wise blocks) and by 1.
+    ckpt = tmp_path / "ckpt"
+    saved = run_script(tmp_path, ETTKIT_PLAN, "save", 2, ckpt, "save")
+    assert [g["rows"] for g in saved] == [[0, 7], [7, 6]]
+    for world, rows in ((3, [[0, 5], [5, 5], [10, 3]]), (1, [[0, 13]])):
+        got = run_script(tmp_path, ETTKIT_PLAN, f"load{world}", world, ckpt, "load")
+        assert [g["rows"] for g in got] == rows
+        for g in got:
+            assert g["step"] == 4 and g["resharded_from"] == 2 and g["ok"] is True and g["no_copy"] is True, g
+            assert len(g["refused"]) == 3, g
+            assert "holds 1 shard(s) in the plan, but 0 local tensor(s)" in g["refused"][0]
+            assert "the plan says" in g["refused"][1] and "torch.float64" in g["refused"][2]

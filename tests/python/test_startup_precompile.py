@@ -64,6 +64,8 @@ def test_a_fresh_process_loads_the_precompiled_forward_and_trains_bit_for_bit_as
     assert warm["summary"]["cache"] == "precompiled", warm["precompiled_reason"]
     assert warm["origin"] == "loaded" and warm["saved"] is None
     assert warm["fallback_calls"] == 0 and warm["summary"]["recompiles"] == 0
+    # The loaded graph is the cold start's: a warm start reports the same specialization (or none).
+    assert warm["summary"]["dynamic_dims_specialized"] == cold["summary"]["dynamic_dims_specialized"]
 
     # The reference: plain torch.compile for the static spec; for the dynamic one, torch.compile with the same
     # dims marked dynamic (overlapped_start without the precompiled tier). A plain torch.compile specializes

@@ -45,7 +45,11 @@ def _step_dir(checkpoint_id: str | os.PathLike) -> str:
     return os.path.join(path, f"step-{step}")
 
 
-def _header(path: str) -> tuple[int, dict]:
+# Where an ettkit disk save records the XXH3 of each tensor it saved whole (src/checkpoint/storage.h).
+_WHOLE_DIGEST = "ettkit.xxh3."
+
+
+def _header(path: str) -> tuple[int, dict, dict]:
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) != 8:
@@ -54,8 +58,8 @@ def _header(path: str) -> tuple[int, dict]:
         if n > 100 * (1 << 20):
             raise CorruptDataError(f"'{path}' declares a {n}-byte safetensors header")
         header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    return 8 + n, header
+    meta = header.pop("__metadata__", None) or {}
+    return 8 + n, header, meta
 
 
 class EttkitStorageReader(StorageReader):
@@ -66,7 +70,8 @@ class EttkitStorageReader(StorageReader):
 
     Every rank's ``rank-<r>.safetensors`` header is read; a ShardedTensor's or DTensor's local shard saved
     as ``<key>@<offsets>`` becomes a chunk of ``<key>`` at those offsets, and a whole tensor one chunk of
-    itself (old rank 0's copy: whole tensors are taken as replicated). DCP's planner then reads, on each
+    itself (old rank 0's copy, once the digests in the headers show every old rank saved the same bytes:
+    per-rank state is refused with ``InvalidArgumentError``). DCP's planner then reads, on each
     rank, the chunks that overlap its state. Tensors only: the non-tensor state in ``rank-<r>.extra`` is a
     pickle for ettkit's own ``load_latest``. ettkit's checksums are not checked on this path (DCP has no
     place for them): ``AsyncCheckpointer.load_latest`` is the verified load."""
@@ -75,6 +80,9 @@ class EttkitStorageReader(StorageReader):
         super().__init__()
         self._path: Optional[str] = None
         self._storage: dict = {}
+        # Tensors saved whole whose copies differ between old ranks -> two ranks that disagree (refused when
+        # the plan asks for them).
+        self._per_rank: dict = {}
         if checkpoint_id is not None:
             self.reset(checkpoint_id)
 
@@ -100,9 +108,11 @@ class EttkitStorageReader(StorageReader):
             raise CorruptDataError(f"'{self._path}/manifest.json' has no valid world_size")
         metadata: dict = {}
         storage: dict = {}
+        self._per_rank = {}
+        whole: dict = {}  # a tensor saved whole -> (the first old rank that holds it, its digest)
         for rank in range(world):
             path = os.path.join(self._path, f"rank-{rank}.safetensors")
-            data_offset, header = _header(path)
+            data_offset, header, meta = _header(path)
             for name, e in header.items():
                 m = _SHARD.match(name)
                 key = m.group(1) if m else name
@@ -111,8 +121,15 @@ class EttkitStorageReader(StorageReader):
                 dtype = _DTYPES.get(e["dtype"])
                 if dtype is None:
                     raise CorruptDataError(f"'{path}': tensor '{name}' has dtype {e['dtype']}, which DCP cannot read")
-                if not m and key in metadata:
-                    continue  # a whole tensor: old rank 0's copy
+                if not m:
+                    # A whole tensor is read from one copy: right only when every old rank held the same
+                    # bytes (the digests say so; a step without them is taken as replicated).
+                    digest = meta.get(_WHOLE_DIGEST + name)
+                    first = whole.setdefault(key, (rank, digest))
+                    if digest is not None and first[1] is not None and digest != first[1]:
+                        self._per_rank.setdefault(key, (first[0], rank))
+                    if key in metadata:
+                        continue  # old rank 0's copy
                 md = metadata.get(key)
                 if md is None:
                     md = metadata[key] = TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(shape), [])
@@ -133,6 +150,15 @@ class EttkitStorageReader(StorageReader):
         self._storage = metadata.storage_data
 
     def prepare_local_plan(self, plan):
+        asked = sorted({item.storage_index.fqn for item in plan.items} & self._per_rank.keys())
+        if asked:
+            key = asked[0]
+            a, b = self._per_rank[key]
+            raise InvalidArgumentError(
+                f"'{key}' was saved whole and differs between old ranks {a} and {b} of '{self._path}' "
+                f"({len(asked)} such tensor(s) asked for: {asked[:12]}): per-rank state cannot be read as one "
+                f"tensor (only a tensor every rank holds the same, such as a DDP replica, can); save it as a "
+                f"DTensor or ShardedTensor, or leave it out of the state dict given to dcp.load")
         return plan
 
     def prepare_global_plan(self, plans):

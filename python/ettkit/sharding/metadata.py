@@ -8,7 +8,7 @@ tables you look at. Views: ``torch.distributed._shard`` :class:`ShardedTensorMet
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -222,6 +222,36 @@ class GlobalMetadata:
                 pin_memory=False,
             ),
         )
+
+    def to_sharded_tensor(self, name: str, rank: int, local: Sequence[torch.Tensor]):
+        """A ``ShardedTensor`` of table ``name`` over ``rank``'s own shards, built from this metadata alone (no
+        collective: ``ShardedTensor._init_from_local_shards_and_global_metadata``).
+
+        ``local`` holds one tensor per shard of ``name`` in :meth:`local_shards` (``rank``), in that order, each
+        of the shard's size and the table's dtype, on the shard's device. The tensors are used as they are, not
+        copied. This is how a trainer that keeps its tables as plain tensors placed by an ettkit plan tells
+        ``AsyncCheckpointer`` where each piece sits in its table, so that a checkpoint reshards at another
+        world size (docs/checkpoint.md, *Elastic restore*).
+        """
+        from torch.distributed._shard.sharded_tensor import Shard as TorchShard
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+        md = self._sharded(name)
+        mine = [s for s in self.local_shards(rank) if s.table == name]
+        if len(local) != len(mine):
+            raise InvalidArgumentError(
+                f"table '{name}': rank {rank} holds {len(mine)} shard(s) in the plan, but {len(local)} local "
+                f"tensor(s) were given")
+        shard_md = self.to_shard_metadata(name)
+        shards = []
+        for s, t in zip(mine, local):
+            if tuple(t.shape) != tuple(s.shard.sizes) or t.dtype != md.dtype:
+                raise InvalidArgumentError(
+                    f"table '{name}': the local tensor for shard {s.index} (offsets {tuple(s.shard.offsets)}) is "
+                    f"{tuple(t.shape)} {t.dtype}; the plan says {tuple(s.shard.sizes)} {md.dtype}")
+            shards.append(TorchShard(t, shard_md[s.index]))
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            shards, self.to_sharded_tensor_metadata(name, requires_grad=any(t.requires_grad for t in local)))
 
     def to_dcp_chunks(self, name: str, include_empty: bool = False) -> list:
         """DCP ``ChunkStorageMetadata`` of table ``name``, in plan order.

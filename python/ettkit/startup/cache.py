@@ -84,6 +84,9 @@ class CacheLoadResult:
     artifacts: Mapping[str, int] = dataclasses.field(default_factory=dict)
     bytes: int = 0
     seconds: float = 0.0
+    #: A precompiled forward compiled with soft dims: which guard specialized a declared dynamic dim when it
+    #: was compiled (the same text the cold start reported), so that a warm start reports it too.
+    dynamic_dims_specialized: str | None = None
 
     @property
     def hit(self) -> bool:
@@ -601,15 +604,19 @@ class CompileCache:
         artifacts = {"precompiled": 1}
         if kernels:
             artifacts["cpu_kernel_files"] = restored
+        specialized = header.get("dynamic_dims_specialized")
         result = CacheLoadResult(
-            "precompiled", str(path), "loaded", artifacts=artifacts, bytes=len(body), seconds=time.perf_counter() - t0
+            "precompiled", str(path), "loaded", artifacts=artifacts, bytes=len(body), seconds=time.perf_counter() - t0,
+            dynamic_dims_specialized=specialized if isinstance(specialized, str) else None,
         )
         return result, fn
 
-    def save_precompiled(self, fn: Any) -> CacheSaveResult:
+    def save_precompiled(self, fn: Any, dynamic_dims_specialized: str | None = None) -> CacheSaveResult:
         """Writes a precompiled forward (an ``aot_compile`` result) for this key, atomically, with the
         compiled CPU kernels this process loaded and the checksums of the sources it was traced from. An
-        I/O error or an artifact torch cannot serialize warns and returns ``written=False``."""
+        I/O error or an artifact torch cannot serialize warns and returns ``written=False``.
+        ``dynamic_dims_specialized``: the guard that made the compile use soft dims (kept in the file's header
+        and given back by :meth:`load_precompiled`)."""
         from . import precompiled
 
         path = self.precompiled_path
@@ -623,6 +630,8 @@ class CompileCache:
         if blobs:
             counts["cpu_kernel_files"] = len(blobs)
         extra = {"artifacts": counts, "sources": precompiled.source_fingerprint(fn)}
+        if dynamic_dims_specialized:
+            extra["dynamic_dims_specialized"] = dynamic_dims_specialized
         data, body = self._compose(_PRECOMPILED_MAGIC, "artifact_bytes", artifact, blobs, extra)
         try:
             self._write_atomic(data, path)

@@ -264,7 +264,7 @@ def overlapped_start(
             return None
         fallback["seconds"] = time.perf_counter() - t0
         with sub_phase("compile/precompiled_save"):
-            fallback["save"] = cache.save_precompiled(fn)
+            fallback["save"] = cache.save_precompiled(fn, fallback.get("specialized"))
         return fn
 
     def publish(reason: str | None) -> None:
@@ -276,8 +276,9 @@ def overlapped_start(
         loaded = results.get("cache_load")
         if loaded is not None and loaded[1] is not None:
             publish(None)
+            # A graph compiled with soft dims is still one: the warm start reports the cold start's guard.
             return _precompiled.PrecompiledModel(model, loaded[1], origin="loaded", compile_kwargs=compile_kwargs), \
-                None, None
+                None, loaded[0].dynamic_dims_specialized
         if precompile and no_precompile is None and "reason" not in fallback:
             before = compile_counters()
             fn = precompile_stage()

@@ -271,3 +271,50 @@ TEST(Reshard, ACppTrainersShardsLoadAtAnotherWorldSize) {
     }
   });
 }
+
+TEST(Reshard, PerRankStateSavedWholeIsRefusedNotReplacedByOldRankZerosCopy) {
+  ettkit::testing::TempDir d;
+  const std::string dir = d.str() + "/ck";
+  // Saved by 2 ranks: the table's rows, a replicated bias, and "noise": a tensor saved whole that differs per
+  // rank (a per-rank RNG state, a tensor-parallel slice kept as a plain tensor).
+  ranks(dir, 2, [](int r, ck::AsyncCheckpointer& c) {
+    ck::NamedTensors t{rows(5 * r, 5 * r + 5), {"bias", at::full({3}, 7.0)}, {"noise", at::full({2}, 1.0 + r)}};
+    ASSERT_TRUE(c.save(3, t, "").wait());
+  });
+  // Every header records the digest of each tensor saved whole, and none of a shard.
+  for (int r = 0; r < 2; ++r) {
+    auto idx = ckd::read_safetensors_index(dir + "/step-3/rank-" + std::to_string(r) + ".safetensors",
+                                           *ckd::file_size(dir + "/step-3/rank-" + std::to_string(r) + ".safetensors"));
+    at::Tensor noise = at::full({2}, 1.0 + r);
+    EXPECT_EQ(idx.metadata.at("ettkit.xxh3.noise"), ckd::xxh3_of(noise.data_ptr(), 8));
+    EXPECT_EQ(idx.metadata.count("ettkit.xxh3.bias"), 1u);
+    EXPECT_EQ(idx.metadata.count("ettkit.xxh3.table@" + std::to_string(5 * r) + ",0"), 0u);
+    EXPECT_EQ(idx.metadata.at("format"), "pt");
+  }
+  // At 3 ranks, and at 1, "noise" has no right value: refused naming it and the ranks, nothing copied.
+  for (int world : {3, 1}) {
+    ranks(dir, world, [&](int r, ck::AsyncCheckpointer& c) {
+      const int64_t lo = world == 1 ? 0 : std::vector<int64_t>{0, 4, 8}[static_cast<size_t>(r)];
+      const int64_t hi = world == 1 ? 10 : std::vector<int64_t>{4, 8, 10}[static_cast<size_t>(r)];
+      auto [name, want] = rows(lo, hi);
+      ck::NamedTensors t{{name, at::full_like(want, -1)}, {"bias", at::zeros({3})}, {"noise", at::zeros({2})}};
+      try {
+        c.load_latest(t);
+        ADD_FAILURE() << "per-rank state was resharded";
+      } catch (const InvalidArgument& e) {
+        std::string m = e.what();
+        EXPECT_NE(m.find("'noise' was saved whole and differs between old ranks 0 and 1"), std::string::npos) << m;
+        EXPECT_EQ(m.find("'bias'"), std::string::npos) << m;  // the replica is fine
+      }
+      EXPECT_TRUE(at::equal(t[0].second, at::full_like(want, -1)));
+      EXPECT_TRUE(at::equal(t[2].second, at::zeros({2})));
+    });
+  }
+  // At the world size that saved it, each rank gets its own copy back, as always.
+  ranks(dir, 2, [&](int r, ck::AsyncCheckpointer& c) {
+    auto [name, want] = rows(5 * r, 5 * r + 5);
+    ck::NamedTensors t{{name, at::zeros_like(want)}, {"bias", at::zeros({3})}, {"noise", at::zeros({2})}};
+    ASSERT_TRUE(c.load_latest(t));
+    EXPECT_TRUE(at::equal(t[2].second, at::full({2}, 1.0 + r)));
+  });
+}
