@@ -8,6 +8,7 @@
 
 #include "bindings.h"
 #include "ettkit/checkpoint/checkpointer.h"
+#include "ettkit/checkpoint/schedule.h"
 #include "ettkit/ett/recorder.h"
 
 namespace py = pybind11;
@@ -303,6 +304,66 @@ void bind_checkpoint(py::module_& m) {
       .def_property_readonly("memory_tier_directory", &AsyncCheckpointer::memory_tier_directory)
       .def_property_readonly("saves_failed", &AsyncCheckpointer::saves_failed)
       .def_property_readonly("saves_refused", &AsyncCheckpointer::saves_refused);
+
+  // The interval policy. Python gives times from its own clock (tests replace it) and the costs it measured
+  // (TierCosts as (committed, blocking s, durable s) tuples), so the binding holds no Python callable.
+  using checkpoint::CheckpointSchedule;
+  using checkpoint::Every;
+  using checkpoint::FailureHistory;
+  using checkpoint::TierCosts;
+  auto costs = [](const py::tuple& t, const char* tier) {
+    ETTKIT_EXPECTS(t.size() == 3, "the ", tier, " tier's costs must be (committed, blocking_s, durable_s)");
+    return TierCosts{t[0].cast<int64_t>(), t[1].cast<double>(), t[2].cast<double>()};
+  };
+  py::class_<Every>(m, "Every", "One tier's interval: never, steps, seconds or auto.")
+      .def_static("parse", &Every::parse, py::arg("text"), py::arg("field") = "every")
+      .def_static("steps", &Every::steps, py::arg("n"), py::arg("field") = "every")
+      .def_static("seconds", &Every::seconds, py::arg("s"), py::arg("field") = "every")
+      .def_static("never", [] { return Every{}; })
+      .def_property_readonly("kind", &Every::kind_name)
+      .def_readonly("value", &Every::value);
+  m.attr("AUTO_UNMEASURED_INTERVAL_S") = checkpoint::kAutoUnmeasuredIntervalS;
+  m.def(
+      "failure_history",
+      [](const std::string& run_dir, double prior) {
+        FailureHistory h;
+        {
+          py::gil_scoped_release no_gil;  // reads the ledger; the tuple below needs the GIL again
+          h = FailureHistory::from_run(run_dir, prior);
+        }
+        return py::make_tuple(h.mtbf_s, h.restart_s);
+      },
+      py::arg("run_dir"), py::arg("prior_mtbf_s"),
+      "(MTBF s, mean Time to Recover s) from the ETT ledger of run_dir, or (prior, 0) without a usable one");
+  py::class_<CheckpointSchedule>(m, "CheckpointSchedule")
+      .def(py::init([](Every disk, Every memory, double mtbf_s, double restart_s, double start_s) {
+             return CheckpointSchedule(disk, memory, FailureHistory{mtbf_s, restart_s}, start_s);
+           }),
+           py::arg("disk"), py::arg("memory"), py::arg("mtbf_s"), py::arg("restart_s"), py::arg("start_s"))
+      .def(
+          "due",
+          [costs](const CheckpointSchedule& s, int64_t step, double now, const py::tuple& disk,
+                  const py::tuple& memory) -> std::optional<std::string> {
+            auto t = s.due(step, now, costs(disk, "disk"), costs(memory, "memory"));
+            if (!t) return std::nullopt;
+            return std::string(tier_name(*t));
+          },
+          py::arg("step"), py::arg("now"), py::arg("disk"), py::arg("memory"))
+      .def(
+          "saved",
+          [](CheckpointSchedule& s, int64_t step, const std::string& tier, double now) {
+            s.saved(step, parse_tier(tier), now);
+          },
+          py::arg("step"), py::arg("tier"), py::arg("now"))
+      .def("restored", &CheckpointSchedule::restored, py::arg("step"))
+      .def(
+          "auto_interval_s",
+          [costs](const CheckpointSchedule& s, const py::tuple& c) { return s.auto_interval_s(costs(c, "given")); },
+          py::arg("costs"))
+      .def("every", [](const CheckpointSchedule& s, const std::string& tier) { return s.every(parse_tier(tier)); },
+           py::arg("tier"))
+      .def_property_readonly("mtbf_s", [](const CheckpointSchedule& s) { return s.history().mtbf_s; })
+      .def_property_readonly("restart_s", [](const CheckpointSchedule& s) { return s.history().restart_s; });
 }
 
 }  // namespace ettkit::python

@@ -20,6 +20,7 @@
 #include <set>
 #include <thread>
 
+#include "checkpoint/commit.h"
 #include "checkpoint/memory_tier.h"
 #include "checkpoint/peer_monitor.h"
 #include "checkpoint/peer_replica.h"
@@ -207,20 +208,6 @@ std::string torn_message(int64_t step, const std::vector<std::string>& changed) 
                 "ck.attach(model=..., optimizer=...) (or ck.attach(module) for a module that updates its own "
                 "weights), in C++ wait_for()/wait_staged_on_current_stream() before the write; or save with "
                 "overlap='off' so that save() returns only once the copies are done");
-}
-
-/// The commit result rank 0 publishes: "ok", or {"kind": "torn"|"peer_lost"|"error", "message": ...}.
-std::string result_text(std::exception_ptr e) {
-  const char* kind = "error";
-  try {
-    std::rethrow_exception(e);
-  } catch (const TornSnapshot&) {
-    kind = "torn";
-  } catch (const PeerLost&) {
-    kind = "peer_lost";
-  } catch (...) {
-  }
-  return json{{"kind", kind}, {"message", describe(e)}}.dump();
 }
 
 /// The safetensors header of a staged snapshot (offsets relative to the arena, which is the data section).
@@ -652,33 +639,19 @@ struct AsyncCheckpointer::Impl {
         for (const char* ext : {".safetensors", ".extra"}) ::unlink((tmp + "/rank-" + std::to_string(rank) + ext).c_str());
       }
     }
+    std::optional<CommitVote> vote;
     if (world > 1) {
-      json report;
+      vote.emplace(*store, *peers, prefix, job.step, opt.commit_timeout_s);
       if (local_error) {
-        report["error"] = describe(local_error);
-        report["torn"] = json::parse(result_text(local_error))["kind"] == "torn";
+        vote->report_failure(rank, local_error);
       } else {
-        for (const auto& [name, d] : mine) {
-          report["files"][name] = {
-              {"size", d.size}, {"xxh3", d.xxh3}, {"chunk_bytes", d.chunk_bytes}, {"chunks", d.chunks}};
-        }
+        vote->report(rank, mine);
       }
-      peers->set(prefix + "rank/" + std::to_string(rank), report.dump());
     }
     if (local_error && (world == 1 || rank != 0)) std::rethrow_exception(local_error);
     if (rank != 0) {
-      peers->wait_keys({prefix + "result"}, {0}, opt.commit_timeout_s,
-                       "checkpoint step " + std::to_string(job.step) + ": rank 0's commit result");
-      std::string result = string_of(store->get(prefix + "result"));
-      if (result == "ok") return;
-      json r = json::parse(result, nullptr, /*allow_exceptions=*/false);
-      std::string why = r.is_object() && r.contains("message") && r["message"].is_string() ? r["message"].get<std::string>() : result;
-      std::string kind = r.is_object() && r.contains("kind") && r["kind"].is_string() ? r["kind"].get<std::string>() : "";
-      if (kind == "torn") {
-        ETTKIT_THROW(checkpoint::TornSnapshot, "checkpoint step ", job.step, " was refused by the commit vote: ", why);
-      }
-      if (kind == "peer_lost") ETTKIT_THROW(checkpoint::PeerLost, "rank 0: ", why);
-      ETTKIT_THROW(IoError, "checkpoint step ", job.step, " was not committed by rank 0: ", why);
+      vote->await_result();
+      return;
     }
     // Rank 0: gather, write the manifest, rename, fsync, latest, retention.
     try {
@@ -690,32 +663,8 @@ struct AsyncCheckpointer::Impl {
       m.metadata = opt.metadata;
       m.torch_version = TORCH_VERSION;
       m.files = mine;
-      if (world > 1) {
-        std::vector<std::string> keys;
-        std::vector<int> others;
-        for (int r = 1; r < world; ++r) {
-          keys.push_back(prefix + "rank/" + std::to_string(r));
-          others.push_back(r);
-        }
-        peers->wait_keys(keys, others, opt.commit_timeout_s,
-                         "checkpoint step " + std::to_string(job.step) + ": the votes of the other ranks");
-        for (int r = 1; r < world; ++r) {
-          json rep = json::parse(string_of(store->get(keys[static_cast<size_t>(r - 1)])));
-          if (rep.contains("error")) {
-            std::string why = rep["error"].get<std::string>();
-            if (rep.value("torn", false)) ETTKIT_THROW(checkpoint::TornSnapshot, "rank ", r, ": ", why);
-            ETTKIT_THROW(IoError, "checkpoint step ", job.step, ": rank ", r, " failed: ", why);
-          }
-          for (auto it = rep["files"].begin(); it != rep["files"].end(); ++it) {
-            const json& f = it.value();
-            FileDigest d;
-            d.size = f["size"].get<uint64_t>();
-            d.xxh3 = f["xxh3"].get<std::string>();
-            d.chunk_bytes = f.value("chunk_bytes", uint64_t{0});
-            d.chunks = f.value("chunks", std::vector<std::string>{});
-            m.files[it.key()] = std::move(d);
-          }
-        }
+      if (vote) {
+        for (auto& [name, d] : vote->gather(world)) m.files[name] = std::move(d);
       }
       m.commit_seq = history.next_seq(dir);
       std::string text = encode_manifest(m);
@@ -724,17 +673,12 @@ struct AsyncCheckpointer::Impl {
       commit_step_directory(dir, tmp, job.step);
     } catch (...) {
       remove_tree_quietly(tmp);
-      if (world > 1) {
-        try {
-          peers->set(prefix + "result", result_text(std::current_exception()));
-        } catch (...) {  // the Store is gone too: the original error says more
-        }
-      }
+      if (vote) vote->publish_failure(std::current_exception());
       throw;
     }
     // Committed and durable: `latest` and retention cannot fail the step (they warn instead).
     history.after_commit(dir, job.step, opt.keep_last);
-    if (world > 1) peers->set(prefix + "result", "ok");
+    if (vote) vote->publish_ok();
   }
 };
 

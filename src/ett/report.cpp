@@ -1176,6 +1176,7 @@ Analysis analyse(const LedgerSet& set, const std::string& run_dir, const ReportO
   out.summary.time_to_start_s = tts_values;
   for (const auto& v : ttr) out.summary.time_to_recover_s.push_back(v.get<double>());
   out.summary.recommended_interval_s = recommended;
+  out.summary.mtbf_s = mtbf;
   out.doc = std::move(doc);
   return out;
 }

@@ -44,6 +44,8 @@ struct ETTKIT_API ReportSummary {
   std::vector<double> time_to_start_s;    ///< one per attempt that reached training
   std::vector<double> time_to_recover_s;  ///< one per failure
   std::optional<double> recommended_interval_s;
+  /// The MTBF the recommendation used (observed, or ReportOptions::mtbf_prior_s; JSON "mtbf_s").
+  std::optional<double> mtbf_s;
 };
 
 /// Builds the report and returns it as a JSON document (one object). Throws InvalidArgument when the run

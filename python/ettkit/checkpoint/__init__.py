@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import re
 import signal
 import sys
 import threading
@@ -60,12 +59,11 @@ SaveHandle = _C.checkpoint.SaveHandle
 # rank-<r>.extra written from Python starts with this line, then a pickle; from C++ it is the caller's bytes.
 _PY_EXTRA_MAGIC = b"ettkit-py-extra-v1\n"
 
-_UNITS = {"s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
 
 #: ``every="auto"`` before a save of this checkpointer has committed (so its cost is unknown): the interval
 #: after the last save. The first save is made at once, to measure; this bounds the saves made while it is
 #: still persisting, or after it failed, to one per 10 minutes instead of one per step.
-AUTO_UNMEASURED_INTERVAL_S = 600.0
+AUTO_UNMEASURED_INTERVAL_S = _C.checkpoint.AUTO_UNMEASURED_INTERVAL_S
 
 
 def _parse_overlap(overlap: Any) -> str:
@@ -76,24 +74,24 @@ def _parse_overlap(overlap: Any) -> str:
     raise InvalidArgumentError(f"overlap={overlap!r} must be 'auto', True ('on') or False ('off')")
 
 
-def parse_every(every: Any) -> tuple[str, float]:
-    """``None`` -> ("never", 0); int n -> ("steps", n); "90s"/"5min"/"2h" -> ("seconds", s); "auto"."""
+def _every(every: Any, field: str = "every") -> "_C.checkpoint.Every":
+    """The C++ interval of ``every=`` (``None``, an int of steps, or a string: a duration or ``"auto"``)."""
+    Every = _C.checkpoint.Every
     if every is None:
-        return ("never", 0.0)
-    if isinstance(every, bool):
-        raise InvalidArgumentError(f"every={every!r}: give steps (int), a duration like '90s', or 'auto'")
+        return Every.never()
+    if isinstance(every, bool) or not isinstance(every, (int, str)):
+        raise InvalidArgumentError(f"{field}={every!r} is not valid: give steps (e.g. 100), a duration (e.g. '90s', "
+                                   f"'10min', '1h') or 'auto'")
     if isinstance(every, int):
-        if every <= 0:
-            raise InvalidArgumentError(f"every={every} must be a positive number of steps")
-        return ("steps", float(every))
-    if isinstance(every, str):
-        if every == "auto":
-            return ("auto", 0.0)
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(s|sec|m|min|h)\s*", every)
-        if m and float(m.group(1)) > 0:
-            return ("seconds", float(m.group(1)) * _UNITS[m.group(2)])
-    raise InvalidArgumentError(
-        f"every={every!r} is not valid: give steps (e.g. 100), a duration (e.g. '90s', '10min', '1h') or 'auto'")
+        return Every.steps(every, field)
+    return Every.parse(every, field)
+
+
+def parse_every(every: Any) -> tuple[str, float]:
+    """``None`` -> ("never", 0); int n -> ("steps", n); "90s"/"5min"/"2h" -> ("seconds", s); "auto". The
+    parsing is the C++ ``Every::parse`` that C++ trainers use (include/ettkit/checkpoint/schedule.h)."""
+    e = _every(every)
+    return (e.kind, float(e.value))
 
 
 def latest_step(directory: str | os.PathLike) -> Optional[int]:
@@ -243,12 +241,9 @@ class AsyncCheckpointer:
             raise InvalidArgumentError(
                 f"memory_tier_budget_bytes={memory_tier_budget_bytes} must be positive (or None)")
         memory_root = _memory_tier_root(memory_tier)
-        self._every_kind, self._every_value = parse_every(every)
-        try:
-            self._mem_kind, self._mem_value = parse_every(every_memory)
-        except InvalidArgumentError as e:
-            raise InvalidArgumentError(str(e).replace("every=", "every_memory=", 1)) from None
-        if self._mem_kind != "never" and not memory_root:
+        every_disk = _every(every)
+        every_mem = _every(every_memory, "every_memory")
+        if every_mem.kind != "never" and not memory_root:
             raise InvalidArgumentError(f"every_memory={every_memory!r} needs a memory tier: pass memory_tier=True "
                                        f"(/dev/shm) or a directory on a memory file system")
         if peer_replica and not memory_root:
@@ -294,13 +289,6 @@ class AsyncCheckpointer:
             raise InvalidArgumentError(f"unfenced_sync_max_bytes={unfenced_sync_max_bytes} must be >= 0")
         self._c.set_unfenced_sync_max_bytes(int(unfenced_sync_max_bytes))
         self._clock = time.monotonic  # the interval policy's clock (tests replace it)
-        # The interval policy's state, per tier.
-        self._last_save_step: Optional[int] = None
-        self._last_save_time = self._clock()
-        self._saves_made = 0
-        self._last_mem_step: Optional[int] = None
-        self._last_mem_time = self._last_save_time
-        self._mem_saves_made = 0
         self._fences = Fences(self._c)
         self._handles: deque = deque(maxlen=4)
         self._tensor_list = _C.checkpoint.TensorList()
@@ -308,12 +296,14 @@ class AsyncCheckpointer:
         self._skeleton: Any = None
         self._skeleton_blob = b""
         self._skeleton_comparable = False
-        self._mtbf_s, self._restart_s = self._failure_history(mtbf_prior_s)
+        # The interval policy (C++ CheckpointSchedule): "auto" is held against this job's failure history.
+        mtbf_s, restart_s = self._failure_history(mtbf_prior_s)
+        self._schedule = _C.checkpoint.CheckpointSchedule(every_disk, every_mem, mtbf_s, restart_s, self._clock())
         self._preempt_signal: Optional[int] = None
         self._preempt_time = 0.0
         self._preempt_deadline_s = float(preempt_deadline_s)
         self._old_handlers: dict = {}
-        if preempt_signals is None and (self._every_kind != "never" or self._mem_kind != "never"):
+        if preempt_signals is None and (every_disk.kind != "never" or every_mem.kind != "never"):
             preempt_signals = (signal.SIGTERM,)
         if preempt_signals and threading.current_thread() is threading.main_thread():
             for sig in preempt_signals:
@@ -396,12 +386,7 @@ class AsyncCheckpointer:
                                               protocol=pickle.HIGHEST_PROTOCOL)
         handle = self._c.save(int(step), self._tensor_list, blob, tier)
         if not handle.skipped:
-            if tier == "memory":
-                self._last_mem_step, self._last_mem_time = int(step), self._clock()
-                self._mem_saves_made += 1
-            else:
-                self._last_save_step, self._last_save_time = int(step), self._clock()
-                self._saves_made += 1
+            self._schedule.saved(int(step), handle.tier, self._clock())
             self._handles.append(handle)
         if self._preempt_signal is not None:
             self._finish_preemption(handle)
@@ -455,25 +440,8 @@ class AsyncCheckpointer:
         intervals run separately: a memory save does not reset the disk interval."""
         if self._preempt_signal is not None:
             return "disk"
-        if self._interval_due(step, self._every_kind, self._every_value, self._last_save_step,
-                              self._last_save_time, self._saves_made, "disk"):
-            return "disk"
-        if self._interval_due(step, self._mem_kind, self._mem_value, self._last_mem_step, self._last_mem_time,
-                              self._mem_saves_made, "memory"):
-            return "memory"
-        return None
-
-    def _interval_due(self, step, kind, value, last_step, last_time, made, tier) -> bool:
-        if kind == "never":
-            return False
-        if kind == "steps":
-            return step > 0 and step % int(value) == 0 and step != last_step and step != self._last_save_step
-        elapsed = self._clock() - last_time
-        if kind == "seconds":
-            return elapsed >= value
-        if made == 0:
-            return True  # "auto": the first save measures what a save costs
-        return elapsed >= self.auto_interval_s(tier)
+        return self._schedule.due(int(step), self._clock(), self._measured_costs("disk"),
+                                  self._measured_costs("memory"))
 
     def auto_interval_s(self, tier: str = "disk") -> float:
         """The interval the ETT advisor recommends for one tier from this job's measured blocking time and
@@ -481,13 +449,7 @@ class AsyncCheckpointer:
         of that tier takes to commit). Before a save of the tier has committed (nothing measured):
         :data:`AUTO_UNMEASURED_INTERVAL_S`. Both tiers are held against every failure the history shows
         (the ledger does not say which failures lost a node; the disk interval is the conservative one)."""
-        committed, blocking, durable = self._measured_costs(tier)
-        if committed == 0:
-            return AUTO_UNMEASURED_INTERVAL_S
-        from ..ett import recommend_interval
-
-        interval = recommend_interval(max(blocking, 1e-4), self._mtbf_s, self._restart_s, "daly")
-        return max(interval, durable)
+        return self._schedule.auto_interval_s(self._measured_costs(tier))
 
     def _measured_costs(self, tier: str = "disk") -> tuple[int, float, float]:
         """(saves committed, mean blocking s, mean time to committed s) of one tier: what ``"auto"`` decides
@@ -497,20 +459,13 @@ class AsyncCheckpointer:
         return (self._c.saves_committed, *self._c.tier_costs("disk"))
 
     def _failure_history(self, prior: float) -> tuple[float, float]:
+        """(MTBF s, mean Time to Recover s) from the recorder's ETT ledger (the run directory above
+        ``ett/rank-<r>.jsonl``); (prior, 0) without one. C++ ``FailureHistory::from_run``: a ledger that
+        cannot be read is warned about, not raised."""
         rec = self._recorder
         path = getattr(rec, "ledger_path", None) if rec is not None else None
-        if not path:
-            return float(prior), 0.0
-        try:
-            from ..ett import build_report
-
-            rep = build_report(os.path.dirname(os.path.dirname(path)), mtbf_prior_s=prior, include_timeline=False)
-            mtbf = rep.get("mtbf_s") or prior
-            ttr = [v for v in (rep.get("time_to_recover_s") or []) if isinstance(v, (int, float))] \
-                if isinstance(rep.get("time_to_recover_s"), list) else []
-            return float(mtbf), float(sum(ttr) / len(ttr)) if ttr else 0.0
-        except Exception:  # the advisor is advisory: a missing or unreadable ledger means "use the prior"
-            return float(prior), 0.0
+        run_dir = os.path.dirname(os.path.dirname(path)) if path else ""
+        return _C.checkpoint.failure_history(run_dir, float(prior))
 
     # ---- preemption -------------------------------------------------------------------------------------
     def _on_preempt_signal(self, signum, frame) -> None:
@@ -593,7 +548,7 @@ class AsyncCheckpointer:
         else:
             value = _decode_extra(blob)
             saved = _saved_states(slots, live, value)
-        self._last_save_step = self._last_mem_step = int(step)
+        self._schedule.restored(int(step))
         if slots:
             loaded = dict(zip(names, tensors))
             loaded.update(read)
