@@ -435,3 +435,68 @@ def test_an_unserializable_artifact_or_a_failed_write_warns_and_writes_nothing(
     (tmp_path / "cc").write_text("a file where the directory should be")
     with pytest.warns(CompileCacheWarning, match="could not write"):
         assert not cache.save_precompiled(FakeFn()).written
+
+
+def test_checkpoint_fences_attached_after_the_start_run_before_the_graph_not_through_a_recompile(tmp_path):
+    # The demo's order: overlapped_start precompiles, then AsyncCheckpointer.attach(model=...) adds a forward
+    # pre-hook to every module with buffers (BatchNorm). Dynamo guards on hooks, so every call used to fall
+    # back to torch.compile (a recompile on every start, seconds of Time to Recover).
+    from ettkit.checkpoint import AsyncCheckpointer
+
+    torch.manual_seed(0)
+    model = TinyRec(dropout=0.0)
+    spec = declared_spec(dynamic=False, batch=8)
+    cache = CompileCache(tmp_path / "cc", model=model, spec=spec, config={}, precompile=True)
+    compiled, first, report, _ = overlapped_start(model, [make_batch(8, 1)], spec, loss_fn, cache, recorder=None)
+    assert isinstance(compiled, precompiled.PrecompiledModel)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with AsyncCheckpointer(tmp_path / "ck", recorder=None, preempt_signals=()) as ck:
+        ck.attach(model=model, optimizer=opt)
+        assert model.bn._forward_pre_hooks  # the fence is there
+
+        class Counting:  # counts the fences' looks at the checkpointer: one per fence run
+            def __init__(self, c):
+                self.c, self.looks = c, 0
+
+            def __getattr__(self, name):
+                if name == "fence_pending":
+                    self.looks += 1
+                return getattr(self.c, name)
+
+        counting = ck._fences._c = Counting(ck._fences._c)
+        saved = {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "guards reject this call"
+            for step in range(1, 5):
+                batch = make_batch(8, step)
+                loss = loss_fn(compiled(batch), batch)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                handle = ck.save(step, {"model": model})  # returns before its copies: the next forward's
+                saved[step] = model.bn.running_mean.clone()  # fence waits for them
+            ck.wait()
+        assert compiled.fallback_calls == 0
+        # Every step ran BatchNorm's fence (before the graph) and the optimizer's (before step()).
+        assert counting.looks == 2 * 4
+        assert len(model.bn._forward_pre_hooks) == 1  # put back after every call
+        assert handle.durable and ck.saves_refused == 0
+        target = {"model": TinyRec(dropout=0.0)}
+        assert ck.load_latest(target)[0] == 4
+        assert torch.equal(target["model"].bn.running_mean, saved[4])
+    # Steps 2 and 3 were each followed by a forward that wrote the statistics: the fence made it wait for the
+    # copy, so each file holds the statistics of its own step, not the next one's.
+    from safetensors.torch import load_file
+
+    for step in (2, 3):
+        held = load_file(str(tmp_path / "ck" / f"step-{step}" / "rank-0.safetensors"))["model.bn.running_mean"]
+        assert torch.equal(held, saved[step]), step
+        assert not torch.equal(held, saved[step + 1]), step
+    # Another hook on the module is the caller's and part of what it computes: that call still falls back.
+    # (A hook added to a submodule after the compile is not guarded by Dynamo, with torch.compile as here:
+    # torch's skip_nnmodule_hook_guards. The fences are run all the same: the whole tree's, before the graph.)
+    handle = model.register_forward_pre_hook(lambda m, args: None)
+    with pytest.warns(RuntimeWarning, match="_forward_pre_hooks"):
+        compiled(first)
+    assert compiled.fallback_calls == 1
+    handle.remove()

@@ -146,6 +146,9 @@ class Fences:
                 tensors = [b for b in m._buffers.values() if b is not None]
             self._c.wait_for(tensors)
 
+        # A fence only waits (it changes nothing the forward computes), so a precompiled graph traced without
+        # it may run it first and then run without it (ettkit.startup.PrecompiledModel looks for this mark).
+        hook._ettkit_checkpoint_fence = True
         return hook
 
     def _param_fence(self, p: torch.Tensor) -> None:

@@ -29,6 +29,7 @@ torch APIs used (all public or documented as experimental in torch 2.13/2.14): `
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import inspect
@@ -151,6 +152,40 @@ def deserialize(data: bytes) -> Any:
     return torch.compiler.load_compiled_function(io.BytesIO(data))
 
 
+_FENCE_MARK = "_ettkit_checkpoint_fence"  # set by ettkit.checkpoint's attach() on its forward pre-hooks
+
+
+def _checkpoint_fences(module: torch.nn.Module) -> list:
+    """``[(submodule, [fence hooks]), ...]``: the checkpoint fences among the forward pre-hooks of
+    ``module``'s tree (a walk of the tree: about a microsecond per module)."""
+    out = []
+    for m in module.modules():
+        hooks = m._forward_pre_hooks
+        if hooks:
+            fences = [h for h in hooks.values() if getattr(h, _FENCE_MARK, False)]
+            if fences:
+                out.append((m, fences))
+    return out
+
+
+@contextlib.contextmanager
+def _fences_detached(fences: list):
+    """Each fenced module's pre-hook dict replaced, for the block, by a copy without its fences (the
+    caller's own hooks stay), and put back after (the same object: the hooks' removal handles keep working)."""
+    saved = [(m, m._forward_pre_hooks) for m, _ in fences]
+    try:
+        for m, hooks in saved:
+            kept = type(hooks)()
+            for key, hook in hooks.items():
+                if not getattr(hook, _FENCE_MARK, False):
+                    kept[key] = hook
+            m._forward_pre_hooks = kept
+        yield
+    finally:
+        for m, hooks in saved:
+            m._forward_pre_hooks = hooks
+
+
 class PrecompiledModel:
     """What :func:`ettkit.startup.overlapped_start` returns on the precompiled tier, in place of
     ``torch.compile(module)``: ``model(*args)`` runs the precompiled forward (its backward runs in
@@ -160,7 +195,9 @@ class PrecompiledModel:
     Promise: the precompiled graph only ever runs on calls its guards accept. A rejected call (a batch of
     another shape than the spec declared, another dtype, eval mode) warns once per reason and runs through
     ``torch.compile(module, **compile_kwargs)``, compiled then (counted in ``report.recompiles``) and reused.
-    ``fallback_calls`` counts such calls. Not for concurrent calls from two threads (torch: "load once per
+    ``fallback_calls`` counts such calls. The forward pre-hooks that ``AsyncCheckpointer.attach(model=...)``
+    installs after the start (its fences, which only wait for a copy) all run before the graph, on every
+    call, and the graph runs without them: they neither make a call fall back nor get skipped. Not for concurrent calls from two threads (torch: "load once per
     thread"), like the module itself in a training loop. The module is the caller's; this object holds a
     reference and never changes it."""
 
@@ -176,9 +213,26 @@ class PrecompiledModel:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self._orig_mod
-        if self._fn.guard_check(module, *args, **kwargs):
+        # AsyncCheckpointer.attach(model=...) after the compile adds forward pre-hooks (its fences) that the
+        # graph was traced without. Dynamo guards on the called module's hooks but not on its submodules'
+        # (skip_nnmodule_hook_guards), so the graph would either be rejected or silently skip a BatchNorm's
+        # fence, and a save could then commit statistics written during its copy. A fence only waits for the
+        # copy of the buffers its module writes: run before the whole graph it waits earlier, never later. So
+        # every fence of the tree runs here, and the graph runs with them taken out.
+        fences = _checkpoint_fences(module)
+        if not fences:
+            if self._fn.guard_check(module, *args, **kwargs):
+                return self._fn(module, *args, **kwargs)
+            return self._fallback(args, kwargs)
+        with _fences_detached(fences):
+            accepted = self._fn.guard_check(module, *args, **kwargs)
+        if not accepted:
+            return self._fallback(args, kwargs)  # torch.compile traces the fences into its graph
+        for m, hooks in fences:
+            for hook in hooks:
+                hook(m, args)
+        with _fences_detached(fences):
             return self._fn(module, *args, **kwargs)
-        return self._fallback(args, kwargs)
 
     def _fallback(self, args: tuple, kwargs: dict) -> Any:
         self.fallback_calls += 1
@@ -187,8 +241,9 @@ class PrecompiledModel:
             self._warned.add(reason)
             warnings.warn(
                 f"the precompiled forward's guards reject this call ({reason}); running it through torch.compile "
-                "instead (a recompile). Declare the batch's dynamic dims in the BatchSpec so that the precompiled "
-                "graph covers them.",
+                "instead (a recompile). For batches of other sizes, declare their dynamic dims in the BatchSpec; "
+                "for a mode, hook or module attribute set after the start, set it before overlapped_start so that "
+                "the graph is compiled with it.",
                 RuntimeWarning,
                 stacklevel=3,
             )
@@ -199,6 +254,10 @@ class PrecompiledModel:
     def rejection(self, *args: Any, **kwargs: Any) -> str:
         """Why the guards reject a call (the failing guard, in Dynamo's words), "" if they accept it."""
         module = self._orig_mod
+        with _fences_detached(_checkpoint_fences(module)):  # as __call__ checks: the fences are not the reason
+            return self._rejection(module, args, kwargs)
+
+    def _rejection(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> str:
         if self._fn.guard_check(module, *args, **kwargs):
             return ""
         try:
