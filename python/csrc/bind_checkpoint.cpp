@@ -146,7 +146,7 @@ void bind_checkpoint(py::module_& m) {
                        int pin_memory, int rank, int world_size, double commit_timeout_s, ett::Recorder* recorder,
                        std::map<std::string, std::string> metadata, py::object store, bool read_only,
                        double peer_timeout_s, const std::string& memory_tier, const std::string& job_id,
-                       int64_t memory_tier_budget_bytes, bool verify_memory_tier) {
+                       int64_t memory_tier_budget_bytes, bool verify_memory_tier, bool reshard_whole_from_rank0) {
              CheckpointerOptions o;
              o.directory = directory;
              o.keep_last = keep_last;
@@ -170,6 +170,7 @@ void bind_checkpoint(py::module_& m) {
              o.memory_tier.job_id = job_id;
              o.memory_tier.budget_bytes = memory_tier_budget_bytes;
              o.memory_tier.verify = verify_memory_tier;
+             o.reshard_whole_from_rank0 = reshard_whole_from_rank0;
              c10::intrusive_ptr<c10d::Store> s;
              if (!store.is_none()) s = store.cast<c10::intrusive_ptr<c10d::Store>>();
              py::gil_scoped_release nogil;
@@ -182,7 +183,7 @@ void bind_checkpoint(py::module_& m) {
            py::arg("recorder") = nullptr, py::arg("metadata") = std::map<std::string, std::string>{},
            py::arg("store") = py::none(), py::arg("read_only") = false, py::arg("peer_timeout_s") = 3.0,
            py::arg("memory_tier") = "", py::arg("job_id") = "", py::arg("memory_tier_budget_bytes") = 0,
-           py::arg("verify_memory_tier") = true,
+           py::arg("verify_memory_tier") = true, py::arg("reshard_whole_from_rank0") = false,
            py::keep_alive<1, 15>(),
            py::keep_alive<1, 17>())
       .def(

@@ -1071,7 +1071,7 @@ int load_threads(const CheckpointerOptions& opt) {
 Candidate check_reshard_candidate(const std::string& dir, int64_t step, int saved_world, bool verify, int threads,
                                   const NamedTensors& tensors,
                                   const std::function<void(const std::string&)>& validate_extra,
-                                  const std::vector<std::string>& read_prefixes) {
+                                  const std::vector<std::string>& read_prefixes, bool whole_from_rank0) {
   Candidate c;
   c.reshard = true;
   c.saved_world = saved_world;
@@ -1139,6 +1139,7 @@ Candidate check_reshard_candidate(const std::string& dir, int64_t step, int save
   // is refused rather than silently replaced by old rank 0's values). Steps saved before the digests
   // existed cannot prove it: they load as before, with a warning.
   std::vector<std::string> unproven;
+  std::vector<std::string> differing;  // taken from old rank 0 anyway (whole_from_rank0)
   auto check_replicated = [&](const std::string& name) {
     const std::string key = kWholeTensorDigestPrefix + name;
     std::optional<std::pair<size_t, std::string>> first;
@@ -1152,10 +1153,16 @@ Candidate check_reshard_candidate(const std::string& dir, int64_t step, int save
       if (!first) {
         first.emplace(r, d->second);
       } else if (d->second != first->second) {
-        problems.push_back(ettkit::detail::concat(
-            "'", name, "' was saved whole and differs between old ranks ", first->first, " and ", r,
-            ": per-rank state cannot be mapped onto another number of ranks (only a tensor every rank holds the "
-            "same, such as a DDP replica, can); save it as a DTensor or ShardedTensor, or keep it out of the checkpoint"));
+        if (whole_from_rank0) {
+          differing.push_back(name);
+        } else {
+          problems.push_back(ettkit::detail::concat(
+              "'", name, "' was saved whole and differs between old ranks ", first->first, " and ", r,
+              ": per-rank state cannot be mapped onto another number of ranks (only a tensor every rank holds the "
+              "same, such as a DDP replica, can); save it as a DTensor or ShardedTensor, keep it out of the "
+              "checkpoint, or, when old rank 0's copy is the right one (a DDP model's buffers with "
+              "broadcast_buffers), load with reshard_whole_from_rank0"));
+        }
         return;
       }
     }
@@ -1183,6 +1190,11 @@ Candidate check_reshard_candidate(const std::string& dir, int64_t step, int save
     }
   }
   if (!unexpected.empty()) problems.push_back("unexpected in the checkpoint (the state dict lacks them): " + quoted_list(unexpected));
+  if (!differing.empty() && problems.empty()) {
+    ETTKIT_LOG_WARN("checkpoint: step ", step, " was written by ", saved_world, " ranks whose copies of ",
+                    differing.size(), " tensor(s) saved whole differ (", quoted_list(differing),
+                    "); old rank 0's copy is used (reshard_whole_from_rank0)");
+  }
   if (!unproven.empty() && problems.empty()) {
     ETTKIT_LOG_WARN("checkpoint: step ", step, " was saved without per-tensor digests (by an older ettkit), so ",
                     unproven.size(), " tensor(s) saved whole (", quoted_list(unproven),
@@ -1271,7 +1283,7 @@ NamedTensors copy_resharded(const Candidate& c, const NamedTensors& tensors, int
 
 Candidate check_candidate(const std::string& dir, int64_t step, int rank, int world, bool verify, int threads,
                           const NamedTensors& tensors, const std::function<void(const std::string&)>& validate_extra,
-                          const std::vector<std::string>& read_prefixes) {
+                          const std::vector<std::string>& read_prefixes, bool whole_from_rank0 = false) {
   {
     // A step of another world size is loaded by resharding (its own rank's files may not even exist).
     int saved_world = 0;
@@ -1281,7 +1293,8 @@ Candidate check_candidate(const std::string& dir, int64_t step, int rank, int wo
     } catch (const Error&) {  // missing or bad: the checks below say which, as for any step
     }
     if (saved_world > 0 && saved_world != world) {
-      return check_reshard_candidate(dir, step, saved_world, verify, threads, tensors, validate_extra, read_prefixes);
+      return check_reshard_candidate(dir, step, saved_world, verify, threads, tensors, validate_extra, read_prefixes,
+                                     whole_from_rank0);
     }
   }
   Candidate c;
@@ -1546,7 +1559,8 @@ std::optional<LoadResult> AsyncCheckpointer::load_latest(const NamedTensors& ten
       if (std::find(out.skipped_steps.begin(), out.skipped_steps.end(), step) != out.skipped_steps.end()) continue;
       run_before_open_step_hook(step);
       Candidate c = check_candidate(im.opt.directory, step, im.rank, im.world, im.opt.verify_on_load,
-                                    load_threads(im.opt), tensors, validate_extra, read_prefixes);
+                                    load_threads(im.opt), tensors, validate_extra, read_prefixes,
+                                    im.opt.reshard_whole_from_rank0);
       auto [all, why] = vote("load/" + std::to_string(lseq) + "/" + std::to_string(step), c);
       if (all == Verdict::kMismatch) ETTKIT_THROW(InvalidArgument, why);
       if (all == Verdict::kVanished) {

@@ -303,6 +303,12 @@ struct ETTKIT_API CheckpointerOptions {
   /// tools that read a directory another job writes.
   bool read_only = false;
   MemoryTierOptions memory_tier;
+  /// A step written by another number of ranks gives every new rank one old rank's copy of each tensor
+  /// saved whole (no `@offsets`). When the copies differ between old ranks (the digests in their headers
+  /// say so), false refuses the load naming them (per-rank state has no right value at another world
+  /// size); true takes old rank 0's copy with a warning: right for state that rank 0 is the authority on,
+  /// such as the buffers of a DDP model with broadcast_buffers (synced from rank 0 at every forward).
+  bool reshard_whole_from_rank0 = false;
 };
 
 struct LoadResult {

@@ -218,6 +218,11 @@ class AsyncCheckpointer:
     lost restores from its partner (default ``ranks_per_host``: ``LOCAL_WORLD_SIZE``, set by torchrun). The
     bytes travel over a gloo process group this checkpointer creates on its own Store prefix.
 
+    A step written by another number of ranks is resharded (docs/checkpoint.md, "Elastic restore"): a tensor
+    saved whole is read from old rank 0's copy once the digests show every old rank saved the same bytes;
+    copies that differ are refused naming them, unless ``reshard_whole_from_rank0=True`` (old rank 0's copy,
+    with a warning: right for a DDP model's buffers, which DDP syncs from rank 0 at every forward).
+
     Rank 0 holds the directory's lock (``CKPT_DIR/.lock``) from here to :meth:`close`: a second checkpointer
     on the same directory, in another job or in this process, raises :class:`ettkit.CheckpointLockedError`
     naming the holder. ``read_only=True`` only loads: no lock, nothing removed, ``save()`` raises.
@@ -232,7 +237,8 @@ class AsyncCheckpointer:
                  unfenced_sync_max_bytes: int = 64 * 1024, read_only: bool = False, peer_timeout_s: float = 3.0,
                  memory_tier: Any = None, job_id: Optional[str] = None,
                  memory_tier_budget_bytes: Optional[int] = None, every_memory: Any = None,
-                 verify_memory_tier: bool = True, peer_replica: bool = False, ranks_per_host: Optional[int] = None):
+                 verify_memory_tier: bool = True, peer_replica: bool = False, ranks_per_host: Optional[int] = None,
+                 reshard_whole_from_rank0: bool = False):
         if on_busy not in ("wait", "skip", "error"):
             raise InvalidArgumentError(f"on_busy={on_busy!r} is not one of 'wait', 'skip', 'error'")
         if memory_budget_bytes is not None and memory_budget_bytes <= 0:
@@ -269,7 +275,8 @@ class AsyncCheckpointer:
             rank=rank, world_size=world, commit_timeout_s=float(commit_timeout_s), recorder=recorder,
             metadata={str(k): str(v) for k, v in (metadata or {}).items()}, store=store, read_only=bool(read_only),
             peer_timeout_s=float(peer_timeout_s), memory_tier=memory_root, job_id=str(job_id or ""),
-            memory_tier_budget_bytes=int(memory_tier_budget_bytes or 0), verify_memory_tier=bool(verify_memory_tier))
+            memory_tier_budget_bytes=int(memory_tier_budget_bytes or 0), verify_memory_tier=bool(verify_memory_tier),
+            reshard_whole_from_rank0=bool(reshard_whole_from_rank0))
         self.restored_from: Optional[str] = None
         # With a peer replica: the rank that gave this rank's memory step back at the last load_latest.
         self.restored_from_rank: Optional[int] = None

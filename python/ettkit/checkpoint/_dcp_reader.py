@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -76,8 +77,9 @@ class EttkitStorageReader(StorageReader):
     pickle for ettkit's own ``load_latest``. ettkit's checksums are not checked on this path (DCP has no
     place for them): ``AsyncCheckpointer.load_latest`` is the verified load."""
 
-    def __init__(self, checkpoint_id: Optional[str | os.PathLike] = None):
+    def __init__(self, checkpoint_id: Optional[str | os.PathLike] = None, *, whole_from_rank0: bool = False):
         super().__init__()
+        self._whole_from_rank0 = bool(whole_from_rank0)  # as AsyncCheckpointer's reshard_whole_from_rank0
         self._path: Optional[str] = None
         self._storage: dict = {}
         # Tensors saved whole whose copies differ between old ranks -> two ranks that disagree (refused when
@@ -151,14 +153,19 @@ class EttkitStorageReader(StorageReader):
 
     def prepare_local_plan(self, plan):
         asked = sorted({item.storage_index.fqn for item in plan.items} & self._per_rank.keys())
-        if asked:
+        if asked and self._whole_from_rank0:
+            warnings.warn(f"'{self._path}': {len(asked)} tensor(s) saved whole differ between old ranks "
+                          f"({asked[:12]}); old rank 0's copy is read (whole_from_rank0=True)", RuntimeWarning,
+                          stacklevel=2)
+        elif asked:
             key = asked[0]
             a, b = self._per_rank[key]
             raise InvalidArgumentError(
                 f"'{key}' was saved whole and differs between old ranks {a} and {b} of '{self._path}' "
                 f"({len(asked)} such tensor(s) asked for: {asked[:12]}): per-rank state cannot be read as one "
                 f"tensor (only a tensor every rank holds the same, such as a DDP replica, can); save it as a "
-                f"DTensor or ShardedTensor, or leave it out of the state dict given to dcp.load")
+                f"DTensor or ShardedTensor, leave it out of the state dict given to dcp.load, or, when old rank 0's "
+                f"copy is the right one (a DDP model's buffers), pass EttkitStorageReader(..., whole_from_rank0=True)")
         return plan
 
     def prepare_global_plan(self, plans):

@@ -310,6 +310,22 @@ TEST(Reshard, PerRankStateSavedWholeIsRefusedNotReplacedByOldRankZerosCopy) {
       EXPECT_TRUE(at::equal(t[2].second, at::zeros({2})));
     });
   }
+  // Told that old rank 0 is the authority (a DDP model's buffers): its copy, on every new rank.
+  {
+    ck::CheckpointerOptions o;
+    o.directory = dir;
+    o.use_current_recorder = false;
+    o.reshard_whole_from_rank0 = true;
+    ck::AsyncCheckpointer c(o);
+    auto [name, want] = rows(0, 10);
+    ck::NamedTensors t{{name, at::zeros_like(want)}, {"bias", at::zeros({3})}, {"noise", at::zeros({2})}};
+    auto got = c.load_latest(t);
+    ASSERT_TRUE(got);
+    EXPECT_EQ(got->saved_world_size, 2);
+    EXPECT_TRUE(at::equal(t[0].second, want));
+    EXPECT_TRUE(at::equal(t[2].second, at::full({2}, 1.0)));  // old rank 0's
+    c.close();
+  }
   // At the world size that saved it, each rank gets its own copy back, as always.
   ranks(dir, 2, [&](int r, ck::AsyncCheckpointer& c) {
     auto [name, want] = rows(5 * r, 5 * r + 5);
