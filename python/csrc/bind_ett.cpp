@@ -8,6 +8,7 @@
 #include "bindings.h"
 #include "ettkit/common/config.h"
 #include "ettkit/common/error.h"
+#include "ettkit/ett/badput.h"
 #include "ettkit/ett/cuda_timer.h"
 #include "ettkit/ett/interval.h"
 #include "ettkit/ett/recorder.h"
@@ -166,6 +167,16 @@ void bind_ett(py::module_& m) {
       },
       py::arg("blocking_s"), py::arg("mtbf_s"), py::arg("restart_s") = 0.0, py::arg("method") = "young");
   m.def("lambert_w0", &ett::lambert_w0, py::arg("z"));
+
+  // Google ml-goodput-measurement's category of a phase (include/ettkit/ett/badput.h), and all of them.
+  m.def(
+      "badput_category", [](const std::string& name) { return std::string(ett::badput_category(name)); },
+      py::arg("name"));
+  m.def("badput_categories", [] {
+    std::vector<std::string> out;
+    for (std::string_view c : ett::badput::kAll) out.emplace_back(c);
+    return out;
+  });
 
 #if ETTKIT_WITH_CUDA
   // GPU-side phase timing: start()/stop() record CUDA events on `stream` (a cudaStream_t as an int, e.g.

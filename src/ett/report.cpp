@@ -31,6 +31,7 @@
 #include "ett/open_recorders.h"
 #include "ett/process_info.h"
 #include "ettkit/common/error.h"
+#include "ettkit/ett/badput.h"
 #include "ettkit/ett/interval.h"
 #include "ettkit/ett/phases.h"
 
@@ -1056,7 +1057,18 @@ Analysis analyse(const LedgerSet& set, const std::string& run_dir, const ReportO
   json start_skew = json::array();
   for (const auto& [n, range] : start_range) start_skew.push_back(seconds(range.second - range.first));
 
-  // ---- 9. the document -----------------------------------------------------------------------------------
+  // ---- 9. badput in Google's categories (include/ettkit/ett/badput.h) ----------------------------------------
+  // Over the job timeline, so that the categories sum to E2E minus effective time, like the buckets.
+  std::map<std::string_view, int64_t> badput_us;
+  for (std::string_view c : badput::kAll) badput_us[c] = 0;
+  for (const auto& seg : job_timeline) {
+    if (seg.bucket == Bucket::kEffective) continue;
+    std::string_view c = badput_category(seg.name);
+    if (c == badput::kGoodput) c = badput::kOther;  // "training" while the job still recovered
+    badput_us[c] += seg.e - seg.b;
+  }
+
+  // ---- 10. the document -----------------------------------------------------------------------------------
   json phases = json::object(), phase_buckets = json::object(), substages = json::object();
   for (const auto& [name, us] : phase_us) {
     phases[name] = seconds(us);
@@ -1117,6 +1129,13 @@ Analysis analyse(const LedgerSet& set, const std::string& run_dir, const ReportO
   doc["mtbf_source"] = mtbf_source;
   doc["recommended_interval_s"] = opt(recommended);
   doc["recommendation"] = recommendation;
+  json badput_s = json::object(), badput_pct = json::object();
+  for (std::string_view c : badput::kAll) {
+    badput_s[std::string(c)] = seconds(badput_us[c]);
+    badput_pct[std::string(c)] = pct(badput_us[c]);
+  }
+  doc["badput"] = badput_s;
+  doc["badput_pct"] = badput_pct;
   doc["rank_skew"] = {{"phases", skew_phases}, {"attempt_start_skew_s", start_skew}};
   doc["ledger"] = {{"files", set.files},
                    {"records", set.records},
@@ -1177,6 +1196,7 @@ Analysis analyse(const LedgerSet& set, const std::string& run_dir, const ReportO
   for (const auto& v : ttr) out.summary.time_to_recover_s.push_back(v.get<double>());
   out.summary.recommended_interval_s = recommended;
   out.summary.mtbf_s = mtbf;
+  for (std::string_view c : badput::kAll) out.summary.badput_s.emplace_back(std::string(c), seconds(badput_us[c]));
   out.doc = std::move(doc);
   return out;
 }

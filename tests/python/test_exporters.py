@@ -76,6 +76,13 @@ def make_report(with_timeline: bool = True) -> dict:
         phase_buckets[name] = bucket if phase_buckets.get(name, bucket) == bucket else "mixed"
         bucket_s[bucket] += end - begin
     assert sum(phases.values()) == E2E_S
+    # The report's badput: the job segments' time by name in Google's categories (the C++ report's pass).
+    from ettkit.ett import BADPUT_CATEGORIES, badput_category
+
+    badput = dict.fromkeys(BADPUT_CATEGORIES, 0.0)
+    for _, name, bucket, begin, end in JOB_SEGMENTS:
+        if bucket != "effective":
+            badput[badput_category(name)] += end - begin
 
     delta, mtbf, restart = 60.0, float(E2E_S), 2040.0
     young = math.sqrt(2 * delta * mtbf)
@@ -88,7 +95,7 @@ def make_report(with_timeline: bool = True) -> dict:
         "ett_pct": 100 * bucket_s["effective"] / E2E_S, "idle_pct": 100 * bucket_s["idle"] / E2E_S,
         "failure_pct": 100 * bucket_s["failure"] / E2E_S,
         "unattributed_pct": 100 * bucket_s["unattributed"] / E2E_S,
-        "phases": phases, "phase_buckets": phase_buckets,
+        "phases": phases, "phase_buckets": phase_buckets, "badput": badput,
         "substages": {"launcher_init/process_group_init": 42.0, "launcher_init/device_init": 18.0},
         "attempts": [
             {"attempt": 0, "begin_us": _us(0), "end_us": _us(9920), "status": "killed", "exception_type": None,
@@ -259,6 +266,20 @@ def test_prometheus_values(report, tmp_path):
     assert samples[("ettkit_recommended_checkpoint_interval_seconds", ())] == pytest.approx(
         math.sqrt(2 * 60 * E2E_S))
     assert samples[("ettkit_attempts", ())] == 2
+    badput = {labels[0][1]: v for (name, labels), v in samples.items() if name == "ettkit_badput_seconds"}
+    assert badput == {
+        "INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION": 600 + 120 + 900,  # both queues and the teardown
+        "TPU_INITIALIZATION": 280 + 300,
+        "TRAINING_PREP": 180 + 180,
+        "PROGRAM_STARTUP": 300 + 300,
+        "DATA_LOADING_SYNC": 0,
+        "UNPRODUCTIVE_CHECKPOINT_SAVE_TIME": 180,
+        "UNPRODUCTIVE_CHECKPOINT_RESTORE_TIME": 240,
+        "WASTED_PROGRESS_FROM_DISRUPTION": 1200 + 1200,  # lost in flight, then re-trained
+        "CUSTOM_BADPUT_EVENTS": 0,
+        "OTHER": 20 + 60,  # unattributed and shutdown
+    }
+    assert sum(badput.values()) == E2E_S - 14000
     assert not any(name.endswith("_created") for name, _ in samples)
 
 

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ettkit/common/export.h"
@@ -46,6 +47,9 @@ struct ETTKIT_API ReportSummary {
   std::optional<double> recommended_interval_s;
   /// The MTBF the recommendation used (observed, or ReportOptions::mtbf_prior_s; JSON "mtbf_s").
   std::optional<double> mtbf_s;
+  /// Seconds of E2E in each of Google's badput categories (badput::kAll order; JSON "badput"). They sum to
+  /// E2E minus effective time.
+  std::vector<std::pair<std::string, double>> badput_s;
 };
 
 /// Builds the report and returns it as a JSON document (one object). Throws InvalidArgument when the run

@@ -23,6 +23,7 @@ or ``python -m ettkit report RUN_DIR [--json] [--trace F] [--prometheus F] [--pl
 from __future__ import annotations
 
 from .advisor import recommend_interval
+from .badput import BADPUT_CATEGORIES, badput_category
 from .recorder import Recorder, current, init, phase, step
 from .report import build_report
 
@@ -32,7 +33,9 @@ except ImportError:
     pass
 
 __all__ = [
+    "BADPUT_CATEGORIES",
     "Recorder",
+    "badput_category",
     "build_report",
     "current",
     "format_report",

@@ -103,6 +103,13 @@ class ReportCollector(Collector):
                 self._add(family, seconds, kind)
             yield family
 
+        badput = self._family(GaugeMetricFamily, "ettkit_badput_seconds",
+                              "Job time that was not effective training, in the badput categories of Google's "
+                              "ml-goodput-measurement (docs/ett.md, Badput categories).", ("category",))
+        for category, seconds in (r.get("badput") or {}).items():
+            self._add(badput, seconds, category)
+        yield badput
+
         skew = self._family(GaugeMetricFamily, "ettkit_phase_skew_seconds",
                             "Spread (max - min) of a phase's duration across ranks.", ("phase",))
         for name, stats in ((r.get("rank_skew") or {}).get("phases") or {}).items():

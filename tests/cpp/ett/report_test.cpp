@@ -321,6 +321,47 @@ TEST(Report, ACrashLoopRecoversAtTheFirstAttemptThatTrainsAgain) {
   EXPECT_NEAR(bucket_sum(r), 100.0, 1e-9);
 }
 
+// Badput in Google's categories: the job timeline's time by name (include/ettkit/ett/badput.h); the
+// categories sum to E2E minus effective time.
+TEST(Report, BadputCategoriesSumToTheTimeThatIsNotEffective) {
+  TempDir dir;
+  LedgerFile f(dir, 0);
+  f.attempt(0, 0)
+      .phase("device_init", 0, 1)
+      .phase("process_group_init", 1, 3)
+      .phase("get_first_batch_data", 3, 4)
+      .phase("compile", 4, 6)
+      .step(1, 6, 10)
+      .phase("eval", 10, 12)
+      .step(2, 12, 16)
+      .phase("checkpoint_blocking/memory", 16, 17)
+      .step(3, 16, 20)
+      .hb(21);  // killed: 20..21 is lost in flight
+  f.attempt(1, 24).phase("checkpoint_restore", 24, 26).step(3, 26, 28).step(4, 28, 30).end(30);
+  auto r = report(dir);
+  const json& b = r["badput"];
+  ASSERT_EQ(b.size(), 10u);
+  EXPECT_DOUBLE_EQ(b["TPU_INITIALIZATION"], 1.0);
+  EXPECT_DOUBLE_EQ(b["TRAINING_PREP"], 2.0);
+  EXPECT_DOUBLE_EQ(b["DATA_LOADING_SYNC"], 1.0);
+  EXPECT_DOUBLE_EQ(b["PROGRAM_STARTUP"], 2.0);
+  EXPECT_DOUBLE_EQ(b["CUSTOM_BADPUT_EVENTS"], 2.0);
+  EXPECT_DOUBLE_EQ(b["UNPRODUCTIVE_CHECKPOINT_SAVE_TIME"], 1.0);
+  EXPECT_DOUBLE_EQ(b["UNPRODUCTIVE_CHECKPOINT_RESTORE_TIME"], 2.0);
+  EXPECT_DOUBLE_EQ(b["WASTED_PROGRESS_FROM_DISRUPTION"], 1.0 + 2.0);  // lost 20..21, step 3 again 26..28
+  EXPECT_DOUBLE_EQ(b["INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION"], 3.0);  // 21..24
+  EXPECT_DOUBLE_EQ(b["OTHER"], 0.0);
+  double sum = 0;
+  for (const auto& [k, v] : b.items()) sum += v.get<double>();
+  EXPECT_DOUBLE_EQ(sum, r["e2e_s"].get<double>() - r["effective_s"].get<double>());
+  EXPECT_DOUBLE_EQ(r["effective_s"], 4.0 + 4.0 + 3.0 + 2.0);
+  EXPECT_NEAR(r["badput_pct"]["PROGRAM_STARTUP"].get<double>(), 100.0 * 2.0 / 30.0, 1e-9);
+  const auto summary = build_report(dir.str());
+  ASSERT_EQ(summary.badput_s.size(), 10u);
+  EXPECT_EQ(summary.badput_s.front().first, "TPU_INITIALIZATION");
+  EXPECT_DOUBLE_EQ(summary.badput_s.front().second, 1.0);
+}
+
 TEST(Report, SummaryMatchesTheJson) {
   TempDir dir;
   LedgerFile f(dir, 0);
