@@ -15,6 +15,7 @@
 
 #include "ettkit/common/export.h"
 #include "ettkit/ett/interval.h"
+#include "ettkit/ett/report_model.h"
 
 namespace ettkit::ett {
 
@@ -33,7 +34,7 @@ struct ETTKIT_API ReportOptions {
   std::string chrome_trace_path;
 };
 
-/// The headline numbers, for C++ trainers; the full report is the JSON.
+/// The headline numbers, for C++ trainers (Report::summary()); the full report is Report.
 struct ETTKIT_API ReportSummary {
   double e2e_s = 0;
   double ett_pct = 0;
@@ -52,7 +53,10 @@ struct ETTKIT_API ReportSummary {
   std::vector<std::pair<std::string, double>> badput_s;
 };
 
-/// Builds the report and returns it as a JSON document (one object). Throws InvalidArgument when the run
+/// Builds the typed report (report_model.h). Throws as build_report_json does.
+ETTKIT_API Report build_report_model(const std::string& run_dir, const ReportOptions& options = {});
+
+/// Builds the report and returns it as a JSON document (one object): to_json(build_report_model(...)). Throws InvalidArgument when the run
 /// directory is missing or holds no ledger, Unsupported for a ledger of a newer format version. Corrupt
 /// or torn lines are skipped and counted under "ledger".
 ETTKIT_API std::string build_report_json(const std::string& run_dir, const ReportOptions& options = {});
