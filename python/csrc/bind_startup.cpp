@@ -43,6 +43,7 @@ constexpr double kSignalPollS = 0.05;
 
 using startup::StageContext;
 using startup::StageGraph;
+using startup::StageRecord;
 using startup::StageReport;
 
 // True once the interpreter started to finalize: from then on a thread other than the finalizing one
@@ -113,30 +114,33 @@ startup::StageFn wrap(py::object fn, InterruptFlag interrupt) {
   };
 }
 
+// The record as the dict of StageReport.to_dict() (JSON-ready: the benchmarks write it).
+py::dict to_dict(const StageRecord& s) {
+  py::dict d;
+  d["name"] = s.name;
+  d["phase"] = s.phase;
+  d["after"] = py::tuple(py::cast(s.after));
+  d["runs_dynamo"] = s.runs_dynamo;
+  d["forks"] = s.forks;
+  d["collective_group"] = s.collective_group;
+  d["status"] = startup::to_string(s.status);
+  d["started"] = s.started;
+  d["begin_s"] = s.begin_s;
+  d["end_s"] = s.end_s;
+  d["duration_s"] = s.duration_s();
+  d["begin_epoch_us"] = s.begin_epoch_us;
+  d["end_epoch_us"] = s.end_epoch_us;
+  d["worker"] = s.worker;
+  d["error"] = s.error;
+  return d;
+}
+
 py::dict to_dict(const StageReport& r) {
   py::list stages;
-  for (const auto& s : r.stages) {
-    py::dict d;
-    d["name"] = s.name;
-    d["phase"] = s.phase;
-    d["after"] = s.after;
-    d["runs_dynamo"] = s.runs_dynamo;
-    d["forks"] = s.forks;
-    d["collective_group"] = s.collective_group;
-    d["status"] = startup::to_string(s.status);
-    d["started"] = s.started;
-    d["begin_s"] = s.begin_s;
-    d["end_s"] = s.end_s;
-    d["duration_s"] = s.duration_s();
-    d["begin_epoch_us"] = s.begin_epoch_us;
-    d["end_epoch_us"] = s.end_epoch_us;
-    d["worker"] = s.worker;
-    d["error"] = s.error;
-    stages.append(std::move(d));
-  }
+  for (const auto& s : r.stages) stages.append(to_dict(s));
   py::dict out;
   out["stages"] = stages;
-  out["critical_path"] = r.critical_path;
+  out["critical_path"] = py::tuple(py::cast(r.critical_path));
   out["critical_path_s"] = r.critical_path_s;
   out["serial_sum_s"] = r.serial_sum_s;
   out["makespan_s"] = r.makespan_s;
@@ -144,6 +148,53 @@ py::dict to_dict(const StageReport& r) {
   out["workers"] = r.workers;
   out["table"] = r.to_table();
   return out;
+}
+
+// StageRecord and StageReport as read-only Python classes over the C++ structs (no dict in between).
+void bind_stage_report(py::module_& m) {
+  py::class_<StageRecord>(m, "StageRecord",
+                          "One stage of a StageReport. Times are seconds from the start of run() and UTC epoch "
+                          "microseconds; both 0 for a stage that never started. Read-only.")
+      .def_readonly("name", &StageRecord::name)
+      .def_readonly("phase", &StageRecord::phase)
+      .def_property_readonly("after", [](const StageRecord& s) { return py::tuple(py::cast(s.after)); })
+      .def_readonly("runs_dynamo", &StageRecord::runs_dynamo)
+      .def_readonly("forks", &StageRecord::forks)
+      .def_readonly("collective_group", &StageRecord::collective_group)
+      .def_property_readonly("status", [](const StageRecord& s) { return std::string(startup::to_string(s.status)); },
+                             "succeeded | failed | cancelled | timed_out | not_run")
+      .def_readonly("started", &StageRecord::started)
+      .def_readonly("begin_s", &StageRecord::begin_s)
+      .def_readonly("end_s", &StageRecord::end_s)
+      .def_property_readonly("duration_s", &StageRecord::duration_s)
+      .def_readonly("begin_epoch_us", &StageRecord::begin_epoch_us)
+      .def_readonly("end_epoch_us", &StageRecord::end_epoch_us)
+      .def_readonly("worker", &StageRecord::worker, "worker thread index; -1: the calling thread (forking stages)")
+      .def_readonly("error", &StageRecord::error)
+      .def("to_dict", [](const StageRecord& s) { return to_dict(s); })
+      .def("__repr__", [](const StageRecord& s) {
+        return "StageRecord(name='" + s.name + "', status='" + startup::to_string(s.status) +
+               "', duration_s=" + std::to_string(s.duration_s()) + ")";
+      });
+  py::class_<StageReport>(m, "StageReport",
+                          "What a run achieved: per-stage records, the critical path and the time saved by "
+                          "overlapping. str() is the table. Read-only.")
+      .def_property_readonly(
+          "stages",
+          [](const StageReport& r) {
+            py::dict out;  // name -> StageRecord, in the order the stages were added
+            for (const auto& s : r.stages) out[py::str(s.name)] = py::cast(s);
+            return out;
+          })
+      .def_property_readonly("critical_path", [](const StageReport& r) { return py::tuple(py::cast(r.critical_path)); })
+      .def_readonly("critical_path_s", &StageReport::critical_path_s)
+      .def_readonly("serial_sum_s", &StageReport::serial_sum_s)
+      .def_readonly("makespan_s", &StageReport::makespan_s)
+      .def_readonly("saved_s", &StageReport::saved_s)
+      .def_readonly("workers", &StageReport::workers)
+      .def_property_readonly("table", &StageReport::to_table)
+      .def("to_dict", [](const StageReport& r) { return to_dict(r); })
+      .def("__str__", &StageReport::to_table);
 }
 
 // The Python-facing graph: owns the C++ graph and keeps the borrowed recorder alive.
@@ -220,6 +271,7 @@ class PyStageGraph {
 }  // namespace
 
 void bind_startup(py::module_& m) {
+  bind_stage_report(m);
   py::class_<PyStageGraph>(m, "StageGraph")
       .def(py::init<int, double, bool, py::object>(), py::kw_only(), py::arg("max_workers") = 4,
            py::arg("timeout_s") = 0.0, py::arg("fail_fast") = false, py::arg("recorder") = py::none())
@@ -245,8 +297,8 @@ void bind_startup(py::module_& m) {
           py::arg("timeout_s") = 0.0, py::arg("phase") = "")
       .def("validate", [](PyStageGraph& g) { g.graph().validate(); })
       .def("topological_order", [](PyStageGraph& g) { return g.graph().topological_order(); })
-      .def("run", [](PyStageGraph& g) { return to_dict(g.run()); })
-      .def("report", [](PyStageGraph& g) { return to_dict(g.graph().report()); })
+      .def("run", [](PyStageGraph& g) { return g.run(); })
+      .def("report", [](PyStageGraph& g) { return g.graph().report(); })
       .def(
           "join",
           [](PyStageGraph& g, double timeout_s) {

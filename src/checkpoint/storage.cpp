@@ -30,6 +30,7 @@
 
 #include "common/logging.h"
 #include "ettkit/common/clock.h"
+#include "ettkit/common/durable_file.h"
 #include "ettkit/common/error.h"
 
 namespace fs = std::filesystem;
@@ -957,16 +958,8 @@ int remove_stale_temporaries(const std::string& dir, const std::string& run_id) 
 }
 
 void update_latest(const std::string& dir, int64_t step) {
-  std::string tmp = dir + "/latest.tmp-" + random_id();
-  std::string text = step_dir_name(step) + "\n";
-  try {
-    write_file_durably(tmp, {ConstBuffer{text.data(), text.size()}});
-    if (::rename(tmp.c_str(), (dir + "/latest").c_str()) != 0) throw_errno("renaming latest pointer", tmp, errno);
-  } catch (...) {
-    ::unlink(tmp.c_str());
-    throw;
-  }
-  fsync_directory(dir);
+  // The temporary's name is what remove_stale_temporaries recognises as a dead writer's (latest.tmp-*).
+  replace_file_durably(dir + "/latest.tmp-" + random_id(), dir + "/latest", step_dir_name(step) + "\n");
 }
 
 void commit_step_directory(const std::string& dir, const std::string& tmp, int64_t step) {

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import types
@@ -216,7 +217,7 @@ def test_a_cache_written_by_one_process_is_hit_by_a_fresh_process(tmp_path):
 
 
 _KILLED_WRITER = r"""
-import os, signal, sys, types
+import os, resource, signal, sys, types
 from collections import defaultdict
 import torch
 from ettkit.startup import CompileCache
@@ -230,32 +231,40 @@ cache = CompileCache(sys.argv[1], fingerprint="model-v1")
 assert cache.save().written                      # a complete, valid file
 payload[0] = b"new-artifacts" * 100000           # then a second save dies half-way through its write
 info.artifacts["inductor"].append("k2")          # (a save writes only when the artifacts changed)
-real_open = open
-
-class Dying:
-    def __init__(self, f):
-        self.f = f
-    def __enter__(self):
-        return self
-    def __exit__(self, *exc):
-        return False
-    def write(self, data):
-        self.f.write(data[: len(data) // 2])
-        self.f.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
-
-cache_module.open = lambda path, mode="r", *a, **k: Dying(real_open(path, mode, *a, **k)) if "w" in mode else real_open(path, mode, *a, **k)
-cache.save()
+# The kernel kills the writer inside write(2) once the file reaches 600 KB (SIGXFSZ, whose default action
+# terminates the process; CPython ignores it unless told otherwise): the C++ writer is killed mid-write at
+# a deterministic point, before its fsync and rename, as kill -9 at that moment would. With "--survive" the
+# signal stays ignored and the write fails with EFBIG instead.
+if "--survive" not in sys.argv:
+    signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
+resource.setrlimit(resource.RLIMIT_FSIZE, (600_000, resource.RLIM_INFINITY))
+result = cache.save()
+print(result.written, result.reason)
 """
+
+
+def test_a_write_that_fails_half_way_warns_leaves_no_temporary_and_keeps_the_previous_file(fake, tmp_path):
+    directory = tmp_path / "ckpt" / "compile-cache"
+    proc = subprocess.run([sys.executable, "-c", _KILLED_WRITER, str(directory), "--survive"], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("False write failed:") and "File too large" in proc.stdout, proc.stdout
+    assert "could not write compile cache" in proc.stderr and ".tmp" in proc.stderr  # names the file
+    assert list(directory.glob(".*.tmp")) == []  # the C++ writer removed its temporary
+    cache = _cache(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cache.load().hit
+    assert fake.loaded == [b"old-artifacts" * 1000]
 
 
 def test_a_writer_killed_mid_write_leaves_the_previous_file_and_its_temporary_is_cleaned_up(fake, tmp_path):
     directory = tmp_path / "ckpt" / "compile-cache"
     proc = subprocess.run([sys.executable, "-c", _KILLED_WRITER, str(directory)], capture_output=True, text=True,
                           timeout=300)
-    assert proc.returncode == -9, proc.stderr[-3000:]
+    assert proc.returncode == -signal.SIGXFSZ, proc.stderr[-3000:]
     temporaries = list(directory.glob(".*.tmp"))
-    assert len(temporaries) == 1 and temporaries[0].stat().st_size > 0  # the half-written new file
+    assert len(temporaries) == 1 and temporaries[0].stat().st_size == 600_000  # the half-written new file
     # The next start loads the complete previous file: the rename never happened.
     cache = _cache(tmp_path)
     with warnings.catch_warnings():

@@ -54,13 +54,16 @@ from typing import Any
 
 import torch
 
+from .. import _C
 from .warm import compile_counters, counter_delta
 
 __all__ = ["CacheLoadResult", "CacheSaveResult", "CompileCache", "CompileCacheWarning", "compile_fingerprint"]
 
 _MAGIC = b"ETTKMEGA"
 _PRECOMPILED_MAGIC = b"ETTKPREC"
-_FORMAT = 1
+# 2: the body's checksum is XXH3-64 (body_xxh3), as in every ettkit file format; format 1's SHA-256 files
+# read as a miss ("unsupported header") and are rewritten by the next save.
+_FORMAT = 2
 _HEADER = struct.Struct("<8sI")  # magic, header JSON length; then the JSON, then the payload
 
 
@@ -435,8 +438,8 @@ class CompileCache:
             raise ValueError(
                 f"body is {len(body)} bytes, the header says {header.get('body_bytes')} (truncated write?)"
             )
-        if hashlib.sha256(body).hexdigest() != header.get("body_sha256"):
-            raise ValueError("body checksum mismatch")
+        if _C.xxh3_hex(body) != header.get("body_xxh3"):
+            raise ValueError("body checksum mismatch (XXH3-64)")
         kernels = header.get("kernels", [])
         mega = header.get(first_section)
         if not isinstance(mega, int) or not isinstance(kernels, list) or mega < 0:
@@ -521,7 +524,7 @@ class CompileCache:
             first_section: len(first),
             "kernels": [{"path": rel, "bytes": len(data)} for rel, data in blobs],
             "body_bytes": len(body),
-            "body_sha256": hashlib.sha256(body).hexdigest(),
+            "body_xxh3": _C.xxh3_hex(body),
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             **extra,
         }
@@ -529,23 +532,13 @@ class CompileCache:
         return _HEADER.pack(magic, len(header_bytes)) + header_bytes + body, body
 
     def _write_atomic(self, data: bytes, path: Path | None = None) -> None:
+        """The project's one atomic write (C++ ``ettkit::replace_file_durably``: temporary file, fsync,
+        rename, fsync of the directory). Raises OSError (ettkit's IoError) naming the file."""
         path = path or self.path
         self.dir.mkdir(parents=True, exist_ok=True)
+        # The temporary's name is what _remove_stale_temporaries recognises as a dead writer's.
         tmp = self.dir / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        fd = os.open(self.dir, os.O_RDONLY)
-        try:
-            os.fsync(fd)  # make the rename itself durable
-        finally:
-            os.close(fd)
+        _C.replace_file_durably(str(tmp), str(path), data)
         self._remove_stale_temporaries(path)
 
     def _remove_stale_temporaries(self, path: Path) -> None:

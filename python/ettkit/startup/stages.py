@@ -39,65 +39,17 @@ from ..ett import recorder as _ett_recorder
 _CURRENT = "current"
 
 
-@dataclasses.dataclass(frozen=True)
-class StageRecord:
-    """One stage of a :class:`StageReport`. Times are seconds from the start of ``run()``."""
+#: One stage of a :class:`StageReport` (bound from C++ ``startup::StageRecord``; read-only): ``name``,
+#: ``phase``, ``status`` (succeeded | failed | cancelled | timed_out | not_run), ``started``, ``begin_s``,
+#: ``end_s``, ``duration_s`` (seconds from the start of ``run()``), ``begin_epoch_us``, ``end_epoch_us``,
+#: ``worker`` (-1: the calling thread), ``error``, ``after``, ``runs_dynamo``, ``forks``,
+#: ``collective_group``; ``to_dict()``.
+StageRecord = _C.startup.StageRecord
 
-    name: str
-    phase: str
-    status: str  # succeeded | failed | cancelled | timed_out | not_run
-    started: bool
-    begin_s: float
-    end_s: float
-    duration_s: float
-    begin_epoch_us: int
-    end_epoch_us: int
-    worker: int  # -1: the calling thread (forking stages)
-    error: str
-    after: tuple
-    runs_dynamo: bool
-    forks: bool
-    collective_group: str
-
-
-@dataclasses.dataclass(frozen=True)
-class StageReport:
-    """What a run achieved: per-stage records, the critical path and the time saved by overlapping."""
-
-    stages: dict  # name -> StageRecord, in the order the stages were added
-    critical_path: tuple
-    critical_path_s: float
-    serial_sum_s: float
-    makespan_s: float
-    saved_s: float
-    workers: int
-    table: str
-
-    @classmethod
-    def from_dict(cls, d: dict) -> StageReport:
-        stages = {}
-        for s in d["stages"]:
-            fields = dict(s)
-            fields["after"] = tuple(fields["after"])
-            stages[s["name"]] = StageRecord(**fields)
-        return cls(
-            stages=stages,
-            critical_path=tuple(d["critical_path"]),
-            critical_path_s=d["critical_path_s"],
-            serial_sum_s=d["serial_sum_s"],
-            makespan_s=d["makespan_s"],
-            saved_s=d["saved_s"],
-            workers=d["workers"],
-            table=d["table"],
-        )
-
-    def to_dict(self) -> dict:
-        out = dataclasses.asdict(self)
-        out["stages"] = [dataclasses.asdict(s) for s in self.stages.values()]
-        return out
-
-    def __str__(self) -> str:
-        return self.table
+#: What a run achieved (bound from C++ ``startup::StageReport``; read-only): ``stages`` (name ->
+#: :data:`StageRecord`, in the order the stages were added), ``critical_path``, ``critical_path_s``,
+#: ``serial_sum_s``, ``makespan_s``, ``saved_s``, ``workers``, ``table`` (also ``str()``), ``to_dict()``.
+StageReport = _C.startup.StageReport
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,7 +223,7 @@ class StageGraph:
         try:
             raw = self._graph.run()
         except errors.StageError as exc:
-            self.report = StageReport.from_dict(self._graph.report())
+            self.report = self._graph.report()
             cause = self._state.errors.get(exc.stage)
             err = errors.StageError(str(exc))
             err.stage = exc.stage
@@ -279,10 +231,10 @@ class StageGraph:
         except KeyboardInterrupt:
             # Ctrl-C while the graph ran (or a stage raised KeyboardInterrupt): nothing more starts and the
             # running stages were asked to cancel; they keep their threads until they return (join()).
-            self.report = StageReport.from_dict(self._graph.report())
+            self.report = self._graph.report()
             raise
         except errors.TimeoutError as exc:
-            self.report = StageReport.from_dict(self._graph.report())
+            self.report = self._graph.report()
             running = [s.name for s in self.report.stages.values() if s.status == "timed_out"]
             stacks = _thread_stacks()
             raise errors.TimeoutError(
@@ -290,7 +242,7 @@ class StageGraph:
             ) from None
         finally:
             self._state.contexts = {}
-        self.report = StageReport.from_dict(raw)
+        self.report = raw
         return self.report
 
     def join(self, timeout_s: float | None = None) -> bool:

@@ -374,6 +374,31 @@ TEST(Report, SummaryMatchesTheJson) {
   EXPECT_DOUBLE_EQ(summary.time_to_start_s[0], 5.0);
 }
 
+// The typed model is what the JSON serializes: the same figures, with the model's own types.
+TEST(Report, TheTypedModelIsWhatTheJsonSays) {
+  TempDir dir;
+  LedgerFile f(dir, 0);
+  f.attempt(0, 0).phase("compile", 0, 5).step(1, 5, 10).phase("checkpoint_blocking", 10, 11).step(2, 10, 20).hb(21);
+  f.attempt(1, 25).phase("checkpoint_restore/memory", 25, 26).step(2, 26, 30).step(3, 30, 35).end(35);
+  const Report model = build_report_model(dir.str());
+  const json j = report(dir);
+  EXPECT_EQ(model.e2e_s(), j["e2e_s"].get<double>());
+  EXPECT_EQ(model.ett_pct(), j["ett_pct"].get<double>());
+  ASSERT_EQ(model.recoveries.size(), 1u);
+  EXPECT_EQ(model.recoveries[0].restored_from, CheckpointTier::kMemory);
+  EXPECT_EQ(j["recoveries"][0]["restored_from"], "memory");
+  EXPECT_EQ(model.recoveries[0].total_s, j["time_to_recover_s"][0].get<double>());
+  EXPECT_EQ(model.phases.at("compile").bucket, Bucket::kIdle);
+  EXPECT_EQ(model.checkpoints.disk.count, j["checkpoints"]["count"].get<int>());
+  ASSERT_TRUE(model.checkpoints.memory.has_value());
+  EXPECT_EQ(model.checkpoints.memory->restores, 1);
+  EXPECT_EQ(model.steps.retrained, 1);
+  EXPECT_EQ(model.mtbf_source, j["mtbf_source"].get<std::string>());
+  EXPECT_TRUE(model.has_timeline);
+  EXPECT_EQ(model.job_timeline.size(), j["job_timeline"].size());
+  EXPECT_EQ(to_json(model), build_report_json(dir.str()));
+}
+
 // A live trainer reporting on its own run: the Recorder is still open, so the attempt has no end record.
 TEST(Report, AnOpenRunIsReportedAsRunning) {
   TempDir dir;
