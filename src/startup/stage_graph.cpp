@@ -14,12 +14,12 @@
 #include <limits>
 #include <mutex>
 #include <optional>
-#include <queue>
 #include <thread>
 #include <unordered_map>
 
 #include "common/describe.h"
 #include "common/logging.h"
+#include "startup/stage_dag.h"
 #include "ettkit/common/clock.h"
 #include "ettkit/ett/phases.h"
 #include "ettkit/ett/recorder.h"
@@ -186,67 +186,19 @@ class StageGraph::Impl : public std::enable_shared_from_this<StageGraph::Impl> {
     return preds;
   }
 
-  // Kahn's algorithm with the smallest add() index first among ready stages: deterministic, so every
-  // rank computes the same order (collective groups rely on it). Returns fewer than n on a cycle.
-  static std::vector<size_t> topo(const std::vector<std::vector<size_t>>& preds) {
-    size_t n = preds.size();
-    std::vector<size_t> indeg(n, 0);
-    std::vector<std::vector<size_t>> succs(n);
-    for (size_t i = 0; i < n; ++i) {
-      indeg[i] = preds[i].size();
-      for (size_t p : preds[i]) succs[p].push_back(i);
-    }
-    std::priority_queue<size_t, std::vector<size_t>, std::greater<>> ready;
-    for (size_t i = 0; i < n; ++i) {
-      if (indeg[i] == 0) ready.push(i);
-    }
-    std::vector<size_t> order;
-    while (!ready.empty()) {
-      size_t i = ready.top();
-      ready.pop();
-      order.push_back(i);
-      for (size_t s : succs[i]) {
-        if (--indeg[s] == 0) ready.push(s);
-      }
-    }
-    return order;
-  }
-
-  std::string find_cycle(const std::vector<std::vector<size_t>>& preds) const {
-    // Depth-first search along dependencies; a back edge closes a cycle, printed in dependency order.
-    size_t n = preds.size();
-    std::vector<int> color(n, 0);  // 0 new, 1 on stack, 2 done
-    std::vector<size_t> stack;
-    std::string found;
-    std::function<bool(size_t)> dfs = [&](size_t v) {
-      color[v] = 1;
-      stack.push_back(v);
-      for (size_t p : preds[v]) {
-        if (color[p] == 1) {
-          auto start = std::find(stack.begin(), stack.end(), p);
-          // stack holds v's chain of dependents; print as "p -> ... -> v -> p" (x -> y: y needs x).
-          std::vector<size_t> cyc(start, stack.end());
-          for (size_t k = 0; k < cyc.size(); ++k) found += stages_[cyc[k]].name + " <- ";
-          found += stages_[p].name;
-          return true;
-        }
-        if (color[p] == 0 && dfs(p)) return true;
-      }
-      stack.pop_back();
-      color[v] = 2;
-      return false;
-    };
-    for (size_t i = 0; i < n && found.empty(); ++i) {
-      if (color[i] == 0) dfs(i);
-    }
-    return found;
+  // "a <- b <- ... <- a" (x <- y: x needs y) for a cycle of the explicit dependencies.
+  std::string describe_cycle(const std::vector<std::vector<size_t>>& preds) const {
+    const std::vector<size_t> cycle = detail::find_cycle(preds);
+    std::string out;
+    for (size_t i : cycle) out += stages_[i].name + " <- ";
+    return cycle.empty() ? out : out + stages_[cycle.front()].name;
   }
 
   void validate() const {
     auto preds = explicit_preds();
-    auto order = topo(preds);
+    auto order = detail::topological_order(preds);
     if (order.size() != stages_.size()) {
-      ETTKIT_THROW(InvalidArgument, "start-up stages form a cycle (a <- b: a needs b): ", find_cycle(preds),
+      ETTKIT_THROW(InvalidArgument, "start-up stages form a cycle (a <- b: a needs b): ", describe_cycle(preds),
                    "; remove one of these dependencies");
     }
     for (size_t i = 0; i < stages_.size(); ++i) {
@@ -261,7 +213,7 @@ class StageGraph::Impl : public std::enable_shared_from_this<StageGraph::Impl> {
   }
 
   std::vector<std::string> topological_order() const {
-    auto order = topo(explicit_preds());
+    auto order = detail::topological_order(explicit_preds());
     std::vector<std::string> names;
     for (size_t i : order) names.push_back(stages_[i].name);
     return names;
@@ -707,7 +659,7 @@ StageReport StageGraph::Impl::run(const InterruptCheck& interrupted, double poll
   size_t n = stages_.size();
 
   explicit_ = explicit_preds();
-  order_ = topo(explicit_);
+  order_ = detail::topological_order(explicit_);
   implicit_.assign(n, kNone);
   {
     std::unordered_map<std::string, size_t> last_of_group;

@@ -2,11 +2,11 @@
 // dependencies, weighted by measured durations), and the plain-text table.
 #include <algorithm>
 #include <cstdio>
-#include <queue>
 #include <string>
 #include <vector>
 
 #include "ettkit/startup/stage_graph.h"
+#include "startup/stage_dag.h"
 
 namespace ettkit::startup {
 
@@ -34,32 +34,18 @@ void summarize(StageReport& report, const std::vector<std::pair<size_t, size_t>>
   report.makespan_s = any ? last - first : 0.0;
   report.saved_s = report.serial_sum_s - report.makespan_s;
 
-  // Longest path in the DAG: process stages in topological order, best[i] = d[i] + max over preds.
+  // Longest path in the DAG: stages in topological order, best[i] = d[i] + the best of its preds.
   std::vector<std::vector<size_t>> preds(n);
-  std::vector<std::vector<size_t>> succs(n);
-  std::vector<size_t> indeg(n, 0);
   for (const auto& [a, b] : edges) {
-    if (a >= n || b >= n) continue;
-    preds[b].push_back(a);
-    succs[a].push_back(b);
-    ++indeg[b];
-  }
-  std::queue<size_t> ready;
-  for (size_t i = 0; i < n; ++i) {
-    if (indeg[i] == 0) ready.push(i);
+    if (a < n && b < n) preds[b].push_back(a);
   }
   std::vector<double> best(n, 0.0);
   std::vector<size_t> via(n, n);
-  while (!ready.empty()) {
-    size_t i = ready.front();
-    ready.pop();
+  for (size_t i : detail::topological_order(preds)) {
     for (size_t p : preds[i]) {
       if (via[i] == n || best[p] > best[via[i]]) via[i] = p;
     }
     best[i] = (via[i] == n ? 0.0 : best[via[i]]) + st[i].duration_s();
-    for (size_t s : succs[i]) {
-      if (--indeg[s] == 0) ready.push(s);
-    }
   }
   report.critical_path.clear();
   report.critical_path_s = 0.0;
