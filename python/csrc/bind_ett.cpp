@@ -11,6 +11,7 @@
 #include "ettkit/ett/badput.h"
 #include "ettkit/ett/cuda_timer.h"
 #include "ettkit/ett/interval.h"
+#include "ettkit/ett/phases.h"
 #include "ettkit/ett/recorder.h"
 #include "ettkit/ett/report.h"
 
@@ -167,6 +168,10 @@ void bind_ett(py::module_& m) {
       },
       py::arg("blocking_s"), py::arg("mtbf_s"), py::arg("restart_s") = 0.0, py::arg("method") = "young");
   m.def("lambert_w0", &ett::lambert_w0, py::arg("z"));
+
+  m.def(
+      "top_level_phase", [](const std::string& name) { return ett::top_level_phase(name); }, py::arg("name"),
+      "The top-level phase a name rolls up into (include/ettkit/ett/phases.h).");
 
   // Google ml-goodput-measurement's category of a phase (include/ettkit/ett/badput.h), and all of them.
   m.def(

@@ -63,6 +63,58 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fleet(args: argparse.Namespace) -> int:
+    """``ettkit fleet``: exit 0 when at least one job was read (unreadable ones are listed), 2 when none was."""
+    from . import errors
+    from .ett.fleet import find_run_dirs, fleet_report, format_fleet, write_fleet_plot
+
+    if args.top < 1:
+        print(f"ettkit fleet: error: --top {args.top} must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        fleet = fleet_report(find_run_dirs(args.dirs, args.glob), include_initial_queue=args.include_initial_queue)
+    except (errors.Error, OSError) as e:
+        print(f"ettkit fleet: error: {e}", file=sys.stderr)
+        return 2
+    if args.plot and fleet["jobs_read"]:
+        try:
+            write_fleet_plot(fleet, args.plot)
+        except OSError as e:
+            print(f"ettkit fleet: error: --plot {args.plot}: {e}", file=sys.stderr)
+            return 2
+    if args.json:
+        json.dump(fleet, sys.stdout, indent=2, sort_keys=True)
+        sys.stdout.write("\n")
+    else:
+        print(format_fleet(fleet, top=args.top), end="")
+    if not fleet["jobs_read"]:
+        print(f"ettkit fleet: error: none of the {fleet['jobs_total']} run directories could be read "
+              "(reasons above)" + (", so no plot was written" if args.plot else ""), file=sys.stderr)
+        return 2
+    return 0
+
+
+def _project(args: argparse.Namespace) -> int:
+    """``ettkit project``: exit 0, or 2 when the run cannot be reported or an argument is out of range."""
+    from . import errors
+    from .ett import build_report
+    from .ett.projection import format_projection, project
+
+    try:
+        report = build_report(args.run_dir, include_timeline=False)
+        p = project(report, days=args.days, failures_per_day=args.failures_per_day, mtbf_h=args.mtbf_hours,
+                    failures_per_1000_per_day=args.failures_per_1000_per_day, world_size=args.world_size)
+    except (errors.Error, OSError, ValueError) as e:
+        print(f"ettkit project: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        json.dump(p, sys.stdout, indent=2, sort_keys=True)
+        sys.stdout.write("\n")
+    else:
+        print(format_projection(p, args.run_dir), end="")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the command line; returns the exit status (see the module docstring)."""
     try:
@@ -101,9 +153,42 @@ def _main(argv: list[str] | None) -> int:
                      help="MTBF to assume when the ledger shows no failure")
     rep.add_argument("--method", default="young", choices=["young", "daly", "daly_series", "daly_exact"],
                      help="checkpoint-interval formula of the recommendation")
+    fl = sub.add_parser("fleet", help="ETT over many run directories, weighted by accelerator-hours")
+    fl.add_argument("dirs", nargs="+", metavar="DIR",
+                    help="run directories (with --glob: parent directories whose matching sub-directories are runs)")
+    fl.add_argument("--glob", metavar="PATTERN", help="take the sub-directories of each DIR matching PATTERN")
+    fl.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    fl.add_argument("--plot", metavar="FILE.png", help="write stacked bars per job and for the fleet")
+    fl.add_argument("--top", type=int, default=5, metavar="N", help="causes listed per bucket in the table")
+    fl.add_argument("--include-initial-queue", action="store_true",
+                    help="count each job's attempt-0 scheduling (queue) time in its E2E")
+    pr = sub.add_parser("project", help="projected ETT%% of a long job from a measured run's costs")
+    pr.add_argument("run_dir", help="the measured run (its ett/rank-<r>.jsonl ledgers)")
+    pr.add_argument("--days", type=float, default=30.0, help="wall-clock length of the projected job (default 30)")
+    rate = pr.add_mutually_exclusive_group(required=True)
+    rate.add_argument("--failures-per-day", type=float, metavar="N", help="the job's failures per day")
+    rate.add_argument("--mtbf-hours", type=float, metavar="H", help="the job's mean time between failures")
+    rate.add_argument("--failures-per-1000-per-day", type=float, metavar="N",
+                      help="failures per 1,000 devices per day (the job's rate scales with --world-size)")
+    pr.add_argument("--world-size", type=int, metavar="N", help="devices of the projected job (default: the run's)")
+    pr.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    srv = sub.add_parser("serve", help="serve the run's live ETT figures over HTTP, in the Prometheus format")
+    srv.add_argument("run_dir", help="the directory given to ettkit.ett.Recorder (holds ett/rank-<r>.jsonl)")
+    srv.add_argument("--port", type=int, required=True, help="TCP port to listen on (0: any free port, printed)")
+    srv.add_argument("--host", default="127.0.0.1",
+                     help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
+    srv.add_argument("--job", help="job label for every metric")
     args = parser.parse_args(argv)
+    if args.command == "serve":
+        from .ett.live import serve_command
+
+        return serve_command(args)
     if args.command == "report":
         return _report(args)
+    if args.command == "fleet":
+        return _fleet(args)
+    if args.command == "project":
+        return _project(args)
     return 2  # unreachable: argparse requires a command
 
 

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from .advisor import recommend_interval
 from .badput import BADPUT_CATEGORIES, badput_category
+from .fleet import fleet_report, format_fleet
+from .projection import format_projection, project
 from .recorder import Recorder, current, init, phase, step
 from .report import build_report
 
@@ -38,10 +40,15 @@ __all__ = [
     "badput_category",
     "build_report",
     "current",
+    "fleet_report",
+    "format_fleet",
+    "format_projection",
     "format_report",
     "init",
     "phase",
+    "project",
     "recommend_interval",
+    "serve_metrics",
     "step",
 ]
 
@@ -51,3 +58,12 @@ def format_report(report: dict) -> str:
     from .table import format_report as _format
 
     return _format(report)
+
+
+def serve_metrics(port: int, run_dir=None, **options):
+    """Serves the job's live ETT figures in the Prometheus format on rank 0 (None elsewhere); see
+    :func:`ettkit.ett.live.serve_metrics`. Needs prometheus-client (``pip install 'ettkit[report]'``), imported
+    only here so that recording does not."""
+    from .live import serve_metrics as _serve
+
+    return _serve(port, run_dir, **options)
