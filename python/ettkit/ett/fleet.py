@@ -367,7 +367,7 @@ def write_fleet_plot(fleet: dict, path: str | os.PathLike, max_jobs: int = 40) -
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
-    from .plot import COLORS
+    from .plot import COLORS, save_figure
 
     if max_jobs < 1:
         raise errors.InvalidArgumentError(f"max_jobs={max_jobs!r} must be at least 1")
@@ -402,13 +402,4 @@ def write_fleet_plot(fleet: dict, path: str | os.PathLike, max_jobs: int = 40) -
     ax.set_title(title, fontsize=9, loc="left")
     fig.legend(handles=[Patch(color=COLORS[b], label=b) for b in BUCKETS], loc="outside right upper",
                fontsize=8, frameon=False)
-    path = os.path.abspath(os.fspath(path))
-    fmt = os.path.splitext(path)[1].lstrip(".").lower() or "png"
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{os.getpid()}.tmp")
-    try:
-        fig.savefig(tmp, format=fmt, dpi=100)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    save_figure(fig, path, dpi=100)

@@ -25,41 +25,28 @@ from typing import Optional
 try:
     from prometheus_client import CollectorRegistry, start_http_server
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-    from prometheus_client.registry import Collector
 except ImportError as e:  # an optional dependency (the "report" extra), like the file exporter's
     raise ImportError("ettkit's live metrics need prometheus-client: pip install 'ettkit[report]' "
                       "(or pip install prometheus-client)") from e
 
 from ..errors import InvalidArgumentError
 from .live_ledger import LiveLedger
+from .prometheus import JobCollector
 
 logger = logging.getLogger("ettkit")
 
 
-class LiveCollector(Collector):
+class LiveCollector(JobCollector):
     """A prometheus_client collector that refreshes a :class:`LiveLedger` on every scrape and yields its
     figures (docs/ett.md, "Live metrics", lists the families). Refreshes are serialised by a lock, so
     concurrent scrapes are safe; values a ledger does not have yet are left out, as in
     :mod:`ettkit.ett.prometheus`. Metric names are the file exporter's where both have a figure."""
 
     def __init__(self, ledger: LiveLedger, job: Optional[str] = None) -> None:
+        super().__init__(job)
         self.ledger = ledger
         self.lock = threading.Lock()
-        self._job = job
         self.last_refresh_s: Optional[float] = None
-
-    def _family(self, cls, name: str, doc: str, labels: tuple[str, ...] = ()) -> Metric:
-        return cls(name, doc, labels=[*labels, *(("job",) if self._job is not None else ())])
-
-    def _add(self, family: Metric, value, *labels: str) -> None:
-        if value is None:
-            return
-        family.add_metric([*labels, *((self._job,) if self._job is not None else ())], float(value))
-
-    def _gauge(self, name: str, doc: str, value) -> Metric:
-        family = self._family(GaugeMetricFamily, name, doc)
-        self._add(family, value)
-        return family
 
     def collect(self) -> Iterator[Metric]:
         with self.lock:

@@ -194,13 +194,18 @@ def figure(reports: dict | Sequence[dict]) -> Figure:
 
 def write_plot(reports: dict | Sequence[dict], path: str | os.PathLike) -> None:
     """Draws one report, or several on one shared time axis, and writes the image to `path` atomically."""
-    fig = figure(reports)
+    save_figure(figure(reports), path, dpi=110)
+
+
+def save_figure(fig, path: str | os.PathLike, dpi: int) -> None:
+    """Writes `fig` to `path` atomically (a temporary file, then a rename), in the format of its extension
+    (PNG without one): a reader never sees half an image."""
     path = os.path.abspath(os.fspath(path))
     fmt = os.path.splitext(path)[1].lstrip(".").lower() or "png"
     tmp = os.path.join(os.path.dirname(path),
                        f".{os.path.basename(path)}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
-        fig.savefig(tmp, format=fmt, dpi=110)
+        fig.savefig(tmp, format=fmt, dpi=dpi)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -20,11 +20,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 
-class ReportCollector(Collector):
-    """Yields the metrics of one report dict; values the report lacks (None) are left out."""
+class JobCollector(Collector):
+    """What the report's and the live endpoint's collectors share: metric families with an optional `job`
+    label on every sample, and values that are None (not known yet) left out."""
 
-    def __init__(self, report: dict, job: str | None = None) -> None:
-        self._report = report
+    def __init__(self, job: str | None = None) -> None:
         self._job = job
 
     def _family(self, cls, name: str, doc: str, labels: tuple[str, ...] = ()) -> Metric:
@@ -37,10 +37,21 @@ class ReportCollector(Collector):
         extra = (self._job,) if self._job is not None else ()
         family.add_metric([*labels, *extra], float(value))
 
-    def _scalar(self, name: str, doc: str, value: float | None) -> Iterator[Metric]:
+    def _gauge(self, name: str, doc: str, value: float | None) -> Metric:
         family = self._family(GaugeMetricFamily, name, doc)
         self._add(family, value)
-        yield family
+        return family
+
+
+class ReportCollector(JobCollector):
+    """Yields the metrics of one report dict; values the report lacks (None) are left out."""
+
+    def __init__(self, report: dict, job: str | None = None) -> None:
+        super().__init__(job)
+        self._report = report
+
+    def _scalar(self, name: str, doc: str, value: float | None) -> Iterator[Metric]:
+        yield self._gauge(name, doc, value)
 
     def collect(self) -> Iterator[Metric]:
         # A family without samples would only add HELP/TYPE noise to the file.
