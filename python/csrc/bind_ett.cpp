@@ -117,6 +117,9 @@ void bind_ett(py::module_& m) {
           },
           py::arg("name"), py::arg("begin_us"), py::arg("end_us"), py::arg("step") = -1)
       .def("set_config", &Recorder::set_config, py::arg("key"), py::arg("value"))
+      .def("set_note", &Recorder::set_note, py::arg("key"), py::arg("value"),
+           "Records a text fact about this attempt; the report lists it under attempts[].notes.")
+      .def_property_readonly_static("MAX_NOTE_BYTES", [](py::object) { return Recorder::kMaxNoteBytes; })
       .def(
           "record_launcher_phases",
           [](Recorder& r, const std::string& json) { r.record_launcher_phases_json(json, "launcher phases"); },

@@ -155,6 +155,11 @@ RecordOutcome read_record(const Record& rec, std::string_view type, int rank, co
     auto value = rec.number("value");
     if (!key || !value) throw CorruptRecord("'key' or 'value' is missing or of the wrong type");
     a.config[std::string(*key)] = *value;
+  } else if (type == "note") {
+    auto key = rec.string("key");
+    auto value = rec.string("value");
+    if (!key || !value) throw CorruptRecord("'key' or 'value' is missing or not a string");
+    a.notes[std::string(*key)] = std::string(*value);
   } else if (type == "dropped") {
     a.dropped = static_cast<uint64_t>(req_int(rec, "n"));
   } else if (type == "end") {

@@ -36,6 +36,7 @@ struct AttemptLedger {
   std::vector<StepRecord> steps;
   std::vector<PhaseRecord> background;
   std::map<std::string, double> config;
+  std::map<std::string, std::string> notes;  // Recorder::set_note; the last value of a key wins
   int64_t last_ts = 0;        // latest time any record mentions (heartbeats included)
   int64_t activity_end = 0;   // latest end of a phase or step (0 if none)
   bool has_end = false;

@@ -529,6 +529,17 @@ void Recorder::set_config(std::string_view key, double value) {
   impl_->state->side_lines.push_back(record.dump() + "\n");
 }
 
+void Recorder::set_note(std::string_view key, std::string_view value) {
+  validate_phase_name(key);
+  ETTKIT_EXPECTS(value.size() <= kMaxNoteBytes, "note '", key, "' is ", value.size(), " bytes; at most ",
+                 kMaxNoteBytes, " are recorded (shorten it)");
+  nlohmann::json record = {{"v", ledger::kFormatVersion}, {"t", "note"}, {"key", key}, {"value", value}};
+  // Invalid UTF-8 is replaced rather than refused: a note often carries an exception's text.
+  std::string line = record.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
+  std::lock_guard lock(impl_->state->mutex);
+  impl_->state->side_lines.push_back(std::move(line));
+}
+
 void Recorder::record_launcher_phases_json(std::string_view json, std::string_view source) {
   record_launcher_phases(parse_launcher_phases(json, source));
 }

@@ -196,6 +196,12 @@ RecoveryCosts attempts_and_recoveries(const Analysis& an, Report& r) {
     s.ranks = job.ranks;
     s.first_step = job.first_step;
     s.last_step = job.last_step;
+    for (int rank : job.ranks) {  // ranks in ascending order: the lowest rank's value of a key wins
+      for (const auto& ra : an.per_rank.at(rank)) {
+        if (ra.ledger->attempt != n) continue;
+        for (const auto& [key, value] : ra.ledger->notes) s.notes.emplace(key, value);
+      }
+    }
     r.attempts.push_back(std::move(s));
   }
 

@@ -157,7 +157,8 @@ std::string to_json(const Report& r) {
                         {"restart_count", opt(a.restart_count)},
                         {"ranks", a.ranks},
                         {"first_step", opt(a.first_step)},
-                        {"last_step", opt(a.last_step)}});
+                        {"last_step", opt(a.last_step)},
+                        {"notes", a.notes}});
   }
   doc["attempts"] = attempts;
   doc["time_to_start_s"] = r.time_to_start_s();

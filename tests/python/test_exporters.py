@@ -427,6 +427,9 @@ def test_table_shows_the_key_numbers(report):
     assert "rank-1.jsonl: torn last line skipped" in text
     # Phases are listed longest first.
     assert text.index("\n  training ") < text.index("\n  scheduling ") < text.index("\n  compile ")
+    # An attempt's notes follow the attempts, one line each.
+    report["attempts"][1]["notes"] = {"compile_cache": "precompiled"}
+    assert "\n  attempt 1 compile_cache: precompiled\n" in table.format_report(report)
 
 
 def _with_memory_tier(report):

@@ -199,8 +199,14 @@ def test_a_call_the_guards_reject_warns_and_runs_through_torch_compile_never_the
         again, _, report2, _ = overlapped_start(model, [make_batch(8, 1)], spec, loss_fn, cache, recorder=rec)
         rec.flush()
         with open(rec.ledger_path) as f:
-            phases = [json.loads(line).get("name") for line in f]
+            records = [json.loads(line) for line in f]
+        phases = [r.get("name") for r in records]
     assert report.cache_tier == "miss" and isinstance(compiled, precompiled.PrecompiledModel)
+    # And as notes of the attempt, in start order: the cold start's tier, then the warm one's (the last wins
+    # in the report).
+    assert [r["value"] for r in records if r.get("t") == "note" and r["key"] == "compile_cache"] == [
+        "miss", "precompiled"]
+    assert ett.build_report(tmp_path / "run")["attempts"][0]["notes"] == {"compile_cache": "precompiled"}
     assert report2.cache_tier == "precompiled" and again.origin == "loaded"
     # Which tier each start took is in the ETT ledger, as sub-phases of compile.
     assert phases.count("compile/precompile") == 1 and phases.count("compile/precompiled_save") == 1
@@ -262,7 +268,11 @@ def test_a_model_that_cannot_be_precompiled_falls_back_and_says_why(tmp_path):
         rec.flush()
         with open(rec.ledger_path) as f:
             phases = [json.loads(line).get("name") for line in f]
+        notes = ett.build_report(tmp_path / "run")["attempts"][0]["notes"]
     assert "compile/precompile_fallback" in phases and "compile/precompiled_save" not in phases
+    # The tier and the reason are in the ledger: the report of the job says why after the fact.
+    assert notes["compile_cache"] == "miss"
+    assert notes["precompile_fallback"].startswith("aot_compile failed")
     assert not isinstance(compiled, precompiled.PrecompiledModel)
     summary = report.summary()
     assert summary["precompile_fallback"].startswith("aot_compile failed")

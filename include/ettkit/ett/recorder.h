@@ -130,6 +130,12 @@ class ETTKIT_API Recorder {
   /// Records a configuration value the report uses (e.g. "checkpoint_interval_s", "checkpoint_interval_steps").
   void set_config(std::string_view key, double value);
 
+  /// Records a fact about this attempt as text (which compile path the start took, why a fallback happened):
+  /// the report lists an attempt's notes under attempts[].notes, the last value of a key winning. `key` as a
+  /// phase name; `value` at most kMaxNoteBytes bytes of UTF-8. Throws InvalidArgument otherwise.
+  void set_note(std::string_view key, std::string_view value);
+  static constexpr size_t kMaxNoteBytes = 1024;
+
   /// Parses launcher-provided phases: a JSON object {"<phase>": [begin_epoch_s, end_epoch_s], ...}.
   /// Phases that end before this ledger's previous records are skipped (a restart reuses the same
   /// environment). Throws InvalidArgument naming `source` and the bad field.

@@ -52,6 +52,9 @@ struct AttemptSummary {
   std::vector<int> ranks;
   std::optional<int64_t> first_step;
   std::optional<int64_t> last_step;
+  /// Recorder::set_note facts of the attempt (e.g. "compile_cache"), each from the lowest rank that
+  /// recorded the key.
+  std::map<std::string, std::string> notes;
 };
 
 /// One failure and what it cost until the job trained again (its Time to Recover).

@@ -102,7 +102,12 @@ def _attempts(report: dict) -> list[str]:
             _sec(a.get("time_to_start_s")), steps, _utc(a.get("begin_us")), _utc(a.get("end_us")),
         ])
     headers = ["attempt", "status", "exception", "time to start s", "steps", "begin (UTC)", "end (UTC)"]
-    return ["Attempts", *_grid(headers, rows, [True, False, False, True, False, False, False])]
+    lines = ["Attempts", *_grid(headers, rows, [True, False, False, True, False, False, False])]
+    # Notes (Recorder.set_note: the compile path a start took, why it fell back), one line each.
+    for a in report.get("attempts") or []:
+        for key, value in sorted((a.get("notes") or {}).items()):
+            lines.append(f"  attempt {_text(a.get('attempt'))} {key}: {value}")
+    return lines
 
 
 def _recoveries(report: dict) -> list[str]:

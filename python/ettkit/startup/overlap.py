@@ -378,4 +378,13 @@ def overlapped_start(
         precompile_fallback=reason,
         precompile_peer=fallback.get("peer"),
     )
+    if sub_recorder is not None:
+        # In the ETT ledger too (the report's attempts[].notes): which compile path this start took and, with
+        # the precompiled tier asked for, why it was not used, so that a job's restarts show it after the fact.
+        tier = report.cache_tier
+        if tier is not None:
+            sub_recorder.set_note("compile_cache", tier)
+        if reason:
+            limit = sub_recorder.MAX_NOTE_BYTES  # bytes of UTF-8, not characters
+            sub_recorder.set_note("precompile_fallback", reason.encode()[:limit].decode(errors="ignore"))
     return StartResult(g.results["compile"][0], first_batch, report, g.results["loader_iter"])

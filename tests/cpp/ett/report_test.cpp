@@ -399,6 +399,48 @@ TEST(Report, TheTypedModelIsWhatTheJsonSays) {
   EXPECT_EQ(to_json(model), build_report_json(dir.str()));
 }
 
+// Notes: text facts per attempt; the last value of a key wins, and of two ranks the lower one's.
+TEST(Report, NotesArePerAttemptTheLastValueWinningAndTheLowestRanksKept) {
+  TempDir dir;
+  LedgerFile r0(dir, 0), r1(dir, 1);
+  auto note = [](const std::string& key, const std::string& value) {
+    return json{{"v", 1}, {"t", "note"}, {"key", key}, {"value", value}}.dump() + "\n";
+  };
+  r0.attempt(0, 0).raw(note("compile_cache", "miss")).raw(note("compile_cache", "megacache")).step(1, 0, 1).end(1);
+  r1.attempt(0, 0).raw(note("compile_cache", "stale")).raw(note("only_rank_1", "x")).step(1, 0, 1).end(1);
+  r0.attempt(1, 2).step(2, 2, 3).end(3);
+  r1.attempt(1, 2).step(2, 2, 3).end(3);
+  auto r = report(dir);
+  EXPECT_EQ(r["attempts"][0]["notes"], (json{{"compile_cache", "megacache"}, {"only_rank_1", "x"}}));
+  EXPECT_EQ(r["attempts"][1]["notes"], json::object());
+  // A note whose value is not a string is a corrupt record, skipped and counted.
+  LedgerFile r2(dir, 2);
+  r2.attempt(0, 0).raw(R"({"v":1,"t":"note","key":"k","value":3})" "\n").end(1);
+  EXPECT_EQ(report(dir)["ledger"]["corrupt_lines"], 1);
+}
+
+TEST(Report, ARecordersNotesReachTheReportAndBadOnesAreRefused) {
+  TempDir dir;
+  {
+    RecorderOptions o;
+    o.run_dir = dir.str();
+    o.rank = 0;
+    o.world_size = 1;
+    o.launcher_phases_from_env = false;
+    Recorder rec(o);
+    rec.set_note("compile_cache", "precompiled");
+    rec.set_note("why", "caf\xc3\xa9: \"quoted\"\n");
+    EXPECT_THROW(rec.set_note("bad key!", "x"), InvalidArgument);
+    EXPECT_THROW(rec.set_note("k", std::string(Recorder::kMaxNoteBytes + 1, 'x')), InvalidArgument);
+    rec.set_note("k", std::string(Recorder::kMaxNoteBytes, 'x'));
+    rec.step(1);
+  }
+  const json notes = report(dir)["attempts"][0]["notes"];
+  EXPECT_EQ(notes["compile_cache"], "precompiled");
+  EXPECT_EQ(notes["why"], "caf\xc3\xa9: \"quoted\"\n");
+  EXPECT_EQ(notes["k"].get<std::string>().size(), Recorder::kMaxNoteBytes);
+}
+
 // A live trainer reporting on its own run: the Recorder is still open, so the attempt has no end record.
 TEST(Report, AnOpenRunIsReportedAsRunning) {
   TempDir dir;
