@@ -60,6 +60,12 @@ def _report(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
     else:
         print(format_report(report))
+    if args.serve is not None:
+        from .ett.live import serve_command
+
+        sys.stdout.flush()
+        return serve_command(argparse.Namespace(run_dir=args.run_dir, port=args.serve, host=args.serve_host,
+                                                job=args.job))
     return 0
 
 
@@ -153,6 +159,10 @@ def _main(argv: list[str] | None) -> int:
                      help="MTBF to assume when the ledger shows no failure")
     rep.add_argument("--method", default="young", choices=["young", "daly", "daly_series", "daly_exact"],
                      help="checkpoint-interval formula of the recommendation")
+    rep.add_argument("--serve", type=int, metavar="PORT",
+                     help="then keep serving the run's live ETT figures on PORT until SIGINT/SIGTERM (as `serve`)")
+    rep.add_argument("--serve-host", default="127.0.0.1", metavar="HOST",
+                     help="address --serve listens on (default 127.0.0.1; 0.0.0.0 for every interface)")
     fl = sub.add_parser("fleet", help="ETT over many run directories, weighted by accelerator-hours")
     fl.add_argument("dirs", nargs="+", metavar="DIR",
                     help="run directories (with --glob: parent directories whose matching sub-directories are runs)")

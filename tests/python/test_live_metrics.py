@@ -376,22 +376,31 @@ def test_the_cli_serves_until_sigterm_and_rejects_a_bad_port(tmp_path, capsys):
     assert main(["serve", str(tmp_path / "missing"), "--port", "0"]) == 2
     assert "does not exist" in capsys.readouterr().err
     env = dict(os.environ, RANK="1")  # a side-car serves whatever rank its environment names
-    proc = subprocess.Popen([sys.executable, "-m", "ettkit", "serve", str(tmp_path), "--port", "0"],
-                            stdout=subprocess.PIPE, text=True, env=env)
-    try:
-        ready, _, _ = select.select([proc.stdout], [], [], 120)
-        assert ready, "ettkit serve printed no address within 120 s"
-        line = proc.stdout.readline()
-        url = line.rsplit(" on ", 1)[1].split()[0]
-        assert url.startswith("http://127.0.0.1:")
-        m = parse(urllib.request.urlopen(url, timeout=60).read().decode())
-        assert value(m, "ettkit_effective_seconds") == 2.0 and value(m, "ettkit_last_step") == 1
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    # `serve`, and `report --serve`, which prints the report first and then serves the same way.
+    for command in (["serve", str(tmp_path), "--port", "0"], ["report", str(tmp_path), "--serve", "0"]):
+        proc = subprocess.Popen([sys.executable, "-m", "ettkit", *command], stdout=subprocess.PIPE, text=True,
+                                env=env)
+        try:
+            printed = []
+            while not printed or " on http://" not in printed[-1]:
+                ready, _, _ = select.select([proc.stdout], [], [], 120)
+                assert ready, f"ettkit {command[0]} printed no address within 120 s: {printed}"
+                printed.append(proc.stdout.readline())
+                assert printed[-1], f"ettkit {command[0]} exited before serving: {printed}"
+            if command[0] == "report":
+                assert any("ETT" in line for line in printed[:-1])  # the report's table came first
+            url = printed[-1].rsplit(" on ", 1)[1].split()[0]
+            assert url.startswith("http://127.0.0.1:")
+            m = parse(urllib.request.urlopen(url, timeout=60).read().decode())
+            assert value(m, "ettkit_effective_seconds") == 2.0 and value(m, "ettkit_last_step") == 1
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=60) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert main(["report", str(tmp_path), "--serve", "-1"]) == 2
+    assert "port=-1 is not a TCP port" in capsys.readouterr().err
 
 
 # ---- a real 2-rank gloo job, scraped over HTTP while it trains --------------------------------------------
