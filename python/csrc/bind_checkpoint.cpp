@@ -253,13 +253,21 @@ void bind_checkpoint(py::module_& m) {
             for (auto& [name, t] : r->read) read[py::str(name)] = py::cast(std::move(t));
             return py::make_tuple(r->step, py::bytes(r->extra), r->skipped_steps, read, tier_name(r->tier),
                                   r->memory_fallback, r->memory_from_rank, r->saved_world_size,
-                                  r->reshard_bytes_read, r->reshard_bytes_verified);
+                                  r->reshard_bytes_read, r->reshard_bytes_verified, r->prefetched,
+                                  r->prefetch_reverified_bytes);
           },
           py::arg("names"), py::arg("tensors"), py::arg("validate_extra") = py::none(),
           py::arg("read_prefixes") = std::vector<std::string>{},
           "Returns (step, extra bytes, skipped steps, {name: new CPU tensor} for read_prefixes, tier, why the "
           "memory tier was not used or '', the rank that gave the memory step back or -1, the world size that "
-          "wrote the step, bytes read and verified by a resharding load) or None.")
+          "wrote the step, bytes read and verified by a resharding load, whether prefetch() had verified the "
+          "step, the bytes hashed again because they left the page cache since) or None.")
+      .def("prefetch", &AsyncCheckpointer::prefetch, py::call_guard<py::gil_scoped_release>(),
+           "Starts verifying the step load_latest will most likely restore on a background thread; returns the "
+           "steps queued.")
+      .def("wait_prefetch", &AsyncCheckpointer::wait_prefetch, py::arg("timeout_s") = -1.0,
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("prefetch_figures", &AsyncCheckpointer::prefetch_figures)
       .def(
           "enable_peer_replica",
           [](AsyncCheckpointer& c, const py::object& group, int ranks_per_host) {

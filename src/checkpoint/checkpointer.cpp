@@ -25,6 +25,7 @@
 #include "checkpoint/peer_monitor.h"
 #include "checkpoint/peer_replica.h"
 #include "checkpoint/reshard.h"
+#include "checkpoint/restore_prefetch.h"
 #include "checkpoint/storage.h"
 #include "common/background_thread.h"
 #include "common/describe.h"
@@ -260,6 +261,8 @@ struct AsyncCheckpointer::Impl {
   std::string memory_dir;
   int64_t memory_committed = 0;
   double memory_durable_sum = 0;
+  // Verify-ahead of the steps load_latest is about to consider (prefetch()); the owner thread only.
+  RestorePrefetch prefetch;
   // The peer replica (null unless enable_peer_replica()); closed before `memory` and `peers`, which it borrows.
   std::unique_ptr<PeerReplica> replica;
   // Per tier (index: Tier): what a save blocked training, and how many saves it was summed over. The fences'
@@ -923,6 +926,7 @@ void AsyncCheckpointer::close(bool discard_memory_tier) {
     im.peers->close(/*clean=*/!lost);
   }
   im.collect_sources(/*all=*/true);
+  im.prefetch.cancel();  // closes the files it holds open (some may be the memory tier's, removed next)
   if (im.memory) {
     if (discard_memory_tier) im.memory->discard();
     im.memory.reset();  // releases the rank's memory-tier lock
@@ -1026,6 +1030,9 @@ struct Candidate {
   std::vector<SafetensorsIndex> old_index;
   std::vector<std::vector<CopyRange>> plans;
   uint64_t planned = 0, verified = 0;
+  // Verified ahead by RestorePrefetch (check_candidate's `pre`), and the bytes hashed again at load time.
+  bool prefetched = false;
+  uint64_t reverified = 0;
 };
 
 /// Whether `name` is one of `prefixes` or starts with one followed by '.' ("" covers every name).
@@ -1281,9 +1288,30 @@ NamedTensors copy_resharded(const Candidate& c, const NamedTensors& tensors, int
   return read;
 }
 
+/// Whether the prefetch's step is still the one committed under its name: a re-save of the same step number
+/// commits another snapshot (another manifest) in its place.
+bool same_commit(const PrefetchedStep& pre) {
+  try {
+    std::string mpath = pre.dir + "/" + step_dir_name(pre.step) + "/manifest.json";
+    Manifest now = decode_manifest(read_small_file(mpath), mpath);
+    const Manifest& then = pre.files->manifest;
+    return now.commit_seq == then.commit_seq && now.created_unix_us == then.created_unix_us &&
+           now.world_size == then.world_size && now.files.size() == then.files.size() &&
+           std::equal(now.files.begin(), now.files.end(), then.files.begin(),
+                      [](const auto& a, const auto& b) { return a.first == b.first && a.second.xxh3 == b.second.xxh3; });
+  } catch (const Error&) {
+    return false;  // gone or unreadable now: checked from scratch
+  }
+}
+
+/// `pre`: what RestorePrefetch verified of this step ahead of the load (or nullopt). When it is still the
+/// committed snapshot, its open files and extra bytes are used and only the chunks that have left the
+/// page cache since are hashed again (`reverified` counts their bytes).
 Candidate check_candidate(const std::string& dir, int64_t step, int rank, int world, bool verify, int threads,
                           const NamedTensors& tensors, const std::function<void(const std::string&)>& validate_extra,
-                          const std::vector<std::string>& read_prefixes, bool whole_from_rank0 = false) {
+                          const std::vector<std::string>& read_prefixes, bool whole_from_rank0 = false,
+                          std::optional<PrefetchedStep> pre = std::nullopt) {
+  if (pre && !(pre->verified && pre->files && same_commit(*pre))) pre.reset();
   {
     // A step of another world size is loaded by resharding (its own rank's files may not even exist).
     int saved_world = 0;
@@ -1292,7 +1320,7 @@ Candidate check_candidate(const std::string& dir, int64_t step, int rank, int wo
       saved_world = decode_manifest(read_small_file(mpath), mpath).world_size;
     } catch (const Error&) {  // missing or bad: the checks below say which, as for any step
     }
-    if (saved_world > 0 && saved_world != world) {
+    if (saved_world > 0 && saved_world != world && !pre) {
       return check_reshard_candidate(dir, step, saved_world, verify, threads, tensors, validate_extra, read_prefixes,
                                      whole_from_rank0);
     }
@@ -1300,7 +1328,12 @@ Candidate check_candidate(const std::string& dir, int64_t step, int rank, int wo
   Candidate c;
   std::string extra_mismatch;
   try {
-    c.files = open_step(dir, step, rank);
+    if (pre) {
+      c.files = std::move(pre->files);
+      c.prefetched = true;
+    } else {
+      c.files = open_step(dir, step, rank);
+    }
     if (!c.files) {
       c.verdict = Verdict::kVanished;
       c.reason = "step " + std::to_string(step) + " was removed while it was being loaded";
@@ -1317,6 +1350,20 @@ Candidate check_candidate(const std::string& dir, int64_t step, int rank, int wo
       ETTKIT_CHECK(size == it->second.size, CorruptData, "'", file->path(), "' has ", size,
                    " bytes; the manifest says ", it->second.size);
       std::string h;
+      if (c.prefetched) {
+        // Verified by the prefetch: the extra bytes in memory as they were hashed; of the data, the chunks
+        // whose pages the page cache has dropped since (a re-read from the device) are hashed again.
+        if (file == &f.extra) {
+          c.extra = std::move(pre->extra);
+        } else if (verify && !it->second.chunks.empty()) {
+          std::vector<size_t> again = nonresident_chunks(*file, it->second);
+          if (!again.empty()) verify_file_chunks(*file, it->second, threads, again);
+          for (size_t i : again) {
+            c.reverified += std::min(it->second.size - i * it->second.chunk_bytes, it->second.chunk_bytes);
+          }
+        }
+        continue;
+      }
       if (file == &f.extra) {
         c.extra = file->read_all();
         ETTKIT_CHECK(c.extra.size() == size, CorruptData, "'", file->path(), "' changed size while being read");
@@ -1452,12 +1499,46 @@ std::optional<int64_t> latest_step(const std::string& directory) {
   return listing.committed.front().step;
 }
 
+std::vector<int64_t> AsyncCheckpointer::prefetch() {
+  Impl& im = *impl_;
+  // The steps load_latest will most likely take, in the order it considers them: this rank's newest memory
+  // step when no disk step has a larger number (agree_on_memory_step's rule), then the newest disk step.
+  // The worker stops at the first that verifies; a step the ranks do not agree on is simply checked again.
+  std::vector<PrefetchTarget> targets;
+  int64_t disk_newest = -1;
+  StepListing l = list_steps(im.opt.directory);
+  if (!l.committed.empty()) disk_newest = l.committed.front().step;
+  if (im.memory) {
+    int64_t best = -1;
+    for (const MemoryStep& s : im.memory->committed(/*warn=*/false)) {
+      if (s.world_size == im.world) best = std::max(best, s.step);
+    }
+    if (best >= 0 && best >= disk_newest) targets.push_back({im.memory->dir(), best});
+  }
+  if (disk_newest >= 0) targets.push_back({im.opt.directory, disk_newest});
+  std::vector<int64_t> steps;
+  for (const PrefetchTarget& t : targets) steps.push_back(t.step);
+  im.prefetch.start(std::move(targets), im.rank, im.world, load_threads(im.opt));
+  return steps;
+}
+
+bool AsyncCheckpointer::wait_prefetch(double timeout_s) { return impl_->prefetch.wait(timeout_s); }
+
+std::pair<double, uint64_t> AsyncCheckpointer::prefetch_figures() const {
+  return {impl_->prefetch.seconds(), impl_->prefetch.bytes_verified()};
+}
+
 std::optional<LoadResult> AsyncCheckpointer::load_latest(const NamedTensors& tensors,
                                                         const std::function<void(const std::string&)>& validate_extra,
                                                         const std::vector<std::string>& read_prefixes) {
   Impl& im = *impl_;
   wait_all();
   int64_t b = epoch_us();
+  // The prefetch's open files and verdicts serve this load only: released on every way out.
+  struct ReleasePrefetch {
+    RestorePrefetch& p;
+    ~ReleasePrefetch() { p.cancel(); }
+  } release_prefetch{im.prefetch};
   auto timeout = std::chrono::milliseconds(static_cast<int64_t>(im.opt.commit_timeout_s * 1000));
   LoadResult out;
   std::string reasons;
@@ -1504,7 +1585,8 @@ std::optional<LoadResult> AsyncCheckpointer::load_latest(const NamedTensors& ten
         c.reason = "its replica did not come back from rank " + std::to_string(im.replica->partner()) + ": " + taken;
       } else {
         c = check_candidate(im.memory->dir(), step, im.rank, im.world, im.opt.verify_on_load && im.opt.memory_tier.verify,
-                            load_threads(im.opt), tensors, validate_extra, read_prefixes);
+                            load_threads(im.opt), tensors, validate_extra, read_prefixes, false,
+                            im.prefetch.take(im.memory->dir(), step));
       }
       auto [all, why] = vote("load/" + std::to_string(im.load_seq++) + "/memory-" + std::to_string(step), c);
       if (all == Verdict::kMismatch) ETTKIT_THROW(InvalidArgument, why);
@@ -1514,6 +1596,8 @@ std::optional<LoadResult> AsyncCheckpointer::load_latest(const NamedTensors& ten
         out.extra = std::move(c.extra);
         out.tier = Tier::kMemory;
         out.saved_world_size = im.world;
+        out.prefetched = c.prefetched;
+        out.prefetch_reverified_bytes = c.reverified;
         if (choice->take) out.memory_from_rank = im.replica->partner();
         // The loaded step's run becomes this run's lineage; every other step is another timeline.
         std::string loaded_run;
@@ -1560,7 +1644,7 @@ std::optional<LoadResult> AsyncCheckpointer::load_latest(const NamedTensors& ten
       run_before_open_step_hook(step);
       Candidate c = check_candidate(im.opt.directory, step, im.rank, im.world, im.opt.verify_on_load,
                                     load_threads(im.opt), tensors, validate_extra, read_prefixes,
-                                    im.opt.reshard_whole_from_rank0);
+                                    im.opt.reshard_whole_from_rank0, im.prefetch.take(im.opt.directory, step));
       auto [all, why] = vote("load/" + std::to_string(lseq) + "/" + std::to_string(step), c);
       if (all == Verdict::kMismatch) ETTKIT_THROW(InvalidArgument, why);
       if (all == Verdict::kVanished) {
@@ -1578,6 +1662,8 @@ std::optional<LoadResult> AsyncCheckpointer::load_latest(const NamedTensors& ten
       out.step = step;
       out.extra = std::move(c.extra);
       out.saved_world_size = im.world;
+      out.prefetched = c.prefetched;
+      out.prefetch_reverified_bytes = c.reverified;
       if (c.reshard) {
         out.saved_world_size = c.saved_world;
         out.reshard_bytes_read = c.planned;

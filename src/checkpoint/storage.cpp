@@ -364,6 +364,29 @@ void verify_file_chunks(const ReadFile& file, const FileDigest& digest, int thre
   });
 }
 
+std::vector<size_t> nonresident_chunks(const ReadFile& file, const FileDigest& digest) {
+  std::vector<size_t> out;
+  const long page = ::sysconf(_SC_PAGESIZE);
+  std::vector<unsigned char> vec;
+  for (size_t i = 0; i < digest.chunks.size(); ++i) {
+    uint64_t begin = i * digest.chunk_bytes;
+    uint64_t end = std::min(digest.size, begin + digest.chunk_bytes);
+    if (end <= begin) continue;
+    // A mapping without MAP_POPULATE faults nothing in: mincore only reads the page cache's state.
+    void* map = ::mmap(nullptr, end - begin, PROT_READ, MAP_SHARED, file.fd(), static_cast<off_t>(begin));
+    bool resident = false;
+    if (map != MAP_FAILED) {
+      vec.assign(static_cast<size_t>((end - begin + static_cast<uint64_t>(page) - 1) / static_cast<uint64_t>(page)), 0);
+      if (::mincore(map, end - begin, vec.data()) == 0) {
+        resident = std::all_of(vec.begin(), vec.end(), [](unsigned char v) { return (v & 1) != 0; });
+      }
+      ::munmap(map, end - begin);
+    }
+    if (!resident) out.push_back(i);
+  }
+  return out;
+}
+
 std::string read_small_file(const std::string& path) {
   Fd f;
   f.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);

@@ -332,6 +332,10 @@ struct LoadResult {
   int saved_world_size = 0;
   uint64_t reshard_bytes_read = 0;
   uint64_t reshard_bytes_verified = 0;
+  /// The step's checksums were verified ahead by prefetch(); the bytes load_latest hashed again because
+  /// their pages had left the page cache since.
+  bool prefetched = false;
+  uint64_t prefetch_reverified_bytes = 0;
 };
 
 class ETTKIT_API AsyncCheckpointer {
@@ -392,6 +396,21 @@ class ETTKIT_API AsyncCheckpointer {
   ///
   /// With a peer replica, a rank that lacks the step but whose partner holds its replica of it counts as
   /// holding it: the partner sends it back (checked against its checksums) before the ranks vote on it.
+  /// Starts verifying, on a background thread, the step load_latest will most likely restore: this rank's
+  /// newest memory-tier step when no disk step has a larger number, else (or when it does not verify) the
+  /// newest committed disk step. Call it early in a restart (before building the model, compiling, ...):
+  /// the checksum pass, and for a disk step the reads from the device into the page cache, then overlap
+  /// that work, and load_latest (which waits for the prefetch) is left with the copy into the tensors.
+  /// load_latest uses the result only for the step the ranks agree on, only if that step's manifest is
+  /// still the one verified, and hashes again every chunk whose pages left the page cache meanwhile; it
+  /// checks any other step itself, as without a prefetch. The files stay open until load_latest or close()
+  /// (or the next prefetch()). Returns the steps queued, in order (empty: nothing to restore). Not
+  /// collective; the owner thread.
+  std::vector<int64_t> prefetch();
+  /// Waits up to `timeout_s` seconds (< 0: for ever) for the prefetch; true when it has ended or none runs.
+  bool wait_prefetch(double timeout_s = -1);
+  /// The last prefetch's seconds and verified bytes (0, 0 while it runs).
+  std::pair<double, uint64_t> prefetch_figures() const;
   std::optional<LoadResult> load_latest(const NamedTensors& tensors,
                                         const std::function<void(const std::string&)>& validate_extra = {},
                                         const std::vector<std::string>& read_prefixes = {});

@@ -284,6 +284,8 @@ class AsyncCheckpointer:
         # and the bytes of the old files this rank read and verified for it.
         self.resharded_from: Optional[int] = None
         self.reshard_bytes: Optional[dict] = None
+        # Whether the last load_latest used prefetch()'s verification ({"reverified_bytes": n}) or not (None).
+        self.restore_prefetched: Optional[dict] = None
         self._replica_group = None
         if peer_replica:
             try:
@@ -508,6 +510,27 @@ class AsyncCheckpointer:
             os._exit(code)
 
     # ---- loading ----------------------------------------------------------------------------------------
+    def prefetch(self) -> list[int]:
+        """Starts verifying, on a background thread, the step ``load_latest`` will most likely restore (this
+        rank's newest memory-tier step unless a disk step has a larger number, else the newest committed disk
+        step), and returns the steps queued (``[]``: nothing to restore). Call it first thing in a restart,
+        before building the model and compiling: the checksum pass, and for a disk step the reads from the
+        device, overlap that work, and ``load_latest`` (which waits for the prefetch) is left with the copy.
+        The guarantees stay those of ``load_latest``: it uses the result only for the step the ranks agree
+        on, only while that step's manifest is the one verified, and hashes again any chunk whose pages
+        left the page cache since; any other step it checks itself. Not collective."""
+        return list(self._c.prefetch())
+
+    def wait_prefetch(self, timeout: Optional[float] = None) -> bool:
+        """Waits for ``prefetch()`` (for ever when ``timeout`` is None); True when it ended or none runs."""
+        return bool(self._c.wait_prefetch(-1.0 if timeout is None else float(timeout)))
+
+    @property
+    def prefetch_figures(self) -> dict:
+        """The last prefetch's ``seconds`` and ``bytes`` verified (0 while it runs)."""
+        seconds, nbytes = self._c.prefetch_figures
+        return {"seconds": float(seconds), "bytes": int(nbytes)}
+
     def load_latest(self, state_dict: Any) -> Optional[tuple[int, Any]]:
         """Copies the newest committed, valid step into ``state_dict``'s tensors in place (non-tensor leaves
         of its dicts/lists are replaced) and restores its Statefuls through ``load_state_dict()`` (an
@@ -537,8 +560,10 @@ class AsyncCheckpointer:
         res = self._c.load_latest(names, tensors, validate, read_prefixes)
         if res is None:
             return None
-        step, blob, skipped, read, tier, memory_fallback, from_rank, saved_world, bytes_read, bytes_verified = res
+        (step, blob, skipped, read, tier, memory_fallback, from_rank, saved_world, bytes_read, bytes_verified,
+         prefetched, reverified) = res
         self.restored_from = tier
+        self.restore_prefetched = {"reverified_bytes": int(reverified)} if prefetched else None
         self.restored_from_rank = from_rank if from_rank >= 0 else None
         self.resharded_from = saved_world if saved_world != self._c.world_size else None
         self.reshard_bytes = {"read": bytes_read, "verified": bytes_verified} if self.resharded_from else None
