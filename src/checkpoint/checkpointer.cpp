@@ -1320,7 +1320,7 @@ Candidate check_candidate(const std::string& dir, int64_t step, int rank, int wo
       saved_world = decode_manifest(read_small_file(mpath), mpath).world_size;
     } catch (const Error&) {  // missing or bad: the checks below say which, as for any step
     }
-    if (saved_world > 0 && saved_world != world && !pre) {
+    if (saved_world > 0 && saved_world != world) {
       return check_reshard_candidate(dir, step, saved_world, verify, threads, tensors, validate_extra, read_prefixes,
                                      whole_from_rank0);
     }

@@ -48,12 +48,14 @@ def main() -> int:
     with ett.Recorder(run_dir, rank=rank, world_size=world) as rec, \
             AsyncCheckpointer(os.path.join(run_dir, "ckpt"), recorder=rec, keep_last=2, memory_tier=shm,
                               job_id="memory-tier-test", peer_replica=peer, ranks_per_host=1 if peer else None) as ck:
+        queued = ck.prefetch() if os.environ.get("ETTKIT_TEST_PREFETCH") == "1" else None
         ck.attach(model=model, optimizer=optimizer)
         restored = ck.load_latest(state)
         start = 1
         if restored is not None:
             start = restored[0] + 1
             torch.save({"step": restored[0], "tier": ck.restored_from, "from_rank": ck.restored_from_rank,
+                        "prefetch_queued": queued, "prefetched": ck.restore_prefetched,
                         "extra": restored[1],
                         **snapshot(model, optimizer)}, os.path.join(out, f"resumed-{rank}.pt"))
         for step in range(start, steps + 1):

@@ -19,10 +19,11 @@ TRAINER = os.path.join(os.path.dirname(__file__), "memory_tier_trainer.py")
 STEPS, KILL_AT, LAST_DISK = 14, 10, 6
 
 
-def run_job(tmp_path, name, kill_at, out, shm_of_rank, peer_replica=False):
+def run_job(tmp_path, name, kill_at, out, shm_of_rank, peer_replica=False, prefetch=False):
     """Both ranks of one attempt; returns their return codes."""
     os.makedirs(out, exist_ok=True)
-    env = dict(os.environ, ETTKIT_TEST_PEER_REPLICA="1" if peer_replica else "0")
+    env = dict(os.environ, ETTKIT_TEST_PEER_REPLICA="1" if peer_replica else "0",
+               ETTKIT_TEST_PREFETCH="1" if prefetch else "0")
     init = f"file://{tmp_path / ('rendezvous-' + name)}"
     procs = [subprocess.Popen([sys.executable, TRAINER, str(r), "2", init, str(tmp_path / "run"), str(shm_of_rank(r)),
                                str(STEPS), str(kill_at), str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -57,8 +58,9 @@ def reference(tmp_path_factory):
     return [torch.load(tmp / "out" / f"final-{r}.pt") for r in range(2)]
 
 
+@pytest.mark.parametrize("prefetch", [False, True], ids=["load", "prefetch-then-load"])
 @pytest.mark.parametrize("lose_rank_1_memory", [False, True], ids=["memory-survives", "node-of-rank-1-lost"])
-def test_sigkilled_job_restores_from_memory_or_all_ranks_from_disk(tmp_path, reference, lose_rank_1_memory):
+def test_sigkilled_job_restores_from_memory_or_all_ranks_from_disk(tmp_path, reference, lose_rank_1_memory, prefetch):
     # Each rank gets its own memory root: two "nodes" on one machine.
     shm = [tmp_path / f"shm-{r}" for r in range(2)]
     for s in shm:
@@ -71,11 +73,23 @@ def test_sigkilled_job_restores_from_memory_or_all_ranks_from_disk(tmp_path, ref
     if lose_rank_1_memory:
         shutil.rmtree(shm[1])
         shm[1].mkdir()
-    codes, errs = run_job(tmp_path, "b", -1, tmp_path / "b", lambda r: shm[r])
+    codes, errs = run_job(tmp_path, "b", -1, tmp_path / "b", lambda r: shm[r], prefetch=prefetch)
     assert codes == [0, 0], errs
     for r in range(2):
         resumed = torch.load(tmp_path / "b" / f"resumed-{r}.pt")
         expected = torch.load(tmp_path / "a" / f"expected-{r}.pt")
+        if not prefetch:
+            assert resumed["prefetch_queued"] is None and resumed["prefetched"] is None
+        elif lose_rank_1_memory and r == 0:
+            # Rank 0 verified its memory step 10 ahead, but the ranks agreed on the disk step, which it then
+            # checked itself.
+            assert resumed["prefetch_queued"] == [KILL_AT, LAST_DISK] and resumed["prefetched"] is None
+        elif lose_rank_1_memory:
+            assert resumed["prefetch_queued"] == [LAST_DISK]
+            assert resumed["prefetched"] == {"reverified_bytes": 0}
+        else:
+            assert resumed["prefetch_queued"] == [KILL_AT, LAST_DISK]
+            assert resumed["prefetched"] == {"reverified_bytes": 0}
         if lose_rank_1_memory:
             # Rank 0 still held step 10 in memory, but rank 1 did not: both restore the disk step together.
             assert (resumed["step"], resumed["tier"]) == (LAST_DISK, "disk"), resumed["step"]

@@ -1,0 +1,255 @@
+"""Restore prefetch (#23): AsyncCheckpointer.prefetch() verifies the step a restart will load on a background
+thread, and load_latest copies from the files it verified. Each test tries to make load_latest use bytes
+the prefetch did not verify: a step corrupted before, a file changed and dropped from the page cache after,
+a step re-saved under the same number, a step retired meanwhile, a close() in the middle. The 2-rank SIGKILL
+restarts with a prefetch are in test_checkpoint_memory_tier.py."""
+
+import os
+
+import ettkit
+import pytest
+import torch
+from ettkit.checkpoint import AsyncCheckpointer
+
+CHUNK = 32 << 20  # storage.h kHashChunkBytes: the unit of the chunk checksums
+
+
+def _state(step, n=1000):
+    return {"w": torch.full((n,), float(step)), "n": torch.tensor([step])}
+
+
+def _zeros(n=1000):
+    return {"w": torch.zeros(n), "n": torch.tensor([0])}
+
+
+def _data_file(directory, step):
+    return os.path.join(directory, f"step-{step}", "rank-0.safetensors")
+
+
+def _flip_byte(path, offset_from_end=5):
+    raw = bytearray(open(path, "rb").read())
+    raw[-offset_from_end] ^= 0x40
+    open(path, "wb").write(bytes(raw))
+
+
+def _reader(directory, **kw):
+    return AsyncCheckpointer(directory, read_only=True, recorder=None, preempt_signals=(), **kw)
+
+
+def _evict(path, offset=0, length=0):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _needs_a_disk_backed_file_system(path):
+    """tmpfs keeps its pages whatever posix_fadvise says: the tests that evict need a disk-backed file system."""
+    import subprocess
+
+    fs = subprocess.run(["stat", "-f", "-c", "%T", str(path)], capture_output=True, text=True).stdout.strip()
+    if fs == "tmpfs":
+        pytest.skip(f"{path} is on tmpfs, whose pages cannot be evicted")
+
+
+def test_prefetch_then_load_restores_the_newest_disk_step_verified_ahead(tmp_path):
+    d = str(tmp_path / "ck")
+    with AsyncCheckpointer(d, keep_last=3, recorder=None, preempt_signals=()) as ck:
+        ck.save(1, _state(1)).wait()
+        ck.save(2, _state(2)).wait()
+    with _reader(d) as r:
+        assert r.prefetch() == [2]
+        assert r.wait_prefetch(timeout=60)
+        figures = r.prefetch_figures
+        assert figures["bytes"] == sum(os.path.getsize(os.path.join(d, "step-2", f)) for f in
+                                       ("rank-0.safetensors", "rank-0.extra"))
+        assert figures["seconds"] > 0
+        target = _zeros()
+        assert r.load_latest(target) == (2, None)
+        assert r.restore_prefetched == {"reverified_bytes": 0} and r.restored_from == "disk"
+        assert torch.equal(target["w"], _state(2)["w"]) and int(target["n"]) == 2
+        # A second load without a new prefetch checks the step itself.
+        assert r.load_latest(_zeros()) == (2, None) and r.restore_prefetched is None
+
+
+def test_prefetch_with_nothing_committed_queues_nothing(tmp_path):
+    with _reader(str(tmp_path / "empty")) as r:
+        assert r.prefetch() == []
+        assert r.wait_prefetch(timeout=10)
+        assert r.load_latest(_zeros()) is None and r.restore_prefetched is None
+
+
+def test_a_step_corrupt_before_the_prefetch_falls_back_as_without_it(tmp_path):
+    d = str(tmp_path / "ck")
+    with AsyncCheckpointer(d, keep_last=3, recorder=None, preempt_signals=()) as ck:
+        ck.save(1, _state(1)).wait()
+        ck.save(2, _state(2)).wait()
+    _flip_byte(_data_file(d, 2))
+    with _reader(d) as r:
+        assert r.prefetch() == [2]
+        target = _zeros()
+        with pytest.warns(RuntimeWarning, match=r"newer steps \[2\].*failed validation"):
+            assert r.load_latest(target) == (1, None)
+        # Step 1 was not verified ahead (the prefetch takes the newest step only): checked by the load.
+        assert r.restore_prefetched is None
+        assert torch.equal(target["w"], _state(1)["w"])
+
+
+def test_a_file_changed_and_dropped_from_the_page_cache_after_the_prefetch_is_caught(tmp_path):
+    # The prefetch hashed the pages; then the file's bytes change and its pages leave the page cache, so the
+    # copy would read the changed bytes from the device: load_latest must hash that chunk again.
+    _needs_a_disk_backed_file_system(tmp_path)
+    d = str(tmp_path / "ck")
+    n = 9 << 20  # 36 MiB of float32: two checksum chunks
+    with AsyncCheckpointer(d, keep_last=3, recorder=None, preempt_signals=()) as ck:
+        ck.save(1, _state(1, n)).wait()
+        ck.save(2, _state(2, n)).wait()
+    data = _data_file(d, 2)
+    size = os.path.getsize(data)
+    assert size > CHUNK
+    with _reader(d) as r:
+        r.prefetch()
+        r.wait_prefetch()
+        fd = os.open(data, os.O_WRONLY)
+        try:
+            os.pwrite(fd, b"\x7f", size - 100)  # in the second chunk
+        finally:
+            os.close(fd)
+        _evict(data)
+        target = _zeros(n)
+        with pytest.warns(RuntimeWarning, match=r"newer steps \[2\].*failed validation"):
+            assert r.load_latest(target) == (1, None)
+        assert torch.equal(target["w"], _state(1, n)["w"])
+
+
+def test_only_the_chunks_that_left_the_page_cache_are_hashed_again(tmp_path):
+    _needs_a_disk_backed_file_system(tmp_path)
+    d = str(tmp_path / "ck")
+    n = 9 << 20
+    with AsyncCheckpointer(d, keep_last=3, recorder=None, preempt_signals=()) as ck:
+        ck.save(2, _state(2, n)).wait()
+    data = _data_file(d, 2)
+    size = os.path.getsize(data)
+    with _reader(d) as r:
+        r.prefetch()
+        r.wait_prefetch()
+        _evict(data, CHUNK, 0)  # the second chunk only
+        target = _zeros(n)
+        assert r.load_latest(target) == (2, None)
+        assert r.restore_prefetched == {"reverified_bytes": size - CHUNK}
+        assert torch.equal(target["w"], _state(2, n)["w"])
+
+
+def test_a_step_resaved_under_the_same_number_after_the_prefetch_loads_the_new_snapshot(tmp_path):
+    d = str(tmp_path / "ck")
+    ck = AsyncCheckpointer(d, keep_last=3, recorder=None, preempt_signals=())
+    ck.save(2, _state(2)).wait()
+    r = _reader(d)
+    try:
+        assert r.prefetch() == [2]
+        r.wait_prefetch()
+        ck.save(2, _state(20)).wait()  # a rolled-back job saving step 2 again: another snapshot
+        target = _zeros()
+        assert r.load_latest(target) == (2, None)
+        assert r.restore_prefetched is None  # not the snapshot that was verified
+        assert torch.equal(target["w"], _state(20)["w"])
+    finally:
+        r.close()
+        ck.close()
+
+
+def test_a_step_retired_after_the_prefetch_is_not_loaded_from_its_open_files(tmp_path):
+    d = str(tmp_path / "ck")
+    ck = AsyncCheckpointer(d, keep_last=1, recorder=None, preempt_signals=())
+    ck.save(2, _state(2)).wait()
+    r = _reader(d)
+    try:
+        assert r.prefetch() == [2]
+        r.wait_prefetch()
+        ck.save(3, _state(3)).wait()  # retention removes step 2
+        assert not os.path.exists(os.path.join(d, "step-2"))
+        target = _zeros()
+        assert r.load_latest(target) == (3, None) and r.restore_prefetched is None
+        assert torch.equal(target["w"], _state(3)["w"])
+    finally:
+        r.close()
+        ck.close()
+
+
+def test_memory_tier_prefetch_verifies_the_memory_step_and_a_corrupt_one_moves_on_to_disk(tmp_path):
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    d = str(tmp_path / "ck")
+
+    def write():
+        ck = AsyncCheckpointer(d, recorder=None, preempt_signals=(), memory_tier=shm, job_id="j")
+        ck.save(2, _state(2)).wait()
+        ck.save(3, _state(3), tier="memory").wait()
+        mem = ck.memory_tier_directory
+        ck.close(discard_memory_tier=False)
+        return mem
+
+    mem = write()
+    with AsyncCheckpointer(d, recorder=None, preempt_signals=(), memory_tier=shm, job_id="j") as ck:
+        assert ck.prefetch() == [3, 2]
+        target = _zeros()
+        assert ck.load_latest(target) == (3, None)
+        assert ck.restored_from == "memory" and ck.restore_prefetched == {"reverified_bytes": 0}
+        assert torch.equal(target["w"], _state(3)["w"])
+    mem = write()
+    _flip_byte(_data_file(mem, 3))
+    with AsyncCheckpointer(d, recorder=None, preempt_signals=(), memory_tier=shm, job_id="j") as ck:
+        assert ck.prefetch() == [3, 2]
+        ck.wait_prefetch()
+        # The memory step failed in the prefetch, which went on to the disk step: the load's own check of
+        # the memory step fails the same way, and the disk step is the one verified ahead.
+        assert ck.prefetch_figures["bytes"] == sum(os.path.getsize(os.path.join(d, "step-2", f)) for f in
+                                                   ("rank-0.safetensors", "rank-0.extra"))
+        target = _zeros()
+        with pytest.warns(RuntimeWarning, match=r"memory tier was not usable \(memory-tier step 3.*XXH3"):
+            assert ck.load_latest(target) == (2, None)
+        assert ck.restored_from == "disk" and ck.restore_prefetched == {"reverified_bytes": 0}
+        assert torch.equal(target["w"], _state(2)["w"])
+
+
+def test_close_during_a_prefetch_returns_and_leaves_the_checkpoint_loadable(tmp_path):
+    d = str(tmp_path / "ck")
+    n = 16 << 20  # 64 MiB: the prefetch is still running when close() comes
+    with AsyncCheckpointer(d, recorder=None, preempt_signals=()) as ck:
+        ck.save(5, _state(5, n)).wait()
+    for _ in range(3):
+        r = _reader(d)
+        r.prefetch()
+        r.close()
+        assert r.wait_prefetch(timeout=0)  # nothing runs after close()
+    r = _reader(d)
+    r.prefetch()
+    r.prefetch()  # a second prefetch replaces the first
+    target = _zeros(n)
+    assert r.load_latest(target) == (5, None) and r.restore_prefetched is not None
+    assert torch.equal(target["w"], _state(5, n)["w"])
+    r.close()
+
+
+def test_a_prefetch_on_a_checkpoint_of_another_world_size_is_skipped_and_the_load_reshards(tmp_path):
+    # A step written by 2 ranks, loaded by 1: the prefetch verifies this rank's own files only, so it
+    # leaves a resharding load to check the files it reads.
+    import json
+
+    d = str(tmp_path / "ck")
+    with AsyncCheckpointer(d, recorder=None, preempt_signals=()) as ck:
+        ck.save(4, _state(4)).wait()
+    manifest = os.path.join(d, "step-4", "manifest.json")
+    m = json.load(open(manifest))
+    m["world_size"] = 2
+    with open(manifest, "w") as f:
+        json.dump(m, f)
+    with _reader(d) as r:
+        assert r.prefetch() == [4]
+        r.wait_prefetch()
+        assert r.prefetch_figures["bytes"] == 0
+        with pytest.raises(ettkit.CorruptCheckpointError, match="rank-1.safetensors' is missing"):
+            r.load_latest(_zeros())  # the resharding load checks the old ranks' files itself
+        assert r.restore_prefetched is None
