@@ -162,7 +162,10 @@ def restore_times(state, directory: str, rounds: int) -> dict:
     own checkpoint of the same state), ``torch_load_mmap`` (torch.load(mmap=True) of a torch.save file, then
     copy_ into the state), ``memory_tier`` / ``memory_tier_unverified`` (load_latest of a memory-tier
     snapshot in /dev/shm, checksums verified / not), ``memcpy`` (one copy_ of the same number of bytes,
-    memory to memory: the floor). Rounds interleave the variants; medians."""
+    memory to memory: the floor). ``*_prefetched``: load_latest after prefetch() ended (what is left on a
+    restart's critical path when the prefetch overlaps its other start-up work: the copy, and the check
+    that nothing changed), with ``*_prefetch_background`` the prefetch's own seconds (off that path).
+    Rounds interleave the variants; medians."""
     import torch.distributed.checkpoint as dcp
 
     from ettkit.checkpoint import AsyncCheckpointer
@@ -192,6 +195,18 @@ def restore_times(state, directory: str, rounds: int) -> dict:
     def memory_load(v):
         assert mem_readers[v].load_latest(state)[0] == 1 and mem_readers[v].restored_from == "memory"
 
+    background: dict = {"memory_tier_prefetch_background": [], "ettkit_prefetch_background": [],
+                        "ettkit_cold_prefetch_background": []}
+
+    def prefetched(reader, name, tier):
+        # The prefetch runs to its end first (as when it overlaps a restart's other work); then the load.
+        assert reader.prefetch() == [1]
+        assert reader.wait_prefetch()
+        background[name].append(reader.prefetch_figures["seconds"])
+        t = _timed(lambda: reader.load_latest(state))
+        assert reader.restore_prefetched is not None and reader.restored_from == tier
+        return t
+
     def torch_load_mmap():
         loaded = torch.load(pt, mmap=True)
         for mine, theirs in zip(tensors_of(state), tensors_of(loaded)):
@@ -203,10 +218,15 @@ def restore_times(state, directory: str, rounds: int) -> dict:
                 "torch_load_mmap": lambda: _timed(torch_load_mmap),
                 "memory_tier": lambda: _timed(lambda: memory_load(True)),
                 "memory_tier_unverified": lambda: _timed(lambda: memory_load(False)),
+                "memory_tier_prefetched": lambda: prefetched(mem_readers[True], "memory_tier_prefetch_background",
+                                                             "memory"),
+                "ettkit_prefetched": lambda: prefetched(readers[True], "ettkit_prefetch_background", "disk"),
                 "memcpy": lambda: _timed(lambda: dst.copy_(src))}
     times: dict = {v: [] for v in variants}
     for v in variants:  # one warm-up each: the files in the page cache, the code paths loaded
         variants[v]()
+    for v in background:
+        background[v].clear()  # the warm-ups' prefetches
     for _ in range(rounds):
         for v, fn in variants.items():
             times[v].append(fn())
@@ -227,12 +247,15 @@ def restore_times(state, directory: str, rounds: int) -> dict:
             finally:
                 os.close(fd)
 
-    times["ettkit_cold"], times["disk_cold_read"] = [], []
+    times["ettkit_cold"], times["disk_cold_read"], times["ettkit_cold_prefetched"] = [], [], []
     for _ in range(rounds):
         _evict(ck_dir)
         times["ettkit_cold"].append(_timed(lambda: readers[True].load_latest(state)))
         _evict(ck_dir)
         times["disk_cold_read"].append(_timed(read_all))
+        _evict(ck_dir)
+        times["ettkit_cold_prefetched"].append(prefetched(readers[True], "ettkit_cold_prefetch_background", "disk"))
+    times.update(background)
     for r in readers.values():
         r.close()
     for r in mem_readers.values():

@@ -216,6 +216,20 @@ ett::ScopedPhase train(const Options& o, ett::Recorder& rec) {
   std::optional<ckpt::AsyncCheckpointer> checkpointer;
   int64_t start = 1;
 
+  {
+    ckpt::CheckpointerOptions co;
+    co.directory = o.run_dir + "/checkpoints";
+    co.keep_last = 3;
+    // Two host arenas: a save can stage while the previous one is still being written and fsynced,
+    // instead of blocking training until that arena is free (the state is small; memory is cheap).
+    co.stager.num_arenas = 2;
+    co.recorder = &rec;  // records checkpoint_blocking, checkpoint_persist and checkpoint_restore
+    co.metadata = {{"writer", "ettkit examples/cpp/trainer"}};
+    checkpointer.emplace(std::move(co));  // also removes temporaries a killed attempt left behind
+    // Before the start-up stages: the step a restart restores is verified on a background thread while
+    // "model" and "data" run, and the "restore" stage is left with the copy.
+    checkpointer->prefetch();
+  }
   startup::StageGraph graph({.max_workers = 2, .recorder = &rec});
   graph.add(
       "model",
@@ -233,23 +247,14 @@ ett::ScopedPhase train(const Options& o, ett::Recorder& rec) {
   graph.add(
       "restore",
       [&](startup::StageContext&) {
-        ckpt::CheckpointerOptions co;
-        co.directory = o.run_dir + "/checkpoints";
-        co.keep_last = 3;
-        // Two host arenas: a save can stage while the previous one is still being written and fsynced,
-        // instead of blocking training until that arena is free (the state is small; memory is cheap).
-        co.stager.num_arenas = 2;
-        co.recorder = &rec;  // records checkpoint_blocking, checkpoint_persist and checkpoint_restore
-        co.metadata = {{"writer", "ettkit examples/cpp/trainer"}};
-        checkpointer.emplace(std::move(co));  // also removes temporaries a killed attempt left behind
         // The loop fences its writers (state->before_forward for the buffers a forward writes, before_step
         // for the optimizer step): saves return before their copies are done. A save whose tensors still
         // changed is refused, never torn.
         state->attach(*checkpointer);
         if (auto loaded = state->load_latest(*checkpointer)) {
           start = loaded->step + 1;
-          std::printf("resumed from checkpoint step %lld (%s)\n", static_cast<long long>(loaded->step),
-                      loaded->extra.c_str());
+          std::printf("resumed from checkpoint step %lld (%s)%s\n", static_cast<long long>(loaded->step),
+                      loaded->extra.c_str(), loaded->prefetched ? ", verified ahead by prefetch()" : "");
         } else {
           std::printf("no checkpoint: training from step 1\n");
         }

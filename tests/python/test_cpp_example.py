@@ -79,8 +79,8 @@ def resumed_step(crashed_and_resumed):
     second = crashed_and_resumed[3]
     if "no checkpoint: training from step 1" in second.stdout:
         return 0  # a very slow disk had not made even the first save durable before the kill
-    m = re.search(r"^resumed from checkpoint step (\d+) ", second.stdout, re.MULTILINE)
-    assert m, second.stdout
+    m = re.search(r"^resumed from checkpoint step (\d+) .*, verified ahead by prefetch\(\)$", second.stdout, re.MULTILINE)
+    assert m, second.stdout  # the prefetch before the start-up stages verified the step the restore loaded
     return int(m.group(1))
 
 

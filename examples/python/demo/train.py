@@ -377,6 +377,9 @@ def run_ettkit(rec) -> None:
             memory_tier=MEMORY_EVERY is not None,  # job id: torchrun's TORCHELASTIC_RUN_ID
             every_memory=MEMORY_EVERY,
         )
+        # A restart: verify the step it will restore on a background thread while the tables are built and
+        # the dense part compiles; the restore stage is then left with the copy.
+        ck.prefetch()
     # Where the data loader starts; checked after the restore. With a memory tier, this rank's newest memory
     # step counts too (the restore takes it when every rank holds it and the disk has nothing newer).
     start = ettkit_peek_latest_step() + 1
