@@ -7,6 +7,7 @@
 #include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/vfs.h>
 #include <unistd.h>
 #include <xxhash.h>
@@ -24,6 +25,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <string_view>
 #include <thread>
@@ -364,25 +366,59 @@ void verify_file_chunks(const ReadFile& file, const FileDigest& digest, int thre
   });
 }
 
-std::vector<size_t> nonresident_chunks(const ReadFile& file, const FileDigest& digest) {
+namespace {
+
+// cachestat(2) (Linux 6.5): the page-cache state of a file range in one call. Not in Debian 12's headers;
+// 451 on every architecture (the generic syscall table).
+#ifndef __NR_cachestat
+#define __NR_cachestat 451
+#endif
+struct CachestatRange {
+  uint64_t off;
+  uint64_t len;
+};
+struct Cachestat {
+  uint64_t nr_cache, nr_dirty, nr_writeback, nr_evicted, nr_recently_evicted;
+};
+
+/// Whether every page of [begin, end) of `fd` is in the page cache; nullopt when the kernel cannot say
+/// through cachestat (older than 6.5, or seccomp refuses it).
+std::optional<bool> resident_by_cachestat(int fd, uint64_t begin, uint64_t end, uint64_t page) {
+  CachestatRange range{begin, end - begin};
+  Cachestat cs{};
+  if (::syscall(__NR_cachestat, fd, &range, &cs, 0) != 0) return std::nullopt;
+  return cs.nr_cache >= (end - begin + page - 1) / page;
+}
+
+/// The same through mincore(2) on a mapping without MAP_POPULATE (it faults nothing in): one page-cache
+/// lookup per page, about 20 ms per GiB here against well under 1 ms for cachestat.
+bool resident_by_mincore(int fd, uint64_t begin, uint64_t end, uint64_t page, std::vector<unsigned char>& vec) {
+  void* map = ::mmap(nullptr, end - begin, PROT_READ, MAP_SHARED, fd, static_cast<off_t>(begin));
+  if (map == MAP_FAILED) return false;
+  vec.assign(static_cast<size_t>((end - begin + page - 1) / page), 0);
+  bool resident = ::mincore(map, end - begin, vec.data()) == 0 &&
+                  std::all_of(vec.begin(), vec.end(), [](unsigned char v) { return (v & 1) != 0; });
+  ::munmap(map, end - begin);
+  return resident;
+}
+
+}  // namespace
+
+std::vector<size_t> nonresident_chunks(const ReadFile& file, const FileDigest& digest, bool use_cachestat) {
   std::vector<size_t> out;
-  const long page = ::sysconf(_SC_PAGESIZE);
+  const auto page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
   std::vector<unsigned char> vec;
   for (size_t i = 0; i < digest.chunks.size(); ++i) {
     uint64_t begin = i * digest.chunk_bytes;
     uint64_t end = std::min(digest.size, begin + digest.chunk_bytes);
     if (end <= begin) continue;
-    // A mapping without MAP_POPULATE faults nothing in: mincore only reads the page cache's state.
-    void* map = ::mmap(nullptr, end - begin, PROT_READ, MAP_SHARED, file.fd(), static_cast<off_t>(begin));
-    bool resident = false;
-    if (map != MAP_FAILED) {
-      vec.assign(static_cast<size_t>((end - begin + static_cast<uint64_t>(page) - 1) / static_cast<uint64_t>(page)), 0);
-      if (::mincore(map, end - begin, vec.data()) == 0) {
-        resident = std::all_of(vec.begin(), vec.end(), [](unsigned char v) { return (v & 1) != 0; });
-      }
-      ::munmap(map, end - begin);
+    std::optional<bool> resident;
+    if (use_cachestat) {
+      resident = resident_by_cachestat(file.fd(), begin, end, page);
+      use_cachestat = resident.has_value();
     }
-    if (!resident) out.push_back(i);
+    if (!resident) resident = resident_by_mincore(file.fd(), begin, end, page, vec);
+    if (!*resident) out.push_back(i);
   }
   return out;
 }

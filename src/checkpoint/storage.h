@@ -140,10 +140,11 @@ void verify_file_chunks(const ReadFile& file, const FileDigest& digest, int thre
 /// The same for the chunks numbered in `which` only (a resharding load checks what it reads).
 void verify_file_chunks(const ReadFile& file, const FileDigest& digest, int threads, const std::vector<size_t>& which);
 /// The chunks of `file` (numbered as in `digest.chunks`) with a page that is not in the page cache now
-/// (mincore). A load that verified the file earlier (RestorePrefetch) checks these again: their bytes will
-/// come from the storage device once more, not from the pages it hashed. Every chunk when residency cannot
-/// be asked (no mmap; mincore reports only this process's mappings for a file it may not write).
-std::vector<size_t> nonresident_chunks(const ReadFile& file, const FileDigest& digest);
+/// (cachestat where the kernel has it, else mincore; `use_cachestat` false: mincore only, for its test). A
+/// load that verified the file earlier (RestorePrefetch) checks these again: their bytes will come from the
+/// storage device once more, not from the pages it hashed. Every chunk when residency cannot be asked (no
+/// mmap; mincore reports only this process's mappings for a file it may not write).
+std::vector<size_t> nonresident_chunks(const ReadFile& file, const FileDigest& digest, bool use_cachestat = true);
 /// Bytes per element of a safetensors dtype string, or 0 when unknown.
 int safetensors_dtype_size(const std::string& dtype);
 

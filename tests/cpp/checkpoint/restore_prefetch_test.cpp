@@ -132,12 +132,15 @@ TEST(RestorePrefetch, NonresidentChunksNamesWhatLeftThePageCache) {
   ckd::OpenedStep f = *ckd::open_step(d.str() + "/ck", 1, 0);
   const ckd::FileDigest& dg = f.manifest.files.at("rank-0.safetensors");
   ASSERT_EQ(dg.chunks.size(), 2u);
-  ckd::verify_file_chunks(f.data, dg, 2);  // reads every page in
-  EXPECT_TRUE(ckd::nonresident_chunks(f.data, dg).empty());
-  evict(path, static_cast<off_t>(ckd::kHashChunkBytes), 0);
-  EXPECT_EQ(ckd::nonresident_chunks(f.data, dg), std::vector<size_t>{1});
-  evict(path);
-  EXPECT_EQ(ckd::nonresident_chunks(f.data, dg), (std::vector<size_t>{0, 1}));
+  for (bool cachestat : {true, false}) {  // the kernel's cachestat (Linux >= 6.5) and the mincore fallback
+    SCOPED_TRACE(cachestat ? "cachestat" : "mincore");
+    ckd::verify_file_chunks(f.data, dg, 2);  // reads every page in
+    EXPECT_TRUE(ckd::nonresident_chunks(f.data, dg, cachestat).empty());
+    evict(path, static_cast<off_t>(ckd::kHashChunkBytes), 0);
+    EXPECT_EQ(ckd::nonresident_chunks(f.data, dg, cachestat), std::vector<size_t>{1});
+    evict(path);
+    EXPECT_EQ(ckd::nonresident_chunks(f.data, dg, cachestat), (std::vector<size_t>{0, 1}));
+  }
 }
 
 TEST(RestorePrefetch, TakeHandsOutAVerifiedStepOnceAndCancelDropsEverything) {
