@@ -784,6 +784,9 @@ SaveHandle AsyncCheckpointer::save(int64_t step, const NamedTensors& tensors, co
     priority = im.priority;
   }
   check_save_arguments(step, tensors, im.opt.read_only);
+  // Training has started without a load of the prefetched step: its open files would keep a retired
+  // memory-tier snapshot's pages alive (tmpfs frees them at the last close).
+  im.prefetch.cancel();
   {
     // This call is a program point of the owner thread: the previous save's entries that no fence has
     // decided yet are decided now if their copies are done (a later write would otherwise count against

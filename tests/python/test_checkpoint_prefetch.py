@@ -253,3 +253,30 @@ def test_a_prefetch_on_a_checkpoint_of_another_world_size_is_skipped_and_the_loa
         with pytest.raises(ettkit.CorruptCheckpointError, match="rank-1.safetensors' is missing"):
             r.load_latest(_zeros())  # the resharding load checks the old ranks' files itself
         assert r.restore_prefetched is None
+
+
+def test_a_save_releases_an_unused_prefetch_and_its_memory_tier_files(tmp_path):
+    # A job that prefetched and then trained without loading: its first save drops the prefetch, so the
+    # retired memory step's tmpfs pages are not held by open files for the rest of the job.
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    d = str(tmp_path / "ck")
+    ck = AsyncCheckpointer(d, recorder=None, preempt_signals=(), memory_tier=shm, job_id="j")
+    ck.save(3, _state(3), tier="memory").wait()
+    mem = ck.memory_tier_directory
+    ck.close(discard_memory_tier=False)
+    with AsyncCheckpointer(d, recorder=None, preempt_signals=(), memory_tier=shm, job_id="j") as ck:
+        assert ck.prefetch() == [3]
+        ck.wait_prefetch()
+        held = os.path.realpath(_data_file(mem, 3))
+
+        def open_by_this_process():
+            fds = os.listdir("/proc/self/fd")
+            return [f for f in fds if os.path.realpath(f"/proc/self/fd/{f}").startswith(held)]
+
+        assert open_by_this_process()  # the prefetch holds the step's files open
+        for step in (4, 5, 6):
+            ck.save(step, _state(step), tier="memory").wait()
+        assert not os.path.exists(os.path.join(mem, "step-3"))  # retired
+        assert not open_by_this_process()
+        assert ck.load_latest(_zeros()) == (6, None) and ck.restore_prefetched is None

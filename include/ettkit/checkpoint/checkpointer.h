@@ -403,9 +403,9 @@ class ETTKIT_API AsyncCheckpointer {
   /// that work, and load_latest (which waits for the prefetch) is left with the copy into the tensors.
   /// load_latest uses the result only for the step the ranks agree on, only if that step's manifest is
   /// still the one verified, and hashes again every chunk whose pages left the page cache meanwhile; it
-  /// checks any other step itself, as without a prefetch. The files stay open until load_latest or close()
-  /// (or the next prefetch()). Returns the steps queued, in order (empty: nothing to restore). Not
-  /// collective; the owner thread.
+  /// checks any other step itself, as without a prefetch. The files stay open until load_latest, the next
+  /// save(), close() or the next prefetch(). Returns the steps queued, in order (empty: nothing to
+  /// restore). Not collective; the owner thread.
   std::vector<int64_t> prefetch();
   /// Waits up to `timeout_s` seconds (< 0: for ever) for the prefetch; true when it has ended or none runs.
   bool wait_prefetch(double timeout_s = -1);
