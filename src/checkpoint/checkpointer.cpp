@@ -1504,6 +1504,10 @@ std::optional<int64_t> latest_step(const std::string& directory) {
 
 std::vector<int64_t> AsyncCheckpointer::prefetch() {
   Impl& im = *impl_;
+  {
+    std::lock_guard<std::mutex> lk(im.mu);
+    ETTKIT_EXPECTS(!im.closing, "prefetch() after close()");
+  }
   // The steps load_latest will most likely take, in the order it considers them: this rank's newest memory
   // step when no disk step has a larger number (agree_on_memory_step's rule), then the newest disk step.
   // The worker stops at the first that verifies; a step the ranks do not agree on is simply checked again.

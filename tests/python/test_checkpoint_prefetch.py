@@ -224,6 +224,8 @@ def test_close_during_a_prefetch_returns_and_leaves_the_checkpoint_loadable(tmp_
         r.prefetch()
         r.close()
         assert r.wait_prefetch(timeout=0)  # nothing runs after close()
+        with pytest.raises(ettkit.InvalidArgumentError, match=r"prefetch\(\) after close\(\)"):
+            r.prefetch()
     r = _reader(d)
     r.prefetch()
     r.prefetch()  # a second prefetch replaces the first
