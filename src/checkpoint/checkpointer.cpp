@@ -1576,7 +1576,16 @@ std::optional<LoadResult> AsyncCheckpointer::load_latest(const NamedTensors& ten
     return {all, why};
   };
   auto record_restore = [&](int64_t step, Tier tier) {
-    if (im.opt.recorder) im.opt.recorder->record_phase(im.restore_id[static_cast<int>(tier)], b, epoch_us(), step);
+    if (!im.opt.recorder) return;
+    im.opt.recorder->record_phase(im.restore_id[static_cast<int>(tier)], b, epoch_us(), step);
+    if (out.prefetched) {
+      // The restore phase above is only the copy: the note says where the verification went (the report's
+      // attempts[].notes), so that a short checkpoint_restore is not read as a load without checksums.
+      im.opt.recorder->set_note(
+          "restore_prefetch", ettkit::detail::concat("step ", step, " (", tier == Tier::kMemory ? "memory" : "disk",
+                                                     ") verified ahead in ", im.prefetch.seconds(), " s; ",
+                                                     out.prefetch_reverified_bytes, " bytes hashed again at load"));
+    }
   };
   if (im.memory) {
     if (auto choice = im.agree_on_memory_step(im.memory->committed(), im.load_seq++)) {

@@ -134,6 +134,13 @@ def test_sigkilled_job_restores_from_memory_or_all_ranks_from_disk(tmp_path, ref
         assert (tiers["disk"]["restores"], tiers["memory"]["restores"]) == (0, 1)
         assert rep["steps"]["retrained"] == 0 and tiers["memory"]["retraining_s"] == 0
         assert tiers["memory"]["recovered_failures"] == 1
+    # Where the restore's verification went: a note of the restarted attempt when the prefetch did it.
+    notes = rep["attempts"][1]["notes"]
+    if prefetch and not lose_rank_1_memory:
+        assert notes["restore_prefetch"].startswith(f"step {KILL_AT} (memory) verified ahead in "), notes
+        assert notes["restore_prefetch"].endswith(" s; 0 bytes hashed again at load"), notes
+    elif not prefetch:
+        assert "restore_prefetch" not in notes, notes
 
 
 def _state(step):
