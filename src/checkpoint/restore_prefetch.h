@@ -55,7 +55,7 @@ class RestorePrefetch {
   /// Verifies `targets` in order, stopping after the first that verifies (rank `rank`'s files; a step
   /// written by another number of ranks than `world` is skipped: a resharding load reads other ranks'
   /// files), on one background thread that fans each file's chunks out to `threads` threads. Replaces the
-  /// results of an earlier start (cancelling it).
+  /// results of an earlier start (cancelling it). No targets: no thread (wait() is true at once).
   void start(std::vector<PrefetchTarget> targets, int rank, int world, int threads);
   /// Waits up to `timeout_s` (< 0: for ever) for the verification to end; true when it has (or none runs).
   bool wait(double timeout_s);
