@@ -557,6 +557,7 @@ class AsyncCheckpointer:
         # Tensors under a Stateful that are not in its state_dict() yet (an optimizer before its first step)
         # come back as new CPU tensors for its load_state_dict(); a module's must all be there already.
         read_prefixes = [s.prefix for s in slots if not isinstance(s.obj, torch.nn.Module)]
+        self.restore_prefetched = None
         res = self._c.load_latest(names, tensors, validate, read_prefixes)
         if res is None:
             return None
