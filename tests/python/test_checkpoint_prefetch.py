@@ -36,13 +36,47 @@ def _reader(directory, **kw):
     return AsyncCheckpointer(directory, read_only=True, recorder=None, preempt_signals=(), **kw)
 
 
-def _evict(path, offset=0, length=0):
+def _resident_pages(path, offset, length):
+    """How many pages of [offset, offset + length) of `path` the page cache holds now (mincore)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+        addr = libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, offset)
+        assert addr not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+        try:
+            vec = ctypes.create_string_buffer((length + mmap.PAGESIZE - 1) // mmap.PAGESIZE)
+            assert libc.mincore(addr, length, vec) == 0, ctypes.get_errno()
+            return sum(b & 1 for b in vec.raw)
+        finally:
+            libc.munmap(addr, length)
     finally:
         os.close(fd)
+
+
+def _evict(path, offset=0, length=0):
+    """Drops [offset, offset + length) (0: to the end) of `path` from the page cache, and checks it did: a
+    page the kernel could not drop at once (under writeback on a busy machine) is asked for again."""
+    import time
+
+    end = os.path.getsize(path) if length == 0 else offset + length
+    for _ in range(50):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, offset, end - offset, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        if _resident_pages(path, offset, end - offset) == 0:
+            return
+        time.sleep(0.1)
+    pytest.fail(f"{path} [{offset}, {end}) stayed in the page cache after 50 POSIX_FADV_DONTNEED")
 
 
 def _needs_a_disk_backed_file_system(path):
