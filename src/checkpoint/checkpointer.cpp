@@ -718,7 +718,7 @@ AsyncCheckpointer::AsyncCheckpointer(CheckpointerOptions options, c10::intrusive
           "checkpoint directory '", im.opt.directory, "' is in use by another checkpointer: ", *holder, " holds '",
           im.opt.directory, "/.lock'. Two jobs writing one directory delete each other's saves: give this job its "
           "own directory, or stop the other one (a dead holder's lock is released by the kernel); to only load, "
-          "open it with read_only=true");
+          "open it read-only (read_only=True in Python, CheckpointerOptions::read_only in C++)");
       if (im.world > 1) im.store->set(run_key, bytes_of("locked:" + why));
       throw checkpoint::DirectoryLocked(why, __FILE__, __LINE__);
     }
@@ -1097,22 +1097,12 @@ Candidate check_reshard_candidate(const std::string& dir, int64_t step, int save
       }
       ETTKIT_CHECK(f->manifest.world_size == saved_world, CorruptData, "manifest '", f->manifest_path,
                    "' changed while it was being read");
-      std::string name = "rank-" + std::to_string(r) + ".safetensors";
-      auto it = f->manifest.files.find(name);
-      ETTKIT_CHECK(it != f->manifest.files.end(), CorruptData, "manifest '", f->manifest_path, "' lists no '", name, "'");
-      ETTKIT_CHECK(f->data.size() == it->second.size, CorruptData, "'", f->data.path(), "' has ", f->data.size(),
-                   " bytes; the manifest says ", it->second.size);
+      listed_digest(*f, f->data);  // listed, and of its size; its chunks are checked as they are read
       c.old_index.push_back(read_safetensors_index(f->data));
       c.old.push_back(std::move(*f));
     }
     const OpenedStep& first = c.old.front();
-    auto it = first.manifest.files.find("rank-0.extra");
-    ETTKIT_CHECK(it != first.manifest.files.end(), CorruptData, "manifest '", first.manifest_path, "' lists no 'rank-0.extra'");
-    c.extra = first.extra.read_all();
-    ETTKIT_CHECK(c.extra.size() == it->second.size, CorruptData, "'", first.extra.path(), "' has ", c.extra.size(),
-                 " bytes; the manifest says ", it->second.size);
-    ETTKIT_CHECK(!verify || xxh3_of(c.extra) == it->second.xxh3, CorruptData, "'", first.extra.path(), "' has XXH3 ",
-                 xxh3_of(c.extra), "; the manifest says ", it->second.xxh3);
+    c.extra = read_checked_extra(first, verify);
     if (validate_extra) {
       try {
         validate_extra(c.extra);
@@ -1345,42 +1335,20 @@ Candidate check_candidate(const std::string& dir, int64_t step, int rank, int wo
     const OpenedStep& f = *c.files;
     ETTKIT_CHECK(f.manifest.world_size == world, CorruptData, "step ", step, " was written by ", f.manifest.world_size,
                  " ranks; this job has ", world, " (the manifest changed while it was being read)");
-    for (const ReadFile* file : {&f.data, &f.extra}) {
-      std::string name = file->path().substr(f.path.size() + 1);
-      auto it = f.manifest.files.find(name);
-      ETTKIT_CHECK(it != f.manifest.files.end(), CorruptData, "manifest '", f.manifest_path, "' lists no '", name, "'");
-      uint64_t size = file->size();
-      ETTKIT_CHECK(size == it->second.size, CorruptData, "'", file->path(), "' has ", size,
-                   " bytes; the manifest says ", it->second.size);
-      std::string h;
-      if (c.prefetched) {
-        // Verified by the prefetch: the extra bytes in memory as they were hashed; of the data, the chunks
-        // whose pages the page cache has dropped since (a re-read from the device) are hashed again.
-        if (file == &f.extra) {
-          c.extra = std::move(pre->extra);
-        } else if (verify && !it->second.chunks.empty()) {
-          std::vector<size_t> again = nonresident_chunks(*file, it->second);
-          if (!again.empty()) verify_file_chunks(*file, it->second, threads, again);
-          for (size_t i : again) {
-            c.reverified += std::min(it->second.size - i * it->second.chunk_bytes, it->second.chunk_bytes);
-          }
-        }
-        continue;
+    if (c.prefetched) {
+      // Verified by the prefetch (check_step_files): the extra bytes in memory as they were hashed; of the
+      // data, the chunks whose pages the page cache has dropped since (a re-read from the device) are
+      // hashed again. Sizes are checked again: the files are the same open files, but cheap to ask.
+      const FileDigest& d = listed_digest(f, f.data);
+      listed_digest(f, f.extra);
+      c.extra = std::move(pre->extra);
+      if (verify && !d.chunks.empty()) {
+        std::vector<size_t> again = nonresident_chunks(f.data, d);
+        if (!again.empty()) verify_file_chunks(f.data, d, threads, again);
+        for (size_t i : again) c.reverified += std::min(d.size - i * d.chunk_bytes, d.chunk_bytes);
       }
-      if (file == &f.extra) {
-        c.extra = file->read_all();
-        ETTKIT_CHECK(c.extra.size() == size, CorruptData, "'", file->path(), "' changed size while being read");
-        if (verify) h = xxh3_of(c.extra);
-      } else if (verify && !it->second.chunks.empty()) {
-        // Chunk by chunk on several threads; it names the bad byte range itself. The whole-file hash was
-        // computed from the same bytes by the writer.
-        verify_file_chunks(*file, it->second, threads);
-        h = it->second.xxh3;
-      } else if (verify) {
-        h = file_xxh3(*file);  // a manifest from before chunk checksums
-      }
-      ETTKIT_CHECK(!verify || h == it->second.xxh3, CorruptData, "'", file->path(), "' has XXH3 ", h,
-                   "; the manifest says ", it->second.xxh3);
+    } else {
+      c.extra = *check_step_files(f, verify, threads);
     }
     c.index = read_safetensors_index(f.data);
     // The non-tensor state must decode before any tensor is overwritten: a step whose extra is unreadable

@@ -1,9 +1,7 @@
 // RestorePrefetch: the background verification load_latest can use instead of its own (restore_prefetch.h).
 #include "checkpoint/restore_prefetch.h"
 
-#include <algorithm>
 #include <chrono>
-#include <numeric>
 
 #include "common/logging.h"
 #include "ettkit/common/clock.h"
@@ -49,40 +47,13 @@ void RestorePrefetch::run(std::vector<PrefetchTarget> targets, int rank, int wor
     try {
       out.files = open_step(t.dir, t.step, rank);
       if (!out.files) continue;  // retired meanwhile: load_latest will not list it either
-      OpenedStep& f = *out.files;
+      const OpenedStep& f = *out.files;
       if (f.manifest.world_size != world) continue;  // resharded on load: other ranks' files
-      for (const ReadFile* file : {&f.data, &f.extra}) {
-        std::string name = file->path().substr(f.path.size() + 1);
-        auto it = f.manifest.files.find(name);
-        ETTKIT_CHECK(it != f.manifest.files.end(), CorruptData, "manifest '", f.manifest_path, "' lists no '", name,
-                     "'");
-        const FileDigest& d = it->second;
-        uint64_t size = file->size();
-        ETTKIT_CHECK(size == d.size, CorruptData, "'", file->path(), "' has ", size, " bytes; the manifest says ",
-                     d.size);
-        std::string h;
-        if (file == &f.extra) {
-          out.extra = file->read_all();
-          ETTKIT_CHECK(out.extra.size() == size, CorruptData, "'", file->path(), "' changed size while being read");
-          h = xxh3_of(out.extra);
-        } else if (!d.chunks.empty()) {
-          // A group of chunks per round, so that cancel() waits for at most one group.
-          const size_t group = static_cast<size_t>(std::max(1, threads));
-          for (size_t first = 0; first < d.chunks.size(); first += group) {
-            if (stopped()) break;
-            std::vector<size_t> which(std::min(group, d.chunks.size() - first));
-            std::iota(which.begin(), which.end(), first);
-            verify_file_chunks(*file, d, threads, which);
-          }
-          if (stopped()) break;
-          h = d.xxh3;  // every chunk matched; the writer hashed the whole file from the same bytes
-        } else {
-          h = file_xxh3(*file);  // a manifest from before chunk checksums
-        }
-        ETTKIT_CHECK(h == d.xxh3, CorruptData, "'", file->path(), "' has XXH3 ", h, "; the manifest says ", d.xxh3);
-        bytes += size;
-      }
-      if (stopped()) break;
+      // The same checks as load_latest's own (check_step_files), stopping between chunk groups on cancel().
+      std::optional<std::string> extra = check_step_files(f, /*verify=*/true, threads, stopped);
+      if (!extra) break;
+      out.extra = std::move(*extra);
+      bytes += f.data.size() + f.extra.size();
       out.verified = true;
       done = true;
     } catch (const Error& e) {

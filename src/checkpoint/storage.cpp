@@ -25,6 +25,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <mutex>
+#include <numeric>
 #include <optional>
 #include <random>
 #include <string_view>
@@ -998,6 +999,54 @@ std::optional<OpenedStep> open_step(const std::string& dir, int64_t step, int ra
   return out;
 }
 
+const FileDigest& listed_digest(const OpenedStep& step, const ReadFile& file) {
+  std::string name = file.path().substr(step.path.size() + 1);
+  auto it = step.manifest.files.find(name);
+  ETTKIT_CHECK(it != step.manifest.files.end(), CorruptData, "manifest '", step.manifest_path, "' lists no '", name,
+               "'");
+  uint64_t size = file.size();
+  ETTKIT_CHECK(size == it->second.size, CorruptData, "'", file.path(), "' has ", size, " bytes; the manifest says ",
+               it->second.size);
+  return it->second;
+}
+
+std::string read_checked_extra(const OpenedStep& step, bool verify) {
+  const FileDigest& d = listed_digest(step, step.extra);
+  std::string bytes = step.extra.read_all();
+  ETTKIT_CHECK(bytes.size() == d.size, CorruptData, "'", step.extra.path(), "' changed size while being read");
+  if (verify) {
+    std::string h = xxh3_of(bytes);
+    ETTKIT_CHECK(h == d.xxh3, CorruptData, "'", step.extra.path(), "' has XXH3 ", h, "; the manifest says ", d.xxh3);
+  }
+  return bytes;
+}
+
+std::optional<std::string> check_step_files(const OpenedStep& step, bool verify, int threads,
+                                            const std::function<bool()>& stop) {
+  const FileDigest& d = listed_digest(step, step.data);
+  if (verify && !d.chunks.empty()) {
+    if (!stop) {
+      // Chunk by chunk on several threads; it names the bad byte range itself. Every chunk matching is the
+      // whole file matching: the writer hashed both from the same bytes.
+      verify_file_chunks(step.data, d, threads);
+    } else {
+      // A group of chunks per round, so that a stop waits for at most one group.
+      const size_t group = static_cast<size_t>(std::max(1, threads));
+      for (size_t first = 0; first < d.chunks.size(); first += group) {
+        if (stop()) return std::nullopt;
+        std::vector<size_t> which(std::min(group, d.chunks.size() - first));
+        std::iota(which.begin(), which.end(), first);
+        verify_file_chunks(step.data, d, threads, which);
+      }
+    }
+  } else if (verify) {
+    std::string h = file_xxh3(step.data);  // a manifest from before chunk checksums
+    ETTKIT_CHECK(h == d.xxh3, CorruptData, "'", step.data.path(), "' has XXH3 ", h, "; the manifest says ", d.xxh3);
+  }
+  if (stop && stop()) return std::nullopt;
+  return read_checked_extra(step, verify);
+}
+
 int remove_stale_temporaries(const std::string& dir, const std::string& run_id) {
   int removed = 0;
   std::error_code ec;
@@ -1113,12 +1162,16 @@ std::string describe_holder(const std::string& record) {
     auto it = h.find(k);
     return it == h.end() ? std::string("?") : it->is_string() ? it->get<std::string>() : it->dump();
   };
-  std::string out = "pid " + text("pid") + " on host '" + text("host") + "'";
-  if (!text("job").empty() && text("job") != "?") out += " (job '" + text("job") + "')";
+  // One noun phrase (the callers go on with "holds ..."): what is known of the holder in parentheses.
+  std::vector<std::string> notes;
+  if (!text("job").empty() && text("job") != "?") notes.push_back("job '" + text("job") + "'");
   if (h.contains("pid") && h["pid"].is_number_integer() && h["pid"].get<int64_t>() == ::getpid() &&
       text("host") == this_host()) {
-    out += ", i.e. another AsyncCheckpointer of this process: close() it before opening a new one";
+    notes.emplace_back("that is another checkpointer of this process, which must be closed before a new one opens");
   }
+  std::string out = "pid " + text("pid") + " on host '" + text("host") + "'";
+  for (size_t i = 0; i < notes.size(); ++i) out += (i == 0 ? " (" : "; ") + notes[i];
+  if (!notes.empty()) out += ")";
   return out;
 }
 

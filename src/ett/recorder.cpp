@@ -504,6 +504,8 @@ void Recorder::record_background(uint32_t id, int64_t begin_us, int64_t end_us, 
 }
 
 void Recorder::step(int64_t n) {
+  // A negative number is not a step (-1 is the ledger's "no step" in phase records): refused, not recorded.
+  ETTKIT_EXPECTS(n >= 0, "step: global step numbers are >= 0; got ", n);
   Impl& im = *impl_;
   int64_t now = steady_ns();
   int64_t prev = im.last_step_mark.exchange(now, std::memory_order_relaxed);
@@ -514,6 +516,7 @@ void Recorder::step(int64_t n) {
 }
 
 void Recorder::step_interval(int64_t n, int64_t begin_steady_ns, int64_t end_steady_ns) {
+  ETTKIT_EXPECTS(n >= 0, "step_interval: global step numbers are >= 0; got ", n);
   ETTKIT_EXPECTS(end_steady_ns >= begin_steady_ns, "step_interval: end is before begin for step ", n);
   impl_->last_step_mark.store(end_steady_ns, std::memory_order_relaxed);
   if (!impl_->state->queue.try_push(Event{begin_steady_ns, end_steady_ns, n, 0, EventKind::kStepSteady})) {

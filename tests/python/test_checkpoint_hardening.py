@@ -344,8 +344,12 @@ def test_extra_that_unpickles_to_the_wrong_shape_falls_back(tmp_path):
 
 def test_two_checkpointers_in_one_process_on_one_directory(tmp_path):
     first = AsyncCheckpointer(tmp_path, recorder=None)
-    with pytest.raises(ettkit.CheckpointLockedError, match=f"pid {os.getpid()}"):
+    with pytest.raises(ettkit.CheckpointLockedError, match=f"pid {os.getpid()}") as e:
         AsyncCheckpointer(tmp_path, recorder=None)
+    # One sentence that says who holds the lock (this process) and how to only read, spelled for Python.
+    assert (f"pid {os.getpid()} on host '{os.uname().nodename}' (that is another checkpointer of this process, "
+            f"which must be closed before a new one opens) holds '{tmp_path}/.lock'") in str(e.value)
+    assert "read_only=True in Python" in str(e.value)
     holder = (tmp_path / ".lock").read_text()
     assert json.loads(holder)["pid"] == os.getpid()
     first.close()
@@ -438,3 +442,26 @@ def test_a_read_only_loader_never_fails_while_retention_runs(tmp_path):
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+
+
+# ---- a step number is an integer ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", [1.5, 2.0, "7", True, None, torch.tensor(1.5), torch.tensor([1, 2])])
+def test_a_step_that_is_not_an_integer_is_refused_by_name_and_nothing_is_saved(tmp_path, bad):
+    # int(1.5) would silently commit step-1 and int("7") would parse text: both are refused.
+    with AsyncCheckpointer(tmp_path, recorder=None, every=1) as ck:
+        with pytest.raises(ettkit.InvalidArgumentError, match=r"step=.* is not a step number: give an int"):
+            ck.save(bad, {"w": torch.ones(3)})
+        with pytest.raises(ettkit.InvalidArgumentError, match=r"step=.* is not a step number"):
+            ck.should_save(bad)
+    assert not list(tmp_path.glob("step-*"))
+
+
+def test_integer_steps_of_numpy_and_torch_are_steps(tmp_path):
+    import numpy as np
+
+    with AsyncCheckpointer(tmp_path, recorder=None, every=None) as ck:
+        ck.save(np.int64(3), {"w": torch.ones(3)}).wait()
+        ck.save(torch.tensor(4), {"w": torch.ones(3)}).wait()
+        assert ck.should_save(np.int32(5)) is False
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-3", "step-4"]

@@ -83,6 +83,18 @@ def test_bad_options_are_value_errors(tmp_path):
             rec.close("weird")
 
 
+def test_a_negative_step_is_refused_and_not_recorded(tmp_path):
+    # -1 is the ledger's "no step": a step mark below 0 would be read as a phase outside any step.
+    with ett.Recorder(tmp_path, rank=0, world_size=1) as rec:
+        for bad in (-1, -3):
+            with pytest.raises(ettkit.InvalidArgumentError, match=f"global step numbers are >= 0; got {bad}"):
+                rec.step(bad)
+        with pytest.raises(ettkit.InvalidArgumentError, match="step_interval: global step numbers are >= 0"):
+            rec.step_interval(-2, 0, 1)
+        rec.step(0)
+    assert [r["n"] for r in records(tmp_path, t="step")] == [0]
+
+
 def test_launcher_phases_from_env(tmp_path):
     import time
 

@@ -123,6 +123,7 @@ class ETTKIT_API Recorder {
   /// Marks the completion of global step `n`. Its interval starts at the previous step mark of this
   /// attempt or, for the attempt's first step, at the end of the latest phase that ended (or at recorder
   /// start). Phases that happen inside a step (e.g. checkpoint_blocking) take precedence in the report.
+  /// Throws InvalidArgument for n < 0.
   void step(int64_t n);
   /// Records step `n` with an explicit interval (steady-clock nanoseconds from steady_ns()).
   void step_interval(int64_t n, int64_t begin_steady_ns, int64_t end_steady_ns);

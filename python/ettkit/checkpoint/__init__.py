@@ -23,6 +23,7 @@ layout: docs/checkpoint.md.
 
 from __future__ import annotations
 
+import operator
 import os
 import pickle
 import signal
@@ -74,6 +75,21 @@ def _parse_overlap(overlap: Any) -> str:
     raise InvalidArgumentError(f"overlap={overlap!r} must be 'auto', True ('on') or False ('off')")
 
 
+def _step_number(step: Any) -> int:
+    """``step`` as an int, refusing what is not an integer: ``int(1.5)`` would silently save step 1 and
+    ``int("7")`` would parse text. Python and numpy integers and one-element integer tensors pass
+    (``operator.index``); the range is the C++ side's to check."""
+    if not isinstance(step, bool):
+        try:
+            return operator.index(step)
+        except TypeError:
+            pass
+    raise InvalidArgumentError(
+        f"step={step!r} ({type(step).__name__}) is not a step number: give an int (a numpy integer or a one-element "
+        f"integer tensor works too)"
+    )
+
+
 def _every(every: Any, field: str = "every") -> "_C.checkpoint.Every":
     """The C++ interval of ``every=`` (``None``, an int of steps, or a string: a duration or ``"auto"``)."""
     Every = _C.checkpoint.Every
@@ -81,7 +97,7 @@ def _every(every: Any, field: str = "every") -> "_C.checkpoint.Every":
         return Every.never()
     if isinstance(every, bool) or not isinstance(every, (int, str)):
         raise InvalidArgumentError(f"{field}={every!r} is not valid: give steps (e.g. 100), a duration (e.g. '90s', "
-                                   f"'10min', '1h') or 'auto'")
+                                   f"'10min', '1h'), 'auto', or None ('never') to save only when asked")
     if isinstance(every, int):
         return Every.steps(every, field)
     return Every.parse(every, field)
@@ -370,6 +386,7 @@ class AsyncCheckpointer:
         the directory: no disk write and no collective, it survives a killed process on this node (not the
         node), and a later disk save of a step at least as new retires it. ``tier=None`` (default): the tier
         :meth:`due` names for this step, and ``"disk"`` when it names none (a save outside the policy)."""
+        step = _step_number(step)
         if tier is None:
             tier = self.due(step) or "disk"
         if tier not in ("disk", "memory"):
@@ -393,9 +410,9 @@ class AsyncCheckpointer:
         blob = _PY_EXTRA_MAGIC + pickle.dumps({"skeleton_pickle": self._skeleton_blob, "extra": extra,
                                                "world_size": self._c.world_size},
                                               protocol=pickle.HIGHEST_PROTOCOL)
-        handle = self._c.save(int(step), self._tensor_list, blob, tier)
+        handle = self._c.save(step, self._tensor_list, blob, tier)
         if not handle.skipped:
-            self._schedule.saved(int(step), handle.tier, self._clock())
+            self._schedule.saved(step, handle.tier, self._clock())
             self._handles.append(handle)
         if self._preempt_signal is not None:
             self._finish_preemption(handle)
@@ -447,9 +464,10 @@ class AsyncCheckpointer:
         """The tier the interval policy saves to at this step: ``"disk"`` when ``every`` is due (always once
         a preemption signal arrived), else ``"memory"`` when ``every_memory`` is, else ``None``. The two
         intervals run separately: a memory save does not reset the disk interval."""
+        step = _step_number(step)
         if self._preempt_signal is not None:
             return "disk"
-        return self._schedule.due(int(step), self._clock(), self._measured_costs("disk"),
+        return self._schedule.due(step, self._clock(), self._measured_costs("disk"),
                                   self._measured_costs("memory"))
 
     def auto_interval_s(self, tier: str = "disk") -> float:

@@ -191,3 +191,87 @@ TEST(Storage, ParallelReadsLandEveryByteAndReportAShortFile) {
     EXPECT_NE(err.message().find("ends early"), std::string::npos) << err.message();
   }
 }
+
+// check_step_files is the one check of a rank's files that both load_latest and RestorePrefetch run: pin what
+// it refuses and what it returns, on a step written by hand (so each fault is exactly the one named).
+TEST(Storage, CheckStepFilesRefusesEachFaultByNameAndStopsBetweenChunkGroups) {
+  ettkit::testing::TempDir tmp;
+  const std::string dir = tmp.str();
+  const std::string step_dir = dir + "/" + ckd::step_dir_name(1);
+  std::vector<uint8_t> data((size_t{64} << 20) + 99);  // two whole chunks and a short third one
+  std::mt19937_64 rng(5);
+  for (auto& b : data) b = static_cast<uint8_t>(rng());
+  const std::string extra = "the trainer's non-tensor state";
+  auto write_step = [&](bool legacy, bool list_extra) {
+    std::filesystem::remove_all(step_dir);
+    ckd::make_directories(step_dir);
+    ckd::Manifest m;
+    m.step = 1;
+    m.world_size = 1;
+    m.files["rank-0.safetensors"] = ckd::write_file_durably(step_dir + "/rank-0.safetensors", {{data.data(), data.size()}});
+    ckd::FileDigest e = ckd::write_file_durably(step_dir + "/rank-0.extra", {{extra.data(), extra.size()}});
+    if (legacy) {  // a manifest from before chunk checksums: the whole-file XXH3 only
+      m.files["rank-0.safetensors"].chunks.clear();
+      m.files["rank-0.safetensors"].chunk_bytes = 0;
+    }
+    if (list_extra) m.files["rank-0.extra"] = e;
+    std::string text = ckd::encode_manifest(m);
+    ckd::write_file_durably(step_dir + "/manifest.json", {{text.data(), text.size()}});
+  };
+  auto flip = [](const std::string& path, std::streamoff at) {
+    std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(at);
+    char c = 0;
+    f.get(c);
+    f.seekp(at);
+    f.put(static_cast<char>(c ^ 0x20));
+  };
+  auto refusal = [&](bool verify) {
+    try {
+      ckd::check_step_files(*ckd::open_step(dir, 1, 0), verify, 2);
+    } catch (const CorruptData& e) {
+      return e.message();
+    }
+    return std::string("no error");
+  };
+
+  for (bool legacy : {false, true}) {
+    SCOPED_TRACE(legacy ? "manifest without chunk checksums" : "chunk checksums");
+    write_step(legacy, true);
+    EXPECT_EQ(ckd::check_step_files(*ckd::open_step(dir, 1, 0), true, 2), extra);
+    // One flipped bit in the last chunk: refused when verifying (by byte range where chunks exist), unseen
+    // when not (the caller asked for no checksums; the sizes still match).
+    flip(step_dir + "/rank-0.safetensors", (std::streamoff{64} << 20) + 50);
+    std::string why = refusal(true);
+    EXPECT_NE(why.find(step_dir + "/rank-0.safetensors"), std::string::npos) << why;
+    EXPECT_NE(why.find(legacy ? "has XXH3" : "bytes [67108864, 67108963)"), std::string::npos) << why;
+    EXPECT_EQ(refusal(false), "no error");
+  }
+
+  write_step(false, true);
+  flip(step_dir + "/rank-0.extra", 3);
+  EXPECT_NE(refusal(true).find("rank-0.extra' has XXH3"), std::string::npos) << refusal(true);
+  std::string flipped = extra;
+  flipped[3] = static_cast<char>(flipped[3] ^ 0x20);
+  EXPECT_EQ(ckd::check_step_files(*ckd::open_step(dir, 1, 0), false, 2), flipped);  // what is returned is what is read
+
+  write_step(false, false);
+  EXPECT_NE(refusal(false).find("lists no 'rank-0.extra'"), std::string::npos) << refusal(false);
+
+  write_step(false, true);
+  std::filesystem::resize_file(step_dir + "/rank-0.safetensors", data.size() - 1);
+  EXPECT_NE(refusal(false).find("has " + std::to_string(data.size() - 1) + " bytes; the manifest says " +
+                                std::to_string(data.size())),
+            std::string::npos)
+      << refusal(false);
+
+  // `stop` is asked before each group of `threads` chunks and once before the extra file: three chunks on
+  // one thread ask it four times; true at the second ask ends the check with nothing.
+  write_step(false, true);
+  int asked = 0;
+  EXPECT_EQ(ckd::check_step_files(*ckd::open_step(dir, 1, 0), true, 1, [&] { return ++asked == 2; }), std::nullopt);
+  EXPECT_EQ(asked, 2);
+  asked = 0;
+  EXPECT_EQ(ckd::check_step_files(*ckd::open_step(dir, 1, 0), true, 1, [&] { return ++asked > 99; }), extra);
+  EXPECT_EQ(asked, 4);
+}
