@@ -252,8 +252,10 @@ struct AsyncCheckpointer::Impl {
   std::string key_prefix;
   std::unique_ptr<Stager> stager;
   // Ledger phase ids, per tier where the tier is in the name (index: Tier; docs/ett.md, "checkpoint tiers").
-  uint32_t blocking_id[2] = {0, 0}, refused_id[2] = {0, 0}, restore_id[2] = {0, 0};
+  uint32_t blocking_id[2] = {0, 0}, refused_id[2] = {0, 0}, failed_id[2] = {0, 0}, restore_id[2] = {0, 0};
   uint32_t persist_id = 0, staging_id = 0, memory_id = 0;
+  // close()'s wait for the saves still queued or being written: the end of a job waits for its last save.
+  uint32_t drain_id = 0;
   // The memory tier (null without one). Written by the writer thread only; load_latest and close touch it
   // after wait_all() / the writer's join.
   std::unique_ptr<MemoryTier> memory;
@@ -395,8 +397,11 @@ struct AsyncCheckpointer::Impl {
         } catch (...) {
         }
       }
-      if (torn && opt.recorder) {
-        opt.recorder->record_background(refused_id[static_cast<int>(job.tier)], job.call_us, end, job.step);
+      if (err && opt.recorder) {
+        // A refused (torn) save and a failed one (a write error, a lost peer): the report counts both, so that
+        // a job whose saves all fail does not read as a job that checkpoints.
+        const int t = static_cast<int>(job.tier);
+        opt.recorder->record_background(torn ? refused_id[t] : failed_id[t], job.call_us, end, job.step);
       }
       {
         // Statistics first, so a caller woken by the handle sees them.
@@ -750,11 +755,13 @@ AsyncCheckpointer::AsyncCheckpointer(CheckpointerOptions options, c10::intrusive
       const int i = static_cast<int>(t);
       im.blocking_id[i] = rec.phase_id(std::string(ett::phase::kCheckpointBlocking) + suffix);
       im.refused_id[i] = rec.phase_id(std::string(ett::phase::kCheckpointRefused) + suffix);
+      im.failed_id[i] = rec.phase_id(std::string(ett::phase::kCheckpointFailed) + suffix);
       im.restore_id[i] = rec.phase_id(std::string(ett::phase::kCheckpointRestore) + suffix);
     }
     im.persist_id = rec.phase_id(ett::phase::kCheckpointPersist);
     im.memory_id = rec.phase_id(ett::phase::kCheckpointMemoryPersist);
     im.staging_id = rec.phase_id("checkpoint_staging");
+    im.drain_id = rec.phase_id(std::string(ett::phase::kShutdown) + "/checkpoint_drain");
   }
   if (!im.opt.memory_tier.root.empty()) im.open_memory_tier();
   im.stager = std::make_unique<Stager>(im.opt.stager);
@@ -911,13 +918,21 @@ void AsyncCheckpointer::close(bool discard_memory_tier) {
   // thread handle, then std::system_error from the second join). A later closer waits here until the first
   // has finished, so that no close() returns before every queued save is finished.
   std::lock_guard<std::mutex> closing(im.close_mu);
+  bool pending = false;
   {
     std::lock_guard<std::mutex> lk(im.mu);
     if (im.closing && !im.writer.joinable()) return;
     im.closing = true;
+    pending = im.in_flight > 0;
   }
+  const int64_t drain_begin = epoch_us();
   im.cv.notify_all();
   if (im.writer.joinable()) im.writer.join();
+  // The wait for the last saves to commit is time the job spends on checkpointing after its last step; a
+  // phase records it (else the report would show it as unattributed).
+  if (pending && im.opt.recorder && !im.opt.recorder->closed()) {
+    im.opt.recorder->record_phase(im.drain_id, drain_begin, epoch_us());
+  }
   // Before the heartbeat stops: the replica's receiver waits for its sender's count with the monitor.
   if (im.replica) im.replica->close();
   if (im.peers) {

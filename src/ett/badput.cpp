@@ -28,6 +28,7 @@ constexpr std::pair<std::string_view, std::string_view> kByTopLevel[] = {
     {phase::kCheckpointRestore, badput::kCheckpointRestore},
     {phase::kCheckpointBlocking, badput::kCheckpointSave},
     {phase::kCheckpointRefused, badput::kCheckpointSave},
+    {phase::kCheckpointFailed, badput::kCheckpointSave},
     // Background records never take job time; named for completeness.
     {phase::kCheckpointPersist, badput::kCheckpointSave},
     {phase::kCheckpointMemoryPersist, badput::kCheckpointSave},

@@ -91,6 +91,7 @@ std::optional<CheckpointTier> persist_tier(const std::string& name) {
 struct TierSaves {
   int count = 0;    // saves (blocking records; several of the same step are one save)
   int refused = 0;  // saves the integrity check refused (tensors changed while being copied)
+  int failed = 0;   // saves that failed otherwise (a write error, a lost peer): nothing committed
   std::vector<double> between_training;  // training seconds between consecutive saves of the tier
   std::vector<double> durable_latency;   // save call -> committed, per committed save
 };
@@ -105,6 +106,7 @@ TierSaves tier_saves(const Attempts& ref_attempts, const std::vector<std::string
       const std::string& n = names[p.name];
       if (persist_tier(n) == tier) out.durable_latency.push_back(seconds(p.e - p.b));
       if (checkpoint_tier(n, phase::kCheckpointRefused) == tier) ++out.refused;
+      if (checkpoint_tier(n, phase::kCheckpointFailed) == tier) ++out.failed;
     }
     std::vector<std::pair<int64_t, int64_t>> blocks;
     // One checkpoint can block more than once (the save call, then the optimizer's wait for its copies):
@@ -357,6 +359,7 @@ void checkpoint_figures(const Analysis& an, const RecoveryCosts& costs, const Re
     const TierSaves saves = tier_saves(ref_attempts, names, t);
     f.count = saves.count;
     f.refused = saves.refused;
+    f.failed = saves.failed;
     const double durable_median = median(saves.durable_latency);
     if (std::isfinite(durable_median)) f.durable_latency_median_s = durable_median;
     if (cfg_interval_s[i]) {
@@ -386,7 +389,7 @@ void checkpoint_figures(const Analysis& an, const RecoveryCosts& costs, const Re
   }
   r.checkpoints.disk = tier[static_cast<int>(CheckpointTier::kDisk)];
   const TierStatistics& memory = tier[static_cast<int>(CheckpointTier::kMemory)];
-  if (memory.count > 0 || memory.refused > 0 || memory.restores > 0) r.checkpoints.memory = memory;
+  if (memory.count > 0 || memory.refused > 0 || memory.failed > 0 || memory.restores > 0) r.checkpoints.memory = memory;
   // Meta's estimates: blocking summed over the tiers; unsaved work as if every failure went back to the
   // durable tier (the ledger does not say which failures a memory tier could have covered).
   for (const TierStatistics& f : tier) {

@@ -56,6 +56,7 @@ json to_json(const std::optional<IntervalRecommendation>& r) {
 json to_json(const TierStatistics& t) {
   return {{"count", t.count},
           {"refused", t.refused},
+          {"failed", t.failed},
           {"blocking_s", t.blocking_s},
           {"blocking_mean_s", opt(t.blocking_mean_s)},
           {"interval_s", opt(t.interval_s)},
@@ -193,6 +194,7 @@ std::string to_json(const Report& r) {
   if (r.checkpoints.memory) tiers["memory"] = to_json(*r.checkpoints.memory);
   doc["checkpoints"] = {{"count", disk.count},
                         {"refused", disk.refused},
+                        {"failed", disk.failed},
                         {"blocking_mean_s", opt(disk.blocking_mean_s)},
                         {"interval_s", opt(disk.interval_s)},
                         {"interval_source", text_or_null(disk.interval_source)},

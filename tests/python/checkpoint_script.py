@@ -294,7 +294,11 @@ def main() -> int:
 
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
-        ck = AsyncCheckpointer(path, recorder=None)
+        from ettkit import ett
+
+        # The ledger of this run (small lines: the 1 MiB limit does not reach it) records the failed save.
+        rec = ett.Recorder(os.path.join(os.path.dirname(sys.argv[3]), "run"), rank=0, world_size=1)
+        ck = AsyncCheckpointer(path, every=2)
         ck.save(1, make_state(1)).wait()
         big = make_state(2)
         big["model"]["huge"] = torch.ones(1 << 19)  # 2 MiB > the 1 MiB file-size limit
@@ -308,6 +312,7 @@ def main() -> int:
         res = {"err": err, "handle_error": type(h.error).__name__, "durable": h.durable,
                "dirs": sorted(p for p in os.listdir(path) if p.startswith("step"))}
         ck.close()
+        rec.close()
         with open(sys.argv[3], "w") as f:
             json.dump(res, f)
         return 0

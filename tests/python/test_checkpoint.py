@@ -156,6 +156,39 @@ def test_failed_write_reports_io_error_and_keeps_previous_step(tmp_path):
     assert res["dirs"] == ["step-1", "step-3"]
     target = zeros_like_state(make_state(3))
     assert AsyncCheckpointer(tmp_path / "ck", recorder=None).load_latest(target)[0] == 3
+    # The ETT report does not read as a job whose saves all went well: the failed one is counted, and the
+    # interval is the checkpointer's every=2 (recorded by it, not repeated by the trainer).
+    from ettkit import ett
+
+    report = ett.build_report(tmp_path / "run")
+    ckpt = report["checkpoints"]
+    assert (ckpt["count"], ckpt["failed"], ckpt["refused"]) == (3, 1, 0)
+    assert ckpt["tiers"]["disk"]["failed"] == 1
+    ledger = [json.loads(x) for x in (tmp_path / "run" / "ett" / "rank-0.jsonl").read_text().splitlines()]
+    assert [(r["key"], r["value"]) for r in ledger if r["t"] == "config"] == [("checkpoint_interval_steps", 2.0)]
+    assert [(r["name"], r["step"]) for r in ledger if r["t"] == "bg" and r["name"] == "checkpoint_failed"] == [
+        ("checkpoint_failed", 2)]
+    assert "1 FAILED, nothing committed" in ett.format_report(report)
+
+
+def test_close_records_its_wait_for_the_last_save(tmp_path):
+    """Leaving the with-block waits for the save still being written: a shutdown/checkpoint_drain phase, not
+    unattributed time. 64 MiB written and fsynced cannot commit between save() returning and close()."""
+    from ettkit import ett
+
+    with ett.Recorder(tmp_path / "run", rank=0, world_size=1):
+        with AsyncCheckpointer(tmp_path / "ck", every="10min") as ck:
+            ck.save(1, {"w": torch.ones(16 << 20)})
+        with AsyncCheckpointer(tmp_path / "ck2") as ck:  # nothing queued at close: nothing recorded
+            ck.save(1, {"w": torch.ones(4)}).wait()
+    lines = [json.loads(x) for x in (tmp_path / "run" / "ett" / "rank-0.jsonl").read_text().splitlines()]
+    drains = [r for r in lines if r["t"] == "phase" and r["name"] == "shutdown/checkpoint_drain"]
+    persists = [r for r in lines if r["t"] == "bg" and r["name"] == "checkpoint_persist"]
+    assert len(drains) == 1 and len(persists) == 2
+    assert drains[0]["e"] >= persists[0]["e"] > drains[0]["b"]  # it ends once step 1 is committed
+    assert [r["key"] for r in lines if r["t"] == "config"] == ["checkpoint_interval_s"]
+    report = ett.build_report(tmp_path / "run")
+    assert report["checkpoints"]["interval_source"] == "configured"
 
 
 def test_on_busy_skip_and_error(tmp_path):

@@ -30,8 +30,12 @@ inline constexpr std::string_view kCheckpointPersist = "checkpoint_persist";
 inline constexpr std::string_view kCheckpointMemoryPersist = "checkpoint_memory_persist";
 // A save the integrity check refused (a saved tensor changed while it was copied).
 inline constexpr std::string_view kCheckpointRefused = "checkpoint_refused";
+// A save that failed for another reason (a write error such as a full disk, a lost peer, a commit timeout):
+// nothing was committed; the checkpointer's log names the error.
+inline constexpr std::string_view kCheckpointFailed = "checkpoint_failed";
 // The memory tier's records are the sub-stage "memory" of the disk tier's names: checkpoint_blocking/memory,
-// checkpoint_restore/memory, checkpoint_refused/memory (their time rolls up into the parent phase).
+// checkpoint_restore/memory, checkpoint_refused/memory, checkpoint_failed/memory (their time rolls up into the
+// parent phase).
 inline constexpr std::string_view kMemoryTierSuffix = "/memory";
 // Sub-stage the recorder writes for [process start, recorder start): interpreter start, imports.
 inline constexpr std::string_view kProcessBootstrap = "process_bootstrap";

@@ -93,7 +93,8 @@ struct IntervalRecommendation {
 /// One tier's saves, intervals and recoveries.
 struct TierStatistics {
   int count = 0;
-  int refused = 0;
+  int refused = 0;  ///< saves refused as torn (checkpoint_refused)
+  int failed = 0;   ///< saves that failed otherwise, nothing committed (checkpoint_failed)
   double blocking_s = 0;
   std::optional<double> blocking_mean_s;
   std::optional<double> interval_s;

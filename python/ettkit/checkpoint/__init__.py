@@ -103,6 +103,18 @@ def _every(every: Any, field: str = "every") -> "_C.checkpoint.Every":
     return Every.parse(every, field)
 
 
+def _record_intervals(recorder: Any, disk: "_C.checkpoint.Every", memory: "_C.checkpoint.Every") -> None:
+    """Records the policy's fixed intervals as the report's configured interval (``checkpoint_interval_steps``
+    or ``checkpoint_interval_s``; ``checkpoint_memory_*`` for the memory tier), so that a trainer does not
+    have to repeat ``every=`` in ``set_config``. ``"auto"`` changes with the measured costs: the report
+    infers it from the saves."""
+    for every, prefix in ((disk, "checkpoint"), (memory, "checkpoint_memory")):
+        if every.kind == "steps":
+            recorder.set_config(f"{prefix}_interval_steps", float(every.value))
+        elif every.kind == "seconds":
+            recorder.set_config(f"{prefix}_interval_s", float(every.value))
+
+
 def parse_every(every: Any) -> tuple[str, float]:
     """``None`` -> ("never", 0); int n -> ("steps", n); "90s"/"5min"/"2h" -> ("seconds", s); "auto". The
     parsing is the C++ ``Every::parse`` that C++ trainers use (include/ettkit/checkpoint/schedule.h)."""
@@ -293,6 +305,8 @@ class AsyncCheckpointer:
             peer_timeout_s=float(peer_timeout_s), memory_tier=memory_root, job_id=str(job_id or ""),
             memory_tier_budget_bytes=int(memory_tier_budget_bytes or 0), verify_memory_tier=bool(verify_memory_tier),
             reshard_whole_from_rank0=bool(reshard_whole_from_rank0))
+        if recorder is not None and not read_only:
+            _record_intervals(recorder, every_disk, every_mem)
         self.restored_from: Optional[str] = None
         # With a peer replica: the rank that gave this rank's memory step back at the last load_latest.
         self.restored_from_rank: Optional[int] = None
@@ -660,6 +674,8 @@ class AsyncCheckpointer:
     #: This rank's memory-tier directory ("" without one).
     memory_tier_directory = property(lambda self: self._c.memory_tier_directory)
     saves_refused = property(lambda self: self._c.saves_refused)
+    #: Saves that failed (refused ones included): nothing of them was committed.
+    saves_failed = property(lambda self: self._c.saves_failed)
 
 
 def __getattr__(name: str):

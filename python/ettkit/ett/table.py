@@ -138,7 +138,8 @@ def _checkpointing(report: dict) -> list[str]:
         f"estimated {_sec(unsaved.get('estimated'))} s",
         f"  checkpoints       {_text(ckpt.get('count'))}, mean blocking {_sec(ckpt.get('blocking_mean_s'))} s, "
         f"median durable latency {_sec(ckpt.get('durable_latency_median_s'))} s"
-        + (f", {ckpt['refused']} refused (torn snapshot)" if ckpt.get("refused") else ""),
+        + (f", {ckpt['refused']} refused (torn snapshot)" if ckpt.get("refused") else "")
+        + (f", {ckpt['failed']} FAILED, nothing committed (see the log)" if ckpt.get("failed") else ""),
         f"  interval in use   {_sec(ckpt.get('interval_s'))} s" + (f" ({source})" if source else ""),
         *_memory_tier(ckpt),
     ]
@@ -154,7 +155,8 @@ def _memory_tier(ckpt: dict) -> list[str]:
     return [
         f"  memory tier       {_text(mem.get('count'))} saves, mean blocking {_sec(mem.get('blocking_mean_s'))} s, "
         f"median time to committed {_sec(mem.get('durable_latency_median_s'))} s"
-        + (f", {mem['refused']} refused (torn snapshot)" if mem.get("refused") else ""),
+        + (f", {mem['refused']} refused (torn snapshot)" if mem.get("refused") else "")
+        + (f", {mem['failed']} FAILED, nothing committed (see the log)" if mem.get("failed") else ""),
         f"                    interval {_sec(mem.get('interval_s'))} s" + (f" ({source})" if source else "")
         + f", recommended {_sec(mem.get('recommended_interval_s'))} s; {restores} "
         + ("restore" if restores == 1 else "restores") + f", re-trained {_sec(mem.get('retraining_s'))} s after them",
