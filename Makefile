@@ -37,6 +37,11 @@ SOURCES := $(shell find CMakeLists.txt pyproject.toml cmake include src python t
              -type f \( -name '*.cpp' -o -name '*.h' -o -name '*.in' -o -name '*.txt' -o -name '*.cmake' \
              -o -name '*.py' -o -name '*.toml' \) 2>/dev/null)
 JOBS ?= $(shell nproc)
+# pytest's worker processes (pytest-xdist), one test file per worker at a time (--dist loadfile: a file's
+# module-scoped fixtures, such as the demo run and the C++ example's build, run once). On the 2-core CI
+# machine two workers took the suite from 1,079 s to 823 s (docs/benchmarks.md, "CI"). 0: in-process.
+PYTEST_JOBS ?= $(JOBS)
+PYTEST_PARALLEL := -n $(PYTEST_JOBS) --dist loadfile
 
 .PHONY: build bootstrap test test-cpp test-python demo bench sanitize tsan asan-python gpu-kit clean
 
@@ -62,14 +67,14 @@ test: build
 	echo "==== C++ tests (ctest) ===="; \
 	ctest --test-dir $(BUILD_DIR) --output-on-failure -j $(JOBS) || rc=1; \
 	echo "==== Python tests (pytest) ===="; \
-	$(PY) -m pytest tests/python -q -p no:cacheprovider --durations=25 || rc=1; \
+	$(PY) -m pytest tests/python -q -p no:cacheprovider $(PYTEST_PARALLEL) --durations=25 || rc=1; \
 	exit $$rc
 
 test-cpp: build
 	ctest --test-dir $(BUILD_DIR) --output-on-failure -j $(JOBS)
 
 test-python: build
-	$(PY) -m pytest tests/python -q -p no:cacheprovider
+	$(PY) -m pytest tests/python -q -p no:cacheprovider $(PYTEST_PARALLEL)
 
 demo: build
 	$(PY) examples/python/ett_demo.py --out build/demo
