@@ -1,7 +1,8 @@
 # ettkit's entry points. Everything works from a clean clone on a fresh Debian 12 machine and is
 # idempotent: a second `make build` installs and rebuilds nothing.
 #   make build     Debian packages + .venv (torch, Python deps) + build and install ettkit into .venv
-#   make test      build, then the C++ tests (ctest) and the Python tests (pytest); both summaries printed
+#   make test      build, then the C++ tests (ctest) and the Python tests (pytest, in $(JOBS) worker processes;
+#                  PYTEST_JOBS=0 for one); both summaries printed
 #   make demo      the main job: one sharded training job, the plain PyTorch way and with ettkit, each killed once
 #                  and restarted; both ETT reports side by side (docs/demo.md)
 #   make bench     every benchmark with --quick; JSON into build/bench/
