@@ -39,8 +39,8 @@ SOURCES := $(shell find CMakeLists.txt pyproject.toml cmake include src python t
              -o -name '*.py' -o -name '*.toml' \) 2>/dev/null)
 JOBS ?= $(shell nproc)
 # pytest's worker processes (pytest-xdist), one test file per worker at a time (--dist loadfile: a file's
-# module-scoped fixtures, such as the demo run and the C++ example's build, run once). On the 2-core CI
-# machine two workers took the suite from 1,079 s to 823 s (docs/benchmarks.md, "CI"). 0: in-process.
+# module-scoped fixtures, such as the demo run and the C++ example's build, run once). On the project's
+# 2-core VM two workers took the suite from 1,079 s to 823 s (docs/benchmarks.md, "CI"). 0: in-process.
 PYTEST_JOBS ?= $(JOBS)
 PYTEST_PARALLEL := -n $(PYTEST_JOBS) --dist loadfile
 
