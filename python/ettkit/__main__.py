@@ -32,6 +32,9 @@ def _report(args: argparse.Namespace) -> int:
     except (errors.Error, OSError) as e:
         print(f"ettkit report: error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # noqa: BLE001 - a run directory is outside input: one line, never a traceback
+        print(f"ettkit report: error: {args.run_dir}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
     if args.prometheus:
         from .ett.prometheus import write_prometheus
 
@@ -46,6 +49,9 @@ def _report(args: argparse.Namespace) -> int:
                                            mtbf_prior_s=args.mtbf_prior, method=args.method, include_timeline=True))
             except (errors.Error, OSError) as e:
                 print(f"ettkit report: error: --plot-with {other}: {e}", file=sys.stderr)
+                return 2
+            except Exception as e:  # noqa: BLE001 - outside input as RUN_DIR is: one line, no traceback
+                print(f"ettkit report: error: --plot-with {other}: {type(e).__name__}: {e}", file=sys.stderr)
                 return 2
         write_plot([report, *others], args.plot)
     if args.tensorboard:

@@ -2,6 +2,11 @@
 // Reads a run directory's ledger files into per-rank, per-attempt records for the report.
 // Tolerant by design: a torn last line (a process killed mid-write) or a corrupt line is skipped and
 // counted; only a missing/empty directory or a newer format version is an error.
+// Hostile directories (docs/security.md): the ledger folder and its files are opened relative to the run
+// directory without following symbolic links, and only regular files are read (any other entry named like a
+// ledger file is skipped with a warning); a line longer than ledger::kMaxLineBytes or nested deeper than
+// ledger::kMaxNestingDepth is a corrupt line, skipped without being held in memory whole. What the reader
+// holds is a 64 KiB chunk, at most one line and the records it read.
 
 #include <cstdint>
 #include <map>
@@ -70,7 +75,8 @@ struct LedgerSet {
 };
 
 /// Reads RUN_DIR/ett/rank-*.jsonl. Throws InvalidArgument when the directory or ledger is missing,
-/// Unsupported when a record has a newer format version than this build reads.
+/// Unsupported when a record has a newer format version than this build reads, IoError (naming the path)
+/// when the OS refuses to open, list or read something, or RUN_DIR/ett is a symbolic link.
 LedgerSet read_ledger_dir(const std::string& run_dir);
 
 }  // namespace ettkit::ett::detail

@@ -15,6 +15,7 @@
 #include "ett/open_recorders.h"
 #include "ett/process_info.h"
 #include "ett/report_passes.h"
+#include "ettkit/common/error.h"
 
 using nlohmann::json;
 
@@ -156,8 +157,16 @@ Report analyse(const LedgerSet& set, const std::string& run_dir, const ReportOpt
 }  // namespace
 
 Report build_report_model(const std::string& run_dir, const ReportOptions& options) {
-  auto set = read_for_report(run_dir);
-  return analyse(set, run_dir, options);
+  try {
+    auto set = read_for_report(run_dir);
+    return analyse(set, run_dir, options);
+  } catch (const std::filesystem::filesystem_error& e) {
+    // The ledger reader works on file descriptors; this catches what a std::filesystem call on the way
+    // (resolving an open Recorder's path, the trace file) throws, so that every OS error of a report is
+    // ettkit's IoError naming the path, never a bare std::exception.
+    const std::string path = e.path1().empty() ? run_dir : e.path1().string();
+    ETTKIT_THROW(IoError, "report of '", run_dir, "': cannot access '", path, "': ", e.code().message());
+  }
 }
 
 std::string build_report_json(const std::string& run_dir, const ReportOptions& options) {

@@ -172,21 +172,26 @@ def _job_row(run_dir: str, report: dict | None, reason: str | None) -> dict[str,
     }
 
 
+def _reason(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
 def _read(run_dir: str, include_initial_queue: bool) -> tuple[dict | None, str | None]:
     try:
         return build_report(run_dir, include_initial_queue=include_initial_queue, include_timeline=False), None
-    except (errors.Error, OSError, ValueError) as e:  # ettkit's errors (missing, newer format, unreadable)
-        return None, f"{type(e).__name__}: {e}"
+    except Exception as e:  # noqa: BLE001 - whatever one directory does, it must not stop the others
+        return None, _reason(e)
 
 
 def fleet_report(run_dirs: Iterable[str | os.PathLike], *, include_initial_queue: bool = False) -> dict:
     """The fleet report of ``run_dirs`` (keys documented in docs/ett.md, "Fleet report").
 
     Every directory is reported with :func:`ettkit.ett.build_report`; one that cannot be (missing, empty,
-    no ledger, unreadable, a newer ledger format) becomes a ``failed_to_read`` row with the reason, and a
-    job whose last attempt is still running is included as ``running`` (its E2E so far). Aggregates are
-    weighted by accelerator-seconds (``world_size × seconds``). ``include_initial_queue`` is passed to each
-    report. Raises ``ettkit.InvalidArgumentError`` when ``run_dirs`` is empty.
+    no ledger, unreadable, a newer ledger format, any error at all) becomes a ``failed_to_read`` row with
+    the reason and adds nothing to the totals, and a job whose last attempt is still running is included
+    as ``running`` (its E2E so far). Aggregates are weighted by accelerator-seconds (``world_size ×
+    seconds``). ``include_initial_queue`` is passed to each report. Raises ``ettkit.InvalidArgumentError``
+    when ``run_dirs`` is empty.
     """
     dirs = [os.fspath(d) for d in run_dirs]
     if not dirs:
@@ -206,14 +211,21 @@ def fleet_report(run_dirs: Iterable[str | os.PathLike], *, include_initial_queue
     badput_jobs = 0
     for run_dir in dirs:
         report, reason = _read(run_dir, include_initial_queue)
-        row = _job_row(run_dir, report, reason)
+        try:
+            # Everything taken from the report is read here, before any fleet total changes: a directory
+            # whose report cannot be used is a failed_to_read row and adds nothing.
+            row = _job_row(run_dir, report, reason)
+            if report is not None:
+                bucket_s = {b: float(report.get(f"{b}_s") or 0.0) for b in BUCKETS}
+                parts = split_phases(report)
+        except Exception as e:  # noqa: BLE001 - one bad directory never stops the others
+            report, row = None, _job_row(run_dir, None, _reason(e))
         jobs.append(row)
         if report is None:
             continue
         w = row["world_size"]
         for b in BUCKETS:
-            bucket_acc[b] += w * float(report.get(f"{b}_s") or 0.0)
-        parts = split_phases(report)
+            bucket_acc[b] += w * bucket_s[b]
         for b in ("idle", "failure", "mixed"):
             for name, seconds in parts[b].items():
                 if seconds <= 0:

@@ -19,17 +19,20 @@ docs/ett.md ("Live metrics") lists where the two can differ.
 
 from __future__ import annotations
 
+import errno
 import functools
 import heapq
+import itertools
 import json
 import logging
 import os
 import re
+import stat
 import time
 from typing import Optional
 
 from .. import _C
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, IoError
 
 logger = logging.getLogger("ettkit")
 
@@ -40,7 +43,14 @@ _MAX_EPOCH_US = 253_402_300_799_000_000
 _MAX_RANK = 2_147_483_647
 # A refresh reads at most this much of one file at a time, so that catching up on a large ledger never
 # holds the whole file in memory.
-_CHUNK_BYTES = 8 << 20
+_CHUNK_BYTES = 1 << 20
+# What one line may cost (ledger::kMaxLineBytes and kMaxNestingDepth in src/ett/ledger_format.h): a longer or
+# deeper line is no record of the Recorder's; it is counted as corrupt and skipped, never held whole.
+_MAX_LINE_BYTES = 1 << 20
+_MAX_NESTING_DEPTH = 64
+_OVERSIZED = f"longer than {_MAX_LINE_BYTES} bytes; a ledger record is far shorter"
+# Opens a ledger file only as itself: never through a symbolic link, and without blocking on a FIFO.
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 
 # What a piece of owned time is (report.cpp's Kind) and which record wins where records overlap (Layer).
 _PHASE, _TRAINING, _WASTED, _UNATTRIBUTED, _LOST = range(5)
@@ -81,14 +91,39 @@ _INT = "(?:0|[1-9][0-9]*)"
 _STEP_LINE = re.compile(r'\{"v":1,"t":"step","n":(-?' + _INT + '),"b":(' + _INT + '),"e":(' + _INT + r')\}')
 
 
+# A JSON string, or an unterminated one up to the end of the line: it always matches from a quote, without
+# backtracking, so stripping strings is linear in the line whatever it holds.
+_STRING = re.compile(rb'"[^"\\]*(?:\\.?[^"\\]*)*(?:"|\Z)')
+_NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
+_DEPTH_STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
+
+
+def _nesting_within(line: str | bytes, max_depth: int = _MAX_NESTING_DEPTH) -> bool:
+    """Whether ``line`` nests arrays and objects at most ``max_depth`` deep, brackets inside strings not
+    counted (the C++ reader's nesting_within). Python's json would otherwise build one list per level, or
+    raise RecursionError (no ValueError) a thousand levels down. At C speed: few brackets prove it at once;
+    otherwise strings are cut out, the brackets kept, and their running depth's maximum taken."""
+    if type(line) is str:
+        if line.count("[") + line.count("{") <= max_depth:
+            return True
+        line = line.encode("utf-8", "surrogatepass")
+    elif line.count(b"[") + line.count(b"{") <= max_depth:
+        return True
+    brackets = _STRING.sub(b"", line).translate(None, _NOT_BRACKETS)
+    return max(itertools.accumulate(map(_DEPTH_STEP.__getitem__, brackets)), default=0) <= max_depth
+
+
 def _parse(line: str | bytes) -> Optional[dict | tuple]:
     """One ledger line as a JSON object, as (n, b, e) for a step line in the Recorder's own spelling, or
-    None when it is not an object (the caller counts it as corrupt). Module-level so that a test can count
-    the lines a refresh parses."""
+    None when it is not an object (the caller counts it as corrupt). Raises _Corrupt, with the reason, for a
+    line nested deeper than the ledger's bound. Module-level so that a test can count the lines a refresh
+    parses."""
     if type(line) is str:
         m = _STEP_LINE.fullmatch(line)
         if m is not None:
             return int(m[1]), int(m[2]), int(m[3])
+    if not _nesting_within(line):
+        raise _Corrupt(f"nested deeper than {_MAX_NESTING_DEPTH} levels")
     try:
         doc = _decode(line) if type(line) is str else json.loads(line)
     except ValueError:  # JSONDecodeError, and UnicodeDecodeError for bytes that are not UTF-8
@@ -224,20 +259,61 @@ class _Attempt:
 class _RankFile:
     """One ledger file: where reading stopped, and the attempts read so far."""
 
-    __slots__ = ("rank", "path", "inode", "offset", "partial", "line_no", "attempts", "high_water",
-                 "timeline", "corrupt_here")
+    __slots__ = ("rank", "path", "inode", "offset", "partial", "skipping", "refused", "line_no", "attempts",
+                 "high_water", "timeline", "corrupt_here")
 
     def __init__(self, rank: int, path: str, timeline: bool) -> None:
         self.rank = rank
         self.path = path
         self.inode: Optional[int] = None
         self.offset = 0
-        self.partial = b""  # bytes after the last newline read: a line still being written
+        # Bytes after the last newline read (a line still being written), appended to in place; dropped once
+        # longer than a line may be, and the rest of that line then skipped up to its newline.
+        self.partial = bytearray()
+        self.skipping = False
+        self.refused = False  # became a link or not a regular file: no longer read (its records stay)
         self.line_no = 0
         self.attempts: list[_Attempt] = []
         self.high_water: Optional[int] = None  # highest step of the attempts before the current one
         self.timeline = timeline
         self.corrupt_here = 0
+
+
+def _byte_length(line: str | bytes) -> int:
+    return len(line) if type(line) is bytes else len(line.encode("utf-8", "surrogatepass"))
+
+
+def _open_ledger_folder(folder: str) -> Optional[int]:
+    """``RUN_DIR/ett`` opened as a directory of the run directory, never through a symbolic link (as the
+    report opens it), or None while it does not exist (or is no directory). Raises ``ettkit.IoError``."""
+    try:
+        return os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except NotADirectoryError:
+        if not os.path.islink(folder):
+            return None  # a file where the folder belongs: nothing any Recorder wrote
+        raise IoError(f"ledger folder '{folder}' is a symbolic link; ettkit reads RUN_DIR/ett/ only as a "
+                      f"directory of the run directory, never through a link: serve the run directory the "
+                      f"link points into instead") from None
+    except OSError as e:
+        raise IoError(f"cannot open ledger folder '{folder}': {e.strerror}") from e
+
+
+def _not_a_ledger_file(dir_fd: int, name: str, path: str) -> Optional[str]:
+    """Why the entry ``name`` of the ledger folder is not read (a symbolic link, not a regular file), or
+    None for a regular file: the report's rule (src/ett/ledger_reader.cpp open_ledger_file)."""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None  # removed since the listing: nothing to read now, and one of that name may come back
+    except OSError as e:
+        raise IoError(f"cannot read ledger file '{path}': {e.strerror}") from e
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link; only regular files in the ledger folder are read, never through a link"
+    if not stat.S_ISREG(st.st_mode):
+        return "is not a regular file (a directory, FIFO, socket or device)"
+    return None
 
 
 class LiveLedger:
@@ -250,7 +326,10 @@ class LiveLedger:
     that appears later is picked up. For one rank whose records arrive in the order the Recorder writes them,
     the :meth:`figures` of a finished run (an end record) equal the report's (``build_report``).
     ``window_records`` (>= 16) bounds the open records of the current attempt, and so a refresh's cost.
-    Not thread-safe: :class:`MetricsServer` serialises its calls.
+    A hostile run directory costs bounded memory (docs/ett.md §10, "Directories someone else wrote"): a line
+    longer than 1 MiB or nested deeper than 64 levels is one corrupt line, never held whole (a refresh holds
+    at most one 1 MiB chunk and one line); only regular files of ``RUN_DIR/ett`` are read, never through a
+    symbolic link. Not thread-safe: :class:`MetricsServer` serialises its calls.
     """
 
     def __init__(self, run_dir: str | os.PathLike, *, window_records: int = 1024) -> None:
@@ -274,25 +353,41 @@ class LiveLedger:
     # ---- reading ---------------------------------------------------------------------------------------
     def refresh(self) -> int:
         """Reads what the ledger files gained since the last call and folds it; returns the number of
-        records folded. A missing ``ett/`` folder (no Recorder has written yet) reads as no files."""
+        records folded. A missing ``ett/`` folder (no Recorder has written yet) reads as no files.
+        Raises ``ettkit.IoError`` naming the path when ``ett/`` is a symbolic link (refused, as by the
+        report) or the OS refuses to open, list or read the folder or a ledger file."""
         folder = os.path.join(self.run_dir, "ett")
-        try:
-            entries = list(os.scandir(folder))
-        except (FileNotFoundError, NotADirectoryError):
+        dir_fd = _open_ledger_folder(folder)
+        if dir_fd is None:
             return 0
-        for entry in entries:
-            name = entry.name
+        try:
+            return self._refresh_in(dir_fd, folder)
+        finally:
+            os.close(dir_fd)
+
+    def _refresh_in(self, dir_fd: int, folder: str) -> int:
+        try:
+            names = os.listdir(dir_fd)
+        except OSError as e:
+            raise IoError(f"cannot list ledger folder '{folder}': {e.strerror}") from e
+        for name in names:
             if name in self._files or name in self._ignored:
                 continue
             if not (name.startswith("rank-") and name.endswith(".jsonl")) or len(name) <= 11:
                 continue
+            path = os.path.join(folder, name)
             rank = _rank_of(name)
             if rank is None:
                 self._ignored.add(name)
-                self._warn(f"{entry.path}: skipped; a ledger file is named rank-<r>.jsonl with r a rank in "
+                self._warn(f"{path}: skipped; a ledger file is named rank-<r>.jsonl with r a rank in "
                            f"plain decimal (0 to 2147483647, no leading zeros)")
                 continue
-            self._files[name] = _RankFile(rank, entry.path, timeline=False)
+            why = _not_a_ledger_file(dir_fd, name, path)
+            if why:
+                self._ignored.add(name)
+                self._warn(f"{path}: skipped; it {why}")
+                continue
+            self._files[name] = _RankFile(rank, path, timeline=False)
         if not self._files:
             return 0
         lowest = min(rf.rank for rf in self._files.values())
@@ -308,14 +403,21 @@ class LiveLedger:
                     rf.timeline = True
             self._timeline_rank = lowest
         before = self.records
-        for rf in sorted(self._files.values(), key=lambda r: r.rank):
-            self._read(rf)
+        for name, rf in sorted(self._files.items(), key=lambda kv: kv[1].rank):
+            self._read(rf, dir_fd, name)
         # An attempt the lowest rank has left is settled once every file was read, so that its lost time
         # starts at the job's failure point as far as all ranks tell it.
         for a in self._file_of(lowest).attempts:
             if a.timeline is not None and a.timeline.closing and not a.timeline.final:
                 self._settle(a, a.timeline, final=True)
         return self.records - before
+
+    @property
+    def progress(self) -> tuple:
+        """What changes whenever a refresh folds or counts anything (records, corrupt lines, files,
+        warnings): equal before and after a refresh that found nothing new."""
+        return (self.records, self.corrupt_lines, self.orphan_records, self.late_records, len(self._files),
+                len(self._ignored), len(self.warnings))
 
     def _warn(self, message: str) -> None:
         if len(self.warnings) < 100:  # bounded: a long-running endpoint must not grow with a bad ledger
@@ -328,11 +430,20 @@ class LiveLedger:
         for slot in _RankFile.__slots__:
             setattr(rf, slot, getattr(fresh, slot))
 
-    def _read(self, rf: _RankFile) -> None:
+    def _read(self, rf: _RankFile, dir_fd: int, name: str) -> None:
+        if rf.refused:
+            return
         try:
-            st = os.stat(rf.path)
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         except FileNotFoundError:
             return  # removed since the listing; its records so far stay counted
+        except OSError as e:
+            raise IoError(f"cannot read ledger file '{rf.path}': {e.strerror}") from e
+        if not stat.S_ISREG(st.st_mode):
+            rf.refused = True
+            self._warn(f"{rf.path} was replaced by a symbolic link or something that is not a regular file; "
+                       f"no longer read (its records so far stay counted)")
+            return
         if rf.inode is None:
             rf.inode = st.st_ino
         elif st.st_ino != rf.inode or st.st_size < rf.offset:
@@ -340,35 +451,75 @@ class LiveLedger:
             rf.inode = st.st_ino
         if st.st_size <= rf.offset:
             return
-        with open(rf.path, "rb") as f:
-            f.seek(rf.offset)
+        try:
+            fd = os.open(name, _OPEN_FLAGS, dir_fd=dir_fd)
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                return  # swapped for a link since the stat: the next refresh refuses it
+            raise IoError(f"cannot read ledger file '{rf.path}': {e.strerror}") from e
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_ino != rf.inode:
+                return  # swapped since the stat: the next refresh sees what it is now
             while rf.offset < st.st_size:
-                chunk = f.read(min(_CHUNK_BYTES, st.st_size - rf.offset))
+                chunk = os.pread(fd, min(_CHUNK_BYTES, st.st_size - rf.offset), rf.offset)
                 if not chunk:
                     break
                 rf.offset += len(chunk)
                 self._feed(rf, chunk)
+        except OSError as e:
+            raise IoError(f"cannot read ledger file '{rf.path}': {e.strerror}") from e
+        finally:
+            os.close(fd)
 
     def _feed(self, rf: _RankFile, chunk: bytes) -> None:
-        data = rf.partial + chunk if rf.partial else chunk
-        cut = data.rfind(b"\n") + 1
-        rf.partial = data[cut:]  # after the last newline: incomplete until its newline arrives
+        """Folds the lines ``chunk`` completes. The bytes after its last newline wait in ``rf.partial``,
+        appended in place, so an unterminated line costs its own length once (not once per chunk) and at
+        most ``_MAX_LINE_BYTES``: past that it is dropped and skipped up to its newline, one corrupt line."""
+        start = 0
+        if rf.skipping:
+            newline = chunk.find(b"\n")
+            if newline < 0:
+                return
+            rf.skipping = False
+            rf.line_no += 1
+            self._corrupt(rf, _OVERSIZED)
+            start = newline + 1
+        cut = chunk.rfind(b"\n", start) + 1
         if cut == 0:
+            rf.partial += memoryview(chunk)[start:]
+            if len(rf.partial) > _MAX_LINE_BYTES:
+                rf.partial = bytearray()
+                rf.skipping = True
             return
+        if rf.partial:  # at most _MAX_LINE_BYTES waiting, plus at most a chunk
+            rf.partial += memoryview(chunk)[start:cut - 1]
+            data = bytes(rf.partial)
+        else:
+            data = chunk[start:cut - 1]
+        rf.partial = bytearray(memoryview(chunk)[cut:])
+        self._fold_lines(rf, data)
+
+    def _fold_lines(self, rf: _RankFile, data: bytes) -> None:
+        """Folds the newline-separated lines of ``data`` (its last line complete, its newline cut off)."""
         try:
             # One decode for the whole batch (a newline always ends a character) is what keeps a refresh
             # cheap; a batch holding bytes that are not UTF-8 is split into lines first, so that only the
             # line holding them is corrupt.
-            lines = data[:cut - 1].decode("utf-8").split("\n")
+            lines = data.decode("utf-8").split("\n")
         except UnicodeDecodeError:
-            lines = data[:cut - 1].split(b"\n")
+            lines = data.split(b"\n")
         parse = _parse
         for line in lines:
             rf.line_no += 1
             if not line:
                 continue
-            doc = parse(line)
             try:
+                if len(line) > _MAX_LINE_BYTES // 4 and _byte_length(line) > _MAX_LINE_BYTES:
+                    raise _Corrupt(_OVERSIZED)
+                doc = parse(line)
                 if doc is None:
                     raise _Corrupt("")
                 if type(doc) is tuple:
@@ -376,11 +527,13 @@ class LiveLedger:
                 else:
                     self._fold(rf, doc)
             except _Corrupt as e:
-                self.corrupt_lines += 1
-                rf.corrupt_here += 1
-                if rf.corrupt_here <= 3:
-                    why = f" ({e})" if str(e) else ""
-                    self._warn(f"{rf.path}:{rf.line_no}: corrupt record skipped{why}")
+                self._corrupt(rf, str(e))
+
+    def _corrupt(self, rf: _RankFile, why: str) -> None:
+        self.corrupt_lines += 1
+        rf.corrupt_here += 1
+        if rf.corrupt_here <= 3:
+            self._warn(f"{rf.path}:{rf.line_no}: corrupt record skipped" + (f" ({why})" if why else ""))
 
     # ---- folding ---------------------------------------------------------------------------------------
     def _fold(self, rf: _RankFile, doc: dict) -> None:
