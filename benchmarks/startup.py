@@ -345,6 +345,11 @@ def _run_ranks(
     with `once`, they share one precompile through a FileStore; without, each rank precompiles.
     `rank0_cache`: rank 0's cache dir (a restart where rank 0's node kept its file and the others are new)."""
     procs = []
+    # What a launcher does for compile once per job: one secret for every rank, outside the Store (which has no
+    # authentication); CompileCache signs and verifies the shared file with it.
+    import secrets
+
+    share_secret = secrets.token_hex(32)
     t0 = time.perf_counter()
     for rank in range(world):
         cache_dir = rank0_cache if rank == 0 and rank0_cache else os.path.join(root, f"{tag}-rank{rank}-cache")
@@ -355,7 +360,7 @@ def _run_ranks(
         env.setdefault("ETTKIT_LOG_LEVEL", "error")
         if once:
             env.update(ETTKIT_BENCH_STORE=os.path.join(root, f"{tag}-store"), ETTKIT_BENCH_RANK=str(rank),
-                       ETTKIT_BENCH_WORLD=str(world))
+                       ETTKIT_BENCH_WORLD=str(world), ETTKIT_COMPILE_SHARE_SECRET=share_secret)
         cmd = [sys.executable, os.path.abspath(__file__), "--child", "precompiled_cold", "--config", json.dumps(cfg),
                "--data-dir", data_dir, "--cache-dir", cache_dir, "--out", out_file]
         procs.append((subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True),

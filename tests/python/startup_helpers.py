@@ -55,6 +55,28 @@ def declared_spec(dynamic: bool = True, batch: int = 8) -> BatchSpec:
     )
 
 
+def megacache_blob(artifacts: dict) -> bytes:
+    """A MegaCache blob in torch's layout (torch/compiler/_cache.py over AppendingByteSerializer), written
+    here independently of torch: ``{type: {key: content bytes}}``. For the file-format tests (no compile), and
+    for hostile blobs whose keys torch's own recorder would never produce."""
+    import base64
+    import zlib
+
+    def u64(n):
+        return n.to_bytes(8, "big")
+
+    def text(s):
+        raw = base64.b64encode(s.encode())
+        return u64(len(raw)) + raw
+
+    body = u64(1)  # encoding version
+    for kind, entries in artifacts.items():
+        body += text(kind) + u64(len(entries))
+        for key, content in entries.items():
+            body += text(key) + u64(len(content)) + content
+    return zlib.crc32(body).to_bytes(4, "big") + body
+
+
 def train_steps(model, optimizer, batches):
     for b in batches:
         optimizer.zero_grad(set_to_none=True)

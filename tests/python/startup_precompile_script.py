@@ -8,7 +8,8 @@ Usage: startup_precompile_script.py MODE CACHE_DIR [SPEC]
 Point TORCHINDUCTOR_CACHE_DIR at a fresh directory so that only the ettkit file can make a start warm. With
 ETTKIT_TEST_FAIL_ON_RECOMPILE=1 the 10 steps run under torch.compiler.set_stance("fail_on_recompile").
 With ETTKIT_TEST_STORE=<path> (and ETTKIT_TEST_RANK, ETTKIT_TEST_WORLD) the ranks share one precompile through
-a FileStore at that path (compile once per job).
+a FileStore at that path (compile once per job), signed with $ETTKIT_COMPILE_SHARE_SECRET, which CompileCache
+reads itself.
 Prints one JSON line: the report, and every loss and gradient as exact hex floats.
 """
 

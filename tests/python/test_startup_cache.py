@@ -17,7 +17,7 @@ import pytest
 import torch
 from ettkit.startup import CompileCache, CompileCacheWarning, compile_fingerprint
 from ettkit.startup import cache as cache_module
-from startup_helpers import TinyRec, declared_spec
+from startup_helpers import TinyRec, declared_spec, megacache_blob
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -26,8 +26,9 @@ class FakeTorchCache:
     """Stands in for torch.compiler.save/load_cache_artifacts, so the file format is tested without a
     compile (the cross-process test below uses the real ones)."""
 
-    def __init__(self, payload=b"megacache-bytes", keys=("k1", "k2")):
-        self.payload = payload
+    def __init__(self, keys=("k1", "k2")):
+        # CompileCache.load checks the artifact list: a real MegaCache layout, not arbitrary bytes.
+        self.payload = megacache_blob({"inductor": {"k1": b"graph-1", "k2": b"graph-2"}})
         self.keys = keys
         self.loaded = []
         self.reject = False
@@ -73,7 +74,7 @@ def test_save_is_atomic_and_a_new_process_view_loads_it(fake, tmp_path):
         warnings.simplefilter("error")  # a hit warns about nothing
         result = again.load()
     assert result.hit and result.artifacts == {"inductor": 2}
-    assert fake.loaded == [b"megacache-bytes"]
+    assert fake.loaded == [fake.payload]
     assert again.save().reason == "unchanged since load"
     fake.keys = ("k1", "k2", "k3")  # a recompile added an artifact
     assert again.save().written
@@ -222,17 +223,19 @@ from collections import defaultdict
 import torch
 from ettkit.startup import CompileCache
 from ettkit.startup import cache as cache_module
+sys.path.insert(0, sys.argv[2])
+from startup_helpers import megacache_blob
 
-payload = [b"old-artifacts" * 1000]
+payload = [megacache_blob({"inductor": {"k1": b"old-artifacts" * 1000}})]
 info = types.SimpleNamespace(artifacts=defaultdict(list, {"inductor": ["k1"]}))
 torch.compiler.save_cache_artifacts = lambda: (payload[0], info)
 cache_module._loaded_kernel_files = list
 cache = CompileCache(sys.argv[1], fingerprint="model-v1")
 assert cache.save().written                      # a complete, valid file
-payload[0] = b"new-artifacts" * 100000           # then a second save dies half-way through its write
+payload[0] = megacache_blob({"inductor": {"k1": b"new-artifacts" * 100000}})  # a second save dies half-way
 info.artifacts["inductor"].append("k2")          # (a save writes only when the artifacts changed)
 # The kernel kills the writer inside write(2) once the file reaches 600 KB (SIGXFSZ, whose default action
-# terminates the process; CPython ignores it unless told otherwise): the C++ writer is killed mid-write at
+# terminates the process; CPython ignores it unless told otherwise): the writer is killed mid-write at
 # a deterministic point, before its fsync and rename, as kill -9 at that moment would. With "--survive" the
 # signal stays ignored and the write fails with EFBIG instead.
 if "--survive" not in sys.argv:
@@ -245,23 +248,23 @@ print(result.written, result.reason)
 
 def test_a_write_that_fails_half_way_warns_leaves_no_temporary_and_keeps_the_previous_file(fake, tmp_path):
     directory = tmp_path / "ckpt" / "compile-cache"
-    proc = subprocess.run([sys.executable, "-c", _KILLED_WRITER, str(directory), "--survive"], capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", _KILLED_WRITER, str(directory), HERE, "--survive"],
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("False write failed:") and "File too large" in proc.stdout, proc.stdout
     assert "could not write compile cache" in proc.stderr and ".tmp" in proc.stderr  # names the file
-    assert list(directory.glob(".*.tmp")) == []  # the C++ writer removed its temporary
+    assert list(directory.glob(".*.tmp")) == []  # the writer removed its temporary
     cache = _cache(tmp_path)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert cache.load().hit
-    assert fake.loaded == [b"old-artifacts" * 1000]
+    assert fake.loaded == [megacache_blob({"inductor": {"k1": b"old-artifacts" * 1000}})]
 
 
 def test_a_writer_killed_mid_write_leaves_the_previous_file_and_its_temporary_is_cleaned_up(fake, tmp_path):
     directory = tmp_path / "ckpt" / "compile-cache"
-    proc = subprocess.run([sys.executable, "-c", _KILLED_WRITER, str(directory)], capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run([sys.executable, "-c", _KILLED_WRITER, str(directory), HERE], capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == -signal.SIGXFSZ, proc.stderr[-3000:]
     temporaries = list(directory.glob(".*.tmp"))
     assert len(temporaries) == 1 and temporaries[0].stat().st_size == 600_000  # the half-written new file
@@ -270,7 +273,7 @@ def test_a_writer_killed_mid_write_leaves_the_previous_file_and_its_temporary_is
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert cache.load().hit
-    assert fake.loaded == [b"old-artifacts" * 1000]
+    assert fake.loaded == [megacache_blob({"inductor": {"k1": b"old-artifacts" * 1000}})]
     # A young temporary may be a live writer elsewhere: kept. An old one is a dead writer's: removed.
     fake.keys = ("k1", "k2", "k3")
     assert cache.save().written

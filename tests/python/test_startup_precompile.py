@@ -22,6 +22,8 @@ from ettkit.startup import cache as cache_module
 from startup_helpers import TinyRec, declared_spec, loss_fn, make_batch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# Compile once per job signs what goes through the Store with a secret the ranks share outside it.
+SECRET = "test-share-secret-" + "0123456789abcdef" * 2
 
 
 def _run(tmp_path, mode, cache_dir, spec="static", fail_on_recompile=False):
@@ -94,6 +96,7 @@ def _run_ranks(tmp_path, world, tag, spec="static"):
             ETTKIT_TEST_STORE=str(store),
             ETTKIT_TEST_RANK=str(rank),
             ETTKIT_TEST_WORLD=str(world),
+            ETTKIT_COMPILE_SHARE_SECRET=SECRET,  # what a launcher sets for every rank of a job
         )
         procs.append(
             subprocess.Popen(
@@ -142,7 +145,8 @@ def test_when_rank_0_cannot_precompile_the_others_do_not_wait_or_try(tmp_path, m
     store = dist.FileStore(str(tmp_path / "store"), 2)
     spec = declared_spec(dynamic=False, batch=8)
     rank0 = CompileCache(
-        tmp_path / "cc0", model=GraphBreak(), spec=spec, precompile=True, store=store, rank=0
+        tmp_path / "cc0", model=GraphBreak(), spec=spec, precompile=True, store=store, rank=0,
+        share_secret=SECRET,
     )
     rank1 = CompileCache(
         tmp_path / "cc1",
@@ -152,6 +156,7 @@ def test_when_rank_0_cannot_precompile_the_others_do_not_wait_or_try(tmp_path, m
         store=store,
         rank=1,
         share_timeout_s=5,
+        share_secret=SECRET,
     )
     rank0.publish_precompiled("aot_compile failed (Unsupported: graph break)")
     result, fn, why = rank1.receive_precompiled()
@@ -173,7 +178,8 @@ def test_a_rank_that_waits_in_vain_compiles_itself(tmp_path):
 
     store = dist.FileStore(str(tmp_path / "store"), 1)
     cache = CompileCache(
-        tmp_path / "cc", fingerprint="m", precompile=True, store=store, rank=1, share_timeout_s=0.5
+        tmp_path / "cc", fingerprint="m", precompile=True, store=store, rank=1, share_timeout_s=0.5,
+        share_secret=SECRET,
     )
     result, fn, why = cache.receive_precompiled()
     assert fn is None and why.startswith("no precompiled file from rank 0 within share_timeout_s=0.5 s")

@@ -30,12 +30,22 @@ checksums of every Python source Dynamo inlined. :func:`ettkit.startup.overlappe
 start and loads it on a warm one, which then skips Dynamo, AOTAutograd and Inductor altogether; the MegaCache
 file stays the fallback for models that cannot be precompiled. :meth:`CompileCache.load_precompiled` never
 loads an artifact whose key or sources differ ("stale") or whose bytes are damaged ("corrupt").
+
+Trust (docs/startup.md, "What a compile cache trusts"): both files hold pickles that run code as they load,
+so a file is loaded only from a directory and a file this user owns that nobody else can write, opened
+without following symlinks (:mod:`ettkit.startup.trusted_files`); anything else is "untrusted" (warned, a
+cold compile) unless ``trust_shared=True``. MegaCache artifact keys are checked before torch sees them (a key
+becomes a path under Inductor's cache dir). Compile once per job through the Store carries an HMAC-SHA256
+keyed by a secret the ranks share outside the Store, verified before a byte of it is used.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import hashlib
+import hmac
 import importlib.metadata
 import inspect
 import json
@@ -45,7 +55,6 @@ import re
 import struct
 import sys
 import time
-import uuid
 import warnings
 from collections.abc import Mapping
 from datetime import timedelta
@@ -55,6 +64,8 @@ from typing import Any
 import torch
 
 from .. import _C
+from ..errors import InvalidArgumentError
+from .trusted_files import CacheDirectory, UntrustedFileError
 from .warm import compile_counters, counter_delta
 
 __all__ = ["CacheLoadResult", "CacheSaveResult", "CompileCache", "CompileCacheWarning", "compile_fingerprint"]
@@ -78,8 +89,10 @@ class CompileCacheWarning(UserWarning):
 @dataclasses.dataclass(frozen=True)
 class CacheLoadResult:
     """``status``: "hit" (loaded), "miss" (no file for this key), "stale" (a file for another key, or for
-    sources that changed since), "corrupt" (unreadable, bad checksum) or "rejected" (torch refused the
-    artifacts). A precompiled-tier load that succeeds says "precompiled"."""
+    sources that changed since), "corrupt" (unreadable, bad checksum, a MegaCache artifact key that would
+    leave Inductor's cache dir), "untrusted" (a file or directory another user owns or can write, a symlink;
+    or a Store payload whose HMAC does not verify) or "rejected" (torch refused the artifacts). A
+    precompiled-tier load that succeeds says "precompiled"."""
 
     status: str
     path: str
@@ -228,25 +241,197 @@ def glob_escape(text: str) -> str:
     return "".join(f"[{c}]" if c in "*?[" else c for c in text)
 
 
-def _restore_kernels(kernels: list, body: bytes, offset: int) -> int:
-    """Writes bundled kernel files that are not already in the Inductor cache dir; returns how many."""
-    root = _inductor_cache_dir()
+def _restore_kernels(kernels: list, body: bytes, offset: int, trust_shared: bool = False) -> int:
+    """Writes bundled kernel files that are not already in the Inductor cache dir; returns how many. Each goes
+    through the opened cache dir and its opened two-letter subdirectory (created 0700; a symlink, or a
+    directory of another user or writable by the world, is refused: UntrustedFileError), as a new 0600 file
+    renamed into place (dlopen needs no execute bit). A group-writable directory is accepted here: torch
+    creates Inductor's directories with the umask's mode (0775 under umask 002) and loads kernels from
+    them whatever ettkit does, so refusing it would only make the warm start rebuild them."""
     restored = 0
-    for entry in kernels:
-        rel, size = entry["path"], entry["bytes"]
-        data = body[offset : offset + size]
-        offset += size
-        dest = root / rel
-        if dest.exists():
-            continue
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.with_name(f".{dest.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o755 if rel.endswith(".so") else 0o644)
-        os.replace(tmp, dest)  # atomic: a concurrent Inductor never sees half a library
-        restored += 1
+    with CacheDirectory(
+        _inductor_cache_dir(), trust_shared=trust_shared, create=True, group_write_ok=True
+    ) as root:
+        subdirs: dict = {}
+        try:
+            for entry in kernels:
+                rel, size = entry["path"], entry["bytes"]
+                data = body[offset : offset + size]
+                offset += size
+                if not _KERNEL_PATH.match(rel) or ".." in rel:  # _parse checked it; a path never leaves root
+                    raise UntrustedFileError(f"kernel path {rel!r} is not <2 characters>/<file name>")
+                sub_name, name = rel.split("/")
+                if sub_name not in subdirs:
+                    subdirs[sub_name] = root.subdirectory(sub_name)
+                sub = subdirs[sub_name]
+                if sub.exists(name):
+                    continue
+                # Atomic: a concurrent Inductor never sees half a library. Not fsynced: a kernel lost in a
+                # crash is rebuilt from its source.
+                sub.write(name, data, durable=False)
+                restored += 1
+        finally:
+            for sub in subdirs.values():
+                sub.close()
     return restored
+
+
+# ---- MegaCache: the artifact list, checked before torch sees it ------------------------------------------
+#
+# torch.compiler.load_cache_artifacts(bytes) hands every artifact to its type's populate_cache(), which turns
+# the artifact's key into a path under Inductor's cache dir: an "autotune" key is os.path.join(cache_dir(),
+# key) (an absolute key replaces the cache dir altogether), an "inductor" / "aot_autograd" key a directory
+# name, a "precompile" key a directory under cache_dir()/dynamo. The container is torch's
+# AppendingByteSerializer (torch/utils/_appending_byte_serializer.py, torch/compiler/_cache.py; not a pickle):
+#   crc32 (4 bytes, big-endian, of the rest) | version (uint64 = 1) |
+#   per artifact type: type (str) | count (uint64) | count x (key (str), content (bytes))
+# with str = uint64 length + base64 of the UTF-8 text and bytes = uint64 length + the bytes. Decoded here
+# strictly (base64 without stray characters, UTF-8, every length inside the blob), so that torch's lenient
+# decoder reads the same keys as this check.
+
+_MEGACACHE_VERSION = 1
+#: One file or directory name, as torch's own keys are (hashes, "<hash>.best_config", a PGO job key).
+_ARTIFACT_NAME = r"[A-Za-z0-9_][A-Za-z0-9_.:=+@,-]{0,254}"
+#: Autotune keys are "<kernel directory>/<hash>.best_config" (the last two components of the local path:
+#: AutotuneCache._artifact_key_from_local_cache_key), so exactly one "/" between two names; every other
+#: type: one name.
+_ARTIFACT_KEY = {"autotune": re.compile(rf"{_ARTIFACT_NAME}/{_ARTIFACT_NAME}")}
+_ARTIFACT_KEY_DEFAULT = re.compile(_ARTIFACT_NAME)
+
+
+class _Reader:
+    """Strict reader of the AppendingByteSerializer fields: every length must lie inside the blob."""
+
+    def __init__(self, data: bytes):
+        self.data, self.i = memoryview(data), 0
+
+    def uint64(self) -> int:
+        if self.i + 8 > len(self.data):
+            raise ValueError(f"MegaCache blob ends inside a length field at byte {self.i}")
+        value = int.from_bytes(self.data[self.i : self.i + 8], "big")
+        self.i += 8
+        return value
+
+    def bytes_(self) -> memoryview:
+        size = self.uint64()
+        if size > len(self.data) - self.i:
+            raise ValueError(
+                f"MegaCache field of {size} bytes at byte {self.i} runs past the end of the blob"
+            )
+        out = self.data[self.i : self.i + size]
+        self.i += size
+        return out
+
+    def text(self) -> str:
+        raw = self.bytes_()
+        try:
+            return base64.b64decode(bytes(raw), validate=True).decode("utf-8")
+        except (binascii.Error, UnicodeDecodeError) as exc:
+            raise ValueError(f"MegaCache text before byte {self.i} is not base64 of UTF-8 ({exc})") from None
+
+    def done(self) -> bool:
+        return self.i == len(self.data)
+
+
+def megacache_artifacts(blob: bytes) -> list:
+    """``[(type, key, content size), ...]`` of a MegaCache blob (what ``save_cache_artifacts()`` returns
+    first), decoded strictly without unpickling or copying anything. Raises ValueError for a damaged blob,
+    and for an artifact key that is not a plain name (see ``_ARTIFACT_KEY``): absolute, with "..", a
+    backslash, NUL or a "/" (autotune: more than its one), or empty — torch would write such an artifact
+    outside its cache dir."""
+    if len(blob) < 12:
+        raise ValueError(f"MegaCache blob of {len(blob)} bytes is shorter than its 12-byte preamble")
+    # The leading CRC-32 is not checked here: the file's XXH3 already covers these bytes, torch checks the CRC
+    # itself, and no CRC makes a key safe (a forger computes it). Skipping it halves the cost of this check.
+    reader = _Reader(blob)
+    reader.i = 4
+    version = reader.uint64()
+    if version != _MEGACACHE_VERSION:
+        raise ValueError(f"MegaCache blob has encoding version {version}; ettkit reads {_MEGACACHE_VERSION}")
+    out = []
+    while not reader.done():
+        kind = reader.text()
+        count = reader.uint64()
+        if count > (len(blob) - reader.i) // 16:  # each artifact has two length fields at least
+            raise ValueError(f"MegaCache blob claims {count} {kind!r} artifacts, more than its bytes hold")
+        rule = _ARTIFACT_KEY.get(kind, _ARTIFACT_KEY_DEFAULT)
+        for _ in range(count):
+            key = reader.text()
+            size = len(reader.bytes_())
+            if not rule.fullmatch(key) or ".." in key:
+                raise ValueError(
+                    f"MegaCache artifact key {key!r} (type {kind!r}) is not "
+                    + ("<name>/<name>" if kind in _ARTIFACT_KEY else "one file name")
+                    + " (no absolute path, '..', '\\', NUL or other '/'): torch would write it outside its "
+                    "cache dir; refused"
+                )
+            out.append((kind, key, size))
+    return out
+
+
+# ---- compile once per job: the Store payload's HMAC ------------------------------------------------------
+
+_SHARE_SECRET_ENV = "ETTKIT_COMPILE_SHARE_SECRET"
+_MIN_SECRET_BYTES = 32
+_SHARE_MAGIC = b"ETTKSHR1"
+_SHARE_FILE, _SHARE_FALLBACK = b"F", b"X"  # the payload's kind: rank 0's file, or why there is none
+_MAC_BYTES = hashlib.sha256().digest_size
+_NO_SECRET = (
+    "CompileCache(store=...) does not share the precompiled file through the Store: the Store has no "
+    "authentication, and compile once per job needs a secret the ranks share outside it to sign what goes "
+    f"through it. Set ${_SHARE_SECRET_ENV} (32+ random bytes, the same on every rank: e.g. export "
+    f"{_SHARE_SECRET_ENV}=$(python -c 'import secrets; print(secrets.token_hex(32))') in the job "
+    "script before the launcher) or pass share_secret=. Each rank compiles or loads its own file meanwhile."
+)
+
+
+def _share_secret(explicit: bytes | str | None) -> tuple[bytes | None, str]:
+    """The job's share secret (``share_secret=``, else $ETTKIT_COMPILE_SHARE_SECRET) and where it came from.
+    Raises InvalidArgumentError for one shorter than 32 bytes: a short secret is a configuration mistake."""
+    source = "share_secret="
+    if explicit is None:
+        explicit, source = os.environ.get(_SHARE_SECRET_ENV) or None, f"${_SHARE_SECRET_ENV}"
+    if explicit is None:
+        return None, ""
+    secret = explicit.encode() if isinstance(explicit, str) else bytes(explicit)
+    if len(secret) < _MIN_SECRET_BYTES:
+        raise InvalidArgumentError(
+            f"the compile share secret from {source} is {len(secret)} bytes; it must be at least "
+            f"{_MIN_SECRET_BYTES} random bytes, e.g. {_SHARE_SECRET_ENV}=$(python -c 'import secrets; "
+            "print(secrets.token_hex(32))') set once by the launcher for every rank"
+        )
+    return secret, source
+
+
+def _share_mac(secret: bytes, share_key: str, kind: bytes, body: bytes) -> bytes:
+    # The Store key is under the MAC: a payload published for one model cannot be replayed under another.
+    context = b"ettkit precompiled share v1\0" + share_key.encode() + b"\0" + kind
+    mac = hmac.new(secret, context, hashlib.sha256)
+    mac.update(body)
+    return mac.digest()
+
+
+def _seal(secret: bytes, share_key: str, kind: bytes, body: bytes) -> bytes:
+    return _SHARE_MAGIC + _share_mac(secret, share_key, kind, body) + kind + body
+
+
+def _unseal(secret: bytes, share_key: str, payload: bytes) -> tuple[bytes, memoryview]:
+    """``(kind, body)`` of a sealed payload (the body a view into ``payload``: a precompiled file is not
+    copied to be verified); ValueError, before anything of it is used, when it is not one this job's secret
+    sealed under this key."""
+    head = len(_SHARE_MAGIC) + _MAC_BYTES + 1
+    if len(payload) < head or not payload.startswith(_SHARE_MAGIC):
+        raise ValueError("carries no ettkit HMAC (not published by an ettkit rank with a share secret)")
+    mac = payload[len(_SHARE_MAGIC) : len(_SHARE_MAGIC) + _MAC_BYTES]
+    kind, body = payload[head - 1 : head], memoryview(payload)[head:]
+    if kind not in (_SHARE_FILE, _SHARE_FALLBACK) or not hmac.compare_digest(
+        mac, _share_mac(secret, share_key, kind, body)
+    ):
+        raise ValueError(
+            f"has an HMAC-SHA256 that does not verify with this rank's share secret (${_SHARE_SECRET_ENV} or "
+            "share_secret=): it was not published by a rank of this job, or the ranks' secrets differ"
+        )
+    return kind, body
 
 
 def _artifact_counts(info: Any) -> dict:
@@ -271,7 +456,16 @@ class CompileCache:
     precompiles (or loads its file) and publishes the file through the c10d Store (a ``TCPStore``,
     ``FileStore``, or the default process group's); another rank that has no file of its own waits for it
     (up to ``share_timeout_s``) instead of compiling the same graph, writes it to its own directory and loads
-    it. If rank 0 cannot precompile it publishes why, and every rank takes the MegaCache path.
+    it. If rank 0 cannot precompile it publishes why, and every rank takes the MegaCache path. The Store has
+    no authentication, so what goes through it carries an HMAC-SHA256 keyed by ``share_secret`` (bytes or
+    text, 32 bytes at least; default ``$ETTKIT_COMPILE_SHARE_SECRET``), a secret the launcher gives every rank
+    outside the Store; a payload that does not verify is never written or unpickled (the rank warns and
+    compiles itself). Without a secret the Store is not used: a warning says how to set one, and each rank
+    compiles or loads its own file.
+
+    ``trust_shared``: load files from a directory or file that another user owns or can write (a cache a team
+    shares on purpose). Off by default: a file there is "untrusted" (warned, a cold compile), because loading
+    it runs code that whoever wrote it chose.
 
     Not thread-safe; call :meth:`load` before compiling and :meth:`save` when no compile is running."""
 
@@ -289,8 +483,11 @@ class CompileCache:
         store: Any = None,
         rank: int = 0,
         share_timeout_s: float = 1800.0,
+        share_secret: bytes | str | None = None,
+        trust_shared: bool = False,
     ):
         self.dir = Path(path)
+        self.trust_shared = bool(trust_shared)
         if device is None and isinstance(model, torch.nn.Module):
             first = next(iter(model.parameters()), None)
             device = first.device if first is not None else None
@@ -307,6 +504,12 @@ class CompileCache:
             raise TypeError(f"store= must be a torch.distributed Store (set/get/wait), not {type(store).__name__}")
         if not isinstance(rank, int) or rank < 0:
             raise ValueError(f"rank= must be a rank number >= 0, not {rank!r}")
+        self._share_secret = None
+        if store is not None and precompile:
+            self._share_secret, _ = _share_secret(share_secret)
+            if self._share_secret is None:
+                warnings.warn(_NO_SECRET, CompileCacheWarning, stacklevel=2)
+                store = None
         self.store = store
         self.rank = rank
         self.share_timeout_s = float(share_timeout_s)
@@ -343,29 +546,50 @@ class CompileCache:
         self.last_load = result
         return result
 
-    def _load(self, t0: float) -> CacheLoadResult:
+    def _read(self, path: Path, t0: float, miss_reason: str) -> bytes | CacheLoadResult:
+        """The bytes of ``path`` (a file in ``self.dir``) when this user can trust them (see
+        :mod:`.trusted_files`), else the "miss" / "untrusted" (warned) / "corrupt" (warned) result."""
         try:
-            data = self.path.read_bytes()
+            with CacheDirectory(self.dir, trust_shared=self.trust_shared) as directory:
+                return directory.read(path.name)
         except FileNotFoundError:
-            others = sorted(p.name for p in self.dir.glob("megacache-*.bin")) if self.dir.is_dir() else []
-            reason = "no cache for this key"
-            if others:
-                reason += (
-                    f" ({len(others)} cache file(s) for other keys: torch, machine, model or config changed)"
-                )
-            return CacheLoadResult("miss", str(self.path), reason, seconds=time.perf_counter() - t0)
+            return CacheLoadResult("miss", str(path), miss_reason, seconds=time.perf_counter() - t0)
+        except UntrustedFileError as exc:
+            return self._ignored("untrusted", str(exc), t0, path)
         except OSError as exc:
-            return self._ignored("corrupt", f"cannot read it ({exc})", t0)
+            return self._ignored("corrupt", f"cannot read it ({exc})", t0, path)
+
+    def _miss_reason(self) -> str:
+        try:
+            others = sorted(p.name for p in self.dir.glob("megacache-*.bin") if p != self.path)
+        except OSError:
+            others = []
+        if not others:
+            return "no cache for this key"
+        return (
+            f"no cache for this key ({len(others)} cache file(s) for other keys: torch, machine, model or "
+            "config changed)"
+        )
+
+    def _load(self, t0: float) -> CacheLoadResult:
+        data = self._read(self.path, t0, "no cache for this key")
+        if isinstance(data, CacheLoadResult):
+            return dataclasses.replace(data, reason=self._miss_reason()) if data.status == "miss" else data
         checked = self._checked(data, t0, self.path, _MAGIC, "megacache_bytes")
         if isinstance(checked, CacheLoadResult):
             return checked
         header, body = checked
         megacache = body[: header["megacache_bytes"]]
+        try:
+            megacache_artifacts(megacache)  # before torch sees a key, and before any kernel is written
+        except ValueError as exc:
+            return self._ignored("corrupt", str(exc), t0)
         kernels = header.get("kernels", [])
         restored = 0
         try:
-            restored = _restore_kernels(kernels, body, header["megacache_bytes"]) if self.kernels else 0
-        except OSError as exc:  # a read-only cache dir: the compile is merely slower
+            if self.kernels:
+                restored = _restore_kernels(kernels, body, header["megacache_bytes"], self.trust_shared)
+        except OSError as exc:  # a read-only or untrusted Inductor dir: the compile is merely slower
             warnings.warn(
                 f"could not restore compiled kernels from {self.path}: {exc}",
                 CompileCacheWarning,
@@ -532,26 +756,15 @@ class CompileCache:
         return _HEADER.pack(magic, len(header_bytes)) + header_bytes + body, body
 
     def _write_atomic(self, data: bytes, path: Path | None = None) -> None:
-        """The project's one atomic write (C++ ``ettkit::replace_file_durably``: temporary file, fsync,
-        rename, fsync of the directory). Raises OSError (ettkit's IoError) naming the file."""
+        """Replaces a file of this cache atomically (the protocol of C++ ``ettkit::replace_file_durably``:
+        temporary file, fsync, rename, fsync of the directory), through the opened, checked directory (created
+        0700 when missing; a directory this user cannot trust is refused), as a new 0600 file. Removes dead
+        writers' temporaries older than an hour: every crash mid-write would leave one. Raises OSError
+        (ettkit's IoError, or UntrustedFileError) naming the file."""
         path = path or self.path
-        self.dir.mkdir(parents=True, exist_ok=True)
-        # The temporary's name is what _remove_stale_temporaries recognises as a dead writer's.
-        tmp = self.dir / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-        _C.replace_file_durably(str(tmp), str(path), data)
-        self._remove_stale_temporaries(path)
-
-    def _remove_stale_temporaries(self, path: Path) -> None:
-        """A writer killed between its temporary file and the rename (kill -9, OOM, a node lost) leaves the
-        temporary behind: every crash would add one. Those older than an hour go; a younger one may be a
-        live writer on another node sharing this directory (its pid means nothing here)."""
-        now = time.time()
-        for tmp in self.dir.glob(f".{path.name}.*.tmp"):
-            try:
-                if now - tmp.stat().st_mtime > _STALE_TEMPORARY_S:
-                    tmp.unlink()
-            except OSError:
-                pass  # another process removed it, or it is not ours to remove
+        with CacheDirectory(self.dir, trust_shared=self.trust_shared, create=True) as directory:
+            directory.write(path.name, data)
+            directory.remove_stale_temporaries(path.name, _STALE_TEMPORARY_S)
 
     # ---- precompiled tier ----------------------------------------------------------------------------
 
@@ -568,12 +781,9 @@ class CompileCache:
         why_not = precompiled.supported()
         if why_not:
             return CacheLoadResult("miss", str(path), why_not, seconds=time.perf_counter() - t0), None
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            return CacheLoadResult("miss", str(path), "no precompiled artifact for this key"), None
-        except OSError as exc:
-            return self._ignored("corrupt", f"cannot read it ({exc})", t0, path), None
+        data = self._read(path, t0, "no precompiled artifact for this key")
+        if isinstance(data, CacheLoadResult):
+            return data, None
         checked = self._checked(data, t0, path, _PRECOMPILED_MAGIC, "artifact_bytes")
         if isinstance(checked, CacheLoadResult):
             return checked, None
@@ -587,7 +797,7 @@ class CompileCache:
         kernels = header.get("kernels", [])
         restored = 0
         try:
-            restored = _restore_kernels(kernels, body, size) if self.kernels else 0
+            restored = _restore_kernels(kernels, body, size, self.trust_shared) if self.kernels else 0
         except OSError as exc:  # the kernels are rebuilt from the artifact's sources: slower, not wrong
             warnings.warn(f"could not restore compiled kernels from {path}: {exc}", CompileCacheWarning, stacklevel=2)
         try:
@@ -644,14 +854,16 @@ class CompileCache:
         why) to the other ranks. A Store error warns: the others then compile themselves after their wait."""
         if not self.shares:
             return
-        payload = None
+        kind, body = _SHARE_FALLBACK, None
         if fallback_reason is None:
-            try:
-                payload = self.precompiled_path.read_bytes()
+            try:  # the file this rank trusts (its own), never one it would refuse to load itself
+                with CacheDirectory(self.dir, trust_shared=self.trust_shared) as directory:
+                    kind, body = _SHARE_FILE, directory.read(self.precompiled_path.name)
             except OSError as exc:
                 fallback_reason = f"rank 0 could not read its precompiled file ({exc})"
-        if payload is None:
-            payload = b"fallback:" + str(fallback_reason).encode()
+        if body is None:
+            body = str(fallback_reason).encode()
+        payload = _seal(self._share_secret, self._share_key, kind, body)
         try:
             self.store.set(self._share_key, payload)
         except Exception as exc:  # noqa: BLE001 - a Store failure must not stop rank 0's start
@@ -660,9 +872,11 @@ class CompileCache:
             )
 
     def receive_precompiled(self) -> tuple[CacheLoadResult, Any, str | None]:
-        """A rank other than 0 without a file of its own: waits for rank 0's, writes it here and loads it.
-        Returns ``(result, fn, why_not)``: ``fn`` None with ``why_not`` when rank 0 could not precompile, the
-        wait timed out or the file does not load here (stale, corrupt: then this rank compiles)."""
+        """A rank other than 0 without a file of its own: waits for rank 0's, verifies its HMAC, writes it
+        here and loads it. Returns ``(result, fn, why_not)``: ``fn`` None with ``why_not`` when rank 0 could
+        not precompile, the wait timed out, the payload's HMAC does not verify (warned; status "untrusted":
+        nothing of it was written or unpickled) or the file does not load here (stale, corrupt: then this rank
+        compiles)."""
         from . import precompiled
 
         t0 = time.perf_counter()
@@ -674,9 +888,16 @@ class CompileCache:
         except Exception as exc:  # noqa: BLE001 - a timeout or a Store that went away: compile here
             why = f"no precompiled file from rank 0 within share_timeout_s={self.share_timeout_s:g} s ({exc})"
             return CacheLoadResult("miss", str(path), why, seconds=time.perf_counter() - t0), None, why
-        payload = bytes(payload)
-        if payload.startswith(b"fallback:"):
-            why = payload[len(b"fallback:") :].decode(errors="replace")
+        try:
+            payload = payload if isinstance(payload, bytes) else bytes(payload)
+            kind, payload = _unseal(self._share_secret, self._share_key, payload)
+        except ValueError as exc:  # forged or foreign: nothing of it is written or unpickled
+            why = f"rank 0's precompiled file was refused: the payload under Store key {self._share_key} "
+            why += str(exc)
+            warnings.warn(f"{why}; compiling on this rank", CompileCacheWarning, stacklevel=2)
+            return CacheLoadResult("untrusted", str(path), why, seconds=time.perf_counter() - t0), None, why
+        if kind == _SHARE_FALLBACK:
+            why = bytes(payload).decode(errors="replace")
             return CacheLoadResult("miss", str(path), why, seconds=time.perf_counter() - t0), None, why
         waited = time.perf_counter() - t0
         try:

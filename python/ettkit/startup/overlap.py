@@ -69,9 +69,9 @@ class StartReport:
     @property
     def cache_tier(self) -> str | None:
         """How the compile started: "precompiled" (loaded, nothing compiled), "megacache" (caches replayed
-        into a compile), or the MegaCache file's "miss" / "stale" / "corrupt" / "rejected" (a cold compile;
-        with the precompiled tier on, it was precompiled and saved for the next start). None without a
-        cache."""
+        into a compile), or the MegaCache file's "miss" / "stale" / "corrupt" / "untrusted" / "rejected" (a
+        cold compile; with the precompiled tier on, it was precompiled and saved for the next start). None
+        without a cache."""
         if self.precompiled is not None and self.precompiled.status == "precompiled":
             return "precompiled"
         if self.cache is None:

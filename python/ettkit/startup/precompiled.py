@@ -149,6 +149,9 @@ def serialize(fn: Any) -> bytes:
 
 
 def deserialize(data: bytes) -> Any:
+    """The compiled function in ``data``. torch's loader is a plain unpickler (``AOTCompileUnpickler``): the
+    bytes run whatever code they name. Only for bytes from a file this user trusts (CompileCache reads them
+    through :class:`ettkit.startup.trusted_files.CacheDirectory`) or from a payload whose HMAC verified."""
     return torch.compiler.load_compiled_function(io.BytesIO(data))
 
 
