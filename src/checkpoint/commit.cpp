@@ -97,8 +97,19 @@ std::map<std::string, FileDigest> CommitVote::gather(int world) {
     }
     ETTKIT_CHECK(rep.contains("files") && rep["files"].is_object(), CorruptData, "rank ", r,
                  "'s vote for checkpoint step ", step_, " lists no files");
+    // The names go into the manifest, and loaders open them inside the step directory: a rank reports its
+    // own two files (what report() sends), nothing else and nothing with a path in it.
+    const std::string base = "rank-" + std::to_string(r);
+    ETTKIT_CHECK(rep["files"].size() == 2, CorruptData, "rank ", r, "'s vote for checkpoint step ", step_, " lists ",
+                 rep["files"].size(), " file(s); a rank reports ", base, ".safetensors and ", base, ".extra");
     for (auto it = rep["files"].begin(); it != rep["files"].end(); ++it) {
-      files[it.key()] = digest_of(it.value(), "rank " + std::to_string(r) + "'s digest of '" + it.key() + "'");
+      const std::string where = "rank " + std::to_string(r) + "'s digest of '" + it.key() + "'";
+      ETTKIT_CHECK(it.key() == base + ".safetensors" || it.key() == base + ".extra", CorruptData, "rank ", r,
+                   "'s vote for checkpoint step ", step_, " names a file '", it.key(), "'; a rank reports ", base,
+                   ".safetensors and ", base, ".extra");
+      FileDigest d = digest_of(it.value(), where);
+      check_file_digest(d, where);
+      files[it.key()] = std::move(d);
     }
   }
   return files;

@@ -1,20 +1,26 @@
-// The memory tier's layout, budget, retention and stale-tier cleanup (memory_tier.h).
+// The memory tier's layout, budget, retention and stale-tier cleanup (memory_tier.h). Everything the tier
+// creates, renames or removes goes through the handles of its verified directories (memory_tier.h, "created,
+// never adopted").
 #include "checkpoint/memory_tier.h"
 
+#include <dirent.h>
+#include <fcntl.h>
 #include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "common/logging.h"
+#include "common/remove_tree.h"
 #include "ettkit/common/error.h"
 
-namespace fs = std::filesystem;
 using nlohmann::json;
 
 namespace ettkit::checkpoint::detail {
@@ -22,6 +28,12 @@ namespace ettkit::checkpoint::detail {
 namespace {
 
 constexpr const char* kTierPrefix = "ettkit-mem-";
+constexpr const char* kReplicaPrefix = "replica-of-rank-";
+// owner.json is one short JSON line; anything larger is not a record this code wrote.
+constexpr size_t kMaxOwnerRecordBytes = 64 << 10;
+// A sibling rank's discard() removes the job directory once it holds no rank directory; a rank opening the
+// tier at that moment creates it again. A few rounds settle any such interleaving.
+constexpr int kCreateAttempts = 8;
 
 std::string host_name() {
   char host[256] = {0};
@@ -29,35 +41,192 @@ std::string host_name() {
   return host;
 }
 
-/// Whether some process holds the flock of `lock_path` (a missing file: nobody).
-bool lock_held(const std::string& lock_path) {
-  int fd = ::open(lock_path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return false;
-  bool held = ::flock(fd, LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK;
-  ::close(fd);  // releases the probe's lock, if it got one
-  return held;
+std::string mode_text(mode_t mode) {
+  char buf[8];
+  std::snprintf(buf, sizeof buf, "%04o", static_cast<unsigned>(mode & 07777));
+  return buf;
 }
 
-/// The rank directories of a tier ("rank-<r>").
-std::vector<std::string> rank_dirs(const std::string& job_dir) {
+bool is_hex16(const std::string& s) {
+  auto hex = [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); };
+  return s.size() == 16 && std::all_of(s.begin(), s.end(), hex);
+}
+
+int open_directory_at(int parent, const std::string& name) {
+  return ::openat(parent, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+}
+
+/// The refusal of a directory this user did not create (memory_tier.h: created, never adopted).
+[[noreturn]] void refuse_directory(const std::string& path, const std::string& found) {
+  ETTKIT_THROW(IoError, "checkpoint memory tier: '", path, "' is ", found, "; the memory tier only uses a "
+               "directory this user created: one owned by uid ", ::geteuid(), " with mode 0700, not a symbolic "
+               "link. Another user may have made it to plant a snapshot for this job's restart or to read the "
+               "ones written into it, so it is not used and nothing in it is touched. Remove it (its owner or an "
+               "administrator can), or give memory_tier another root or the job another job_id");
+}
+
+/// What an entry that is not a directory (or is a link) is, for the refusal: its kind, owner and mode.
+std::string describe_entry(const Dir& parent, const std::string& name) {
+  struct stat st {};
+  if (::fstatat(parent.fd(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) return "not a directory";
+  const char* kind = S_ISLNK(st.st_mode) ? "a symbolic link" : S_ISDIR(st.st_mode) ? "a directory" : "not a directory";
+  return std::string(kind) + " (owner uid " + std::to_string(st.st_uid) + ", mode " + mode_text(st.st_mode) + ")";
+}
+
+/// The directory `name` of `parent`, created with mode 0700 or, when it exists, verified on its handle: a
+/// directory, not a link, owned by this uid, mode exactly 0700 (else refuse_directory). A directory this call
+/// created gets its mode set to exactly 0700 (a umask or a setgid parent may have changed it). nullopt when
+/// `parent` was removed meanwhile (ENOENT: the caller starts over).
+std::optional<Dir> private_directory_at(const Dir& parent, const std::string& name) {
+  const std::string path = parent.path_of(name);
+  const bool created = ::mkdirat(parent.fd(), name.c_str(), MemoryTier::kDirectoryMode) == 0;
+  if (!created && errno == ENOENT) return std::nullopt;
+  ETTKIT_CHECK(created || errno == EEXIST, IoError, "checkpoint memory tier: creating '", path,
+               "' failed: ", std::strerror(errno));
+  const int fd = open_directory_at(parent.fd(), name);
+  if (fd < 0) {
+    const int err = errno;
+    if (err == ENOENT) return std::nullopt;
+    if (err == ELOOP || err == ENOTDIR) refuse_directory(path, describe_entry(parent, name));
+    ETTKIT_THROW(IoError, "checkpoint memory tier: opening '", path, "' failed: ", std::strerror(err));
+  }
+  Dir dir(fd, path);
+  struct stat st {};
+  ETTKIT_CHECK(::fstat(dir.fd(), &st) == 0, IoError, "checkpoint memory tier: stat of '", path,
+               "' failed: ", std::strerror(errno));
+  if (created && st.st_uid == ::geteuid() && (st.st_mode & 07777) != MemoryTier::kDirectoryMode) {
+    ETTKIT_CHECK(::fchmod(dir.fd(), MemoryTier::kDirectoryMode) == 0, IoError, "checkpoint memory tier: setting "
+                 "mode 0700 on '", path, "' (created with mode ", mode_text(st.st_mode),
+                 ") failed: ", std::strerror(errno));
+    ETTKIT_CHECK(::fstat(dir.fd(), &st) == 0, IoError, "checkpoint memory tier: stat of '", path,
+                 "' failed: ", std::strerror(errno));
+  }
+  if (st.st_uid != ::geteuid() || (st.st_mode & 07777) != MemoryTier::kDirectoryMode) {
+    refuse_directory(path,
+                     "a directory owned by uid " + std::to_string(st.st_uid) + " with mode " + mode_text(st.st_mode));
+  }
+  return dir;
+}
+
+/// The root, opened as the user named it. Others must not be able to rename its entries: the tier's
+/// readers and writers use dir()'s path, which names the verified directory only while nobody else can
+/// move it away and put another in its place.
+Dir open_root(const std::string& root) {
+  ETTKIT_EXPECTS(!root.empty(), "memory_tier root must name a directory (e.g. /dev/shm)");
+  const int fd = ::open(root.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  ETTKIT_CHECK(fd >= 0, InvalidArgument, "memory tier root '", root, "' is not a directory (",
+               std::strerror(errno), "); give a tmpfs mount such as /dev/shm");
+  Dir dir(fd, root);
+  struct stat st {};
+  ETTKIT_CHECK(::fstat(dir.fd(), &st) == 0, IoError, "stat of memory tier root '", root,
+               "' failed: ", std::strerror(errno));
+  ETTKIT_CHECK((st.st_mode & (S_IWGRP | S_IWOTH)) == 0 || (st.st_mode & S_ISVTX) != 0, InvalidArgument,
+               "memory tier root '", root, "' (mode ", mode_text(st.st_mode), ") is writable by other users "
+               "without the sticky bit: any of them could rename this job's tier away and put their own in its "
+               "place. Give a directory only this user can write, or a sticky one such as /dev/shm (mode 1777)");
+  return dir;
+}
+
+struct Entry {
+  std::string name;
+  bool directory = false;  // a directory, not a link to one
+};
+
+/// The entries of `dir` (without "." and ".."), read through a descriptor of their own (a dup would share
+/// readdir's position with `dir`). Throws IoError.
+std::vector<Entry> entries_of(const Dir& dir) {
+  int fd = ::openat(dir.fd(), ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  ETTKIT_CHECK(fd >= 0, IoError, "checkpoint memory tier: listing '", dir.path(), "' failed: ", std::strerror(errno));
+  DIR* d = ::fdopendir(fd);
+  if (d == nullptr) {
+    const int err = errno;
+    ::close(fd);
+    ETTKIT_THROW(IoError, "checkpoint memory tier: listing '", dir.path(), "' failed: ", std::strerror(err));
+  }
+  std::vector<Entry> out;
+  while (const dirent* e = ::readdir(d)) {
+    Entry entry{e->d_name, e->d_type == DT_DIR};
+    if (entry.name == "." || entry.name == "..") continue;
+    if (e->d_type == DT_UNKNOWN) {
+      struct stat st {};
+      entry.directory = ::fstatat(dir.fd(), e->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISDIR(st.st_mode);
+    }
+    out.push_back(std::move(entry));
+  }
+  ::closedir(d);
+  return out;
+}
+
+/// Writes `text` into the new file `name` of `dir`: mode 0600, never through a link (write_file_durably's
+/// O_CREAT | O_EXCL | O_NOFOLLOW relative to the handle), fsynced. Throws IoError.
+void write_private_file_at(const Dir& dir, const std::string& name, const std::string& text) {
+  write_file_durably(dir, name, {ConstBuffer{text.data(), text.size()}}, MemoryTier::kFileMode);
+}
+
+/// The regular file `name` of `dir` read whole when it has at most `limit` bytes (nullopt otherwise, or when
+/// it is missing or a link).
+std::optional<std::string> read_bounded_file_at(const Dir& dir, const std::string& name, uint64_t limit) {
+  const int fd = ::openat(dir.fd(), name.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) return std::nullopt;
+  ReadFile f(fd, dir.path_of(name));
+  struct stat st {};
+  if (::fstat(f.fd(), &st) != 0 || !S_ISREG(st.st_mode) || static_cast<uint64_t>(st.st_size) > limit) {
+    return std::nullopt;
+  }
+  try {
+    return f.read_all(limit);
+  } catch (const Error&) {
+    return std::nullopt;
+  }
+}
+
+void remove_quietly_at(const Dir& dir, const std::string& name) noexcept {
+  if (int err = ettkit::detail::remove_tree_at(dir.fd(), name.c_str()); err != 0) {
+    ETTKIT_LOG_WARN("checkpoint memory tier: could not remove '", dir.path_of(name), "': ", std::strerror(err));
+  }
+}
+
+/// Whether some process holds the flock of the rank directory `rank` of the tier `job` (no lock file:
+/// nobody).
+bool lock_held(const Dir& job, const std::string& rank) {
+  const int dfd = open_directory_at(job.fd(), rank);
+  if (dfd < 0) return false;
+  Dir dir(dfd, job.path_of(rank));
+  const int fd = ::openat(dir.fd(), ".lock", O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) return false;
+  ReadFile lock(fd, dir.path_of(".lock"));  // closing it releases the probe's lock, if it got one
+  return ::flock(lock.fd(), LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK;
+}
+
+/// The rank directories ("rank-<r>") of the tier `job`.
+std::vector<std::string> rank_dirs(const Dir& job) {
   std::vector<std::string> out;
-  std::error_code ec;
-  for (const auto& de : fs::directory_iterator(job_dir, ec)) {
-    std::string n = de.path().filename().string();
-    if (n.rfind("rank-", 0) == 0) out.push_back(de.path().string());
+  for (const Entry& e : entries_of(job)) {
+    if (e.name.rfind("rank-", 0) == 0) out.push_back(e.name);
   }
   return out;
 }
 
-void retire(const std::string& dir, const std::string& name) {
-  std::string from = dir + "/" + name;
-  std::string to = dir + "/.trash-" + name + "-" + random_id();
-  // Rename first, as on disk: a half-deleted step-<N> must never look committed.
-  if (::rename(from.c_str(), to.c_str()) != 0) {
-    ETTKIT_LOG_WARN("checkpoint memory tier: could not retire '", from, "': ", std::strerror(errno));
+/// Rename first, as on disk: a half-deleted step-<N> must never look committed.
+void retire(const Dir& shelf, const std::string& name) {
+  const std::string trash = ".trash-" + name + "-" + random_id();
+  if (::renameat(shelf.fd(), name.c_str(), shelf.fd(), trash.c_str()) != 0) {
+    ETTKIT_LOG_WARN("checkpoint memory tier: could not retire '", shelf.path_of(name), "': ", std::strerror(errno));
     return;
   }
-  remove_tree_quietly(to);
+  remove_quietly_at(shelf, trash);
+}
+
+/// Whether `name` is a job directory name of this user's tiers (current: ettkit-mem-<euid>-<key>) or of the
+/// layout before the uid was in the name (legacy: ettkit-mem-<key>, any user's).
+enum class TierName { kNone, kCurrent, kLegacy };
+TierName classify_tier_name(const std::string& name) {
+  if (name.rfind(kTierPrefix, 0) != 0) return TierName::kNone;
+  const std::string rest = name.substr(std::strlen(kTierPrefix));
+  if (is_hex16(rest)) return TierName::kLegacy;
+  const std::string mine = std::to_string(::geteuid()) + "-";
+  if (rest.rfind(mine, 0) == 0 && is_hex16(rest.substr(mine.size()))) return TierName::kCurrent;
+  return TierName::kNone;
 }
 
 }  // namespace
@@ -70,44 +239,75 @@ std::string MemoryTier::job_id_from_environment(const std::string& given) {
   return "";
 }
 
+std::string MemoryTier::job_dir_name(const std::string& job_id, const std::string& directory) {
+  // The uid keeps two users' tiers of one job and directory apart (each refuses the other's: no sharing).
+  return kTierPrefix + std::to_string(::geteuid()) + "-" + xxh3_of(job_id + "\n" + directory);
+}
+
 MemoryTier::MemoryTier(const std::string& root, const std::string& job_id, const std::string& directory, int rank,
                        int64_t budget_bytes)
     : job_id_(job_id), rank_(rank), budget_(budget_bytes) {
   ETTKIT_EXPECTS(!job_id.empty(), "the memory tier needs a job id, so that a restarted process finds its own "
                  "snapshots and never another job's: pass job_id=..., or run under torchrun (TORCHELASTIC_RUN_ID, "
                  "with --rdzv-id or --standalone) or SLURM (SLURM_JOB_ID)");
-  ETTKIT_EXPECTS(!root.empty(), "memory_tier root must name a directory (e.g. /dev/shm)");
+  ETTKIT_EXPECTS(rank >= 0, "memory tier rank=", rank, " must be >= 0");
+  root_ = open_root(root);
+  job_name_ = job_dir_name(job_id, directory);
+  job_dir_ = root_.path_of(job_name_);
+  const std::string rank_name = "rank-" + std::to_string(rank);
+  dir_ = job_dir_ + "/" + rank_name;
+  for (int attempt = 0; rank_dir_.fd() < 0; ++attempt) {
+    ETTKIT_CHECK(attempt < kCreateAttempts, IoError, "checkpoint memory tier: '", job_dir_, "' kept vanishing while "
+                 "this rank created its directory in it (", kCreateAttempts, " attempts)");
+    std::optional<Dir> job = private_directory_at(root_, job_name_);
+    if (!job) continue;
+    job_ = std::move(*job);
+    if (std::optional<Dir> mine = private_directory_at(job_, rank_name)) rank_dir_ = std::move(*mine);
+  }
   struct stat st {};
-  ETTKIT_CHECK(::stat(root.c_str(), &st) == 0 && S_ISDIR(st.st_mode), InvalidArgument, "memory tier root '", root,
-               "' is not a directory (", std::strerror(errno), "); give a tmpfs mount such as /dev/shm");
-  job_dir_ = root + "/" + kTierPrefix + xxh3_of(job_id + "\n" + directory);
-  dir_ = job_dir_ + "/rank-" + std::to_string(rank);
-  make_directories(dir_);
-  // Checkpoint bytes are the job's data: not readable by other users of a shared /dev/shm.
-  ::chmod(job_dir_.c_str(), 0700);
-  std::string owner = job_dir_ + "/owner.json";
-  if (!file_size(owner)) {
-    std::string text = json{{"job", job_id}, {"directory", directory}, {"host", host_name()}}.dump() + "\n";
-    std::string tmp = owner + ".tmp-" + random_id();
+  if (::fstatat(job_.fd(), "owner.json", &st, AT_SYMLINK_NOFOLLOW) != 0) {
+    const std::string text = json{{"job", job_id}, {"directory", directory}, {"host", host_name()}}.dump() + "\n";
+    const std::string tmp = "owner.json.tmp-" + random_id();
     try {
-      write_file_durably(tmp, {ConstBuffer{text.data(), text.size()}});
-      if (::rename(tmp.c_str(), owner.c_str()) != 0) ETTKIT_LOG_WARN("checkpoint memory tier: could not write '", owner, "'");
+      write_private_file_at(job_, tmp, text);
+      if (::renameat(job_.fd(), tmp.c_str(), job_.fd(), "owner.json") != 0) {
+        ETTKIT_LOG_WARN("checkpoint memory tier: could not write '", job_.path_of("owner.json"),
+                        "': ", std::strerror(errno));
+      }
     } catch (const Error& e) {
-      ETTKIT_LOG_WARN("checkpoint memory tier: could not write '", owner, "': ", e.message());
+      ETTKIT_LOG_WARN("checkpoint memory tier: could not write '", job_.path_of("owner.json"), "': ", e.message());
     }
-    ::unlink(tmp.c_str());
+    ::unlinkat(job_.fd(), tmp.c_str(), 0);
   }
 }
 
 MemoryTier::~MemoryTier() = default;
 
 std::optional<std::string> MemoryTier::try_lock() {
-  auto holder = lock_.try_acquire(dir_);
+  auto holder = lock_.try_acquire(dir_, kFileMode);
   if (holder) return holder;
   // A killed process's temporaries and half-retired steps (the lock says no writer of this rank is alive).
-  remove_stale_temporaries(dir_, "\n");
-  for (const std::string& shelf : replica_shelves()) remove_stale_temporaries(shelf, "\n");
+  std::vector<std::string> shelves = replica_shelves();
+  shelves.push_back(dir_);
+  for (const std::string& shelf : shelves) {
+    try {
+      remove_temporaries_in(open_shelf(shelf));
+    } catch (const Error& e) {
+      ETTKIT_LOG_WARN("checkpoint memory tier: ", e.message());
+    }
+  }
   return std::nullopt;
+}
+
+void MemoryTier::remove_temporaries_in(const Dir& shelf) noexcept {
+  try {
+    for (const Entry& e : entries_of(shelf)) {
+      if (e.name.rfind(".tmp-step-", 0) == 0 || e.name.rfind(".trash-", 0) == 0) remove_quietly_at(shelf, e.name);
+    }
+  } catch (const std::exception& e) {
+    ETTKIT_LOG_WARN("checkpoint memory tier: removing what a killed writer left in '", shelf.path(),
+                    "' failed: ", e.what());
+  }
 }
 
 std::vector<MemoryStep> MemoryTier::committed_in(const std::string& shelf, bool warn) const {
@@ -127,9 +327,8 @@ std::vector<MemoryStep> MemoryTier::committed_in(const std::string& shelf, bool 
       MemoryStep s;
       s.step = m.step;
       s.world_size = m.world_size;
-      auto it = m.metadata.find("ettkit.run_id");
-      ETTKIT_CHECK(it != m.metadata.end(), CorruptData, "manifest '", mpath, "' has no ettkit.run_id");
-      s.run_id = it->second;
+      // Checked like every run id read from a file (storage.h): it goes into the load vote and the lineage.
+      s.run_id = manifest_run_id(m, "manifest '" + mpath + "'");
       for (const auto& [name, d] : m.files) s.bytes += d.size;
       out.push_back(std::move(s));
     } catch (const Error& x) {
@@ -142,15 +341,40 @@ std::vector<MemoryStep> MemoryTier::committed_in(const std::string& shelf, bool 
   return out;
 }
 
-std::string MemoryTier::replica_dir(int src) const { return dir_ + "/replica-of-rank-" + std::to_string(src); }
+std::string MemoryTier::replica_dir(int src) const { return dir_ + "/" + kReplicaPrefix + std::to_string(src); }
 
 std::vector<std::string> MemoryTier::replica_shelves() const {
   std::vector<std::string> out;
-  std::error_code ec;
-  for (const auto& de : fs::directory_iterator(dir_, ec)) {
-    if (de.path().filename().string().rfind("replica-of-rank-", 0) == 0) out.push_back(de.path().string());
+  try {
+    for (const Entry& e : entries_of(rank_dir_)) {
+      if (e.directory && e.name.rfind(kReplicaPrefix, 0) == 0) out.push_back(rank_dir_.path_of(e.name));
+    }
+  } catch (const Error& e) {
+    ETTKIT_LOG_WARN(e.message());
   }
   return out;
+}
+
+Dir MemoryTier::open_shelf(const std::string& shelf) const {
+  if (shelf == dir_) {
+    // A handle of its own, so that the caller may close it.
+    const int fd = ::openat(rank_dir_.fd(), ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    ETTKIT_CHECK(fd >= 0, IoError, "checkpoint memory tier: opening '", dir_, "' failed: ", std::strerror(errno));
+    return Dir(fd, dir_);
+  }
+  const std::string name = entry_of(dir_, shelf);
+  ETTKIT_EXPECTS(name.rfind(kReplicaPrefix, 0) == 0, "'", shelf, "' is not a shelf of the memory tier '", dir_,
+                 "' (its own directory or a ", kReplicaPrefix, "<s> directory in it)");
+  const int fd = open_directory_at(rank_dir_.fd(), name);
+  ETTKIT_CHECK(fd >= 0, IoError, "checkpoint memory tier: opening '", shelf, "' failed: ", std::strerror(errno));
+  return Dir(fd, shelf);
+}
+
+std::string MemoryTier::entry_of(const std::string& shelf, const std::string& path) {
+  const std::string prefix = shelf + "/";
+  std::string name = path.rfind(prefix, 0) == 0 ? path.substr(prefix.size()) : std::string();
+  ETTKIT_EXPECTS(is_plain_file_name(name), "'", path, "' is not an entry of the memory tier's '", shelf, "'");
+  return name;
 }
 
 uint64_t MemoryTier::held_bytes_locked() const {
@@ -164,6 +388,7 @@ uint64_t MemoryTier::held_bytes_locked() const {
 
 std::string MemoryTier::begin(int64_t step, const std::string& run_id, uint64_t bytes) {
   ETTKIT_EXPECTS(!discarded_, "the memory tier was discarded");
+  const std::string name = temp_dir_name(step, run_id);  // checks the step and the run id
   ETTKIT_EXPECTS(budget_ <= 0 || bytes <= static_cast<uint64_t>(budget_), "a memory-tier snapshot of step ", step,
                  " needs ", bytes, " bytes; memory_tier_budget_bytes=", budget_, " is smaller: raise it, or save "
                  "this state to the disk tier only");
@@ -192,17 +417,20 @@ std::string MemoryTier::begin(int64_t step, const std::string& run_id, uint64_t 
       }
     }
   }
-  std::string tmp = dir_ + "/" + temp_dir_name(step, run_id);
-  remove_tree_quietly(tmp);  // a failed attempt at the same step of this run
-  make_directories(tmp);
-  return tmp;
+  remove_quietly_at(rank_dir_, name);  // a failed attempt at the same step of this run
+  ETTKIT_CHECK(::mkdirat(rank_dir_.fd(), name.c_str(), kDirectoryMode) == 0, IoError, "checkpoint memory tier: "
+               "creating '", rank_dir_.path_of(name), "' failed: ", std::strerror(errno));
+  return rank_dir_.path_of(name);
 }
 
 std::string MemoryTier::begin_replica(int src, int64_t step, const std::string& run_id, uint64_t bytes) {
   ETTKIT_EXPECTS(!discarded_, "the memory tier was discarded");
-  std::string shelf = replica_dir(src);
+  ETTKIT_EXPECTS(src >= 0, "replica source rank ", src, " must be >= 0");
+  const std::string name = temp_dir_name(step, run_id);  // checks the step and the run id
+  const std::string shelf = replica_dir(src);
   std::lock_guard<std::mutex> lk(mu_);
-  make_directories(shelf);
+  std::optional<Dir> shelf_dir = private_directory_at(rank_dir_, entry_of(dir_, shelf));
+  ETTKIT_CHECK(shelf_dir.has_value(), IoError, "checkpoint memory tier: '", dir_, "' vanished");
   // The newest replica stays while this one is received (the partner may die mid-send); older ones go.
   bool kept = false;
   retire_locked(shelf, [&](const MemoryStep&) {
@@ -217,21 +445,48 @@ std::string MemoryTier::begin_replica(int src, int64_t step, const std::string& 
                    " needs ", bytes, " bytes; this rank's own snapshots hold ", held,
                    " of memory_tier_budget_bytes=", budget_, ": raise the budget to hold both");
   }
-  std::string tmp = shelf + "/" + temp_dir_name(step, run_id);
-  remove_tree_quietly(tmp);
-  make_directories(tmp);
-  return tmp;
+  remove_quietly_at(*shelf_dir, name);
+  ETTKIT_CHECK(::mkdirat(shelf_dir->fd(), name.c_str(), kDirectoryMode) == 0, IoError, "checkpoint memory tier: "
+               "creating '", shelf_dir->path_of(name), "' failed: ", std::strerror(errno));
+  return shelf_dir->path_of(name);
 }
 
 void MemoryTier::commit_in(const std::string& shelf, const std::string& tmp, Manifest manifest) {
-  int64_t step = manifest.step;
-  std::string text = encode_manifest(manifest);
-  write_file_durably(tmp + "/manifest.json", {ConstBuffer{text.data(), text.size()}});
+  const std::string final_name = step_dir_name(manifest.step);  // checks the step
+  const std::string tmp_name = entry_of(shelf, tmp);
+  const Dir shelf_dir = open_shelf(shelf);
+  {
+    const int fd = open_directory_at(shelf_dir.fd(), tmp_name);
+    ETTKIT_CHECK(fd >= 0, IoError, "checkpoint memory tier: opening '", tmp, "' failed: ", std::strerror(errno));
+    write_private_file_at(Dir(fd, tmp), "manifest.json", encode_manifest(manifest));
+  }
   std::lock_guard<std::mutex> lk(mu_);
-  commit_step_directory(shelf, tmp, step);
+  // The commit point, as commit_step_directory on disk: an older step-<N> (a re-save) is retired by rename
+  // first, then the temporary directory becomes step-<N>.
+  struct stat st {};
+  if (::fstatat(shelf_dir.fd(), final_name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0) {
+    const std::string trash = ".trash-" + final_name + "-" + random_id();
+    ETTKIT_CHECK(::renameat(shelf_dir.fd(), final_name.c_str(), shelf_dir.fd(), trash.c_str()) == 0, IoError,
+                 "checkpoint memory tier: retiring '", shelf_dir.path_of(final_name),
+                 "' failed: ", std::strerror(errno));
+    remove_quietly_at(shelf_dir, trash);
+  }
+  ETTKIT_CHECK(::renameat(shelf_dir.fd(), tmp_name.c_str(), shelf_dir.fd(), final_name.c_str()) == 0, IoError,
+               "checkpoint memory tier: renaming '", tmp, "' to '", shelf_dir.path_of(final_name), "' failed: ",
+               std::strerror(errno));
+  fsync_directory(shelf_dir);
 }
 
-void MemoryTier::abort(const std::string& tmp) noexcept { remove_tree_quietly(tmp); }
+void MemoryTier::abort(const std::string& tmp) noexcept {
+  try {
+    // A temporary directory of this rank's own shelf, or of a replica shelf in it: nothing else.
+    const auto slash = tmp.rfind('/');
+    const std::string shelf = slash == std::string::npos ? std::string() : tmp.substr(0, slash);
+    remove_quietly_at(open_shelf(shelf), entry_of(shelf, tmp));
+  } catch (const std::exception& e) {
+    ETTKIT_LOG_WARN("checkpoint memory tier: could not remove '", tmp, "': ", e.what());
+  }
+}
 
 void MemoryTier::retire_in(const std::string& shelf, const std::function<bool(const MemoryStep&)>& drop) noexcept {
   std::lock_guard<std::mutex> lk(mu_);
@@ -240,10 +495,11 @@ void MemoryTier::retire_in(const std::string& shelf, const std::function<bool(co
 
 void MemoryTier::retire_locked(const std::string& shelf, const std::function<bool(const MemoryStep&)>& drop) noexcept {
   try {
+    const Dir shelf_dir = open_shelf(shelf);
     // Unusable entries (a manifest that does not decode) go too: they could only be warned about again.
-    for (const StepEntry& e : list_steps(shelf).others) retire(shelf, e.name);
+    for (const StepEntry& e : list_steps(shelf).others) retire(shelf_dir, e.name);
     for (const MemoryStep& s : committed_in(shelf, /*warn=*/false)) {
-      if (drop(s)) retire(shelf, step_dir_name(s.step));
+      if (drop(s)) retire(shelf_dir, step_dir_name(s.step));
     }
   } catch (const std::exception& e) {
     ETTKIT_LOG_WARN("checkpoint memory tier: retention in '", shelf, "' failed: ", e.what());
@@ -253,14 +509,28 @@ void MemoryTier::retire_locked(const std::string& shelf, const std::function<boo
 void MemoryTier::discard() noexcept {
   if (discarded_) return;
   discarded_ = true;
-  std::string trash = job_dir_ + "/.trash-rank-" + std::to_string(rank_) + "-" + random_id();
-  if (::rename(dir_.c_str(), trash.c_str()) == 0) remove_tree_quietly(trash);
+  const std::string rank_name = "rank-" + std::to_string(rank_);
+  const std::string trash = ".trash-" + rank_name + "-" + random_id();
+  if (::renameat(job_.fd(), rank_name.c_str(), job_.fd(), trash.c_str()) == 0) {
+    remove_quietly_at(job_, trash);
+  } else if (errno != ENOENT) {  // ENOENT: removed already (by hand, or a reboot's empty /dev/shm)
+    ETTKIT_LOG_WARN("checkpoint memory tier: could not remove '", dir_, "': ", std::strerror(errno));
+  }
   lock_.release();
-  if (rank_dirs(job_dir_).empty()) {
+  try {
+    if (!rank_dirs(job_).empty()) return;
     // The last rank of this node to leave removes the job's directory (owner.json with it). A rank that
-    // opens the tier concurrently recreates both.
-    ::unlink((job_dir_ + "/owner.json").c_str());
-    ::rmdir(job_dir_.c_str());
+    // opens the tier concurrently creates both again. The root's entry is removed only while it is still
+    // the directory this tier verified (nobody else can rename it; this is the check that says so).
+    ::unlinkat(job_.fd(), "owner.json", 0);
+    struct stat mine {}, there {};
+    if (::fstat(job_.fd(), &mine) == 0 &&
+        ::fstatat(root_.fd(), job_name_.c_str(), &there, AT_SYMLINK_NOFOLLOW) == 0 && mine.st_dev == there.st_dev &&
+        mine.st_ino == there.st_ino) {
+      ::unlinkat(root_.fd(), job_name_.c_str(), AT_REMOVEDIR);  // ENOTEMPTY: a rank arrived meanwhile
+    }
+  } catch (const std::exception& e) {
+    ETTKIT_LOG_WARN("checkpoint memory tier: ", e.what());
   }
 }
 
@@ -268,36 +538,44 @@ std::vector<std::string> remove_stale_memory_tiers(const std::string& root, cons
                                                    const std::string& directory) noexcept {
   std::vector<std::string> removed;
   try {
-    std::error_code ec;
-    for (const auto& de : fs::directory_iterator(root, ec)) {
-      std::string n = de.path().filename().string();
-      if (n.rfind(kTierPrefix, 0) != 0) continue;
-      std::string job_dir = de.path().string();
-      std::string text;
-      try {
-        text = read_small_file(job_dir + "/owner.json");
-      } catch (const Error&) {
-        continue;  // being created or removed by its own job: not ours to judge
+    const int rfd = ::open(root.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (rfd < 0) return removed;
+    const Dir root_dir(rfd, root);
+    for (const Entry& e : entries_of(root_dir)) {
+      const TierName kind = classify_tier_name(e.name);
+      if (kind == TierName::kNone) continue;  // another user's tier (its uid is in its name), or not a tier
+      const int jfd = open_directory_at(root_dir.fd(), e.name);
+      if (jfd < 0) continue;
+      const Dir job(jfd, root_dir.path_of(e.name));
+      struct stat st {};
+      // Judged on the handle: this user's own directory, whatever its name or its owner.json say.
+      if (::fstat(job.fd(), &st) != 0 || st.st_uid != ::geteuid()) continue;
+      auto text = read_bounded_file_at(job, "owner.json", kMaxOwnerRecordBytes);
+      if (!text) continue;  // being created or removed by its own job: not ours to judge
+      json owner = json::parse(*text, nullptr, /*allow_exceptions=*/false);
+      if (!owner.is_object() || !owner.contains("directory") || !owner["directory"].is_string() ||
+          owner["directory"].get<std::string>() != directory) {
+        continue;
       }
-      json owner = json::parse(text, nullptr, /*allow_exceptions=*/false);
-      if (!owner.is_object() || owner.value("directory", std::string()) != directory) continue;
-      std::string other = owner.value("job", std::string());
-      if (other == job_id) continue;
+      const std::string other =
+          owner.contains("job") && owner["job"].is_string() ? owner["job"].get<std::string>() : std::string();
+      // This job's own tier is in use; a legacy-named one is never used again, whichever job wrote it.
+      if (kind == TierName::kCurrent && other == job_id) continue;
       bool alive = false;
-      for (const std::string& r : rank_dirs(job_dir)) alive = alive || lock_held(r + "/.lock");
+      for (const std::string& r : rank_dirs(job)) alive = alive || lock_held(job, r);
       if (alive) {
-        ETTKIT_LOG_WARN("checkpoint memory tier: '", job_dir, "' of job '", other, "' for the same checkpoint "
+        ETTKIT_LOG_WARN("checkpoint memory tier: '", job.path(), "' of job '", other, "' for the same checkpoint "
                         "directory is left alone: a process of that job still holds it");
         continue;
       }
       // Renamed first: the other ranks of this node look for stale tiers at the same moment, and only one
-      // rename wins.
-      std::string trash = root + "/.ettkit-mem-trash-" + random_id();
-      if (::rename(job_dir.c_str(), trash.c_str()) != 0) continue;
-      ETTKIT_LOG_WARN("checkpoint memory tier: removed '", job_dir, "', left by job '", other,
+      // rename wins. The name carries the uid, as the tiers' names do.
+      const std::string trash = ".ettkit-mem-trash-" + std::to_string(::geteuid()) + "-" + random_id();
+      if (::renameat(root_dir.fd(), e.name.c_str(), root_dir.fd(), trash.c_str()) != 0) continue;
+      ETTKIT_LOG_WARN("checkpoint memory tier: removed '", job.path(), "', left by job '", other,
                       "' for the same checkpoint directory (this is job '", job_id, "')");
-      remove_tree_quietly(trash);
-      removed.push_back(job_dir);
+      remove_quietly_at(root_dir, trash);
+      removed.push_back(job.path());
     }
   } catch (const std::exception& e) {
     ETTKIT_LOG_WARN("checkpoint memory tier: looking for stale tiers in '", root, "' failed: ", e.what());

@@ -3,14 +3,27 @@
 // survive the process (kill -9, an OOM kill, a torchrun restart) but not the node. A restarted process on the
 // same node restores from it at memory speed instead of reading the disk tier back.
 //
-// Layout (one directory per job and checkpoint directory, one per rank inside):
-//   <root>/ettkit-mem-<key>/owner.json               {"job", "directory", "host"}: whose tier this is
-//   <root>/ettkit-mem-<key>/rank-<r>/.lock           held by the rank's process for its life (flock)
-//   <root>/ettkit-mem-<key>/rank-<r>/step-<N>/       rank-<r>.safetensors, rank-<r>.extra, manifest.json
-//   <root>/ettkit-mem-<key>/rank-<r>/.tmp-step-...   a snapshot being written
-//   <root>/ettkit-mem-<key>/rank-<r>/replica-of-rank-<s>/step-<N>/   with a peer replica: rank s's snapshot,
-//                                                    received from s (peer_replica.h); same layout and rule
-// key = XXH3-64 of the job id and the checkpoint directory's canonical path.
+// Layout (one directory per user, job and checkpoint directory, one per rank inside):
+//   <root>/ettkit-mem-<uid>-<key>/owner.json          {"job", "directory", "host"}: whose tier this is
+//   <root>/ettkit-mem-<uid>-<key>/rank-<r>/.lock      held by the rank's process for its life (flock)
+//   <root>/ettkit-mem-<uid>-<key>/rank-<r>/step-<N>/  rank-<r>.safetensors, rank-<r>.extra, manifest.json
+//   <root>/ettkit-mem-<uid>-<key>/rank-<r>/.tmp-step-...   a snapshot being written
+//   <root>/ettkit-mem-<uid>-<key>/rank-<r>/replica-of-rank-<s>/step-<N>/   with a peer replica: rank s's
+//                                                    snapshot, received from s (peer_replica.h); same layout and rule
+// uid = this process's effective uid; key = XXH3-64 of the job id and the checkpoint directory's canonical path.
+//
+// Created, never adopted (docs/security.md): the root is shared with every user of the node and the name
+// is predictable, so another user can create it first, to plant a step that the restart would load or to
+// read the snapshots written into it. Every directory of the tier is created with mode 0700 and every file
+// 0600; an existing job, rank or replica directory is used only when its handle (opened O_NOFOLLOW) shows a
+// directory owned by this uid with mode exactly 0700, and the root must not let other users rename entries
+// (not writable by them, or sticky as /dev/shm is). Otherwise the constructor throws IoError naming the path,
+// the owner and the mode, and touches nothing. The tier keeps its job and rank directories open; what it
+// creates, renames and removes inside them goes through those handles (mkdirat, renameat, unlinkat,
+// remove_tree_at), never through a path walk that a planted link could redirect. The readers of the tier's
+// steps (open_step, list_steps) and the writers of its data files (the checkpointer, the peer replica) take
+// dir()'s path: it names the verified directory for the tier's life, since no other user can rename or
+// replace an entry of the root nor write below the job directory.
 //
 // Why files in tmpfs and not a raw mapping with a hand-made header: the step directory gives the memory
 // tier the disk tier's commit rule unchanged (a step exists exactly when step-<N>/manifest.json does, and
@@ -48,8 +61,17 @@ struct MemoryStep {
 /// internal mutex.
 class MemoryTier {
  public:
-  /// Creates <root>/ettkit-mem-<key>/rank-<rank>/ (the job directory with mode 0700) and its owner.json.
-  /// InvalidArgument when `job_id` is empty or `root` is not a directory. `budget_bytes` <= 0: no bound.
+  /// The mode of every file the tier writes (the data files through write_file_durably's `mode` too).
+  static constexpr unsigned kFileMode = 0600;
+  /// The mode of every directory of the tier; an existing one with another mode is never used.
+  static constexpr unsigned kDirectoryMode = 0700;
+
+  /// Creates <root>/ettkit-mem-<uid>-<key>/rank-<rank>/ and its owner.json, or opens them when this user
+  /// created them before (module comment: created, never adopted). InvalidArgument when `job_id` is empty,
+  /// `rank` negative, or `root` is not a directory or lets other users rename its entries (writable by
+  /// them without the sticky bit). IoError naming the path, its owner and its mode when an existing job,
+  /// rank or replica directory is a symbolic link, not a directory, another uid's, or not mode 0700.
+  /// `budget_bytes` <= 0: no bound.
   MemoryTier(const std::string& root, const std::string& job_id, const std::string& directory, int rank,
              int64_t budget_bytes);
   ~MemoryTier();
@@ -58,6 +80,8 @@ class MemoryTier {
 
   /// The job id given, else $TORCHELASTIC_RUN_ID (when not "none"), else $SLURM_JOB_ID, else "".
   static std::string job_id_from_environment(const std::string& given);
+  /// The name of the job directory under the root: ettkit-mem-<euid>-<XXH3-64 of job id and directory>.
+  static std::string job_dir_name(const std::string& job_id, const std::string& directory);
 
   /// Takes the rank directory's lock for this object's life, then removes what a killed writer of this rank
   /// left half-done. Returns the holder's description when another process holds it (nothing is touched).
@@ -102,7 +126,8 @@ class MemoryTier {
   /// directory to step-<N> (replacing an older step-<N>).
   void commit(const std::string& tmp, Manifest manifest) { commit_in(dir_, tmp, std::move(manifest)); }
   void commit_in(const std::string& shelf, const std::string& tmp, Manifest manifest);
-  /// Removes a temporary directory of a failed or refused snapshot. Never throws.
+  /// Removes a temporary directory of a failed or refused snapshot (one begin() or begin_replica()
+  /// returned). Never throws.
   void abort(const std::string& tmp) noexcept;
   /// Retires the committed steps for which `drop` is true, and every step-* entry that is not a committed
   /// step (nothing else writes a rank directory). Never throws (failures are logged).
@@ -116,8 +141,14 @@ class MemoryTier {
 
  private:
   std::string job_id_;
+  std::string job_name_;  // job_dir_name(): the job directory's entry in the root
   std::string job_dir_;
   std::string dir_;
+  // The root, the job directory and this rank's directory, opened O_NOFOLLOW (the root as the user named
+  // it) and verified at construction; open for the tier's life (module comment).
+  Dir root_;
+  Dir job_;
+  Dir rank_dir_;
   int rank_ = 0;
   int64_t budget_ = 0;
   DirectoryLock lock_;
@@ -129,11 +160,22 @@ class MemoryTier {
 
   void retire_locked(const std::string& shelf, const std::function<bool(const MemoryStep&)>& drop) noexcept;
   uint64_t held_bytes_locked() const;
+  /// A handle of `shelf`: dir() itself, or a replica-of-rank-<s> directory of it opened without following a
+  /// link. InvalidArgument for any other path; IoError when it cannot be opened.
+  Dir open_shelf(const std::string& shelf) const;
+  /// The last component of `path` when `path` is `shelf` + "/" + a plain name (no '/', not "." or "..");
+  /// InvalidArgument otherwise.
+  static std::string entry_of(const std::string& shelf, const std::string& path);
+  /// Removes the .tmp-step-* and .trash-* entries of `shelf` (a killed writer's).
+  static void remove_temporaries_in(const Dir& shelf) noexcept;
 };
 
-/// Removes every tier under `root` that belongs to `directory` but another job and whose ranks' locks are
-/// all free (that job's processes are gone). Tiers of other checkpoint directories are left alone: they
-/// may belong to a job that is between two restarts. Returns the directories removed. Never throws.
+/// Removes every tier of this user under `root` that belongs to `directory` but another job and whose ranks'
+/// locks are all free (that job's processes are gone), and this user's tiers of `directory` named as before
+/// the uid was part of the name (ettkit-mem-<key>: no later version uses them). Tiers of other checkpoint
+/// directories are left alone: they may belong to a job that is between two restarts. Another user's tier
+/// is never touched, whatever its owner.json says (it is not this user's to judge, and its name, which
+/// carries its uid, is never this user's tier). Returns the directories removed. Never throws.
 std::vector<std::string> remove_stale_memory_tiers(const std::string& root, const std::string& job_id,
                                                    const std::string& directory) noexcept;
 

@@ -7,6 +7,8 @@
 //   restore/<seq>/<r>    load_latest exchange <seq>: rank r's snapshot is coming ({"manifest"}) or not ({"error"})
 // The bytes of each file follow the announcement over the process group, in chunks of kChunkBytes, on one
 // tag per purpose (kStreamTag, kRestoreTag); both sides derive the chunks from the manifest's file sizes.
+// Any client of the Store can write these keys: a message is decoded strictly (decode_announcement) before
+// a byte is received for it, and one that fails is ignored with a warning (peer_replica.h, "Trust").
 #include "checkpoint/peer_replica.h"
 
 #include <fcntl.h>
@@ -18,6 +20,7 @@
 
 #include <ATen/ops/empty.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -58,27 +61,32 @@ struct OwnedFd {
   }
 };
 
-/// The run id a memory-tier manifest names (every one this version writes has it).
-std::string run_of(const Manifest& m, const std::string& source) {
-  auto it = m.metadata.find("ettkit.run_id");
-  ETTKIT_CHECK(it != m.metadata.end(), CorruptData, source, " has no ettkit.run_id");
-  return it->second;
-}
-
-/// What the sender of rank `owner`'s snapshot may name: that rank's two files, nothing with a path in it
-/// (the names become file names in this rank's memory tier).
+/// What the sender of rank `owner`'s snapshot must name: that rank's two files, nothing else and nothing
+/// with a path in it (the names become file names in this rank's memory tier).
 void check_names(const Manifest& m, int owner, const std::string& source) {
   const std::string base = "rank-" + std::to_string(owner);
   for (const auto& [name, d] : m.files) {
     ETTKIT_CHECK(name == base + ".safetensors" || name == base + ".extra", CorruptData, source, " names a file '",
                  name, "'; a snapshot of rank ", owner, " holds only ", base, ".safetensors and ", base, ".extra");
   }
+  ETTKIT_CHECK(m.files.size() == 2, CorruptData, source, " lists ", m.files.size(), " file(s); a snapshot of rank ",
+               owner, " holds ", base, ".safetensors and ", base, ".extra");
 }
 
-uint64_t bytes_in(const Manifest& m) {
+/// The bytes the snapshot's files hold together (CorruptData when the sizes overflow: no sender wrote those).
+uint64_t bytes_in(const Manifest& m, const std::string& source) {
   uint64_t n = 0;
-  for (const auto& [name, d] : m.files) n += d.size;
+  for (const auto& [name, d] : m.files) {
+    ETTKIT_CHECK(!__builtin_add_overflow(n, d.size, &n), CorruptData, source, ": the file sizes overflow");
+  }
   return n;
+}
+
+/// The count a rank's close() publishes under done/<src> (decimal digits), or nullopt for anything else.
+std::optional<int64_t> decode_count(const std::string& text) {
+  const bool digits = std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; });
+  if (text.empty() || text.size() > 18 || !digits) return std::nullopt;
+  return std::stoll(text);
 }
 
 std::string pwrite_all(int fd, const void* data, uint64_t n, uint64_t offset) {
@@ -97,11 +105,12 @@ std::string pwrite_all(int fd, const void* data, uint64_t n, uint64_t offset) {
 }  // namespace
 
 PeerReplica::PeerReplica(c10::intrusive_ptr<c10d::Backend> group, c10::intrusive_ptr<c10d::Store> store,
-                         std::string prefix, PeerMonitor* peers, int rank, int world, int ranks_per_host,
-                         MemoryTier& tier, double timeout_s)
+                         std::string prefix, std::string run_id, PeerMonitor* peers, int rank, int world,
+                         int ranks_per_host, MemoryTier& tier, double timeout_s)
     : group_(std::move(group)),
       store_(std::move(store)),
       prefix_(std::move(prefix)),
+      run_id_(std::move(run_id)),
       peers_(peers),
       rank_(rank),
       world_(world),
@@ -110,6 +119,7 @@ PeerReplica::PeerReplica(c10::intrusive_ptr<c10d::Backend> group, c10::intrusive
       timeout_s_(timeout_s) {
   ETTKIT_EXPECTS(group_, "peer replica: the process group is null");
   ETTKIT_EXPECTS(store_ && peers_, "peer replica: needs the checkpointer's Store (world_size > 1)");
+  ETTKIT_EXPECTS(is_run_id(run_id_), "peer replica: run id '", run_id_, "' is not 16 lowercase hex digits");
   ETTKIT_EXPECTS(group_->getRank() == rank && group_->getSize() == world, "peer replica: the process group has rank ",
                  group_->getRank(), " of ", group_->getSize(), "; the checkpointer is rank ", rank, " of ", world);
   ETTKIT_EXPECTS(ranks_per_host >= 1 && ranks_per_host < world, "ranks_per_host=", ranks_per_host, " leaves rank ",
@@ -134,7 +144,7 @@ void PeerReplica::send_files(int dst, int tag, const std::string& step_dir, cons
   at::Tensor buf;
   for (const auto& [name, d] : m.files) {
     std::string path = step_dir + "/" + name;
-    OwnedFd f{::open(path.c_str(), O_RDONLY | O_CLOEXEC)};
+    OwnedFd f{::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC)};
     ETTKIT_CHECK(f.fd >= 0, IoError, "peer replica: cannot open '", path, "': ", std::strerror(errno));
     if (!buf.defined() && d.size > 0) buf = at::empty({static_cast<int64_t>(kChunkBytes)}, at::kByte);
     for (uint64_t off = 0; off < d.size; off += kChunkBytes) {
@@ -153,7 +163,7 @@ std::string PeerReplica::receive_files(int src, int tag, const Manifest& m, cons
     std::string path = tmp + "/" + name;
     OwnedFd f;
     if (local.empty()) {
-      f.fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+      f.fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
       if (f.fd < 0) local = ettkit::detail::concat("cannot create '", path, "': ", std::strerror(errno));
     }
     if (!buf.defined() && d.size > 0) buf = at::empty({static_cast<int64_t>(kChunkBytes)}, at::kByte);
@@ -172,7 +182,7 @@ std::string PeerReplica::receive_files(int src, int tag, const Manifest& m, cons
   try {
     for (const auto& [name, d] : m.files) {
       std::string path = tmp + "/" + name;
-      ReadFile file(::open(path.c_str(), O_RDONLY | O_CLOEXEC), path);
+      ReadFile file(::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC), path);
       ETTKIT_CHECK(file.fd() >= 0, IoError, "cannot open '", path, "': ", std::strerror(errno));
       ETTKIT_CHECK(file.size() == d.size, CorruptData, "'", path, "' has ", file.size(), " bytes; the manifest says ",
                    d.size);
@@ -226,7 +236,9 @@ void PeerReplica::receive_loop() {
   const int src = held_for();
   const std::string shelf = tier_.replica_dir(src);
   const std::string done_key = prefix_ + "done/" + std::to_string(src);
-  for (int64_t k = 0;; ++k) {
+  // k advances only past announcements that were acted on: a malformed one is ignored, and the sender's
+  // own k-th announcement is still awaited under the same key.
+  for (int64_t k = 0;;) {
     const std::string who = std::to_string(src) + "/" + std::to_string(k);
     const std::string key = prefix_ + "announce/" + who;
     // Idle: poll the Store (a TCPStore wait would hold its client connection, which the heartbeat and
@@ -251,7 +263,15 @@ void PeerReplica::receive_loop() {
         try {
           peers_->wait_keys({done_key}, {src}, std::chrono::duration<double>(kPollMin).count(),
                             "peer replica: rank " + std::to_string(src) + "'s count of snapshots");
-          if (k >= std::stoll(string_of(store_->get(done_key)))) return;
+          const std::string count = string_of(store_->get(done_key));
+          const std::optional<int64_t> announced = decode_count(count);
+          if (!announced) {
+            ++refused_;
+            ETTKIT_LOG_WARN("peer replica: the Store key '", done_key, "' holds no count of snapshots; the receiver "
+                            "for rank ", src, " stops");
+            return;
+          }
+          if (k >= *announced) return;
         } catch (const Timeout&) {
           if (now > *deadline) return;
         }
@@ -262,14 +282,23 @@ void PeerReplica::receive_loop() {
     }
     std::string why;
     try {
-      json a = json::parse(string_of(store_->get(key)));
+      const std::string text = string_of(store_->get(key));
       store_->deleteKey(key);
-      const std::string source = "rank " + std::to_string(src) + "'s snapshot announcement";
-      Manifest m = decode_manifest(a.at("manifest").get<std::string>(), source);
+      const std::string source = "rank " + std::to_string(src) + "'s snapshot announcement '" + key + "'";
+      std::optional<Manifest> announced;
+      try {
+        announced = decode_announcement(text, src, run_id_, source);
+      } catch (const Error& e) {
+        // Not what a rank of this run announces: nothing is received, written or removed for it, and no
+        // acknowledgement is given (the sender's would be answered with it).
+        ++refused_;
+        ETTKIT_LOG_WARN("peer replica: ignored a malformed snapshot announcement: ", e.message());
+        continue;
+      }
+      Manifest& m = *announced;
       std::string tmp;
       try {
-        check_names(m, src, source);
-        tmp = tier_.begin_replica(src, m.step, run_of(m, source), bytes_in(m));
+        tmp = tier_.begin_replica(src, m.step, manifest_run_id(m, source), bytes_in(m, source));
       } catch (const Error& e) {
         why = e.message();
       }
@@ -300,7 +329,24 @@ void PeerReplica::receive_loop() {
       ETTKIT_LOG_DEBUG("peer replica: receiver for rank ", src, " stops: ", first_line(e));
       return;
     }
+    ++k;
   }
+}
+
+Manifest PeerReplica::decode_announcement(const std::string& text, int owner, const std::string& run,
+                                          const std::string& source) const {
+  json a = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  ETTKIT_CHECK(a.is_object() && a.contains("manifest") && a["manifest"].is_string(), CorruptData, source,
+               " is not {\"manifest\": the snapshot's manifest.json text}");
+  Manifest m = decode_manifest(a["manifest"].get<std::string>(), source);
+  check_names(m, owner, source);
+  const std::string id = manifest_run_id(m, source);
+  ETTKIT_CHECK(run.empty() || id == run, CorruptData, source, " is a snapshot of run ", id,
+               "; the ranks of this checkpointer share run ", run);
+  ETTKIT_CHECK(m.world_size == world_, CorruptData, source, " was written by ", m.world_size, " ranks; this job has ",
+               world_);
+  bytes_in(m, source);
+  return m;
 }
 
 std::string PeerReplica::restore_exchange(uint64_t seq, int64_t give_step, int64_t take_step) {
@@ -333,17 +379,30 @@ std::string PeerReplica::restore_exchange(uint64_t seq, int64_t give_step, int64
     const std::string key = base + std::to_string(rank_);
     try {
       peers_->wait_keys({key}, {from}, timeout_s_, "load_latest: rank " + std::to_string(from) + "'s replica of this rank");
-      json a = json::parse(string_of(store_->get(key)));
-      if (a.contains("error")) {
-        why = "rank " + std::to_string(from) + " cannot give its replica: " + a.at("error").get<std::string>();
+      const std::string text = string_of(store_->get(key));
+      const std::string source = "rank " + std::to_string(from) + "'s replica of step " + std::to_string(take_step) +
+                                 " ('" + key + "')";
+      json a = json::parse(text, nullptr, /*allow_exceptions=*/false);
+      std::optional<Manifest> given;
+      if (a.is_object() && a.contains("error") && a["error"].is_string()) {
+        why = "rank " + std::to_string(from) + " cannot give its replica: " + a["error"].get<std::string>();
       } else {
-        const std::string source = "rank " + std::to_string(from) + "'s replica of step " + std::to_string(take_step);
-        Manifest m = decode_manifest(a.at("manifest").get<std::string>(), source);
+        try {
+          given = decode_announcement(text, rank_, "", source);
+          ETTKIT_CHECK(given->step == take_step, CorruptData, source, " is step ", given->step);
+        } catch (const Error& e) {
+          // Nothing is received for it: the giver's real message, if any, was replaced.
+          ++refused_;
+          given.reset();
+          why = e.message();
+          ETTKIT_LOG_WARN("peer replica: ignored a malformed replica message: ", why);
+        }
+      }
+      if (given) {
+        Manifest& m = *given;
         std::string tmp;
         try {
-          check_names(m, rank_, source);
-          ETTKIT_CHECK(m.step == take_step, CorruptData, source, " is step ", m.step);
-          tmp = tier_.begin(m.step, run_of(m, source), bytes_in(m));
+          tmp = tier_.begin(m.step, manifest_run_id(m, source), bytes_in(m, source));
         } catch (const Error& e) {
           why = e.message();
         }

@@ -17,6 +17,13 @@
 // Threads: send() runs on the checkpointer's writer thread, the receiver on its own thread (started by the
 // constructor), restore_exchange() on the caller's thread of load_latest (before any save). All Store keys
 // live under `prefix`, one namespace per checkpointer run.
+//
+// Trust: every message read from the Store is decoded strictly before anything is done with it (its
+// manifest decodes; it names exactly the owner's two files; its run id is a run id, and this run's for a
+// streamed snapshot; its world size is this job's). A message that fails is ignored with a warning and
+// nothing is received, written or removed for it: any client of the Store can write these keys, and a value
+// from one never becomes a path. What stays trusted is the partner rank itself: the checksums come with the
+// snapshot, so a hostile partner can hand back any self-consistent snapshot of the right files.
 #include <ATen/core/Tensor.h>
 
 #include <atomic>
@@ -44,10 +51,12 @@ class PeerMonitor;
 /// outlives this object: it closes this before them).
 class PeerReplica {
  public:
-  /// InvalidArgument when the group does not match (rank, world), or when ranks_per_host leaves no partner
-  /// on another node (ranks_per_host < 1 or >= world).
+  /// `run_id`: the checkpointer run's id (every snapshot streamed in this run carries it). InvalidArgument
+  /// when the group does not match (rank, world), when ranks_per_host leaves no partner on another node
+  /// (ranks_per_host < 1 or >= world), or when `run_id` is not a run id.
   PeerReplica(c10::intrusive_ptr<c10d::Backend> group, c10::intrusive_ptr<c10d::Store> store, std::string prefix,
-              PeerMonitor* peers, int rank, int world, int ranks_per_host, MemoryTier& tier, double timeout_s);
+              std::string run_id, PeerMonitor* peers, int rank, int world, int ranks_per_host, MemoryTier& tier,
+              double timeout_s);
   ~PeerReplica();
   PeerReplica(const PeerReplica&) = delete;
   PeerReplica& operator=(const PeerReplica&) = delete;
@@ -77,6 +86,8 @@ class PeerReplica {
   int64_t sent() const { return sent_.load(); }
   int64_t received() const { return received_.load(); }
   int64_t failed() const { return failed_.load(); }
+  /// Store messages refused as malformed (each warned about; none was acted on).
+  int64_t refused() const { return refused_.load(); }
 
  private:
   void receive_loop();
@@ -85,18 +96,23 @@ class PeerReplica {
   /// write failed), so that the sender's sends complete and the stream stays in step. Returns "" or why the
   /// files are not usable (the stream is still in step); throws IoError when the process group fails.
   std::string receive_files(int src, int tag, const Manifest& m, const std::string& tmp);
+  /// The manifest of rank `owner`'s snapshot that the Store message `text` announces, checked field by field
+  /// (see "Trust" above); `run` non-empty: the run it must come from. CorruptData naming `source` otherwise.
+  Manifest decode_announcement(const std::string& text, int owner, const std::string& run,
+                               const std::string& source) const;
   void send_files(int dst, int tag, const std::string& step_dir, const Manifest& m);
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what);
 
   c10::intrusive_ptr<c10d::Backend> group_;
   c10::intrusive_ptr<c10d::Store> store_;
   std::string prefix_;
+  std::string run_id_;
   PeerMonitor* peers_;
   int rank_, world_, ranks_per_host_;
   MemoryTier& tier_;
   double timeout_s_;
   std::atomic<bool> broken_{false};
-  std::atomic<int64_t> sent_{0}, received_{0}, failed_{0};
+  std::atomic<int64_t> sent_{0}, received_{0}, failed_{0}, refused_{0};
   int64_t announced_ = 0;  // writer thread only
   std::mutex mu_;
   std::condition_variable cv_;

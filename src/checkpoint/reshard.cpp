@@ -95,8 +95,11 @@ void check_box(const std::string& name, const std::vector<int64_t>& global, cons
                  " has ", b.offsets.size(), " offsets and ", b.sizes.size(), " sizes; the tensor has ",
                  global.size(), " dimensions ", show(global));
   for (size_t d = 0; d < global.size(); ++d) {
-    ETTKIT_EXPECTS(b.offsets[d] >= 0 && b.sizes[d] >= 0 && b.offsets[d] + b.sizes[d] <= global[d], "'", name, "': ",
-                   what, " (", show(b), ") lies outside the global shape ", show(global), " in dimension ", d);
+    // Compared without adding offset and size: their sum may not be a number.
+    const bool inside = b.offsets[d] >= 0 && b.sizes[d] >= 0 && b.offsets[d] <= global[d] &&
+                        b.sizes[d] <= global[d] - b.offsets[d];
+    ETTKIT_EXPECTS(inside, "'", name, "': ", what, " (", show(b), ") lies outside the global shape ", show(global),
+                   " in dimension ", d);
   }
 }
 
@@ -185,6 +188,14 @@ std::vector<CopyRange> plan_destination(const std::string& name, const std::vect
       p.box.offsets = saved_offsets.value_or(std::vector<int64_t>(e.shape.size(), 0));
       ETTKIT_EXPECTS(p.box.offsets.size() == shape.size() && e.shape.size() == shape.size(), "'", saved_name,
                      "' has ", e.shape.size(), " dimensions; the state's '", name, "' has ", shape.size());
+      // The offsets come from the file's tensor names and the sizes from its header: where they end must be
+      // a number (a dimension of size 0 passes the header's byte check with any other dimension).
+      for (size_t d = 0; d < shape.size(); ++d) {
+        int64_t end = 0;
+        ETTKIT_CHECK(!__builtin_add_overflow(p.box.offsets[d], p.box.sizes[d], &end), CorruptData, "'", saved_name,
+                     "' in old rank ", r, "'s file ends beyond 2^63 in dimension ", d, " (offset ", p.box.offsets[d],
+                     ", size ", p.box.sizes[d], ")");
+      }
       p.byte_offset = indexes[r]->data_offset + e.begin;
       if (!offsets) {
         // A whole tensor: one copy is enough, and every copy must be the whole tensor.

@@ -108,11 +108,12 @@ uint64_t ReadFile::size() const {
   return static_cast<uint64_t>(st.st_size);
 }
 
-std::string ReadFile::read_all() const {
+std::string ReadFile::read_all(uint64_t max_bytes) const {
   std::string out;
   char buf[65536];
-  for (uint64_t off = 0;;) {
-    ssize_t n = ::pread(fd_, buf, sizeof buf, static_cast<off_t>(off));
+  for (uint64_t off = 0; off <= max_bytes;) {
+    const uint64_t want = std::min<uint64_t>(sizeof buf, max_bytes + 1 - off);
+    ssize_t n = ::pread(fd_, buf, static_cast<size_t>(want), static_cast<off_t>(off));
     if (n < 0) {
       if (errno == EINTR) continue;
       throw_errno("reading", path_, errno);
@@ -124,10 +125,89 @@ std::string ReadFile::read_all() const {
   return out;
 }
 
-FileDigest write_file_durably(const std::string& path, const std::vector<ConstBuffer>& buffers) {
+Dir::~Dir() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+Dir& Dir::operator=(Dir&& o) noexcept {
+  if (this != &o) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = std::exchange(o.fd_, -1);
+    path_ = std::move(o.path_);
+  }
+  return *this;
+}
+
+Dir open_directory(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) throw_errno("opening directory", path, errno);
+  return Dir(fd, path);
+}
+
+namespace {
+/// Why the entry `name` of `dirfd`, which an O_NOFOLLOW open refused with `err`, is not what was asked for
+/// (O_DIRECTORY | O_NOFOLLOW answers ENOTDIR for a link, O_NOFOLLOW alone ELOOP); "" when it is none of
+/// the refusals below (the caller reports `err` itself).
+std::string refused_entry(int dirfd, const std::string& name, int err) {
+  struct stat st {};
+  if ((err == ENOTDIR || err == ELOOP || err == EMLINK) &&
+      ::fstatat(dirfd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0) {
+    if (S_ISLNK(st.st_mode)) return "is a symbolic link (ettkit never follows one inside a checkpoint directory)";
+    if (err == ENOTDIR) return "is not a directory";
+  }
+  return "";
+}
+}  // namespace
+
+std::optional<Dir> open_subdirectory(const Dir& parent, const std::string& name) {
+  const std::string path = parent.path_of(name);
+  int fd = ::openat(parent.fd(), name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd >= 0) return Dir(fd, path);
+  const int err = errno;
+  if (err == ENOENT) return std::nullopt;
+  const std::string why = refused_entry(parent.fd(), name, err);
+  ETTKIT_CHECK(why.empty(), CorruptData, "'", path, "' ", why);
+  throw_errno("opening directory", path, err);
+}
+
+Dir make_subdirectory(const Dir& parent, const std::string& name, unsigned mode) {
+  if (::mkdirat(parent.fd(), name.c_str(), static_cast<mode_t>(mode)) != 0 && errno != EEXIST) {
+    throw_errno("creating directory", parent.path_of(name), errno);
+  }
+  std::optional<Dir> d = open_subdirectory(parent, name);
+  // Removed between the mkdirat and the open: only a second writer of the same directory does that.
+  ETTKIT_CHECK(d.has_value(), IoError, "directory '", parent.path_of(name), "' vanished right after it was created");
+  return std::move(*d);
+}
+
+void fsync_directory(const Dir& dir) {
+  if (::fsync(dir.fd()) != 0) throw_errno("fsync of directory", dir.path(), errno);
+}
+
+namespace {
+FileDigest write_durably(Fd& f, const std::string& path, const std::vector<ConstBuffer>& buffers);
+}  // namespace
+
+FileDigest write_file_durably(const std::string& path, const std::vector<ConstBuffer>& buffers, unsigned mode) {
   Fd f;
-  f.fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  f.fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, static_cast<mode_t>(mode));
   if (f.fd < 0) throw_errno("creating checkpoint file", path, errno);
+  return write_durably(f, path, buffers);
+}
+
+FileDigest write_file_durably(const Dir& dir, const std::string& name, const std::vector<ConstBuffer>& buffers,
+                              unsigned mode) {
+  const std::string path = dir.path_of(name);
+  Fd f;
+  f.fd = ::openat(dir.fd(), name.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,
+                  static_cast<mode_t>(mode));
+  if (f.fd < 0) throw_errno("creating checkpoint file", path, errno);
+  return write_durably(f, path, buffers);
+}
+
+namespace {
+/// The bytes into the new file `f` (closed here), hashed as they go, then fsync.
+FileDigest write_durably(Fd& f, const std::string& path, const std::vector<ConstBuffer>& buffers) {
   Xxh3 h;
   Xxh3 chunk;  // the current kHashChunkBytes piece
   uint64_t chunk_left = kHashChunkBytes;
@@ -207,9 +287,10 @@ FileDigest write_file_durably(const std::string& path, const std::vector<ConstBu
   digest.xxh3 = hex64(h.digest());
   return digest;
 }
+}  // namespace
 
 std::string file_xxh3(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
   if (fd < 0) throw_errno("opening", path, errno);
   return file_xxh3(ReadFile(fd, path));
 }
@@ -424,22 +505,55 @@ std::vector<size_t> nonresident_chunks(const ReadFile& file, const FileDigest& d
   return out;
 }
 
-std::string read_small_file(const std::string& path) {
-  Fd f;
-  f.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (f.fd < 0) throw_errno("opening", path, errno);
+namespace {
+/// Opens the entry `name` of `dirfd` (AT_FDCWD: a path) for reading: never through a symbolic link at the
+/// last component, and only a regular file (O_NONBLOCK: a FIFO planted under a step file's name cannot
+/// block the open). Returns the descriptor, or -errno; -EINVAL for an entry that is not a regular file.
+int open_regular_at(int dirfd, const char* name) {
+  int fd = ::openat(dirfd, name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) return -errno;
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return -EINVAL;
+  }
+  return fd;
+}
+
+/// open_regular_at or the error: CorruptData for a link or a non-regular file (`path` names it), IoError
+/// for other failures. ENOENT is returned as -ENOENT when `missing_ok`.
+int open_regular_or_throw(int dirfd, const std::string& name, const std::string& path, bool missing_ok) {
+  int fd = open_regular_at(dirfd, name.c_str());
+  if (fd >= 0 || (fd == -ENOENT && missing_ok)) return fd;
+  ETTKIT_CHECK(fd != -EINVAL, CorruptData, "'", path, "' is not a regular file");
+  const std::string why = refused_entry(dirfd, name, -fd);
+  ETTKIT_CHECK(why.empty(), CorruptData, "'", path, "' ", why);
+  throw_errno("opening", path, -fd);
+}
+
+/// The whole of the open file `fd`, at most `max_bytes` of it (CorruptData naming `path` beyond).
+std::string read_bounded(int fd, const std::string& path, uint64_t max_bytes) {
   std::string out;
   char buf[65536];
   for (;;) {
-    ssize_t n = ::read(f.fd, buf, sizeof buf);
+    ssize_t n = ::read(fd, buf, sizeof buf);
     if (n < 0) {
       if (errno == EINTR) continue;
       throw_errno("reading", path, errno);
     }
     if (n == 0) break;
+    ETTKIT_CHECK(out.size() + static_cast<uint64_t>(n) <= max_bytes, CorruptData, "'", path, "' is larger than ",
+                 max_bytes, " bytes, the most ettkit reads of a file of its kind");
     out.append(buf, static_cast<size_t>(n));
   }
   return out;
+}
+}  // namespace
+
+std::string read_small_file(const std::string& path, uint64_t max_bytes) {
+  Fd f;
+  f.fd = open_regular_or_throw(AT_FDCWD, path, path, /*missing_ok=*/false);
+  return read_bounded(f.fd, path, max_bytes);
 }
 
 // ---- safetensors -------------------------------------------------------------------------------------
@@ -472,7 +586,7 @@ std::string encode_safetensors_header(const std::vector<SafetensorsEntry>& entri
 
 SafetensorsIndex read_safetensors_index(const std::string& path, uint64_t size) {
   ETTKIT_CHECK(size >= 8, CorruptData, "safetensors file '", path, "' has ", size, " bytes; at least 8 needed");
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
   if (fd < 0) throw_errno("opening", path, errno);
   ReadFile f(fd, path);
   ETTKIT_CHECK(f.size() == size, CorruptData, "safetensors file '", path, "' has ", f.size(), " bytes, not ", size);
@@ -807,6 +921,8 @@ Manifest decode_manifest(const std::string& text, const std::string& source) {
   const json& files = *r.find(j, "files", true);
   if (!files.is_object()) r.bad("files", files, "an object mapping file names to {size, xxh3}");
   for (auto it = files.begin(); it != files.end(); ++it) {
+    // A file name is opened inside the step directory: a path in it would reach outside.
+    if (!is_plain_file_name(it.key())) r.bad("files", json(it.key()), "file names without '/' (not '.' or '..')");
     std::string field = "files." + it.key();
     const json& f = it.value();
     if (!f.is_object()) r.bad(field, f, "an object {size, xxh3}");
@@ -845,10 +961,87 @@ Manifest decode_manifest(const std::string& text, const std::string& source) {
   return m;
 }
 
+// ---- identifiers --------------------------------------------------------------------------------------
+
+namespace {
+bool is_lower_hex(char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); }
+
+/// At most 80 bytes of an untrusted value, quoted, control bytes and quotes escaped: a message quotes what
+/// was refused without carrying a megabyte of it, or a newline that forges a log line.
+std::string shown(std::string_view v) {
+  std::string out = "'";
+  for (size_t i = 0; i < v.size() && i < 80; ++i) {
+    const auto c = static_cast<unsigned char>(v[i]);
+    if (c < 0x20 || c == 0x7f || c == '\\' || c == '\'') {
+      char esc[8];
+      std::snprintf(esc, sizeof esc, "\\x%02x", c);
+      out += esc;
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  if (v.size() > 80) out += "...";
+  return out + "' (" + std::to_string(v.size()) + " bytes)";
+}
+}  // namespace
+
+bool is_run_id(std::string_view s) { return s.size() == 16 && std::all_of(s.begin(), s.end(), is_lower_hex); }
+
+const std::string& checked_run_id(const std::string& id, const std::string& source) {
+  ETTKIT_CHECK(is_run_id(id), CorruptData, source, " holds the run id ", shown(id),
+               "; a run id is 16 lowercase hex digits (what the checkpointer's random_id() makes)");
+  return id;
+}
+
+bool is_plain_file_name(std::string_view name) {
+  return !name.empty() && name.size() <= 255 && name != "." && name != ".." &&
+         name.find_first_of(std::string_view("/\0", 2)) == std::string_view::npos;
+}
+
+std::string manifest_run_id(const Manifest& m, const std::string& source) {
+  auto it = m.metadata.find("ettkit.run_id");
+  ETTKIT_CHECK(it != m.metadata.end(), CorruptData, source, " has no ettkit.run_id in its metadata");
+  return checked_run_id(it->second, source + "'s metadata 'ettkit.run_id'");
+}
+
+void check_file_digest(const FileDigest& d, const std::string& where) {
+  auto hex16 = [](const std::string& h) { return h.size() == 16 && std::all_of(h.begin(), h.end(), is_lower_hex); };
+  ETTKIT_CHECK(hex16(d.xxh3), CorruptData, where, ": xxh3 ", shown(d.xxh3), " is not 16 lowercase hex digits");
+  if (d.chunks.empty() && d.chunk_bytes == 0) return;
+  ETTKIT_CHECK(d.chunk_bytes >= (uint64_t{1} << 20), CorruptData, where, ": chunk_bytes=", d.chunk_bytes,
+               " must be >= 1048576");
+  const uint64_t want = d.size / d.chunk_bytes + (d.size % d.chunk_bytes != 0);
+  ETTKIT_CHECK(d.chunks.size() == want, CorruptData, where, ": ", d.chunks.size(), " chunk checksums for ", d.size,
+               " bytes in chunks of ", d.chunk_bytes, "; ", want, " expected");
+  for (const std::string& c : d.chunks) {
+    ETTKIT_CHECK(hex16(c), CorruptData, where, ": chunk checksum ", shown(c), " is not 16 lowercase hex digits");
+  }
+}
+
+std::vector<int64_t> decode_step_list(const std::string& text, const std::string& source) {
+  json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  ETTKIT_CHECK(j.is_array(), CorruptData, source, " is ", shown(text), ", not a JSON array of step numbers");
+  std::vector<int64_t> steps;
+  steps.reserve(j.size());
+  for (const json& v : j) {
+    const bool ok = v.is_number_unsigned() && v.get<uint64_t>() <= static_cast<uint64_t>(kMaxStep);
+    ETTKIT_CHECK(ok, CorruptData, source, " holds ", shown(v.dump()), "; a step is an integer in [0, ", kMaxStep, "]");
+    steps.push_back(v.get<int64_t>());
+  }
+  return steps;
+}
+
 // ---- layout ------------------------------------------------------------------------------------------
 
-std::string step_dir_name(int64_t step) { return "step-" + std::to_string(step); }
+std::string step_dir_name(int64_t step) {
+  ETTKIT_EXPECTS(is_step(step), "step ", step, " cannot name a step directory: it must be in [0, ", kMaxStep, "]");
+  return "step-" + std::to_string(step);
+}
+
 std::string temp_dir_name(int64_t step, const std::string& run_id) {
+  ETTKIT_EXPECTS(is_step(step), "step ", step, " cannot name a temporary directory: it must be in [0, ", kMaxStep, "]");
+  ETTKIT_EXPECTS(is_run_id(run_id), "run id ", shown(run_id), " cannot name a temporary directory: a run id is 16 "
+                 "lowercase hex digits");
   return ".tmp-step-" + std::to_string(step) + "-" + run_id;
 }
 
@@ -869,12 +1062,41 @@ int64_t canonical_step(const std::string& name) {
 }
 }  // namespace
 
+namespace {
+/// The names in the directory open as `dirfd` (its own descriptor is left open; "." and ".." left out).
+/// Empty when it cannot be read: a listing is a snapshot that its callers take again later anyway.
+std::vector<std::string> entry_names(int dirfd) {
+  std::vector<std::string> names;
+  const int fd = ::fcntl(dirfd, F_DUPFD_CLOEXEC, 0);
+  if (fd < 0) return names;
+  DIR* d = ::fdopendir(fd);  // owns fd from here
+  if (d == nullptr) {
+    ::close(fd);
+    return names;
+  }
+  ::rewinddir(d);  // the duplicate shares the original's position
+  while (const dirent* e = ::readdir(d)) {
+    std::string n = e->d_name;
+    if (n != "." && n != "..") names.push_back(std::move(n));
+  }
+  ::closedir(d);
+  return names;
+}
+
+/// Whether the entry `name` of `dirfd` is gone (retired by the writer while it was being read).
+bool entry_gone(int dirfd, const std::string& name) {
+  struct stat st {};
+  return ::fstatat(dirfd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0 && errno == ENOENT;
+}
+}  // namespace
+
 StepListing list_steps(const std::string& dir) {
   StepListing out;
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return out;  // no directory: no steps (what an unreadable listing always gave)
+  const Dir parent(fd, dir);
   std::vector<std::string> names;
-  std::error_code ec;
-  for (const auto& de : fs::directory_iterator(dir, ec)) {
-    std::string n = de.path().filename().string();
+  for (std::string& n : entry_names(parent.fd())) {
     if (n.rfind("step-", 0) == 0) names.push_back(std::move(n));
   }
   std::sort(names.begin(), names.end());
@@ -882,34 +1104,39 @@ StepListing list_steps(const std::string& dir) {
     StepEntry e;
     e.name = n;
     e.step = canonical_step(n);
-    std::string path = dir + "/" + n;
+    // lstat: an entry is judged as what it is, never as what a link names (a link is never followed, so it
+    // is never a step: a co-tenant's link to another directory must not make that directory look committed).
     struct stat st {};
-    if (::stat(path.c_str(), &st) != 0) {
-      if (::lstat(path.c_str(), &st) != 0) continue;  // vanished since the listing
-      e.problem = "a link to nothing";
-    } else {
-      e.directory = S_ISDIR(st.st_mode);
-      if (!e.directory) e.problem = "not a directory";
+    if (::fstatat(parent.fd(), n.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) continue;  // vanished since the listing
+    e.directory = S_ISDIR(st.st_mode);
+    if (S_ISLNK(st.st_mode)) {
+      e.problem = "a symbolic link (never followed: a step is a directory of the checkpoint directory itself)";
+    } else if (!e.directory) {
+      e.problem = "not a directory";
     }
     if (e.step < 0 && e.problem.empty()) {
       e.problem = "not a step directory name this checkpointer writes (step-<N>, N without leading zeros, N < 10^18)";
     }
     if (e.problem.empty()) {
-      std::string mpath = path + "/manifest.json";
-      if (!file_size(mpath)) {
-        if (::stat(path.c_str(), &st) != 0) continue;  // retired while being listed
-        e.problem = "it has no manifest.json (never committed)";
-      } else {
-        try {
-          Manifest m = decode_manifest(read_small_file(mpath), mpath);
-          ETTKIT_CHECK(m.step == e.step, CorruptData, "manifest '", mpath, "' says step ", m.step);
+      const std::string mpath = dir + "/" + n + "/manifest.json";
+      try {
+        std::optional<Dir> step_dir = open_subdirectory(parent, n);
+        if (!step_dir) continue;  // retired while being listed
+        Fd m;
+        m.fd = open_regular_or_throw(step_dir->fd(), "manifest.json", mpath, /*missing_ok=*/true);
+        if (m.fd < 0) {
+          if (entry_gone(parent.fd(), n)) continue;  // retired while being listed
+          e.problem = "it has no manifest.json (never committed)";
+        } else {
+          Manifest man = decode_manifest(read_bounded(m.fd, mpath, kMaxSmallFileBytes), mpath);
+          ETTKIT_CHECK(man.step == e.step, CorruptData, "manifest '", mpath, "' says step ", man.step);
           e.committed = true;
-          e.commit_seq = m.commit_seq;
-          e.created_unix_us = m.created_unix_us;
-        } catch (const Error& x) {
-          if (::stat(path.c_str(), &st) != 0) continue;
-          e.problem = x.message();
+          e.commit_seq = man.commit_seq;
+          e.created_unix_us = man.created_unix_us;
         }
+      } catch (const Error& x) {
+        if (entry_gone(parent.fd(), n)) continue;
+        e.problem = x.message();
       }
     }
     (e.committed ? out.committed : out.others).push_back(std::move(e));
@@ -956,39 +1183,43 @@ void run_before_open_step_hook(int64_t step) {
 
 std::optional<OpenedStep> open_step(const std::string& dir, int64_t step, int rank) {
   OpenedStep out;
-  out.path = dir + "/" + step_dir_name(step);
-  int dfd = ::open(out.path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd < 0) {
+  const std::string name = step_dir_name(step);
+  out.path = dir + "/" + name;
+  const int top = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (top < 0) {
     if (errno == ENOENT) return std::nullopt;
-    if (errno == ENOTDIR) ETTKIT_THROW(CorruptData, "'", out.path, "' is not a directory");
-    throw_errno("opening", out.path, errno);
+    throw_errno("opening directory", dir, errno);
   }
-  ReadFile d(dfd, out.path);
+  const Dir parent(top, dir);
+  // Never through a link: the step directory and its files are what this directory holds, or refused as
+  // corrupt (load_latest then falls back to the next step).
+  std::optional<Dir> d = open_subdirectory(parent, name);
+  if (!d) return std::nullopt;
+  const int dfd = d->fd();
   struct stat opened {};
   if (::fstat(dfd, &opened) != 0) throw_errno("stat of", out.path, errno);
   // A file missing from a directory that is no longer at its path (renamed to .trash-*, deleted) was
   // retired under us; missing from the directory still in place, the step is damaged.
   auto moved_away = [&] {
     struct stat now {};
-    return ::stat(out.path.c_str(), &now) != 0 || now.st_ino != opened.st_ino || now.st_dev != opened.st_dev;
+    return ::fstatat(parent.fd(), name.c_str(), &now, AT_SYMLINK_NOFOLLOW) != 0 || now.st_ino != opened.st_ino ||
+           now.st_dev != opened.st_dev;
   };
   bool vanished = false;
-  auto open_in = [&](const std::string& name) -> ReadFile {
-    std::string path = out.path + "/" + name;
-    int fd = ::openat(dfd, name.c_str(), O_RDONLY | O_CLOEXEC);
+  auto open_in = [&](const std::string& file) -> ReadFile {
+    std::string path = out.path + "/" + file;
+    int fd = open_regular_or_throw(dfd, file, path, /*missing_ok=*/true);
     if (fd >= 0) return ReadFile(fd, path);
-    int err = errno;
-    if (err == ENOENT && moved_away()) {
+    if (moved_away()) {
       vanished = true;
       return ReadFile();
     }
-    if (err == ENOENT) ETTKIT_THROW(CorruptData, "'", path, "' is missing");
-    throw_errno("opening", path, err);
+    ETTKIT_THROW(CorruptData, "'", path, "' is missing");
   };
   ReadFile manifest = open_in("manifest.json");
   if (vanished) return std::nullopt;
   out.manifest_path = manifest.path();
-  out.manifest = decode_manifest(manifest.read_all(), out.manifest_path);
+  out.manifest = decode_manifest(read_bounded(manifest.fd(), out.manifest_path, kMaxSmallFileBytes), out.manifest_path);
   ETTKIT_CHECK(out.manifest.step == step, CorruptData, "manifest '", out.manifest_path, "' says step ",
                out.manifest.step);
   std::string base = "rank-" + std::to_string(rank);
@@ -1012,7 +1243,9 @@ const FileDigest& listed_digest(const OpenedStep& step, const ReadFile& file) {
 
 std::string read_checked_extra(const OpenedStep& step, bool verify) {
   const FileDigest& d = listed_digest(step, step.extra);
-  std::string bytes = step.extra.read_all();
+  ETTKIT_CHECK(d.size <= kMaxExtraBytes, CorruptData, "'", step.extra.path(), "' is listed with ", d.size,
+               " bytes; extra bytes are at most ", kMaxExtraBytes, " (256 MiB)");
+  std::string bytes = step.extra.read_all(d.size);
   ETTKIT_CHECK(bytes.size() == d.size, CorruptData, "'", step.extra.path(), "' changed size while being read");
   if (verify) {
     std::string h = xxh3_of(bytes);
@@ -1047,19 +1280,43 @@ std::optional<std::string> check_step_files(const OpenedStep& step, bool verify,
   return read_checked_extra(step, verify);
 }
 
-int remove_stale_temporaries(const std::string& dir, const std::string& run_id) {
-  int removed = 0;
-  std::error_code ec;
-  std::vector<fs::path> victims;
-  for (const auto& de : fs::directory_iterator(dir, ec)) {
-    std::string n = de.path().filename().string();
-    bool stale_tmp = n.rfind(".tmp-step-", 0) == 0 && (n.size() < run_id.size() || n.substr(n.size() - run_id.size()) != run_id);
-    bool trash = n.rfind(".trash-", 0) == 0;
-    bool latest_tmp = n.rfind("latest.tmp", 0) == 0;
-    if (stale_tmp || trash || latest_tmp) victims.push_back(de.path());
+namespace {
+/// The 16-hex-digit id that ends `name` after `prefix` and at least `min_middle` bytes and a '-' (what
+/// random_id() appends to every temporary name ettkit makes), or "" when `name` is not of that form.
+std::string_view id_suffix(std::string_view name, std::string_view prefix, size_t min_middle) {
+  if (name.size() < prefix.size() + min_middle + 17 || name.substr(0, prefix.size()) != prefix) return {};
+  std::string_view id = name.substr(name.size() - 16);
+  if (name[name.size() - 17] != '-' || !is_run_id(id)) return {};
+  return id;
+}
+
+/// Whether `name` is a temporary that a writer of `dir` made and that is not `run_id`'s:
+/// .tmp-step-<N>-<run id> of another run, .trash-<name>-<id>, latest.tmp-<id>.
+bool is_stale_temporary(std::string_view name, std::string_view run_id) {
+  if (std::string_view run = id_suffix(name, ".tmp-step-", 1); !run.empty()) {
+    std::string_view digits = name.substr(10, name.size() - 10 - 17);
+    const bool step_ok = digits.size() <= 18 && std::all_of(digits.begin(), digits.end(), [](char c) {
+      return c >= '0' && c <= '9';
+    });
+    return step_ok && run != run_id;
   }
-  for (const auto& p : victims) {
-    remove_tree_quietly(p.string());
+  return !id_suffix(name, ".trash-", 1).empty() || !id_suffix(name, "latest.tmp", 0).empty();
+}
+}  // namespace
+
+int remove_stale_temporaries(const std::string& dir, const std::string& run_id) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return 0;  // nothing to clean where nothing can be listed (the save itself reports the error)
+  const Dir parent(fd, dir);
+  int removed = 0;
+  for (const std::string& n : entry_names(parent.fd())) {
+    if (!is_stale_temporary(n, run_id)) continue;
+    // Relative to the opened directory, never following a link: a link planted under a temporary's name
+    // is removed as a link, and what it names stays.
+    if (int err = ettkit::detail::remove_tree_at(parent.fd(), n.c_str()); err != 0) {
+      ETTKIT_LOG_WARN("checkpoint: could not remove '", parent.path_of(n), "': ", std::generic_category().message(err));
+      continue;
+    }
     ++removed;
   }
   return removed;
@@ -1071,18 +1328,29 @@ void update_latest(const std::string& dir, int64_t step) {
 }
 
 void commit_step_directory(const std::string& dir, const std::string& tmp, int64_t step) {
-  std::string final_dir = dir + "/" + step_dir_name(step);
-  std::error_code ec;
-  if (fs::exists(fs::symlink_status(final_dir, ec))) {
+  const std::string name = step_dir_name(step);
+  const std::string final_dir = dir + "/" + name;
+  const auto slash = tmp.rfind('/');
+  ETTKIT_EXPECTS(slash != std::string::npos && tmp.compare(0, slash, dir) == 0 && slash == dir.size(),
+                 "commit_step_directory: '", tmp, "' is not an entry of '", dir, "'");
+  const std::string tmp_name = tmp.substr(slash + 1);
+  const Dir parent = open_directory(dir);
+  struct stat st {};
+  if (::fstatat(parent.fd(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0) {
     // Saving a step again replaces it: retire the old one by rename (atomic) before the new rename.
-    std::string trash = dir + "/.trash-" + step_dir_name(step) + "-" + random_id();
-    if (::rename(final_dir.c_str(), trash.c_str()) != 0) throw_errno("retiring", final_dir, errno);
-    remove_tree_quietly(trash);
+    const std::string trash = ".trash-" + name + "-" + random_id();
+    if (::renameat(parent.fd(), name.c_str(), parent.fd(), trash.c_str()) != 0) {
+      throw_errno("retiring", final_dir, errno);
+    }
+    if (int err = ettkit::detail::remove_tree_at(parent.fd(), trash.c_str()); err != 0) {
+      ETTKIT_LOG_WARN("checkpoint: could not remove '", parent.path_of(trash), "': ",
+                      std::generic_category().message(err));
+    }
   }
-  if (::rename(tmp.c_str(), final_dir.c_str()) != 0) {
+  if (::renameat(parent.fd(), tmp_name.c_str(), parent.fd(), name.c_str()) != 0) {
     ETTKIT_THROW(IoError, "renaming '", tmp, "' to '", final_dir, "' failed: ", std::strerror(errno));
   }
-  fsync_directory(dir);
+  fsync_directory(parent);
 }
 
 uint64_t CommitHistory::next_seq(const std::string& dir) {
@@ -1215,19 +1483,31 @@ DirectoryLock& DirectoryLock::operator=(DirectoryLock&& o) noexcept {
   return *this;
 }
 
-std::optional<std::string> DirectoryLock::try_acquire(const std::string& dir) {
+std::optional<std::string> DirectoryLock::try_acquire(const std::string& dir, unsigned mode) {
   release();
   std::string path = dir + "/.lock";
   // Never unlinked: removing a lock file while another process waits on its inode would let two holders
   // lock two different files.
-  int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  // O_NOFOLLOW, and a regular file only: the holder's record is written into this file (after emptying
+  // it), so a link planted under its name in a shared directory would truncate whatever file it names.
+  int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, static_cast<mode_t>(mode));
+  if (fd < 0 && (errno == ELOOP || errno == EMLINK)) {
+    ETTKIT_THROW(CorruptData, "the checkpoint directory lock '", path, "' is a symbolic link; ettkit never writes "
+                 "through one: remove it (the lock is a plain file that the next checkpointer creates)");
+  }
   if (fd < 0) throw_errno("opening the checkpoint directory lock", path, errno);
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    ETTKIT_THROW(CorruptData, "the checkpoint directory lock '", path, "' is not a regular file: remove it (the lock "
+                 "is a plain file that the next checkpointer creates)");
+  }
   if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
     int err = errno;
     if (err == EWOULDBLOCK) {
       std::string record;
       try {
-        record = ReadFile(fd, path).read_all();  // closes fd
+        record = ReadFile(fd, path).read_all(uint64_t{64} << 10);  // closes fd; a holder line is short
       } catch (const Error&) {
       }
       return describe_holder(record);

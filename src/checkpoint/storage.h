@@ -22,6 +22,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -49,14 +50,52 @@ struct FileDigest {
   std::vector<std::string> chunks;
 };
 
-/// Writes `buffers` back to back into a new file `path` (O_CREAT|O_EXCL), hashing the bytes as they go,
-/// then fsyncs it. Throws IoError naming the file and the errno text (ENOSPC, EFBIG, ...); a failed
-/// write leaves a partial file that the caller's temp directory owns.
-FileDigest write_file_durably(const std::string& path, const std::vector<ConstBuffer>& buffers);
+/// A directory held open, so that what is created, opened, renamed or removed in it goes by name relative to
+/// this handle: once it is open, renaming its path or swapping a directory of that path for a symbolic link
+/// redirects nothing. Move-only; closes its descriptor.
+class Dir {
+ public:
+  Dir() = default;
+  Dir(int fd, std::string path) : fd_(fd), path_(std::move(path)) {}
+  ~Dir();
+  Dir(Dir&& o) noexcept : fd_(std::exchange(o.fd_, -1)), path_(std::move(o.path_)) {}
+  Dir& operator=(Dir&& o) noexcept;
+  Dir(const Dir&) = delete;
+  Dir& operator=(const Dir&) = delete;
+  int fd() const { return fd_; }
+  const std::string& path() const { return path_; }
+  /// `name` inside this directory, as messages name it.
+  std::string path_of(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  int fd_ = -1;
+  std::string path_;
+};
+/// Opens the directory `path`. Links in `path` are followed: it is the caller's own directory (the
+/// checkpoint directory the user named, a memory-tier root). Throws IoError.
+Dir open_directory(const std::string& path);
+/// Opens the entry `name` of `parent` as a directory without ever following a symbolic link. nullopt when
+/// it does not exist; CorruptData when it is a symbolic link or not a directory; IoError otherwise.
+std::optional<Dir> open_subdirectory(const Dir& parent, const std::string& name);
+/// mkdirat(parent, name, mode) (less the umask), then open_subdirectory. An existing directory is used
+/// (the ranks of one save on one host create the same temporary directory); an existing symbolic link or
+/// file under that name is refused with CorruptData. IoError for other failures.
+Dir make_subdirectory(const Dir& parent, const std::string& name, unsigned mode);
+
+/// Writes `buffers` back to back into a new file `path` (O_CREAT|O_EXCL|O_NOFOLLOW: never through a link),
+/// hashing the bytes as they go, then fsyncs it. Throws IoError naming the file and the errno text (ENOSPC,
+/// EFBIG, EEXIST for any existing entry, a link included); a failed write leaves a partial file that the
+/// caller's temp directory owns. `mode`: the new file's mode before the umask (the memory tier's files are
+/// 0600: MemoryTier::kFileMode).
+FileDigest write_file_durably(const std::string& path, const std::vector<ConstBuffer>& buffers, unsigned mode = 0644);
+/// The same for the new file `name` of `dir` (openat with O_NOFOLLOW: immune to a swap of `dir`'s path).
+FileDigest write_file_durably(const Dir& dir, const std::string& name, const std::vector<ConstBuffer>& buffers,
+                              unsigned mode = 0644);
 /// XXH3-64 of a whole file (hex). Throws IoError.
 std::string file_xxh3(const std::string& path);
 /// fsync of a directory (so a rename or create inside it is durable). Throws IoError.
 void fsync_directory(const std::string& path);
+void fsync_directory(const Dir& dir);
 /// mkdir -p. Throws IoError.
 void make_directories(const std::string& path);
 /// rm -rf that never throws (logs a warning instead).
@@ -74,8 +113,14 @@ struct ReadRange {
 /// Reads every range on up to `threads` threads (ranges are split into pieces of a few MiB, so that one
 /// large tensor is read by all of them). Throws like read_exact (the first error of any thread).
 void read_ranges(int fd, const std::vector<ReadRange>& ranges, int threads, const std::string& path);
-/// Reads a whole (small) file. Throws IoError.
-std::string read_small_file(const std::string& path);
+/// What read_small_file reads at most: a manifest of thousands of ranks' chunk checksums is a few MiB.
+inline constexpr uint64_t kMaxSmallFileBytes = uint64_t{256} << 20;
+/// The most a rank's extra bytes (`rank-<r>.extra`) may hold. They are read whole into memory on load, so a
+/// hostile manifest naming a huge (or sparse) file must be refused before the read; save() refuses more.
+inline constexpr uint64_t kMaxExtraBytes = uint64_t{256} << 20;
+/// Reads a whole (small) file, never through a symbolic link at its last component (CorruptData for a
+/// link, a non-regular file or one larger than `max_bytes`). Throws IoError otherwise.
+std::string read_small_file(const std::string& path, uint64_t max_bytes = kMaxSmallFileBytes);
 std::string hex64(uint64_t v);
 /// XXH3-64 of bytes in memory (hex).
 std::string xxh3_of(const std::string& bytes);
@@ -96,8 +141,9 @@ class ReadFile {
   const std::string& path() const { return path_; }
   /// Size from fstat. Throws IoError.
   uint64_t size() const;
-  /// The whole file. Throws IoError.
-  std::string read_all() const;
+  /// The whole file, or at most `max_bytes` + 1 of it (a caller that gets more than it allowed knows the
+  /// file is too large without holding it: a hostile file may be huge or sparse). Throws IoError.
+  std::string read_all(uint64_t max_bytes = kMaxSmallFileBytes) const;
 
  private:
   int fd_ = -1;
@@ -168,14 +214,40 @@ Manifest decode_manifest(const std::string& text, const std::string& source);
 /// The largest step: step-<N> names have at most 18 digits.
 constexpr int64_t kMaxStep = 999'999'999'999'999'999;
 
+// ---- identifiers that cross the Store or a file --------------------------------------------------------
+// Every value read from the Store, a manifest or a directory listing that can become part of a path or a
+// Store key is checked by one of these before it is used; the name builders below refuse what they do not
+// pass, so that no caller can build a path from an unchecked value.
+
+/// Whether `s` is a run id as random_id() makes them: exactly 16 lowercase hex digits.
+bool is_run_id(std::string_view s);
+/// `id` when it is a run id; else CorruptData naming `source` (the Store key, the manifest) and what is valid.
+const std::string& checked_run_id(const std::string& id, const std::string& source);
+/// Whether `step` can name a step directory: 0 <= step <= kMaxStep.
+constexpr bool is_step(int64_t step) { return step >= 0 && step <= kMaxStep; }
+/// Whether `name` can be a file of a step directory: 1 to 255 bytes, no '/', no NUL, not "." or "..".
+bool is_plain_file_name(std::string_view name);
+/// A manifest's "ettkit.run_id" metadata (what memory-tier steps carry), checked. CorruptData naming
+/// `source` when it is missing or not a run id.
+std::string manifest_run_id(const Manifest& m, const std::string& source);
+/// Checks a digest's fields against each other, as decode_manifest does for each file: xxh3 and chunk
+/// checksums of 16 lowercase hex digits, chunk_bytes >= 1 MiB with exactly the chunks that cover `size`
+/// (or no chunks at all). CorruptData naming `where` and the bad field.
+void check_file_digest(const FileDigest& d, const std::string& where);
+/// A JSON array of step numbers (a Store message: rank 0's candidates for load_latest), each checked with
+/// is_step. CorruptData naming `source` for anything else.
+std::vector<int64_t> decode_step_list(const std::string& text, const std::string& source);
+
+/// "step-<N>". InvalidArgument unless is_step(step).
 std::string step_dir_name(int64_t step);
+/// ".tmp-step-<N>-<run id>". InvalidArgument unless is_step(step) and is_run_id(run_id).
 std::string temp_dir_name(int64_t step, const std::string& run_id);
 
 /// An entry of CKPT_DIR whose name starts with "step-".
 struct StepEntry {
   std::string name;
   int64_t step = -1;       ///< N when the name is exactly step_dir_name(N) with N <= kMaxStep; else -1
-  bool directory = false;  ///< a directory (links followed)
+  bool directory = false;  ///< a directory (a symbolic link is never followed: listed with its problem)
   bool committed = false;  ///< a directory whose manifest decodes and names step N
   uint64_t commit_seq = 0;
   int64_t created_unix_us = 0;
@@ -207,7 +279,9 @@ struct OpenedStep {
 };
 /// Opens step-<N> for `rank`. nullopt when the step directory vanished before or while it was opened
 /// (retired by the writer's retention: not a corruption). Throws CorruptData (or Unsupported) when the step
-/// exists but its manifest is bad or a file is missing, IoError for other failures.
+/// exists but its manifest is bad or a file is missing, or when the step directory or one of its files is a
+/// symbolic link or not what it should be (never followed: the step falls back like any corrupt one),
+/// IoError for other failures.
 std::optional<OpenedStep> open_step(const std::string& dir, int64_t step, int rank);
 /// The manifest's digest of `file` (one of `step`'s open files), once the manifest is seen to list it and the
 /// file to have the listed size. Throws CorruptData naming the manifest or the file.
@@ -227,13 +301,17 @@ std::optional<std::string> check_step_files(const OpenedStep& step, bool verify,
 void set_before_open_step_hook(std::function<void(int64_t step)> hook);
 void run_before_open_step_hook(int64_t step);
 
-/// Removes .tmp-step-* directories not belonging to `run_id` and all .trash-* entries.
+/// Removes what a dead writer left in `dir`: the temporary directories of runs other than `run_id`
+/// (.tmp-step-<N>-<run id>; `run_id` need not be a run id: "" keeps none), retired steps being deleted
+/// (.trash-<name>-<id>) and `latest` temporaries (latest.tmp-<id>). Only names of exactly these forms are
+/// touched, each through remove_tree_at relative to the opened directory: a symbolic link is removed as a
+/// link, never followed. Returns how many were removed.
 int remove_stale_temporaries(const std::string& dir, const std::string& run_id);
 /// Points `latest` at step-<N>: write latest.tmp, fsync, rename, fsync dir. Throws IoError (and removes its
 /// temporary file).
 void update_latest(const std::string& dir, int64_t step);
-/// The commit point: retires an existing step-<N> (a re-save) by rename, renames `tmp` to step-<N>, fsyncs
-/// `dir`. Throws IoError.
+/// The commit point: retires an existing step-<N> (a re-save) by rename, renames `tmp` (an entry of `dir`)
+/// to step-<N>, fsyncs `dir`; every rename relative to the opened `dir`. Throws IoError.
 void commit_step_directory(const std::string& dir, const std::string& tmp, int64_t step);
 
 /// The directory's commit history as its one writer sees it (rank 0 of the job holding the lock; only the
@@ -268,8 +346,9 @@ class DirectoryLock {
   DirectoryLock(const DirectoryLock&) = delete;
   DirectoryLock& operator=(const DirectoryLock&) = delete;
   /// Takes the lock of `dir` and records this process in it. Returns nullopt on success (also on a file
-  /// system without flock support: a warning, and nothing is held), else the holder's description.
-  std::optional<std::string> try_acquire(const std::string& dir);
+  /// system without flock support: a warning, and nothing is held), else the holder's description. `mode`:
+  /// the lock file's mode when this call creates it (before the umask).
+  std::optional<std::string> try_acquire(const std::string& dir, unsigned mode = 0644);
   /// Empties the record and releases the lock. Idempotent.
   void release();
   bool held() const { return fd_ >= 0; }

@@ -71,7 +71,8 @@ TEST(CommitVote, RankZeroGathersEveryRanksDigestsAndTheOthersSeeTheCommit) {
 
 TEST(CommitVote, ATornRankRefusesTheStepAsTornOnEveryRank) {
   Job job(3);
-  job.vote(1).report(1, {{"rank-1.safetensors", digest(100, "00000000000000a1")}});
+  job.vote(1).report(1, {{"rank-1.safetensors", digest(100, "00000000000000a1")},
+                         {"rank-1.extra", digest(3, "00000000000000e1")}});
   job.vote(2).report_failure(2, std::make_exception_ptr(TornSnapshot("'w' changed while copied", "f", 1)));
   std::exception_ptr refused;
   try {
@@ -110,6 +111,23 @@ TEST(CommitVote, HostileVotesAreCorruptDataNotACommit) {
     job.set(std::string(kSave) + "rank/1", vote);
     std::string m = thrown<CorruptData>([&] { job.vote(0).gather(2); });
     EXPECT_NE(m.find("rank 1"), std::string::npos) << vote << ": " << m;
+  }
+  // Digests that report() never writes: a file name that is not rank 1's own (a path in it, another rank's
+  // file, one file too many or too few), a checksum that is not hex, chunks that do not cover the size. Each
+  // would go into the manifest that loaders open files by.
+  const std::string ok = R"({"size": 3, "xxh3": "00000000000000e1"})";
+  const std::string data = R"("rank-1.safetensors": {"size": 3, "xxh3": "00000000000000a1"})";
+  for (const std::string& files :
+       {R"("../../victim": )" + ok + ", " + data, R"("rank-2.extra": )" + ok + ", " + data,
+        R"("rank-1.extra": )" + ok + ", " + data + R"(, "rank-1.other": )" + ok, data,
+        R"("rank-1.extra": {"size": 3, "xxh3": "../../x"}, )" + data,
+        R"("rank-1.extra": {"size": 3, "xxh3": "00000000000000e1", "chunk_bytes": 1048576, "chunks": []}, )" + data,
+        R"("rank-1.extra": {"size": 3, "xxh3": "00000000000000e1", "chunk_bytes": 1, )"
+        R"("chunks": ["0000000000000001"]}, )" + data}) {
+    Job job(2);
+    job.set(std::string(kSave) + "rank/1", "{\"files\": {" + files + "}}");
+    std::string m = thrown<CorruptData>([&] { job.vote(0).gather(2); });
+    EXPECT_NE(m.find("rank 1"), std::string::npos) << files << ": " << m;
   }
   // A result rank 0 never wrote in its own shape still fails the wait with what it says.
   Job job(2);

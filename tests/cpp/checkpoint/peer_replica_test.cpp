@@ -1,8 +1,9 @@
 // The peer replica (#23 item 3), two ranks in one process over an in-process c10d Backend and a HashStore:
 // a rank whose memory tier is gone gets its step back from its partner, bit for bit; a replica that fails
 // its checksums sends both ranks to the disk tier together; enable_peer_replica() checks its arguments; and a
-// hostile announcement (a file name with a path in it) is refused without writing outside the tier, while the
-// stream stays in step for the next snapshot. The same paths over gloo with SIGKILL run in
+// hostile announcement (a file name with a path in it, a run id with one, a message that is not JSON, from a
+// Store client that sends no bytes) is ignored without writing or removing anything, while the stream stays in
+// step for the sender's own announcement under the same key. The same paths over gloo with SIGKILL run in
 // tests/python/test_checkpoint_memory_tier.py.
 #include "checkpoint/peer_replica.h"
 
@@ -262,7 +263,9 @@ TEST(PeerReplica, AHostileAnnouncementIsRefusedAndTheStreamStaysInStep) {
   ASSERT_FALSE(tier.try_lock());
   const std::string prefix = "t/replica/";
   ckd::PeerMonitor peers(store, "t/", 0, 2, 5.0);
-  ckd::PeerReplica replica(c10::make_intrusive<FakeBackend>(0, 2, box), store, prefix, &peers, 0, 2, 1, tier, 10.0);
+  const std::string run = "0123456789abcdef";
+  ckd::PeerReplica replica(c10::make_intrusive<FakeBackend>(0, 2, box), store, prefix, run, &peers, 0, 2, 1, tier,
+                           10.0);
   FakeBackend rank1(1, 2, box);
 
   // A snapshot of rank 1: its two files, their digests, a manifest.
@@ -273,7 +276,7 @@ TEST(PeerReplica, AHostileAnnouncementIsRefusedAndTheStreamStaysInStep) {
   ckd::Manifest m;
   m.step = 6;
   m.world_size = 2;
-  m.metadata["ettkit.run_id"] = "run-1";
+  m.metadata["ettkit.run_id"] = run;
   m.files["rank-1.safetensors"] = ckd::write_file_durably(src + "/a", {{payload.data(), payload.size()}});
   m.files["rank-1.extra"] = ckd::write_file_durably(src + "/b", {{extra.data(), extra.size()}});
   auto send = [&](const std::string& bytes) {
@@ -281,46 +284,86 @@ TEST(PeerReplica, AHostileAnnouncementIsRefusedAndTheStreamStaysInStep) {
                                             at::kByte).clone()};
     rank1.send(t, 0, 0x4554);
   };
+  auto put = [&](int k, const std::string& text) {
+    store->set(prefix + "announce/1/" + std::to_string(k), std::vector<uint8_t>(text.begin(), text.end()));
+  };
+  auto text_of = [](const ckd::Manifest& man) {
+    return nlohmann::json{{"manifest", ckd::encode_manifest(man)}}.dump();
+  };
   auto announce = [&](int k, const ckd::Manifest& man) {
-    store->set(prefix + "announce/1/" + std::to_string(k),
-               [](const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }(
-                   nlohmann::json{{"manifest", ckd::encode_manifest(man)}}.dump()));
+    put(k, text_of(man));
     // The files in the manifest's (name) order: rank-1.extra, then rank-1.safetensors.
     for (const auto& [name, dg] : man.files) send(dg.size == extra.size() ? extra : payload);
   };
+  const std::string ack_prefix = prefix + "ack/1/";
   auto ack = [&](int k) {
-    std::string key = prefix + "ack/1/" + std::to_string(k);
+    std::string key = ack_prefix + std::to_string(k);
     store->wait({key}, std::chrono::seconds(20));
     auto v = store->get(key);
     return std::string(v.begin(), v.end());
   };
-
-  // 1. A file name with a path in it: refused, nothing written outside the tier, the chunks consumed.
-  ckd::Manifest evil = m;
-  evil.files.clear();
-  evil.files["../../escaped"] = m.files["rank-1.extra"];
-  evil.files["rank-1.safetensors"] = m.files["rank-1.safetensors"];
-  announce(0, evil);
-  EXPECT_NE(ack(0).find("names a file '../../escaped'"), std::string::npos) << ack(0);
+  // A Store client that is not a rank writes announcement 0 (and sends no bytes: it is in no process
+  // group); the receiver takes it, refuses it, and waits for the key again.
+  auto hostile = [&](const std::string& text) {
+    put(0, text);
+    for (int i = 0; i < 2000 && store->check({prefix + "announce/1/0"}); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));  // until the receiver has taken it
+    }
+    ASSERT_FALSE(store->check({prefix + "announce/1/0"})) << "the receiver never took the announcement";
+  };
+  const std::string victim = d.str() + "/victim";
+  fs::create_directories(victim);
+  std::ofstream(victim + "/marker") << "the user's";
+  std::string climb;
+  for (int i = 0; i < 30; ++i) climb += "../";
+  ckd::Manifest escaping_run = m;
+  escaping_run.metadata["ettkit.run_id"] = "a/" + climb + victim.substr(1);
+  ckd::Manifest escaping_name = m;
+  escaping_name.files.clear();
+  escaping_name.files["../../escaped"] = m.files["rank-1.extra"];
+  escaping_name.files["rank-1.safetensors"] = m.files["rank-1.safetensors"];
+  ckd::Manifest other_run = m;
+  other_run.metadata["ettkit.run_id"] = "fedcba9876543210";
+  ckd::Manifest other_world = m;
+  other_world.world_size = 3;
+  for (const std::string& text : {text_of(escaping_run), text_of(escaping_name), text_of(other_run),
+                                  text_of(other_world), std::string("{not json"), std::string("[1, 2]"),
+                                  std::string(R"({"manifest": 7})")}) {
+    hostile(text);
+  }
+  // Refused, nothing acted on: no acknowledgement, nothing removed, moved or written anywhere.
+  for (int i = 0; i < 2000 && replica.refused() < 7; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  ASSERT_EQ(replica.refused(), 7);
+  EXPECT_FALSE(store->check({ack_prefix + "0"}));
+  EXPECT_EQ(ckd::read_small_file(victim + "/marker"), "the user's");
+  EXPECT_EQ(std::vector<std::string>{"marker"}, [&] {
+    std::vector<std::string> names;
+    for (const auto& e : fs::directory_iterator(victim)) names.push_back(e.path().filename().string());
+    return names;
+  }());
   EXPECT_FALSE(fs::exists(root + "/escaped"));
   EXPECT_FALSE(fs::exists(d.str() + "/escaped"));
-  // 2. Bytes that do not match the manifest's checksums: refused.
+  EXPECT_FALSE(fs::exists(tier.replica_dir(1)) && !fs::is_empty(tier.replica_dir(1)));
+  // 1. Bytes that do not match the manifest's checksums: a well-formed announcement, received and refused.
   ckd::Manifest wrong = m;
   wrong.files["rank-1.safetensors"].chunks[0] = "0123456789abcdef";
-  announce(1, wrong);
-  EXPECT_NE(ack(1).find("XXH3"), std::string::npos) << ack(1);
-  // 3. The next honest snapshot is received in step and committed.
-  announce(2, m);
-  EXPECT_EQ(ack(2), "");
+  announce(0, wrong);
+  EXPECT_NE(ack(0).find("XXH3"), std::string::npos) << ack(0);
+  // 2. The next honest snapshot is received in step and committed.
+  announce(1, m);
+  EXPECT_EQ(ack(1), "");
   EXPECT_EQ(ckd::list_step_dirs(tier.replica_dir(1)), std::vector<int64_t>{6});
   EXPECT_EQ(ckd::read_small_file(tier.replica_dir(1) + "/step-6/rank-1.extra"), extra);
   EXPECT_EQ(replica.received(), 1);
-  EXPECT_EQ(replica.failed(), 2);
-  store->set(prefix + "done/1", std::vector<uint8_t>{'3'});
+  EXPECT_EQ(replica.failed(), 1);
+  EXPECT_EQ(replica.refused(), 7);
+  EXPECT_EQ(ckd::read_small_file(victim + "/marker"), "the user's");
+  store->set(prefix + "done/1", std::vector<uint8_t>{'2'});
   replica.close();
 }
 
 TEST(PeerReplica, TheBudgetHoldsOwnSnapshotsAndReplicasTogetherOwnFirst) {
+  const std::string kRun = "00000000000000aa";
   TempDir d;
   std::string root = d.str() + "/node";
   fs::create_directories(root);
@@ -331,33 +374,33 @@ TEST(PeerReplica, TheBudgetHoldsOwnSnapshotsAndReplicasTogetherOwnFirst) {
     ckd::Manifest m;
     m.step = step;
     m.world_size = 2;
-    m.metadata["ettkit.run_id"] = "run";
+    m.metadata["ettkit.run_id"] = kRun;
     m.files["rank-0.extra"] = ckd::write_file_durably(tmp + "/rank-0.extra", {{"x", 1}});
     m.files["rank-0.extra"].size = bytes;
     tier.commit_in(shelf, tmp, m);
   };
-  commit(tier.begin(1, "run", 600), tier.dir(), 1, 600);
+  commit(tier.begin(1, kRun, 600), tier.dir(), 1, 600);
   // 600 own + 500 replica > 1000: the replica is refused, the own snapshot stays.
   try {
-    tier.begin_replica(1, 1, "run", 500);
+    tier.begin_replica(1, 1, kRun, 500);
     ADD_FAILURE() << "a replica beyond the budget was accepted";
   } catch (const InvalidArgument& e) {
     EXPECT_NE(std::string(e.what()).find("raise the budget"), std::string::npos) << e.what();
   }
   EXPECT_EQ(ckd::list_step_dirs(tier.dir()), std::vector<int64_t>{1});
   // A replica that fits is kept.
-  commit(tier.begin_replica(1, 1, "run", 300), tier.replica_dir(1), 1, 300);
+  commit(tier.begin_replica(1, 1, kRun, 300), tier.replica_dir(1), 1, 300);
   EXPECT_EQ(ckd::list_step_dirs(tier.replica_dir(1)), std::vector<int64_t>{1});
   // The next own snapshot (750) does not fit next to the held 600 + 300: the held own one goes first, then,
   // as 300 + 750 still exceeds 1000, the replica (the partner still has its own copy).
-  std::string tmp = tier.begin(2, "run", 750);
+  std::string tmp = tier.begin(2, kRun, 750);
   EXPECT_TRUE(ckd::list_step_dirs(tier.dir()).empty());
   EXPECT_TRUE(ckd::list_step_dirs(tier.replica_dir(1)).empty());
   commit(tmp, tier.dir(), 2, 750);
   EXPECT_EQ(ckd::list_step_dirs(tier.dir()), std::vector<int64_t>{2});
   // One that fits next to the replica keeps it: 250 + 700 <= 1000 once the held own one is retired.
-  commit(tier.begin_replica(1, 2, "run", 250), tier.replica_dir(1), 2, 250);
-  commit(tier.begin(3, "run", 700), tier.dir(), 3, 700);
+  commit(tier.begin_replica(1, 2, kRun, 250), tier.replica_dir(1), 2, 250);
+  commit(tier.begin(3, kRun, 700), tier.dir(), 3, 700);
   EXPECT_EQ(ckd::list_step_dirs(tier.replica_dir(1)), std::vector<int64_t>{2});
   EXPECT_EQ(ckd::list_step_dirs(tier.dir()), std::vector<int64_t>{3});
 }
