@@ -197,6 +197,31 @@ void check_save_arguments(int64_t step, const NamedTensors& tensors, bool read_o
 std::vector<uint8_t> bytes_of(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
 std::string string_of(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
 
+/// A rank's report of its memory-tier steps for load_latest's vote (the Store key `source`), checked before
+/// any of it is used: {"held": [[step, run id], ...], "replica": [...] (optional), "disk": step or -1}.
+/// CorruptData naming the key for anything else: a Store client that is not a rank gets no exception of the
+/// JSON library out of a rank, and no run id that is not one into the vote.
+json decode_memory_report(const std::string& text, const std::string& source) {
+  json r = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  ETTKIT_CHECK(r.is_object(), CorruptData, source, " is not a JSON object");
+  auto step_ok = [](const json& v, int64_t lo) {
+    return v.is_number_integer() && v.get<int64_t>() >= lo && v.get<int64_t>() <= kMaxStep;
+  };
+  for (const char* key : {"held", "replica"}) {
+    if (!r.contains(key)) continue;
+    ETTKIT_CHECK(r[key].is_array(), CorruptData, source, ": '", key, "' is not an array");
+    for (const json& e : r[key]) {
+      const bool ok = e.is_array() && e.size() == 2 && step_ok(e[0], 0) && e[1].is_string() &&
+                      is_run_id(e[1].get<std::string>());
+      ETTKIT_CHECK(ok, CorruptData, source, ": an entry of '", key, "' is not [step, run id] (a step in [0, ",
+                   kMaxStep, "], a run id of 16 lowercase hex digits)");
+    }
+  }
+  ETTKIT_CHECK(r.contains("disk") && step_ok(r["disk"], -1), CorruptData, source,
+               ": 'disk' is not a step number or -1");
+  return r;
+}
+
 /// Why a save was refused, from the names of the tensors that changed while being copied.
 std::string torn_message(int64_t step, const std::vector<std::string>& changed) {
   std::string names;
@@ -464,9 +489,11 @@ struct AsyncCheckpointer::Impl {
       m.files[base + ".safetensors"] = write_file_durably(
           tmp + "/" + base + ".safetensors",
           {ConstBuffer{header.data(), header.size()},
-           ConstBuffer{job.snapshot->data(), static_cast<size_t>(job.snapshot->total_bytes())}});
+           ConstBuffer{job.snapshot->data(), static_cast<size_t>(job.snapshot->total_bytes())}},
+          MemoryTier::kFileMode);
       job.snapshot->release();
-      m.files[base + ".extra"] = write_file_durably(tmp + "/" + base + ".extra", {ConstBuffer{job.extra.data(), job.extra.size()}});
+      m.files[base + ".extra"] = write_file_durably(tmp + "/" + base + ".extra", {ConstBuffer{job.extra.data(), job.extra.size()}},
+                                                    MemoryTier::kFileMode);
       refuse_if_torn(job);
       m.step = job.step;
       m.world_size = world;
@@ -561,7 +588,7 @@ struct AsyncCheckpointer::Impl {
       }
       peers->wait_keys(keys, others, opt.commit_timeout_s, "load_latest: the other ranks' memory-tier steps");
       reports.clear();
-      for (const std::string& k : keys) reports.push_back(json::parse(string_of(store->get(k))));
+      for (const std::string& k : keys) reports.push_back(decode_memory_report(string_of(store->get(k)), "'" + k + "'"));
     }
     using Held = std::set<std::pair<int64_t, std::string>>;
     auto steps_of = [](const json& report, const char* key) {
@@ -614,28 +641,32 @@ struct AsyncCheckpointer::Impl {
   void persist(Job& job) {
     const std::string& dir = opt.directory;
     await_staging(job);
-    std::string tmp = dir + "/" + temp_dir_name(job.step, run_id);
+    const std::string tmp_name = temp_dir_name(job.step, run_id);
+    const std::string tmp = dir + "/" + tmp_name;
     std::string prefix = key_prefix + "save/" + std::to_string(job.seq) + "/";
     std::map<std::string, FileDigest> mine;
     std::exception_ptr local_error;
+    const std::string base = "rank-" + std::to_string(rank);
+    // Every file of the save is created and removed relative to this handle (mkdirat, openat, unlinkat): an
+    // entry of the checkpoint directory swapped for a link meanwhile redirects nothing.
+    std::optional<Dir> tmp_dir;
     try {
-      make_directories(tmp);
+      tmp_dir = make_subdirectory(open_directory(dir), tmp_name, 0777);  // the directory's usual mode, as before
       std::string header = header_of(job.snapshot->plan(), job.snapshot->data());
-      std::string base = "rank-" + std::to_string(rank);
-      std::string data_path = tmp + "/" + base + ".safetensors";
       // A leftover from an earlier failed attempt at the same step in this run.
-      ::unlink(data_path.c_str());
-      ::unlink((tmp + "/" + base + ".extra").c_str());
+      for (const char* ext : {".safetensors", ".extra"}) ::unlinkat(tmp_dir->fd(), (base + ext).c_str(), 0);
       mine[base + ".safetensors"] = write_file_durably(
-          data_path, {ConstBuffer{header.data(), header.size()},
-                      ConstBuffer{job.snapshot->data(), static_cast<size_t>(job.snapshot->total_bytes())}});
+          *tmp_dir, base + ".safetensors",
+          {ConstBuffer{header.data(), header.size()},
+           ConstBuffer{job.snapshot->data(), static_cast<size_t>(job.snapshot->total_bytes())}});
       // The arena is free as soon as its bytes are on disk; the commit below does not need it.
       job.snapshot->release();
-      mine[base + ".extra"] = write_file_durably(tmp + "/" + base + ".extra", {ConstBuffer{job.extra.data(), job.extra.size()}});
+      mine[base + ".extra"] =
+          write_file_durably(*tmp_dir, base + ".extra", {ConstBuffer{job.extra.data(), job.extra.size()}});
       refuse_if_torn(job);
       // Other ranks make their directory entries durable before reporting; rank 0's are covered by the
       // directory fsync that follows its manifest.
-      if (rank != 0) fsync_directory(tmp);
+      if (rank != 0) fsync_directory(*tmp_dir);
     } catch (...) {
       local_error = std::current_exception();
     }
@@ -643,8 +674,8 @@ struct AsyncCheckpointer::Impl {
       // Nothing of a failed or refused save stays behind (a refused one holds mixed bytes).
       if (world == 1) {
         remove_tree_quietly(tmp);
-      } else {
-        for (const char* ext : {".safetensors", ".extra"}) ::unlink((tmp + "/rank-" + std::to_string(rank) + ext).c_str());
+      } else if (tmp_dir) {
+        for (const char* ext : {".safetensors", ".extra"}) ::unlinkat(tmp_dir->fd(), (base + ext).c_str(), 0);
       }
     }
     std::optional<CommitVote> vote;
@@ -676,8 +707,8 @@ struct AsyncCheckpointer::Impl {
       }
       m.commit_seq = history.next_seq(dir);
       std::string text = encode_manifest(m);
-      write_file_durably(tmp + "/manifest.json", {ConstBuffer{text.data(), text.size()}});
-      fsync_directory(tmp);
+      write_file_durably(*tmp_dir, "manifest.json", {ConstBuffer{text.data(), text.size()}});
+      fsync_directory(*tmp_dir);
       commit_step_directory(dir, tmp, job.step);
     } catch (...) {
       remove_tree_quietly(tmp);
@@ -739,6 +770,8 @@ AsyncCheckpointer::AsyncCheckpointer(CheckpointerOptions options, c10::intrusive
       if (im.run_id.rfind("locked:", 0) == 0) {
         throw checkpoint::DirectoryLocked("rank 0: " + im.run_id.substr(7), __FILE__, __LINE__);
       }
+      // It names this run's temporary directories and Store keys: rank 0's random_id(), or refused.
+      checked_run_id(im.run_id, "the Store key '" + run_key + "' (rank 0's run id for this checkpointer)");
     }
     im.key_prefix = base + im.run_id + "/";
     ETTKIT_EXPECTS(im.opt.peer_timeout_s > 0, "peer_timeout_s=", im.opt.peer_timeout_s, " must be > 0");
@@ -791,6 +824,9 @@ SaveHandle AsyncCheckpointer::save(int64_t step, const NamedTensors& tensors, co
     priority = im.priority;
   }
   check_save_arguments(step, tensors, im.opt.read_only);
+  ETTKIT_EXPECTS(extra.size() <= kMaxExtraBytes, "save(step=", step, "): extra holds ", extra.size(),
+                 " bytes; at most ", kMaxExtraBytes, " (256 MiB) are kept, since a load reads them whole: put "
+                 "large state in tensors");
   // Training has started without a load of the prefetched step: its open files would keep a retired
   // memory-tier snapshot's pages alive (tmpfs frees them at the last close).
   im.prefetch.cancel();
@@ -999,8 +1035,9 @@ void AsyncCheckpointer::enable_peer_replica(c10::intrusive_ptr<c10d::Backend> gr
     ETTKIT_EXPECTS(im.seq == 0 && im.load_seq == 0 && !im.closing,
                    "enable_peer_replica() must come before the first save() and load_latest(), on every rank");
   }
-  im.replica = std::make_unique<PeerReplica>(std::move(group), im.store, im.key_prefix + "replica/", im.peers.get(),
-                                             im.rank, im.world, ranks_per_host, *im.memory, im.opt.commit_timeout_s);
+  im.replica = std::make_unique<PeerReplica>(std::move(group), im.store, im.key_prefix + "replica/", im.run_id,
+                                             im.peers.get(), im.rank, im.world, ranks_per_host, *im.memory,
+                                             im.opt.commit_timeout_s);
 }
 int64_t AsyncCheckpointer::replicas_sent() const { return impl_->replica ? impl_->replica->sent() : 0; }
 int64_t AsyncCheckpointer::replicas_received() const { return impl_->replica ? impl_->replica->received() : 0; }
@@ -1088,6 +1125,28 @@ int load_threads(const CheckpointerOptions& opt) {
                                      : std::clamp(static_cast<int>(std::thread::hardware_concurrency()), 1, 4);
 }
 
+/// Runs the caller's `validate_extra` (the decoder of the non-tensor state) on a candidate's extra bytes. It is
+/// called last, once the step's manifest, file sizes, checksums and safetensors index have been checked and its
+/// tensor names compared with the state's: the decoder sees only bytes the manifest vouches for, of a step that
+/// is otherwise loadable or a mismatch (still decoded then, so that the message can name a sharded tensor's
+/// plan; Python's decoder runs no code from the bytes, docs/security.md). An InvalidArgument is the caller
+/// saying its state does not match the step: its message goes to `mismatch` (no fallback). Returns why the bytes
+/// do not decode ("" when they do): the step is then corrupt, and the load falls back.
+std::string undecodable_extra(const std::function<void(const std::string&)>& validate_extra, const std::string& extra,
+                              const std::string& path, std::string& mismatch) {
+  if (!validate_extra) return {};
+  try {
+    validate_extra(extra);
+  } catch (const InvalidArgument& e) {
+    mismatch = e.message();
+  } catch (const std::exception& e) {
+    std::string why = e.what();
+    if (const auto* err = dynamic_cast<const Error*>(&e)) why = err->message();
+    return "'" + path + "' cannot be decoded: " + why;
+  }
+  return {};
+}
+
 /// The candidate for a step written by `saved_world` ranks when this job has another number: every old
 /// rank's files are opened and indexed (their headers only), each destination tensor gets the reads that
 /// fill it (reshard.h), and, with `verify`, the checksum chunks those reads touch are checked. The
@@ -1116,19 +1175,7 @@ Candidate check_reshard_candidate(const std::string& dir, int64_t step, int save
       c.old_index.push_back(read_safetensors_index(f->data));
       c.old.push_back(std::move(*f));
     }
-    const OpenedStep& first = c.old.front();
-    c.extra = read_checked_extra(first, verify);
-    if (validate_extra) {
-      try {
-        validate_extra(c.extra);
-      } catch (const InvalidArgument& e) {
-        extra_mismatch = e.message();
-      } catch (const std::exception& e) {
-        std::string why = e.what();
-        if (const auto* err = dynamic_cast<const Error*>(&e)) why = err->message();
-        ETTKIT_THROW(CorruptData, "'", first.extra.path(), "' cannot be decoded: ", why);
-      }
-    }
+    c.extra = read_checked_extra(c.old.front(), verify);
   } catch (const Error& e) {
     c.verdict = Verdict::kBad;
     c.reason = e.message();
@@ -1205,6 +1252,14 @@ Candidate check_reshard_candidate(const std::string& dir, int64_t step, int save
     }
   }
   if (!unexpected.empty()) problems.push_back("unexpected in the checkpoint (the state dict lacks them): " + quoted_list(unexpected));
+  // The names are checked: the non-tensor state may be decoded now.
+  if (std::string why = undecodable_extra(validate_extra, c.extra, c.old.front().extra.path(), extra_mismatch);
+      !why.empty()) {
+    c.verdict = Verdict::kBad;
+    c.reason = std::move(why);
+    c.old.clear();
+    return c;
+  }
   if (!differing.empty() && problems.empty()) {
     ETTKIT_LOG_WARN("checkpoint: step ", step, " was written by ", saved_world, " ranks whose copies of ",
                     differing.size(), " tensor(s) saved whole differ (", quoted_list(differing),
@@ -1366,21 +1421,6 @@ Candidate check_candidate(const std::string& dir, int64_t step, int rank, int wo
       c.extra = *check_step_files(f, verify, threads);
     }
     c.index = read_safetensors_index(f.data);
-    // The non-tensor state must decode before any tensor is overwritten: a step whose extra is unreadable
-    // falls back like any corrupt step (checksums off, this is the only check that would see it). An
-    // InvalidArgument is the caller saying its state does not match this step: a mismatch, not corruption,
-    // reported below together with the tensors that differ.
-    if (validate_extra) {
-      try {
-        validate_extra(c.extra);
-      } catch (const InvalidArgument& e) {
-        extra_mismatch = e.message();
-      } catch (const std::exception& e) {
-        std::string why = e.what();
-        if (const auto* err = dynamic_cast<const Error*>(&e)) why = err->message();
-        ETTKIT_THROW(CorruptData, "'", f.extra.path(), "' cannot be decoded: ", why);
-      }
-    }
   } catch (const Error& e) {
     c.verdict = Verdict::kBad;
     c.reason = e.message();
@@ -1424,6 +1464,17 @@ Candidate check_candidate(const std::string& dir, int64_t step, int rank, int wo
     } else {
       c.to_read.push_back(&entry);
     }
+  }
+  // The non-tensor state is decoded only now that the names are checked, and still before any tensor is
+  // overwritten: a step whose extra is unreadable falls back like any corrupt step (checksums off, this is
+  // the only check that would see it). A mismatch it reports (InvalidArgument) is reported below together
+  // with the tensors that differ.
+  if (std::string why = undecodable_extra(validate_extra, c.extra, c.files->extra.path(), extra_mismatch);
+      !why.empty()) {
+    c.verdict = Verdict::kBad;
+    c.reason = std::move(why);
+    c.files.reset();
+    return c;
   }
   if (!missing.empty() || !unexpected.empty() || !different.empty() || !extra_mismatch.empty()) {
     c.verdict = Verdict::kMismatch;
@@ -1549,7 +1600,15 @@ std::optional<LoadResult> AsyncCheckpointer::load_latest(const NamedTensors& ten
     }
     im.peers->wait_keys(keys, others, im.opt.commit_timeout_s, "load_latest: the other ranks' verdicts (" + key + ")");
     for (int r = 0; r < im.world; ++r) {
-      json rep = json::parse(string_of(im.store->get(keys[static_cast<size_t>(r)])));
+      const std::string& key = keys[static_cast<size_t>(r)];
+      json rep = json::parse(string_of(im.store->get(key)), nullptr, /*allow_exceptions=*/false);
+      // What `mine` above writes, or refused: a verdict outside the enum or a missing reason is no rank's.
+      const bool ok = rep.is_object() && rep.contains("v") && rep["v"].is_number_integer() &&
+                      rep["v"].get<int64_t>() >= static_cast<int>(Verdict::kOk) &&
+                      rep["v"].get<int64_t>() <= static_cast<int>(Verdict::kVanished) && rep.contains("why") &&
+                      rep["why"].is_string();
+      ETTKIT_CHECK(ok, CorruptData, "load_latest: the Store key '", key, "' does not hold a verdict {\"v\": 0-3, "
+                   "\"why\": text}");
       auto v = static_cast<Verdict>(rep["v"].get<int>());
       if (severity(v) > severity(all)) {
         all = v;
@@ -1632,7 +1691,8 @@ std::optional<LoadResult> AsyncCheckpointer::load_latest(const NamedTensors& ten
         im.store->set(key, bytes_of(json(steps).dump()));
       } else {
         im.peers->wait_keys({key}, {0}, im.opt.commit_timeout_s, "load_latest: rank 0's list of steps");
-        steps = json::parse(string_of(im.store->get(key))).get<std::vector<int64_t>>();
+        steps = decode_step_list(string_of(im.store->get(key)), "load_latest: rank 0's list of steps (the Store key '" +
+                                 key + "')");
       }
     }
     listed_any = listed_any || !steps.empty();

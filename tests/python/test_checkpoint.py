@@ -2,7 +2,6 @@
 
 import json
 import os
-import pickle
 import subprocess
 import sys
 
@@ -307,14 +306,16 @@ def test_dcp_async_save_with_dcp_stager_round_trips(tmp_path):
     stager.close()
 
 
-def test_extra_blob_is_pickled_separately(tmp_path):
+def test_extra_is_stored_in_the_data_format_not_a_pickle(tmp_path):
+    from ettkit.checkpoint._skeleton_codec import decode_extra
+
     with AsyncCheckpointer(tmp_path, recorder=None) as ck:
         ck.save(1, make_state(1), extra={"rng": [1, 2, 3]}).wait()
     raw = (tmp_path / "step-1" / "rank-0.extra").read_bytes()
-    magic = b"ettkit-py-extra-v1\n"
-    assert raw.startswith(magic)
-    blob = pickle.loads(raw[len(magic):])
-    assert blob["extra"] == {"rng": [1, 2, 3]}
+    assert raw.startswith(b"ettkit-py-extra-v2\n")
+    record = decode_extra(raw, "rank-0.extra", allow_pickle=False)
+    assert record.extra == {"rng": [1, 2, 3]} and record.world_size == 1
+    assert record.skeleton["optim"]["param_groups"] == [{"lr": 0.1, "params": [0]}]
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -344,7 +345,8 @@ def test_unchanged_structure_reuses_names_but_never_stale_values(tmp_path):
     # plain or opaque, must still reach the checkpoint.
     box = Box(1)
     state = {"w": torch.ones(10), "opt": {"param_groups": [{"lr": 0.1}]}, "box": box}
-    with AsyncCheckpointer(tmp_path, recorder=None, keep_last=0) as ck:
+    with AsyncCheckpointer(tmp_path, recorder=None, keep_last=0, allow_pickle=True) as ck, \
+            torch.serialization.safe_globals([Box]):
         ck.save(1, state).wait()
         state["w"].add_(1)
         state["opt"]["param_groups"][0]["lr"] = 0.05
@@ -362,8 +364,11 @@ def test_unchanged_structure_reuses_names_but_never_stale_values(tmp_path):
 
     step2 = load_file(str(tmp_path / "step-2" / "rank-0.safetensors"))
     assert set(step2) == {"w"} and torch.equal(step2["w"], torch.full((10,), 2.0))
-    payload = pickle.loads((tmp_path / "step-2" / "rank-0.extra").read_bytes().split(b"\n", 1)[1])
-    skeleton = pickle.loads(payload["skeleton_pickle"])
+    from ettkit.checkpoint._skeleton_codec import decode_extra
+
+    with torch.serialization.safe_globals([Box]):
+        skeleton = decode_extra((tmp_path / "step-2" / "rank-0.extra").read_bytes(), "rank-0.extra",
+                                allow_pickle=True).skeleton
     assert skeleton["opt"]["param_groups"][0]["lr"] == 0.05 and skeleton["box"].value == 2
 
 

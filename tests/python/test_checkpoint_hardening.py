@@ -309,7 +309,7 @@ def test_conjugate_and_negative_views_are_saved_as_their_values(tmp_path):
 def _corrupt_extra(path, step):
     f = path / f"step-{step}" / "rank-0.extra"
     data = bytearray(f.read_bytes())
-    magic = len(b"ettkit-py-extra-v1\n")
+    magic = len(b"ettkit-py-extra-v2\n")
     for i in range(magic, len(data)):  # same size: only the checksum (off here) would notice
         data[i] ^= 0x5A
     f.write_bytes(bytes(data))
@@ -329,15 +329,21 @@ def test_corrupt_extra_without_verification_falls_back_before_copying(tmp_path):
     assert torch.equal(target["i"], torch.zeros(10, dtype=torch.int64))
 
 
-def test_extra_that_unpickles_to_the_wrong_shape_falls_back(tmp_path):
+@pytest.mark.parametrize("record,allow_pickle", [
+    # A record of the current format that decodes to a list of three ints, not a dict of fields.
+    (b"ettkit-py-extra-v2\nl\x03" + b"".join(b"i" + i.to_bytes(8, "little") for i in (1, 2, 3)), False),
+    # The former (pickled) format, read under the opt-in: a list, not the record's dict.
+    (b"ettkit-py-extra-v1\n" + pickle.dumps([1, 2, 3]), True),
+])
+def test_extra_that_decodes_to_the_wrong_shape_falls_back(tmp_path, record, allow_pickle):
     save_steps(tmp_path, [1, 2])
     f = tmp_path / "step-2" / "rank-0.extra"
-    f.write_bytes(b"ettkit-py-extra-v1\n" + pickle.dumps([1, 2, 3]))
+    f.write_bytes(record)
     m = json.loads((tmp_path / "step-2" / "manifest.json").read_text())
     m["files"]["rank-0.extra"]["size"] = f.stat().st_size
     (tmp_path / "step-2" / "manifest.json").write_text(json.dumps(m))
     with pytest.warns(RuntimeWarning, match=r"\[2\]"):
-        assert load(tmp_path, verify_on_load=False)[0] == 1
+        assert load(tmp_path, verify_on_load=False, allow_pickle=allow_pickle)[0] == 1
 
 
 # ---- 12: one job per checkpoint directory ------------------------------------------------------------------

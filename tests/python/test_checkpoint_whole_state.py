@@ -200,9 +200,9 @@ def test_unchanged_structure_keeps_the_fast_path_with_statefuls(tmp_path):
             ck.save(step, state).wait()
         assert ck._names is names  # the names crossed into C++ once
         assert ck.plan_builds == 1 and ck.arena_allocations == 1
-        blob = ck._skeleton_blob
+        code = ck._skeleton_code
         ck.save(5, state).wait()
-        assert ck._skeleton_blob is blob  # param_groups unchanged: the skeleton's pickle is reused
+        assert ck._skeleton_code is code  # param_groups unchanged: the skeleton's encoding is reused
 
 
 def test_captured_dicts_are_matched_to_the_optimizer_they_came_from(tmp_path):
@@ -281,16 +281,19 @@ class Opaque:
 
 
 @pytest.mark.parametrize("leaf,match", [
-    (Opaque(torch.zeros(100_000)), r"'meta\.blob' is a Opaque whose pickle takes \d+ bytes"),
+    (Opaque(torch.zeros(100_000)),
+     r"'meta\.blob' is a test_checkpoint_whole_state\.Opaque whose pickle takes \d+ bytes"),
     (bytes(100_000), r"'meta\.blob' is a bytes of 100000"),
     (lambda: 1, r"'meta\.blob' is a function that cannot be pickled"),
 ])
 def test_leaf_that_cannot_be_saved_as_tensors_is_refused_by_key(tmp_path, leaf, match):
-    with AsyncCheckpointer(tmp_path, recorder=None) as ck:
+    # Refused even where pickling is allowed: too large for the skeleton, or not picklable at all.
+    with AsyncCheckpointer(tmp_path, recorder=None, allow_pickle=True) as ck, \
+            torch.serialization.safe_globals([Opaque]):
         with pytest.raises(ettkit.InvalidArgumentError, match=match) as err:
             ck.save(1, {"w": torch.ones(3), "meta": {"blob": leaf}})
         assert "state_dict()/load_state_dict()" in str(err.value) and "extra=" in str(err.value)
-        # Small plain values, small objects and anything in extra= still work.
+        # Small plain values, small (registered) objects and large plain values in extra= still work.
         meta = {"lr": 0.1, "name": "x", "dt": torch.float16, "box": Opaque(1)}
         h = ck.save(2, {"w": torch.ones(3), "meta": meta}, extra={"anything": bytes(100_000)})
         assert h.wait()

@@ -379,8 +379,9 @@ class ETTKIT_API AsyncCheckpointer {
   /// is committed; CorruptCheckpoint when steps exist but none validates; InvalidArgument naming every key
   /// that differs (missing in the checkpoint, unexpected in it, another dtype or shape) when the state dict
   /// does not match the checkpoint. `validate_extra` (optional) is called with each candidate's extra bytes
-  /// before any tensor is copied; an exception from it makes that step not loadable (fallback to an older
-  /// one, as for a bad checksum), except InvalidArgument, which means the caller's state does not match
+  /// last among a candidate's checks (after its manifest, file sizes, checksums and tensor names) and before
+  /// any tensor is copied; an exception from it makes that step not loadable (fallback to an older one, as
+  /// for a bad checksum), except InvalidArgument, which means the caller's state does not match
   /// that step and is thrown like a tensor mismatch. A step that retention removes while it is being
   /// considered is skipped silently and the directory is listed again.
   ///

@@ -16,16 +16,16 @@
 ``{"model": model, "optim": optimizer, "sched": scheduler}``: every save takes a fresh ``state_dict()`` of
 each object with ``state_dict()``/``load_state_dict()`` (so it holds the state an optimizer created after
 the state was put together), and ``load_latest`` restores them through ``load_state_dict()``. Tensors are
-saved as ``step-<N>/rank-<r>.safetensors``; the small plain values (and ``extra``, any picklable object)
-are pickled into ``rank-<r>.extra``; anything else is refused naming its key. Guarantees and the on-disk
-layout: docs/checkpoint.md.
+saved as ``step-<N>/rank-<r>.safetensors``; the small plain values and ``extra`` go into ``rank-<r>.extra``,
+a versioned data format read without pickle (_skeleton_codec.py); anything else is refused naming its key,
+unless the checkpointer was created with ``allow_pickle=True``. Guarantees and the on-disk layout:
+docs/checkpoint.md; what a checkpoint directory is trusted with: docs/security.md.
 """
 
 from __future__ import annotations
 
 import operator
 import os
-import pickle
 import signal
 import sys
 import threading
@@ -49,6 +49,7 @@ from ._flatten import (
     rebuild_named,
     restore_non_tensors,
 )
+from ._skeleton_codec import ExtraRecord, decode_extra, encode_extra, encode_skeleton
 from .data_position import DataPosition
 
 __all__ = ["AUTO_UNMEASURED_INTERVAL_S", "AsyncCheckpointer", "Attachment", "DataPosition", "DcpStager",
@@ -56,9 +57,6 @@ __all__ = ["AUTO_UNMEASURED_INTERVAL_S", "AsyncCheckpointer", "Attachment", "Dat
            "SaveHandle", "latest_step", "parse_every"]
 
 SaveHandle = _C.checkpoint.SaveHandle
-
-# rank-<r>.extra written from Python starts with this line, then a pickle; from C++ it is the caller's bytes.
-_PY_EXTRA_MAGIC = b"ettkit-py-extra-v1\n"
 
 
 #: ``every="auto"`` before a save of this checkpointer has committed (so its cost is unknown): the interval
@@ -143,28 +141,7 @@ def _memory_tier_root(memory_tier: Any) -> str:
                                f"system, or None/False (off)")
 
 
-def _saved_world_size(blob: bytes) -> Optional[int]:
-    """The world size a Python ``rank-<r>.extra`` was saved at (``None``: the C++ checkpointer's bytes, or a
-    record from before it was kept)."""
-    if not blob.startswith(_PY_EXTRA_MAGIC):
-        return None
-    payload = pickle.loads(memoryview(blob)[len(_PY_EXTRA_MAGIC):])
-    return payload.get("world_size") if isinstance(payload, dict) else None
-
-
-def _decode_extra(blob: bytes) -> Optional[tuple[Any, Any]]:
-    """``(skeleton, extra)`` of a ``rank-<r>.extra`` written from Python; ``None`` for the C++ checkpointer's
-    opaque bytes. Raises when the record does not decode."""
-    if not blob.startswith(_PY_EXTRA_MAGIC):
-        return None
-    payload = pickle.loads(memoryview(blob)[len(_PY_EXTRA_MAGIC):])
-    if not (isinstance(payload, dict) and isinstance(payload.get("skeleton_pickle"), bytes) and "extra" in payload):
-        raise ValueError(f"an ettkit extra record is a dict with 'skeleton_pickle' and 'extra', not a "
-                         f"{type(payload).__name__}")
-    return pickle.loads(payload["skeleton_pickle"]), payload["extra"]
-
-
-def _saved_states(slots: list, live: Any, value: Optional[tuple]) -> dict:
+def _saved_states(slots: list, live: Any, value: Optional[ExtraRecord]) -> dict:
     """``id(slot)`` -> the saved state dict skeleton of each Stateful of the state being loaded. Raises
     :class:`InvalidArgumentError` (a mismatch: the load stops, naming the key) when the step has none for
     one, or an optimizer's parameter groups differ from the saved ones."""
@@ -174,7 +151,7 @@ def _saved_states(slots: list, live: Any, value: Optional[tuple]) -> dict:
         # A C++ checkpointer's step has no skeleton: restore from the live structure (tensors load in place).
         return {id(s): s.skeleton for s in slots}
     saved: dict = {}
-    find_saved(live, value[0], saved)
+    find_saved(live, value.skeleton, saved)
     for s in slots:
         where = f"'{s.prefix}'" if s.prefix else "the root"
         if id(s) not in saved:
@@ -254,6 +231,15 @@ class AsyncCheckpointer:
     Rank 0 holds the directory's lock (``CKPT_DIR/.lock``) from here to :meth:`close`: a second checkpointer
     on the same directory, in another job or in this process, raises :class:`ettkit.CheckpointLockedError`
     naming the holder. ``read_only=True`` only loads: no lock, nothing removed, ``save()`` raises.
+
+    ``allow_pickle`` (default False): the non-tensor state (``rank-<r>.extra``) is a data format that holds
+    plain values (None, bool, int, float, complex, str, bytes, lists, tuples, dicts, torch.Size, dtypes,
+    devices; in ``extra=`` also tensors) and is read without pickle, so a hostile checkpoint directory cannot
+    run code at load. A value of another type is refused at save naming its key, unless ``allow_pickle=True``:
+    then it is stored pickled, and a load with ``allow_pickle=True`` reads it (and steps written by ettkit's
+    former, pickled format) through an allow-list like ``torch.load(weights_only=True)``'s; a class of your own
+    loads once registered with ``torch.serialization.add_safe_globals``. Without it such a step is refused
+    with :class:`ettkit.InvalidArgumentError` naming ``allow_pickle=True`` (docs/security.md).
     """
 
     def __init__(self, directory: str | os.PathLike, *, keep_last: int = 3, memory_budget_bytes: Optional[int] = None,
@@ -266,7 +252,9 @@ class AsyncCheckpointer:
                  memory_tier: Any = None, job_id: Optional[str] = None,
                  memory_tier_budget_bytes: Optional[int] = None, every_memory: Any = None,
                  verify_memory_tier: bool = True, peer_replica: bool = False, ranks_per_host: Optional[int] = None,
-                 reshard_whole_from_rank0: bool = False):
+                 reshard_whole_from_rank0: bool = False, allow_pickle: bool = False):
+        if allow_pickle is not True and allow_pickle is not False:
+            raise InvalidArgumentError(f"allow_pickle={allow_pickle!r} must be True or False")
         if on_busy not in ("wait", "skip", "error"):
             raise InvalidArgumentError(f"on_busy={on_busy!r} is not one of 'wait', 'skip', 'error'")
         if memory_budget_bytes is not None and memory_budget_bytes <= 0:
@@ -332,8 +320,9 @@ class AsyncCheckpointer:
         self._handles: deque = deque(maxlen=4)
         self._tensor_list = _C.checkpoint.TensorList()
         self._names: Optional[list] = None
+        self._allow_pickle = allow_pickle
         self._skeleton: Any = None
-        self._skeleton_blob = b""
+        self._skeleton_code = None  # the previous save's skeleton, encoded (_skeleton_codec.EncodedSkeleton)
         self._skeleton_comparable = False
         # The interval policy (C++ CheckpointSchedule): "auto" is held against this job's failure history.
         mtbf_s, restart_s = self._failure_history(mtbf_prior_s)
@@ -389,8 +378,8 @@ class AsyncCheckpointer:
         optimizers, schedulers, anything with ``state_dict()``/``load_state_dict()``) are saved through a
         fresh ``state_dict()``, and so is a dict captured from an attached optimizer's ``state_dict()``
         (which is refreshed in place); a leaf that is neither a tensor nor a small plain value raises
-        :class:`ettkit.InvalidArgumentError` naming its key (``extra`` takes any picklable object). Returns
-        a handle with
+        :class:`ettkit.InvalidArgumentError` naming its key and ``allow_pickle=True`` (``extra`` takes plain
+        values and tensors, and with ``allow_pickle=True`` any picklable object). Returns a handle with
         ``wait()``, ``staged``, ``durable``, ``error``. Without :meth:`attach` (and ``overlap="auto"``) it
         returns once the copies are done; with it, it returns once they are queued, and the attached hooks
         make each writer wait for the copies of what it writes. A save whose tensors changed while being
@@ -408,22 +397,21 @@ class AsyncCheckpointer:
         # Statefuls (modules, optimizers, ...) give a fresh state_dict() here, so the save holds the state an
         # optimizer created since the last one; so does a dict captured from an attached optimizer.
         names, tensors, skeleton, comparable, _ = flatten_state(state_dict, self._find_optimizer())
+        # Names and the encoded skeleton are handed over again only when they changed: for a state dict of
+        # 10^4 tensors converting the names and encoding the skeleton would dominate the blocking time. The
+        # skeleton and extra= are encoded first, so that a value the format refuses changes nothing.
+        if not (comparable and self._skeleton_comparable and skeleton == self._skeleton):
+            code = encode_skeleton(skeleton, allow_pickle=self._allow_pickle)
+            self._skeleton, self._skeleton_code, self._skeleton_comparable = skeleton, code, comparable
+        blob = encode_extra(self._skeleton_code, extra, self._c.world_size, allow_pickle=self._allow_pickle)
         if self._fences.attachments:
             self._c.set_copy_priority(*self._fences.priority())
-        # Names and the pickled skeleton are handed over again only when they changed: for a state dict of
-        # 10^4 tensors converting the names and pickling the skeleton would dominate the blocking time.
         if names == self._names:
             self._tensor_list.set(None, tensors)
         else:
             check_unique(names)
             self._tensor_list.set(names, tensors)
             self._names = names
-        if not (comparable and self._skeleton_comparable and skeleton == self._skeleton):
-            self._skeleton_blob = pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL)
-            self._skeleton, self._skeleton_comparable = skeleton, comparable
-        blob = _PY_EXTRA_MAGIC + pickle.dumps({"skeleton_pickle": self._skeleton_blob, "extra": extra,
-                                               "world_size": self._c.world_size},
-                                              protocol=pickle.HIGHEST_PROTOCOL)
         handle = self._c.save(step, self._tensor_list, blob, tier)
         if not handle.skipped:
             self._schedule.saved(step, handle.tier, self._clock())
@@ -575,14 +563,20 @@ class AsyncCheckpointer:
         check_unique(names)
         decoded: dict = {}
 
+        def decode(blob: bytes) -> Optional[ExtraRecord]:
+            return decode_extra(blob, "the step's .extra file", allow_pickle=self._allow_pickle)
+
         def validate(blob: bytes) -> None:
-            # Runs for each candidate before any tensor is copied: an extra that does not unpickle makes the
-            # step fall back like any corrupt step instead of failing after the tensors were overwritten; a
-            # Stateful the step cannot restore is a mismatch (InvalidArgumentError: no fallback).
-            value = _decode_extra(blob)
+            # The C++ loader calls this for each candidate once its manifest, files, checksums and tensor names
+            # were checked, and before any tensor is copied: an extra that does not decode makes the step fall
+            # back like any corrupt step instead of failing after the tensors were overwritten; a Stateful the
+            # step cannot restore, or a pickle without allow_pickle=True, is a mismatch (InvalidArgumentError:
+            # no fallback to an older step, which would silently lose the newer one).
+            value = decode(blob)
             if value is not None:
-                saved_world = _saved_world_size(blob)
-                check_sharded(live, value[0], reshard=saved_world is not None and saved_world != self._c.world_size)
+                saved_world = value.world_size
+                check_sharded(live, value.skeleton,
+                              reshard=saved_world is not None and saved_world != self._c.world_size)
             saved = _saved_states(slots, live, value)
             decoded.update(blob=blob, value=value, saved=saved)
 
@@ -611,7 +605,7 @@ class AsyncCheckpointer:
         if decoded.get("blob") == blob:
             value, saved = decoded["value"], decoded["saved"]
         else:
-            value = _decode_extra(blob)
+            value = decode(blob)
             saved = _saved_states(slots, live, value)
         self._schedule.restored(int(step))
         if slots:
@@ -623,10 +617,9 @@ class AsyncCheckpointer:
         if value is None:
             # Written by the C++ AsyncCheckpointer: `extra` is its opaque bytes and there is no skeleton.
             return int(step), bytes(blob)
-        skeleton, extra = value
         captured = frozenset(id(s.captured) for s in slots if s.captured is not None)
-        restore_non_tensors(state_dict, skeleton, captured)
-        return int(step), extra
+        restore_non_tensors(state_dict, value.skeleton, captured)
+        return int(step), value.extra
 
     def _find_optimizer(self):
         return find_captured_optimizer(self._fences.optimizers)

@@ -1,9 +1,14 @@
 """DCP interop: ``EttkitStorageReader``, a ``torch.distributed.checkpoint`` ``StorageReader`` over a committed
 ettkit step, so that ``dcp.load`` reads ettkit's checkpoints at any world size with DCP's own planner.
-Imported lazily by ``ettkit.checkpoint`` (``torch.distributed.checkpoint`` is slow to import)."""
+Imported lazily by ``ettkit.checkpoint`` (``torch.distributed.checkpoint`` is slow to import).
+
+It reads a step's manifest and safetensors headers as untrusted data: JSON of bounded size, opened without
+following a final symlink, each field type- and range-checked (:class:`ettkit.CorruptDataError` naming the
+file and the field otherwise). It never reads ``rank-<r>.extra`` and never unpickles."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -48,19 +53,72 @@ def _step_dir(checkpoint_id: str | os.PathLike) -> str:
 
 # Where an ettkit disk save records the XXH3 of each tensor it saved whole (src/checkpoint/storage.h).
 _WHOLE_DIGEST = "ettkit.xxh3."
+# A manifest lists a few files per rank: 16 MiB is far beyond any real one. A safetensors header: the
+# format's own cap.
+_MAX_MANIFEST_BYTES = 16 << 20
+_MAX_HEADER_BYTES = 100 << 20
 
 
-def _header(path: str) -> tuple[int, dict, dict]:
-    with open(path, "rb") as f:
+def _open(path: str) -> Any:
+    """``path`` opened for reading, refusing a symlink in its last component (a step's files are regular
+    files its writer created; a link there points somewhere the step does not own)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CorruptDataError(f"'{path}' is a symbolic link; a step's files are regular files") from None
+        raise
+    return os.fdopen(fd, "rb")
+
+
+def _json(path: str, data: bytes) -> Any:
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as e:  # RecursionError: nesting deeper than the parser's stack
+        raise CorruptDataError(f"'{path}' is not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
+
+
+def _header(path: str) -> tuple[int, dict, dict, int]:
+    """(data offset, {name: entry}, ``__metadata__``, file size) of a safetensors file."""
+    with _open(path) as f:
+        size = os.fstat(f.fileno()).st_size
         raw = f.read(8)
         if len(raw) != 8:
             raise CorruptDataError(f"'{path}' is shorter than a safetensors header")
         n = int.from_bytes(raw, "little")
-        if n > 100 * (1 << 20):
-            raise CorruptDataError(f"'{path}' declares a {n}-byte safetensors header")
-        header = json.loads(f.read(n))
+        if n > min(_MAX_HEADER_BYTES, size - 8):
+            raise CorruptDataError(f"'{path}' declares a {n}-byte safetensors header in a {size}-byte file")
+        header = _json(path, f.read(n))
+    if type(header) is not dict:
+        raise CorruptDataError(f"'{path}': the safetensors header is a {type(header).__name__}, not an object")
     meta = header.pop("__metadata__", None) or {}
-    return 8 + n, header, meta
+    if type(meta) is not dict or any(type(v) is not str for v in meta.values()):
+        raise CorruptDataError(f"'{path}': the safetensors __metadata__ is not an object of strings")
+    return 8 + n, header, meta, size
+
+
+def _entry(path: str, name: str, e: Any, data_bytes: int) -> tuple[torch.dtype, list, int, int]:
+    """(dtype, shape, begin, end) of one safetensors entry, every field checked: the dtype one DCP reads, the
+    shape non-negative ints, the byte range inside the file's data and of the shape's size."""
+    if type(e) is not dict:
+        raise CorruptDataError(f"'{path}': the entry of '{name}' is not an object")
+    dtype = _DTYPES.get(e.get("dtype")) if type(e.get("dtype")) is str else None
+    if dtype is None:
+        raise CorruptDataError(f"'{path}': tensor '{name}' has dtype {e.get('dtype')!r}, which DCP cannot read")
+    shape, offsets = e.get("shape"), e.get("data_offsets")
+    if type(shape) is not list or any(type(s) is not int or s < 0 for s in shape) or len(shape) > 64:
+        raise CorruptDataError(f"'{path}': tensor '{name}' has shape {shape!r}, not a list of sizes")
+    if type(offsets) is not list or len(offsets) != 2 or any(type(o) is not int for o in offsets) \
+            or not 0 <= offsets[0] <= offsets[1] <= data_bytes:
+        raise CorruptDataError(f"'{path}': tensor '{name}' has data_offsets {offsets!r}, not a range inside the "
+                               f"file's {data_bytes} data bytes")
+    numel = 1
+    for s in shape:
+        numel *= s
+    if numel * dtype.itemsize != offsets[1] - offsets[0]:
+        raise CorruptDataError(f"'{path}': tensor '{name}' of shape {shape} and dtype {dtype} takes "
+                               f"{numel * dtype.itemsize} bytes, not the {offsets[1] - offsets[0]} of its range")
+    return dtype, shape, offsets[0], offsets[1]
 
 
 class EttkitStorageReader(StorageReader):
@@ -73,9 +131,9 @@ class EttkitStorageReader(StorageReader):
     as ``<key>@<offsets>`` becomes a chunk of ``<key>`` at those offsets, and a whole tensor one chunk of
     itself (old rank 0's copy, once the digests in the headers show every old rank saved the same bytes:
     per-rank state is refused with ``InvalidArgumentError``). DCP's planner then reads, on each
-    rank, the chunks that overlap its state. Tensors only: the non-tensor state in ``rank-<r>.extra`` is a
-    pickle for ettkit's own ``load_latest``. ettkit's checksums are not checked on this path (DCP has no
-    place for them): ``AsyncCheckpointer.load_latest`` is the verified load."""
+    rank, the chunks that overlap its state. Tensors only: the non-tensor state in ``rank-<r>.extra`` is for
+    ettkit's own ``load_latest`` and is never read here. ettkit's checksums are not checked on this path (DCP
+    has no place for them): ``AsyncCheckpointer.load_latest`` is the verified load."""
 
     def __init__(self, checkpoint_id: Optional[str | os.PathLike] = None, *, whole_from_rank0: bool = False):
         super().__init__()
@@ -103,26 +161,29 @@ class EttkitStorageReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._path is None:
             raise InvalidArgumentError("EttkitStorageReader needs a checkpoint_id (a step or checkpoint directory)")
-        with open(os.path.join(self._path, "manifest.json")) as f:
-            manifest = json.load(f)
-        world = manifest.get("world_size")
-        if not isinstance(world, int) or world < 1:
-            raise CorruptDataError(f"'{self._path}/manifest.json' has no valid world_size")
+        mpath = os.path.join(self._path, "manifest.json")
+        with _open(mpath) as f:
+            data = f.read(_MAX_MANIFEST_BYTES + 1)
+        if len(data) > _MAX_MANIFEST_BYTES:
+            raise CorruptDataError(f"'{mpath}' is larger than {_MAX_MANIFEST_BYTES} bytes: not an ettkit manifest")
+        manifest = _json(mpath, data)
+        world = manifest.get("world_size") if type(manifest) is dict else None
+        if type(world) is not int or not 1 <= world <= 1 << 24:
+            raise CorruptDataError(f"'{mpath}' has no valid world_size (an int in [1, 2^24])")
         metadata: dict = {}
         storage: dict = {}
         self._per_rank = {}
         whole: dict = {}  # a tensor saved whole -> (the first old rank that holds it, its digest)
         for rank in range(world):
             path = os.path.join(self._path, f"rank-{rank}.safetensors")
-            data_offset, header, meta = _header(path)
+            data_offset, header, meta, size = _header(path)
             for name, e in header.items():
                 m = _SHARD.match(name)
                 key = m.group(1) if m else name
-                shape = [int(s) for s in e["shape"]]
+                dtype, shape, begin, end = _entry(path, name, e, size - data_offset)
                 offsets = [int(o) for o in m.group(2).split(",")] if m else [0] * len(shape)
-                dtype = _DTYPES.get(e["dtype"])
-                if dtype is None:
-                    raise CorruptDataError(f"'{path}': tensor '{name}' has dtype {e['dtype']}, which DCP cannot read")
+                if len(offsets) != len(shape):
+                    raise CorruptDataError(f"'{path}': '{name}' has {len(offsets)} offsets for {len(shape)} dims")
                 if not m:
                     # A whole tensor is read from one copy: right only when every old rank held the same
                     # bytes (the digests say so; a step without them is taken as replicated).
@@ -143,7 +204,6 @@ class EttkitStorageReader(StorageReader):
                 md.chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(shape)))
                 # The whole tensor's size: the extent of its pieces.
                 md.size = torch.Size(max(a, o + s) for a, o, s in zip(md.size, offsets, shape))
-                begin, end = (int(x) for x in e["data_offsets"])
                 storage[MetadataIndex(key, offsets)] = (path, data_offset + begin, end - begin, dtype, shape)
         self._storage = storage
         return Metadata(state_dict_metadata=metadata, storage_data=storage)
@@ -181,7 +241,7 @@ class EttkitStorageReader(StorageReader):
                                                                                 item.storage_index.offset)]
                 f = files.get(path)
                 if f is None:
-                    f = files[path] = open(path, "rb")
+                    f = files[path] = _open(path)
                 f.seek(begin)
                 raw = bytearray(f.read(length))
                 if len(raw) != length:
