@@ -26,6 +26,10 @@ next to a disk probe taken just before it. restore_s = load_latest of a committe
 tensors (verified, unverified, cold cache) beside dcp.load, torch.load(mmap=True) + copy_ and a memcpy of
 the same bytes, interleaved in one run; restore_vs_memcpy = each over the memcpy.
 
+fsdp2 (benchmarks/checkpoint_fsdp2.py): a fully_shard model and AdamW saved by 2 gloo ranks, ettkit attached
+against dcp.async_save (blocking_ms), and loaded by 3 ranks, ettkit load_latest against dcp.load
+(reshard_load_s), in the same run.
+
 Integrity is always on. `ettkit` overlaps its saves (overlap=True, unfenced_sync_max_bytes=0: this loop
 fences its only writer, the optimizer step, with the pre-step wait, and has no BatchNorm); `ettkit_unfenced` is what a loop gets without attach(): save()
 returns once the copies are done. torn_commits[in_backward_sparse] trains an EmbeddingBag updated inside
@@ -429,7 +433,9 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--dir", default="/tmp/ettkit_bench_ckpt")
     ap.add_argument("--saves", type=int, default=None)
-    ap.add_argument("--cases", default="1GB_large,256MB_small")
+    ap.add_argument("--cases", default=None,
+                    help="default: 1GB_large,256MB_small,fsdp2 (CPU; fsdp2: checkpoint_fsdp2.py), "
+                         "1GB_large,256MB_small (--device cuda)")
     ap.add_argument("--fwd-bwd-ms", type=float, default=200.0,
                     help="target time of one step's forward/backward (the optimizer step comes on top)")
     ap.add_argument("--rss-saves", type=int, default=None)
@@ -440,6 +446,8 @@ def main() -> None:
                          "and plain pinned cudaMemcpyAsync (tools/gpu_check.sh)")
     args = ap.parse_args()
     args.fwd_bwd_ms_given = any(a.startswith("--fwd-bwd-ms") for a in sys.argv[1:])
+    if args.cases is None:
+        args.cases = "1GB_large,256MB_small" + (",fsdp2" if args.device == "cpu" else "")
     if args.device == "cuda":
         gpu_main(args)
         return
@@ -447,6 +455,15 @@ def main() -> None:
     rss_saves = args.rss_saves or (10 if args.quick else 50)
     results: dict = {}
     for case in args.cases.split(","):
+        if case == "fsdp2":
+            # An FSDP2 model on gloo ranks, its own processes: attached save blocking against DCP's
+            # async_save, and the load at another world size against dcp.load (checkpoint_fsdp2.py).
+            from checkpoint_fsdp2 import run as run_fsdp2
+
+            for metric, values in run_fsdp2(args.dir, args.quick).items():
+                results[metric] = values
+                print(f"{metric}: " + ", ".join(f"{v}={x:.4g}" for v, x in values.items()), flush=True)
+            continue
         state = make_state(case, args.quick)
         tr = Trainer(state)
         for _ in range(3):

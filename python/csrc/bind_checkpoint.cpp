@@ -1,4 +1,5 @@
 // ettkit._C.checkpoint: the C++ Stager / AsyncCheckpointer. Every blocking call releases the GIL.
+#include <ATen/ops/from_blob.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -9,6 +10,7 @@
 #include "bindings.h"
 #include "ettkit/checkpoint/checkpointer.h"
 #include "ettkit/checkpoint/schedule.h"
+#include "ettkit/checkpoint/training_state.h"
 #include "ettkit/ett/recorder.h"
 
 namespace py = pybind11;
@@ -58,12 +60,62 @@ struct TensorList {
   }
 };
 
+/// Drops a reference a tensor's storage held on a Python object, from whatever thread frees the storage
+/// (DCP's writer thread, or the main thread). Nothing is released once the interpreter is going away: the
+/// process's memory goes with it.
+void release_python_owner(PyObject* owner) {
+  if (!Py_IsInitialized()) return;
+  py::gil_scoped_acquire gil;
+  Py_DECREF(owner);
+}
+
+/// Snapshot::tensors() as views whose storage holds a reference to the Python Snapshot `self`. The staged
+/// state dict a DcpStager hands to dcp.async_save is written on DCP's thread after async_save returned; a
+/// stager created inline (`async_stager=DcpStager()`) is collected by then, and with it went the arena the
+/// views point into. Held by the views, the Snapshot (and the Stager it keeps alive, see
+/// snapshot_keeping_alive) lives until the last view is freed; its destructor then returns the arena.
+py::list snapshot_views(const py::object& self) {
+  auto& snap = self.cast<checkpoint::Snapshot&>();
+  NamedTensors views = snap.tensors();
+  py::list out;
+  for (auto& [name, view] : views) {
+    PyObject* owner = self.ptr();
+    Py_INCREF(owner);
+    at::Tensor held = at::from_blob(view.data_ptr(), view.sizes(), [owner](void*) { release_python_owner(owner); },
+                                    view.options());
+    out.append(py::make_tuple(py::str(name), py::cast(std::move(held))));
+  }
+  return out;
+}
+
+/// The Python Snapshot of `snap`, keeping the Python Stager `stager` alive as long as it lives (it returns
+/// its arena to that Stager). py::keep_alive<0, 1>() would say the same, but pybind11 3.1 runs that post-call
+/// hook even for an overload whose arguments did not convert, on the "try the next overload" marker, and
+/// segfaults there (pybind/pybind11#6154): a call with a wrong argument, or of the second overload of
+/// Stager.stage, crashed the process instead of raising TypeError.
+py::object snapshot_keeping_alive(std::shared_ptr<checkpoint::Snapshot> snap, const py::object& stager) {
+  py::object out = py::cast(std::move(snap));
+  if (!out.is_none()) py::detail::keep_alive_impl(out, stager);
+  return out;
+}
+
 }  // namespace
 
 void bind_checkpoint(py::module_& m) {
   using namespace checkpoint;
   m.def("latest_step", &latest_step, py::arg("directory"), py::call_guard<py::gil_scoped_release>(),
         "The newest committed step of a checkpoint directory, or None (read-only: no lock, reads manifests).");
+  m.def(
+      "first_step_state",
+      [](const std::string& name, bool amsgrad, double momentum, double dampening, bool centered) {
+        FirstStepState s = first_step_state(OptimizerKind{name, amsgrad, momentum, dampening, centered});
+        return py::make_tuple(s.zeros, s.step);
+      },
+      py::arg("name"), py::kw_only(), py::arg("amsgrad") = false, py::arg("momentum") = 0.0,
+      py::arg("dampening") = 0.0, py::arg("centered") = false,
+      "(fields created as zeros like the parameter, whether a step count starting at 0 is kept): the state the "
+      "first step() of optimizer `name` creates for a parameter, the rule TrainingState follows in C++ "
+      "(include/ettkit/checkpoint/training_state.h). Raises UnsupportedError where that state is not zeros.");
 
   // Destructors that wait for ettkit's threads release the GIL first: those threads never need it, but a
   // Python thread they might wait behind could (release_gil_before_calling_cpp_dtor).
@@ -75,7 +127,10 @@ void bind_checkpoint(py::module_& m) {
       .def("wait_for", &Snapshot::wait_for, py::arg("tensors"), py::call_guard<py::gil_scoped_release>())
       .def("changed_entries", &Snapshot::changed_entries, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("total_bytes", &Snapshot::total_bytes)
-      .def("tensors", &Snapshot::tensors, "Views of the arena (valid until release()).")
+      .def("tensors", &snapshot_views,
+           "Views of the arena (valid until release()); each keeps this Snapshot, and through it its Stager, "
+           "alive, so that a reader that outlives the stager's owner (DCP's background write) never reads "
+           "unmapped memory.")
       .def("release", &Snapshot::release, py::call_guard<py::gil_scoped_release>());
 
   py::class_<Stager>(m, "Stager", py::release_gil_before_calling_cpp_dtor())
@@ -93,27 +148,31 @@ void bind_checkpoint(py::module_& m) {
            py::arg("sync_copy_max_bytes") = 4096, py::arg("pin_memory") = -1)
       .def(
           "stage",
-          [](Stager& s, const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
+          [](const py::object& self, const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
              const std::string& on_busy) {
             NamedTensors nt = zip(names, tensors);
-            OnBusy ob = parse_on_busy(on_busy);
-            py::gil_scoped_release nogil;
-            return s.stage(nt, ob);
-          },
-          py::arg("names"), py::arg("tensors"), py::arg("on_busy") = "wait", py::keep_alive<0, 1>())
-      .def(
-          "stage",
-          [](Stager& s, TensorList& list, const std::string& on_busy) {
             OnBusy ob = parse_on_busy(on_busy);
             std::shared_ptr<Snapshot> snap;
             {
               py::gil_scoped_release nogil;
-              snap = s.stage(list.items, ob);
+              snap = self.cast<Stager&>().stage(nt, ob);
+            }
+            return snapshot_keeping_alive(std::move(snap), self);
+          },
+          py::arg("names"), py::arg("tensors"), py::arg("on_busy") = "wait")
+      .def(
+          "stage",
+          [](const py::object& self, TensorList& list, const std::string& on_busy) {
+            OnBusy ob = parse_on_busy(on_busy);
+            std::shared_ptr<Snapshot> snap;
+            {
+              py::gil_scoped_release nogil;
+              snap = self.cast<Stager&>().stage(list.items, ob);
             }
             list.clear_tensors();
-            return snap;
+            return snapshot_keeping_alive(std::move(snap), self);
           },
-          py::arg("tensors"), py::arg("on_busy") = "wait", py::keep_alive<0, 1>())
+          py::arg("tensors"), py::arg("on_busy") = "wait")
       .def_property_readonly("arena_bytes", &Stager::arena_bytes)
       .def_property_readonly("num_arenas", &Stager::num_arenas)
       .def_property_readonly("pinned", &Stager::pinned)
@@ -216,7 +275,11 @@ void bind_checkpoint(py::module_& m) {
             CopyPriority p;
             p.reserve(tensors.size());
             for (size_t i = 0; i < tensors.size(); ++i) {
-              if (tensors[i].defined() && tensors[i].has_storage()) p.emplace_back(tensors[i].storage().data(), classes[i]);
+              const at::Tensor& t = tensors[i];
+              // A Python subclass wrapper (a DTensor) has no storage of its own to match: its local tensor does.
+              if (t.defined() && t.has_storage() && !t.key_set().has(c10::DispatchKey::Python)) {
+                p.emplace_back(t.storage().data(), classes[i]);
+              }
             }
             c.set_copy_priority(std::move(p));
           },

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <ATen/ATen.h>
+#include <ATen/EmptyTensor.h>
 #include <torch/cuda.h>
 
 #include <algorithm>
@@ -166,10 +167,62 @@ bool same_structure(const std::vector<PlanEntry>& plan, const NamedTensors& tens
   return true;
 }
 
+/// Whether `t` is a Python tensor subclass wrapper (DTensor, ShardedTensor, a Parameter around either,
+/// FSDP2's parameters, any `_make_wrapper_subclass` type): its dispatch keys include Python, and its storage
+/// is an empty placeholder whose data pointer is null. Its values live in the tensors it wraps.
+bool is_python_wrapper(const at::Tensor& t) {
+  return t.key_set().has(c10::DispatchKey::Python) || t.key_set().has(c10::DispatchKey::PythonTLSSnapshot);
+}
+
+/// The bytes of its storage that `t`'s elements reach: the view's extent from the storage's start.
+size_t storage_extent(const at::Tensor& t) {
+  const size_t item = t.dtype().itemsize();
+  if (t.is_contiguous()) {  // the common case, without a loop over the dimensions
+    return t.numel() == 0 ? 0 : (static_cast<size_t>(t.storage_offset()) + static_cast<size_t>(t.numel())) * item;
+  }
+  return at::detail::computeStorageNbytes(t.sizes(), t.strides(), item, static_cast<size_t>(t.storage_offset()));
+}
+
+/// Whether the values of `t` can be staged by copying bytes out of its storage. The copy engine reads
+/// `nbytes()` from the data pointer (or strided elements of the storage), which is right only for a plain
+/// dense tensor whose own storage holds every element it shows. Anything else is refused (with
+/// why_not_plain_dense()), so that no mistake of a caller (Python handing over a wrapper instead of its
+/// local tensor) can become a read of memory the tensor does not own. Runs once per tensor per save.
+bool is_plain_dense(const at::Tensor& t) {
+  static const c10::DispatchKeySet kNotPlain{c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
+                                             c10::DispatchKey::Functionalize};
+  if (t.key_set().has_any(kNotPlain) || t.is_nested() || t.is_quantized() || t.layout() != c10::kStrided ||
+      !t.has_storage()) {
+    return false;
+  }
+  const size_t need = storage_extent(t);
+  const c10::Storage& storage = t.storage();
+  return need == 0 || (storage.data() != nullptr && need <= storage.nbytes());
+}
+
+/// Why is_plain_dense(t) is false, for the error message.
+std::string why_not_plain_dense(const at::Tensor& t) {
+  if (is_python_wrapper(t)) {
+    return "a Python tensor subclass (its dispatch keys include Python: a DTensor, a ShardedTensor, a "
+           "Parameter wrapping either, or another __torch_dispatch__ wrapper) whose storage does not hold its "
+           "values; stage its local tensor(s) instead";
+  }
+  if (t.key_set().has(c10::DispatchKey::Functionalize)) return "a functional tensor (torch.compile tracing)";
+  if (t.is_nested()) return "a nested tensor";
+  if (t.is_quantized()) return "a quantized tensor";
+  if (t.layout() != c10::kStrided) return "not a dense strided tensor";
+  if (!t.has_storage()) return "a tensor without storage";
+  const c10::Storage& storage = t.storage();
+  const size_t need = storage_extent(t);
+  if (storage.data() == nullptr) return "a tensor whose storage has no data";
+  return ettkit::detail::concat("a view reaching byte ", need, " of a storage of ", storage.nbytes(), " bytes");
+}
+
 /// The key CopyPriority and wait_for() match tensors by: their storage. A parameter and the detached
-/// tensor a state dict holds share it; so do the per-table views of a fused embedding storage.
+/// tensor a state dict holds share it; so do the per-table views of a fused embedding storage. A Python
+/// subclass wrapper has no storage of its own to match (its local tensors do): nullptr.
 const void* storage_key(const at::Tensor& t) {
-  if (!t.defined() || !t.has_storage()) return nullptr;
+  if (!t.defined() || !t.has_storage() || is_python_wrapper(t)) return nullptr;
   return t.storage().data();
 }
 
@@ -330,8 +383,8 @@ std::shared_ptr<Snapshot> Stager::stage(const NamedTensors& tensors, OnBusy on_b
     ETTKIT_EXPECTS(t.defined(), "state dict entry '", name, "' is an undefined tensor");
     ETTKIT_EXPECTS(t.device().is_cpu() || t.device().is_cuda(), "state dict entry '", name, "' is on device ",
                    t.device(), "; only CPU and CUDA tensors can be staged");
-    ETTKIT_EXPECTS(!t.is_sparse() && t.layout() == c10::kStrided, "state dict entry '", name,
-                   "' is not a dense strided tensor");
+    ETTKIT_EXPECTS(is_plain_dense(t), "state dict entry '", name, "' cannot be staged: it is ",
+                   why_not_plain_dense(t), "; ettkit stages plain dense CPU or CUDA tensors");
   }
   std::unique_lock<std::mutex> lk(im.mu);
   // 1) Plan: reuse the cached one unless the structure changed.

@@ -14,7 +14,109 @@ namespace ettkit::checkpoint {
 namespace {
 at::Tensor zeros_as(const at::Tensor& p) { return at::zeros_like(p, at::MemoryFormat::Preserve); }
 
+/// The rule's view of a LibTorch optimizer group's options ("" for a class the rule does not know).
+OptimizerKind kind_of(torch::optim::OptimizerOptions& opts) {
+  using namespace torch::optim;
+  OptimizerKind k;
+  if (auto* o = dynamic_cast<AdamOptions*>(&opts)) {
+    k.name = "Adam";
+    k.amsgrad = o->amsgrad();
+  } else if (auto* ow = dynamic_cast<AdamWOptions*>(&opts)) {
+    k.name = "AdamW";
+    k.amsgrad = ow->amsgrad();
+  } else if (auto* r = dynamic_cast<RMSpropOptions*>(&opts)) {
+    k.name = "RMSprop";
+    k.momentum = r->momentum();
+    k.centered = r->centered();
+  } else if (auto* sg = dynamic_cast<SGDOptions*>(&opts)) {
+    k.name = "SGD";
+    k.momentum = sg->momentum();
+    k.dampening = sg->dampening();
+  } else if (dynamic_cast<AdagradOptions*>(&opts)) {
+    k.name = "Adagrad";
+  }
+  return k;
+}
+
+/// An empty LibTorch state object of the optimizer the rule named.
+std::unique_ptr<torch::optim::OptimizerParamState> new_param_state(const std::string& name) {
+  using namespace torch::optim;
+  if (name == "Adam") return std::make_unique<AdamParamState>();
+  if (name == "AdamW") return std::make_unique<AdamWParamState>();
+  if (name == "RMSprop") return std::make_unique<RMSpropParamState>();
+  return std::make_unique<SGDParamState>();  // the rule creates state for no other optimizer
+}
+
+/// The field of a LibTorch state object that the rule names `field`.
+at::Tensor& field_of(torch::optim::OptimizerParamState& st, const std::string& field) {
+  using namespace torch::optim;
+  if (auto* a = dynamic_cast<AdamParamState*>(&st)) {
+    if (field == "exp_avg") return a->exp_avg();
+    if (field == "exp_avg_sq") return a->exp_avg_sq();
+    if (field == "max_exp_avg_sq") return a->max_exp_avg_sq();
+  } else if (auto* aw = dynamic_cast<AdamWParamState*>(&st)) {
+    if (field == "exp_avg") return aw->exp_avg();
+    if (field == "exp_avg_sq") return aw->exp_avg_sq();
+    if (field == "max_exp_avg_sq") return aw->max_exp_avg_sq();
+  } else if (auto* r = dynamic_cast<RMSpropParamState*>(&st)) {
+    if (field == "square_avg") return r->square_avg();
+    if (field == "momentum_buffer") return r->momentum_buffer();
+    if (field == "grad_avg") return r->grad_avg();
+  } else if (auto* sg = dynamic_cast<SGDParamState*>(&st)) {
+    if (field == "momentum_buffer") return sg->momentum_buffer();
+  }
+  ETTKIT_THROW(Unsupported, "first_step_state() named a field '", field, "' that LibTorch's state object lacks");
+}
+
+int64_t step_of(torch::optim::OptimizerParamState* st) {
+  using namespace torch::optim;
+  if (auto* a = dynamic_cast<AdamParamState*>(st)) return a->step();
+  if (auto* aw = dynamic_cast<AdamWParamState*>(st)) return aw->step();
+  if (auto* r = dynamic_cast<RMSpropParamState*>(st)) return r->step();
+  if (auto* g = dynamic_cast<AdagradParamState*>(st)) return g->step();
+  return 0;
+}
+void set_step(torch::optim::OptimizerParamState* st, int64_t v) {
+  using namespace torch::optim;
+  if (auto* a = dynamic_cast<AdamParamState*>(st)) a->step(v);
+  if (auto* aw = dynamic_cast<AdamWParamState*>(st)) aw->step(v);
+  if (auto* r = dynamic_cast<RMSpropParamState*>(st)) r->step(v);
+  if (auto* g = dynamic_cast<AdagradParamState*>(st)) g->step(v);
+}
+
 }  // namespace
+
+FirstStepState first_step_state(const OptimizerKind& kind) {
+  FirstStepState s;
+  const std::string& n = kind.name;
+  // Exactly what each optimizer's first step() creates (torch/optim/*.py _init_group, and
+  // torch/csrc/api/src/optim/*.cpp), before it has seen a gradient.
+  if (n == "Adam" || n == "AdamW") {
+    s.step = true;
+    s.zeros = {"exp_avg", "exp_avg_sq"};
+    if (kind.amsgrad) s.zeros.emplace_back("max_exp_avg_sq");
+  } else if (n == "RMSprop") {
+    s.step = true;
+    s.zeros = {"square_avg"};
+    if (kind.momentum > 0) s.zeros.emplace_back("momentum_buffer");
+    if (kind.centered) s.zeros.emplace_back("grad_avg");
+  } else if (n == "SGD") {
+    if (kind.momentum == 0) return s;  // stateless
+    ETTKIT_CHECK(kind.dampening == 0, Unsupported, "SGD with momentum and dampening=", kind.dampening,
+                 " starts its momentum buffer as a copy of the first gradient, which cannot be created before "
+                 "that step; use dampening=0, or name the tensors yourself");
+    s.zeros = {"momentum_buffer"};  // with dampening 0, buf * momentum + grad == the copy of grad the step makes
+  } else if (n == "Adagrad") {
+    ETTKIT_THROW(Unsupported, "Adagrad creates its state when it is constructed, not in its first step(): a "
+                 "parameter without state was added after the optimizer was constructed; add the parameter "
+                 "before constructing the optimizer");
+  } else {
+    ETTKIT_THROW(Unsupported, "the state that ", n.empty() ? std::string("this optimizer") : "optimizer '" + n + "'",
+                 " creates in its first step() is not known to ettkit, which knows Adam, AdamW, SGD, RMSprop and "
+                 "Adagrad: name its tensors yourself (NamedTensors)");
+  }
+  return s;
+}
 
 TrainingState::TrainingState(torch::nn::Module& module, torch::optim::Optimizer& optimizer, std::string model_prefix,
                              std::string optim_prefix)
@@ -25,50 +127,18 @@ TrainingState::TrainingState(torch::nn::Module& module, torch::optim::Optimizer&
 }
 
 void TrainingState::create_state() {
-  using namespace torch::optim;
   auto& state = optimizer_.state();
   for (auto& group : optimizer_.param_groups()) {
-    auto& opts = group.options();
+    const OptimizerKind kind = kind_of(group.options());
     for (auto& p : group.params()) {
       void* key = p.unsafeGetTensorImpl();
       if (state.count(key)) continue;
-      // Exactly what each optimizer's first step() creates (torch/csrc/api/src/optim/*.cpp).
-      if (auto* o = dynamic_cast<AdamOptions*>(&opts)) {
-        auto s = std::make_unique<AdamParamState>();
-        s->step(0);
-        s->exp_avg(zeros_as(p));
-        s->exp_avg_sq(zeros_as(p));
-        if (o->amsgrad()) s->max_exp_avg_sq(zeros_as(p));
-        state[key] = std::move(s);
-      } else if (auto* ow = dynamic_cast<AdamWOptions*>(&opts)) {
-        auto s = std::make_unique<AdamWParamState>();
-        s->step(0);
-        s->exp_avg(zeros_as(p));
-        s->exp_avg_sq(zeros_as(p));
-        if (ow->amsgrad()) s->max_exp_avg_sq(zeros_as(p));
-        state[key] = std::move(s);
-      } else if (auto* r = dynamic_cast<RMSpropOptions*>(&opts)) {
-        auto s = std::make_unique<RMSpropParamState>();
-        s->step(0);
-        s->square_avg(zeros_as(p));
-        if (r->momentum() > 0) s->momentum_buffer(zeros_as(p));
-        if (r->centered()) s->grad_avg(zeros_as(p));
-        state[key] = std::move(s);
-      } else if (auto* sg = dynamic_cast<SGDOptions*>(&opts)) {
-        if (sg->momentum() == 0) continue;  // stateless
-        ETTKIT_CHECK(sg->dampening() == 0, Unsupported, "TrainingState: SGD with momentum and dampening=",
-                     sg->dampening(), " starts its momentum buffer from the first gradient, which cannot be "
-                     "created before that step; use dampening=0 or name the tensors yourself");
-        auto s = std::make_unique<SGDParamState>();
-        s->momentum_buffer(zeros_as(p));  // with dampening 0, buf*m + g == the clone of g the step makes
-        state[key] = std::move(s);
-      } else if (dynamic_cast<AdagradOptions*>(&opts)) {
-        ETTKIT_THROW(Unsupported, "TrainingState: Adagrad has no state for a parameter added after it was "
-                     "constructed; add the parameter before constructing the optimizer");
-      } else {
-        ETTKIT_THROW(Unsupported, "TrainingState supports Adam, AdamW, SGD, RMSprop and Adagrad; this optimizer's "
-                     "state is not known to it: name its tensors yourself (NamedTensors)");
-      }
+      const FirstStepState rule = first_step_state(kind);
+      if (rule.zeros.empty() && !rule.step) continue;  // stateless
+      auto s = new_param_state(kind.name);
+      if (rule.step) set_step(s.get(), 0);
+      for (const std::string& f : rule.zeros) field_of(*s, f) = zeros_as(p);
+      state[key] = std::move(s);
     }
   }
 }
@@ -125,24 +195,6 @@ void TrainingState::build() {
     }
   }
 }
-
-namespace {
-int64_t step_of(torch::optim::OptimizerParamState* st) {
-  using namespace torch::optim;
-  if (auto* a = dynamic_cast<AdamParamState*>(st)) return a->step();
-  if (auto* aw = dynamic_cast<AdamWParamState*>(st)) return aw->step();
-  if (auto* r = dynamic_cast<RMSpropParamState*>(st)) return r->step();
-  if (auto* g = dynamic_cast<AdagradParamState*>(st)) return g->step();
-  return 0;
-}
-void set_step(torch::optim::OptimizerParamState* st, int64_t v) {
-  using namespace torch::optim;
-  if (auto* a = dynamic_cast<AdamParamState*>(st)) a->step(v);
-  if (auto* aw = dynamic_cast<AdamWParamState*>(st)) aw->step(v);
-  if (auto* r = dynamic_cast<RMSpropParamState*>(st)) r->step(v);
-  if (auto* g = dynamic_cast<AdagradParamState*>(st)) g->step(v);
-}
-}  // namespace
 
 const NamedTensors& TrainingState::tensors() {
   at::NoGradGuard no_grad;

@@ -15,6 +15,7 @@ from typing import Any, Iterable
 import torch
 
 from ..errors import InvalidArgumentError
+from ._flatten import _dtensor_type, _sharded_tensor_type, owns_storage
 
 # Copy classes (CopyPriority in C++): lower runs first.
 _BUFFERS, _IN_BACKWARD = 0, 1
@@ -41,12 +42,32 @@ def _listify(x: Any) -> list:
     return [x]
 
 
+def local_tensors(tensors: Iterable[torch.Tensor]) -> list:
+    """``tensors`` as the tensors whose storage a save copies: a DTensor's local tensor (FSDP2's parameters
+    and their optimizer state), a ShardedTensor's local shards, any other tensor itself. The C++ fences match
+    tensors by storage, and a wrapper subclass has none of its own: handed over as it is, a fence on it would
+    match nothing and wait for nothing."""
+    out = []
+    dt = st = None
+    for t in tensors:
+        if owns_storage(t):
+            out.append(t)
+            continue
+        dt = dt or _dtensor_type()
+        st = st or _sharded_tensor_type()
+        if dt is not None and isinstance(t, dt):
+            out.append(t._local_tensor)
+        elif st is not None and isinstance(t, st):
+            out.extend(s.tensor for s in t.local_shards())
+    return out
+
+
 def optimizer_tensors(opt: torch.optim.Optimizer) -> list:
-    """What ``opt.step()`` writes: its parameters and the tensors of its state."""
+    """What ``opt.step()`` writes: its parameters and the tensors of its state (their local tensors)."""
     out = [p for g in opt.param_groups for p in g["params"]]
     for st in opt.state.values():
         out.extend(v for v in st.values() if isinstance(v, torch.Tensor))
-    return out
+    return local_tensors(out)
 
 
 def _is_fused(module: torch.nn.Module) -> bool:
@@ -144,7 +165,7 @@ class Fences:
                 tensors = list(m.parameters()) + [b for b in m.buffers() if b is not None]
             else:
                 tensors = [b for b in m._buffers.values() if b is not None]
-            self._c.wait_for(tensors)
+            self._c.wait_for(local_tensors(tensors))
 
         # A fence only waits (it changes nothing the forward computes), so a precompiled graph traced without
         # it may run it first and then run without it (ettkit.startup.PrecompiledModel looks for this mark).
@@ -159,17 +180,16 @@ class Fences:
             st = opt.state.get(p)
             if st:
                 tensors.extend(v for v in st.values() if isinstance(v, torch.Tensor))
-        self._c.wait_for(tensors)
+        self._c.wait_for(local_tensors(tensors))
 
     # ---- copy order ------------------------------------------------------------------------------------
     def priority(self) -> tuple[list, list]:
         """Tensors to copy first, and their classes: buffers, then what backward updates."""
         tensors, classes = [], []
         for m in self._buffer_modules:
-            for b in m._buffers.values():
-                if b is not None:
-                    tensors.append(b)
-                    classes.append(_BUFFERS)
+            buffers = local_tensors(b for b in m._buffers.values() if b is not None)
+            tensors.extend(buffers)
+            classes.extend([_BUFFERS] * len(buffers))
         early = list(self._early_params)
         for m in self._fused_modules:
             early.extend(m.parameters())
@@ -181,6 +201,7 @@ class Fences:
                 st = opt.state.get(p)
                 if st:
                     early.extend(v for v in st.values() if isinstance(v, torch.Tensor))
+        early = local_tensors(early)
         tensors.extend(early)
         classes.extend([_IN_BACKWARD] * len(early))
         return tensors, classes

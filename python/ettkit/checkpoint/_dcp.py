@@ -29,9 +29,14 @@ class DcpStager(_async_stager_base()):
     that DCP then writes in the background. The arena is reused by the next ``stage``: as with every DCP
     async save, wait for the previous save's future before the next ``async_save`` (or pass
     ``double_buffer=True`` to alternate two arenas, allowing one save in flight while the next stages).
-    ShardedTensor and DTensor values are staged too: their local shards (local tensor) are copied and
-    handed to DCP wrapped in the same global metadata (mesh and placements), built locally without a
-    collective. Non-tensor values pass through unchanged.
+    ShardedTensor and DTensor values are staged too (FSDP2's parameters and their optimizer state
+    included): their local shards (local tensor) are copied and handed to DCP wrapped in the same global
+    metadata (mesh and placements), built locally without a collective. Any other ``__torch_dispatch__``
+    wrapper is refused naming its key and type. Non-tensor values pass through unchanged.
+
+    The stager may be created inline, as above, and dropped once ``async_save`` returns: every staged
+    tensor keeps its arena (and the copy engine that owns it) alive until DCP's background write has let
+    go of it. Held in a variable and reused, it recycles its arena as said above.
     """
 
     _synchronize_after_execute: bool = False
@@ -56,6 +61,8 @@ class DcpStager(_async_stager_base()):
         snap = self._stager.stage(names, tensors, "wait")
         snap.wait_staged()
         self._held.append(snap)
+        # The views hold `snap`, and `snap` this stager's C++ Stager (bind_checkpoint.cpp, snapshot_views):
+        # DCP's background write may outlive this object.
         return rebuild(skeleton, [t for _, t in snap.tensors()])
 
     def synchronize_staging(self) -> None:

@@ -1,4 +1,4 @@
-"""Flattening nested state dicts into (names, tensors) plus a picklable skeleton, and back.
+"""Flattening nested state dicts into (names, tensors) plus a skeleton, and back.
 
 The skeleton is the state dict with every tensor replaced by the :data:`TENSOR` placeholder; tensors
 appear in the skeleton in the same order as in ``names``/``tensors`` (dict insertion order, then list
@@ -9,7 +9,6 @@ objects in the skeleton; the C++ stager reads the tensors' storage without autog
 
 from __future__ import annotations
 
-import pickle
 import sys
 from typing import Any
 
@@ -34,14 +33,39 @@ TENSOR = _TensorSlot()
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
+_Size = torch.Size
 
 
-def _reject(obj: Any, name: str) -> None:
+_PYTHON_KEY = torch._C.DispatchKey.Python
+_dispatch_keys = torch._C._dispatch_keys
+
+
+def owns_storage(t: torch.Tensor) -> bool:
+    """Whether ``t``'s own storage holds its values, which is what the C++ stager copies: a ``torch.Tensor``
+    or ``nn.Parameter`` (checked by type first, the cost per tensor on the save path), or a subclass of
+    either without a ``__torch_dispatch__`` wrapper (TorchRec's ``TableBatchedEmbeddingSlice``, an
+    ``as_subclass`` type). A wrapper subclass (DTensor, ShardedTensor, FSDP2's parameters, a Parameter around
+    either, all of which ``isinstance(p, nn.Parameter)`` may accept) has the Python dispatch key and a
+    placeholder storage with no data: its values are in the tensors it wraps."""
+    tt = type(t)
+    return tt is _Tensor or tt is _Parameter or not _dispatch_keys(t).has(_PYTHON_KEY)
+
+
+def _type_name(obj: Any) -> str:
+    t = type(obj)
+    name = f"{t.__module__}.{t.__qualname__}"
+    # nn.Parameter(wrapper) returns the wrapper itself, marked: say so, since the user wrote a Parameter.
+    return f"{name} (an nn.Parameter)" if t is not _Parameter and getattr(obj, "_is_param", False) else name
+
+
+def _reject(obj: Any, name: str, what: str = "is") -> None:
     raise InvalidArgumentError(
-        f"state dict entry '{name}' is a {type(obj).__module__}.{type(obj).__qualname__}; ettkit saves plain "
-        "tensors, ShardedTensors (TorchRec's sharded tables: each rank its local shards) and DTensors with "
-        "Shard(d) or Replicate() on a 1-D mesh. For anything else use DCP: "
-        "dcp.async_save(..., async_stager=ettkit.checkpoint.DcpStager())")
+        f"state dict entry '{name}' {what} a {_type_name(obj)}; ettkit saves plain tensors (and subclasses "
+        "whose storage holds their values), ShardedTensors (TorchRec's sharded tables: each rank its local "
+        "shards), DTensors with Shard(d) or Replicate() on a 1-D mesh (FSDP2's parameters, TorchRec's local "
+        "shards) and Parameters around those. Save the plain tensors it wraps instead, or save it with DCP's "
+        "own stager (dcp.async_save without ettkit's DcpStager), which asks a subclass that implements DCP's "
+        "protocol how to save it")
 
 
 def _sharded_tensor_type() -> Any:
@@ -80,9 +104,18 @@ class ShardedSlot:
     def __hash__(self) -> int:
         return hash((self.size, self.shards))
 
+    @property
+    def kind(self) -> str:
+        """``"DTensor"`` or ``"ShardedTensor"``: what was saved, read from the placements the slot records (a
+        DTensor's are ``Shard(dim=d)`` or ``Replicate()``, a ShardedTensor's ``rank:r/device`` or None)."""
+        placements = [p for _, _, p in self.shards]
+        if placements and all(isinstance(p, str) and p.startswith(("Shard(", "Replicate(")) for p in placements):
+            return "DTensor"
+        return "ShardedTensor"
+
     def describe(self) -> str:
         parts = ", ".join(f"{list(sz)} at {list(off)}" for off, sz, _ in self.shards) or "none"
-        return f"a {list(self.size)} {self.dtype} tensor, this rank's shards {parts}"
+        return f"a {self.kind} {list(self.size)} {self.dtype}, this rank's shards {parts}"
 
     def __repr__(self) -> str:
         return f"<sharded {self.describe()}>"
@@ -109,11 +142,24 @@ def _dtensor_type() -> Any:
     return getattr(mod, "DTensor", None)
 
 
+def _is_local_shards_wrapper(local: Any) -> bool:
+    """Whether a DTensor's local tensor is a ``LocalShardsWrapper`` (torch's, or TorchRec's copy of it, which
+    TorchRec's DTensor tables and their optimizer state use): several local shards of one rank, each with
+    its offsets in the whole tensor. Looked up where they were put, never imported."""
+    for module in ("torch.distributed.tensor._shards_wrapper", "torchrec.distributed.shards_wrapper"):
+        cls = getattr(sys.modules.get(module), "LocalShardsWrapper", None)
+        if cls is not None and isinstance(local, cls):
+            return True
+    return False
+
+
 def _dtensor_slot(obj: Any, key: str, add_name: Any, add_tensor: Any) -> "ShardedSlot":
     """A DTensor in the native checkpointer: on a 1-D mesh, ``Shard(d)`` saves this rank's local tensor as a
     shard of the whole tensor (named like a ShardedTensor's, so a load at another world size reshards it)
     and ``Replicate()`` as the whole tensor. Its :class:`ShardedSlot` holds the DTensor, loaded in place
-    through its local tensor. Other placements and meshes are refused, naming the key."""
+    through its local tensor. A ``Shard(d)`` DTensor whose local tensor is a ``LocalShardsWrapper`` (TorchRec)
+    saves each of its local shards at its own offsets. Other placements and meshes are refused, naming the
+    key."""
     mesh, placements = obj.device_mesh, tuple(obj.placements)
     local = obj._local_tensor
     if mesh.ndim != 1 or len(placements) != 1 or not (placements[0].is_shard() or placements[0].is_replicate()) \
@@ -122,9 +168,19 @@ def _dtensor_slot(obj: Any, key: str, add_name: Any, add_tensor: Any) -> "Sharde
             f"state dict entry '{key}' is a DTensor with placements {list(placements)} on a {mesh.ndim}-D mesh; "
             "ettkit's checkpointer saves DTensors with Shard(d) or Replicate() on a 1-D mesh. For others use "
             "DCP: dcp.async_save(..., async_stager=ettkit.checkpoint.DcpStager())")
-    if type(local) is not _Tensor and not isinstance(local, _Parameter):
-        _reject(local, key)
     size = tuple(int(s) for s in obj.shape)
+    if placements[0].is_shard() and _is_local_shards_wrapper(local):
+        shards = []
+        for t, off in zip(local.local_shards(), local.local_offsets()):
+            if not owns_storage(t):
+                _reject(t, key, "is a DTensor whose local shard is")
+            offsets = tuple(int(o) for o in off)
+            add_name(shard_name(key, offsets))
+            add_tensor(t)
+            shards.append((offsets, tuple(int(s) for s in t.shape), str(placements[0])))
+        return ShardedSlot(size, obj.dtype, tuple(shards), key, obj)
+    if not owns_storage(local):
+        _reject(local, key, "is a DTensor whose local tensor is")
     if placements[0].is_replicate():
         add_name(key)
         add_tensor(local)
@@ -139,25 +195,35 @@ def _dtensor_slot(obj: Any, key: str, add_name: Any, add_tensor: Any) -> "Sharde
 
 
 def _special(obj: Any, key: str, strict: bool, add_name: Any, add_tensor: Any) -> Any:
-    """The skeleton node of a tensor subclass: a ShardedTensor's local shards, named and added, and its
-    :class:`ShardedSlot`; in a DCP stage (not ``strict``) a DTensor's local tensor and its
-    :class:`DTensorSlot`. Anything else is refused, naming the key."""
+    """The skeleton node of a tensor whose type is not exactly ``torch.Tensor`` or ``nn.Parameter``,
+    classified by what it is (``isinstance``, dispatch keys), since a Parameter around a wrapper has the
+    wrapper's type (``nn.Parameter(dtensor)`` returns a DTensor marked ``_is_param``): a ShardedTensor's local
+    shards, named and added, and its :class:`ShardedSlot`; a DTensor (in a DCP stage, not ``strict``: its
+    local tensor and a :class:`DTensorSlot`); a subclass whose own storage holds its values, as a plain
+    tensor. Anything else is refused naming the key and the type, before any pointer reaches C++."""
     st = _sharded_tensor_type()
     if st is None or not isinstance(obj, st):
         dt = _dtensor_type()
         if dt is None or not isinstance(obj, dt):
-            _reject(obj, key)
+            if not owns_storage(obj):
+                _reject(obj, key)
+            add_name(key)
+            add_tensor(obj)
+            return TENSOR
         if strict:
             return _dtensor_slot(obj, key, add_name, add_tensor)
+        local = obj._local_tensor
+        if not owns_storage(local):
+            _reject(local, key, "is a DTensor whose local tensor is")
         add_name(key)
-        add_tensor(obj._local_tensor)
+        add_tensor(local)
         return DTensorSlot(obj)
     md = obj.metadata()
     shards = []
     for shard in obj.local_shards():
         t, m = shard.tensor, shard.metadata
-        if type(t) is not _Tensor and not isinstance(t, _Parameter):
-            _reject(t, key)
+        if not owns_storage(t):
+            _reject(t, key, "is a ShardedTensor whose local shard is")
         offsets = tuple(int(o) for o in m.shard_offsets)
         add_name(shard_name(key, offsets))
         add_tensor(t)
@@ -167,12 +233,13 @@ def _special(obj: Any, key: str, strict: bool, add_name: Any, add_tensor: Any) -
 
 
 # Leaf types whose value cannot change behind an unchanged identity: a skeleton made only of these can be
-# compared with ``==`` against the previous save's and its pickle reused.
-_VALUE_TYPES = frozenset((int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device))
+# compared with ``==`` against the previous save's and its encoding reused.
+_VALUE_TYPES = frozenset((int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device,
+                          torch.Size))
 
 #: The most a leaf that is not a tensor may take in ``rank-<r>.extra``: a str or bytes value by its length,
-#: any other object by its pickle. Larger state belongs in tensors (saved tensor by tensor, checksummed,
-#: loaded in place) or, deliberately, in ``save(..., extra=...)``.
+#: an object pickled under ``allow_pickle=True`` by its pickle (_skeleton_codec.py). Larger state belongs in
+#: tensors (saved tensor by tensor, checksummed, loaded in place) or, deliberately, in ``save(..., extra=...)``.
 MAX_LEAF_BYTES = 64 * 1024
 
 
@@ -184,6 +251,7 @@ def is_stateful(obj: Any) -> bool:
 
 
 _Module = torch.nn.Module
+_Optimizer = torch.optim.Optimizer
 _module_state_dict = torch.nn.Module.state_dict
 
 
@@ -221,20 +289,8 @@ _KIB = MAX_LEAF_BYTES // 1024
 _VALID = ("save() stores tensors (tensor by tensor), objects with state_dict()/load_state_dict() (nn.Module, "
           "optimizers, LR schedulers, DCP Stateful: saved through their state dicts), dicts, lists and "
           "tuples of those, and small plain values (None, bool, int, float, complex, torch.dtype, "
-          f"torch.device; str and bytes up to {_KIB} KiB; other picklable objects up to {_KIB} KiB pickled). "
-          "Make it a tensor or a Stateful, or pass it as save(..., extra=...), which is pickled as is")
-
-
-def _check_opaque(key: str, obj: Any) -> None:
-    """A leaf that is not a plain value is pickled into the skeleton: only when it is small."""
-    try:
-        n = len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
-    except Exception as e:  # noqa: BLE001 - any pickling failure: name the key instead of pickle's message
-        raise InvalidArgumentError(f"{_describe(key)} is a {type(obj).__qualname__} that cannot be pickled "
-                                   f"({type(e).__name__}: {e}); {_VALID}") from None
-    if n > MAX_LEAF_BYTES:
-        raise InvalidArgumentError(f"{_describe(key)} is a {type(obj).__qualname__} whose pickle takes {n} "
-                                   f"bytes, more than {MAX_LEAF_BYTES}; {_VALID}")
+          f"torch.device, torch.Size; str and bytes up to {_KIB} KiB; with allow_pickle=True, other picklable "
+          f"objects up to {_KIB} KiB pickled). Make it a tensor or a Stateful, or pass it as save(..., extra=...)")
 
 
 def flatten(state_dict: Any) -> tuple[list[str], list[torch.Tensor], Any, bool]:
@@ -250,8 +306,9 @@ def flatten(state_dict: Any) -> tuple[list[str], list[torch.Tensor], Any, bool]:
 def flatten_state(state_dict: Any, find_optimizer: Any = None, *, for_load: bool = False):
     """:func:`flatten` for the checkpointer: a Stateful leaf is replaced by a fresh ``state_dict()`` (its
     tensors are named under its key); a dict that ``find_optimizer(d)`` recognises as captured from an
-    attached optimizer is handled as that optimizer; a leaf that is none of tensor, container, Stateful,
-    small plain value raises :class:`InvalidArgumentError` naming its key. Returns ``(names, tensors,
+    attached optimizer is handled as that optimizer; a str or bytes leaf over ``MAX_LEAF_BYTES`` raises
+    :class:`InvalidArgumentError` naming its key (a leaf that is none of tensor, container, Stateful, plain
+    value is the skeleton encoder's to refuse or pickle: ``comparable`` is False). Returns ``(names, tensors,
     skeleton, comparable, slots)``. ``for_load``: the skeleton holds each Stateful's :class:`StatefulSlot`
     where its state dict would be, so that the load finds the saved state dict in the same place."""
     return _walk(state_dict, strict=True, find_optimizer=find_optimizer, slots=for_load)
@@ -267,6 +324,12 @@ def _walk(state_dict: Any, strict: bool, find_optimizer: Any, slots: bool):
     fresh: set = set()  # ids of the state dicts taken here: an optimizer's own is not a captured one
 
     def stateful(obj: Any, captured: Any, prefix: str) -> Any:
+        if isinstance(obj, _Optimizer):
+            # An optimizer of DTensor/ShardedTensor parameters gets the state its first step() would create,
+            # so that a save holds it whole and a load has tensors of each parameter's layout to load into.
+            from ._optim_state import create_first_step_state
+
+            create_first_step_state(obj)
         state = state_dict_of(obj)
         fresh.add(id(state))
         skeleton = walk(state, prefix)
@@ -278,9 +341,10 @@ def _walk(state_dict: Any, strict: bool, find_optimizer: Any, slots: bool):
 
     def walk(obj: Any, prefix: str) -> Any:
         # Containers: one loop over (key, value) for dicts, lists and tuples; tensor children are handled
-        # inline rather than by recursion, since this runs once per tensor on the save path.
+        # inline rather than by recursion, since this runs once per tensor on the save path. A torch.Size
+        # is a value (a tuple of ints the skeleton keeps as it is).
         is_dict = isinstance(obj, dict)
-        if is_dict or isinstance(obj, (list, tuple)):
+        if is_dict or (isinstance(obj, (list, tuple)) and type(obj) is not _Size):
             if is_dict and find_optimizer is not None and "param_groups" in obj and id(obj) not in fresh:
                 opt = find_optimizer(obj, prefix)
                 if opt is not None:
@@ -289,7 +353,9 @@ def _walk(state_dict: Any, strict: bool, find_optimizer: Any, slots: bool):
             for k, v in (obj.items() if is_dict else enumerate(obj)):
                 key = f"{prefix}.{k}" if prefix else str(k)
                 if isinstance(v, _Tensor):
-                    if type(v) is not _Tensor and not isinstance(v, _Parameter):
+                    # Exact types only: isinstance(v, Parameter) also holds for FSDP2's DTensor parameters.
+                    tv = type(v)
+                    if tv is not _Tensor and tv is not _Parameter:
                         out[k] = _special(v, key, strict, add_name, add_tensor)
                         continue
                     add_name(key)
@@ -301,7 +367,7 @@ def _walk(state_dict: Any, strict: bool, find_optimizer: Any, slots: bool):
                 return out
             return list(out.values()) if isinstance(obj, list) else tuple(out.values())
         if isinstance(obj, _Tensor):
-            if type(obj) is not _Tensor and not isinstance(obj, _Parameter):
+            if type(obj) is not _Tensor and type(obj) is not _Parameter:
                 return _special(obj, prefix, strict, add_name, add_tensor)
             add_name(prefix)
             add_tensor(obj)
@@ -317,10 +383,9 @@ def _walk(state_dict: Any, strict: bool, find_optimizer: Any, slots: bool):
         opaque.append((prefix, obj))
         return obj
 
+    # Leaves that are none of these (`opaque`) are the skeleton encoder's to refuse, or to pickle under
+    # allow_pickle=True (_skeleton_codec.py); they make the skeleton one that `==` cannot compare.
     skeleton = walk(state_dict, "")
-    if strict and not slots:
-        for key, obj in opaque:
-            _check_opaque(key, obj)
     return names, tensors, skeleton, not opaque, found
 
 
@@ -466,6 +531,17 @@ def live_sharded(skeleton: Any, out: dict) -> dict:
     return out
 
 
+#: The most mismatches one error message describes; the rest are counted, so that a wrong model of 10^4
+#: tensors gives a message a person reads rather than pages of keys.
+MAX_NAMED = 10
+
+
+def bounded(items: list, sep: str = "; ") -> str:
+    """``items`` joined by ``sep``, the first :data:`MAX_NAMED` of them and then how many more there are."""
+    shown = sep.join(items[:MAX_NAMED])
+    return shown if len(items) <= MAX_NAMED else f"{shown}{sep}... and {len(items) - MAX_NAMED} more"
+
+
 def check_sharded(live: Any, saved: Any, reshard: bool = False) -> None:
     """Compares every ShardedTensor of the live skeleton (from ``flatten_state(for_load=True)``) with what
     the checkpoint holds at the same place, and every ShardedTensor of the checkpoint with the live state,
@@ -475,15 +551,20 @@ def check_sharded(live: Any, saved: Any, reshard: bool = False) -> None:
     loaded by resharding; only the whole tensor's size and dtype must match (each rank reads its new shards
     from the old ones)."""
     wrong: list[str] = []
+    lazy: list[str] = []  # keys of optimizer state the state lacks (created by an optimizer's first step)
 
     def what(s: Any) -> str:
         if isinstance(s, ShardedSlot):
             return s.describe()
         return "nothing" if s is None else ("a plain tensor" if s is TENSOR else f"a {type(s).__name__}")
 
-    def saved_only(s: Any, name: str) -> None:
+    def saved_only(s: Any, name: str, live: Any = None) -> None:
+        # `live`: what the state holds where the checkpoint has `s` (None: nothing).
         if isinstance(s, ShardedSlot):
-            wrong.append(f"'{name}': the checkpoint holds {s.describe()}; the state has no ShardedTensor there")
+            holds = "" if live is None else f": it holds {what(live)}"
+            wrong.append(f"'{name}': the checkpoint holds {s.describe()}; the state has no {s.kind} there{holds}")
+            if live is None and ".state." in name:
+                lazy.append(name)
         elif isinstance(s, dict):
             for k, v in s.items():
                 saved_only(v, f"{name}.{k}" if name else str(k))
@@ -511,15 +592,19 @@ def check_sharded(live: Any, saved: Any, reshard: bool = False) -> None:
             for i, v in enumerate(x):
                 walk(v, ss[i] if i < len(ss) else None, f"{name}.{i}" if name else str(i))
         else:
-            saved_only(s, name)
+            saved_only(s, name, x)
 
     walk(live, saved, "")
     if wrong:
+        hint = ""
+        if lazy:
+            hint = (" (optimizer state that the state lacks is created by the optimizer's first step(); ettkit "
+                    "creates it before a load for Adam, AdamW, RMSprop and SGD with dampening=0, "
+                    "docs/checkpoint.md, 'FSDP2')")
         raise InvalidArgumentError(
             "sharded tensors do not match the checkpoint on this rank (it was saved with another sharding "
             "plan or world size; at the same world size ettkit loads shards only into the layout they were "
-            "saved from): "
-            + "; ".join(wrong))
+            "saved from): " + bounded(wrong) + hint)
 
 
 def rebuild_named(skeleton: Any, prefix: str, tensors: dict) -> Any:
@@ -533,8 +618,8 @@ def rebuild_named(skeleton: Any, prefix: str, tensors: dict) -> Any:
             # The live ShardedTensor, its shards already loaded in place (the load put it under its key).
             if name not in tensors:
                 raise InvalidArgumentError(
-                    f"the checkpoint has a sharded tensor at '{name}' ({x.describe()}); the state being "
-                    "loaded has no ShardedTensor there to load it into")
+                    f"the checkpoint has a {x.kind} at '{name}' ({x.describe()}); the state being "
+                    f"loaded has no {x.kind} there to load it into")
             return tensors[name]
         if isinstance(x, dict):
             return {k: build(v, f"{name}.{k}" if name else str(k)) for k, v in x.items()}
@@ -578,6 +663,7 @@ def _sharded_like(live: Any, tensors: list) -> Any:
     from torch.distributed.remote_device import _remote_device
 
     md = copy.deepcopy(live.metadata())
+    md.tensor_properties.requires_grad = False  # a snapshot, also of a Parameter (nn.Parameter(sharded))
     device = tensors[0].device if tensors else torch.device("cpu")
     for m in md.shards_metadata:
         if m.placement is not None:

@@ -8,6 +8,7 @@
 
 #include <filesystem>
 #include <functional>
+#include <set>
 
 #include "checkpoint/storage.h"
 
@@ -139,4 +140,67 @@ TEST(TrainingState, SgdWithDampeningIsRefusedClearly) {
   } catch (const ettkit::Unsupported& e) {
     EXPECT_NE(std::string(e.what()).find("dampening"), std::string::npos);
   }
+}
+
+namespace {
+/// The tensor fields LibTorch's state object of one parameter holds (defined ones only), by the names a
+/// Python state dict gives them.
+std::vector<std::string> defined_fields(torch::optim::OptimizerParamState& st) {
+  using namespace torch::optim;
+  std::vector<std::pair<std::string, at::Tensor>> all;
+  if (auto* a = dynamic_cast<AdamParamState*>(&st)) {
+    all = {{"exp_avg", a->exp_avg()}, {"exp_avg_sq", a->exp_avg_sq()}, {"max_exp_avg_sq", a->max_exp_avg_sq()}};
+  } else if (auto* aw = dynamic_cast<AdamWParamState*>(&st)) {
+    all = {{"exp_avg", aw->exp_avg()}, {"exp_avg_sq", aw->exp_avg_sq()}, {"max_exp_avg_sq", aw->max_exp_avg_sq()}};
+  } else if (auto* r = dynamic_cast<RMSpropParamState*>(&st)) {
+    all = {{"square_avg", r->square_avg()}, {"momentum_buffer", r->momentum_buffer()}, {"grad_avg", r->grad_avg()}};
+  } else if (auto* s = dynamic_cast<SGDParamState*>(&st)) {
+    all = {{"momentum_buffer", s->momentum_buffer()}};
+  }
+  std::vector<std::string> out;
+  for (const auto& [name, t] : all) {
+    if (t.defined()) out.push_back(name);
+  }
+  return out;
+}
+}  // namespace
+
+TEST(TrainingState, FirstStepStateNamesWhatLibTorchsFirstStepCreates) {
+  // The rule Python follows too (ettkit._C.checkpoint.first_step_state): checked against a real first step.
+  using namespace torch::optim;
+  struct Case {
+    OptimizerKind kind;
+    std::function<std::unique_ptr<Optimizer>(std::vector<at::Tensor>)> make;
+  };
+  std::vector<Case> cases = {
+      {{"Adam", true}, [](auto p) { return std::make_unique<Adam>(p, AdamOptions(0.1).amsgrad(true)); }},
+      {{"AdamW"}, [](auto p) { return std::make_unique<AdamW>(p, AdamWOptions(0.1)); }},
+      {{"RMSprop", false, 0.5, 0, true},
+       [](auto p) { return std::make_unique<RMSprop>(p, RMSpropOptions(0.1).momentum(0.5).centered(true)); }},
+      {{"RMSprop"}, [](auto p) { return std::make_unique<RMSprop>(p, RMSpropOptions(0.1)); }},
+      {{"SGD", false, 0.9}, [](auto p) { return std::make_unique<SGD>(p, SGDOptions(0.1).momentum(0.9)); }},
+      {{"SGD"}, [](auto p) { return std::make_unique<SGD>(p, SGDOptions(0.1)); }},
+  };
+  for (const Case& c : cases) {
+    torch::manual_seed(0);
+    torch::nn::Linear lin(3, 2);
+    auto opt = c.make(lin->parameters());
+    lin->forward(torch::ones({4, 3})).sum().backward();
+    opt->step();
+    FirstStepState rule = first_step_state(c.kind);
+    auto& state = opt->state();
+    auto it = state.find(lin->weight.unsafeGetTensorImpl());
+    if (rule.zeros.empty() && !rule.step) {
+      EXPECT_TRUE(it == state.end()) << c.kind.name << " keeps no state";
+      continue;
+    }
+    ASSERT_TRUE(it != state.end()) << c.kind.name;
+    auto fields = defined_fields(*it->second);
+    EXPECT_EQ(std::set<std::string>(fields.begin(), fields.end()),
+              std::set<std::string>(rule.zeros.begin(), rule.zeros.end()))
+        << c.kind.name;
+  }
+  EXPECT_THROW(first_step_state({"SGD", false, 0.9, 0.1}), ettkit::Unsupported);
+  EXPECT_THROW(first_step_state({"Adagrad"}), ettkit::Unsupported);
+  EXPECT_THROW(first_step_state({"Lion"}), ettkit::Unsupported);
 }

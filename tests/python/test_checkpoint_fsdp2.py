@@ -1,0 +1,140 @@
+"""FSDP2 end to end (#40): a ``fully_shard`` trainer saves ``{"model": model, "optim": optimizer}`` attached
+while training, is killed, resumes with a fresh model and a fresh AdamW bit for bit, and its step loads at
+other world sizes (ettkit and ``dcp.load``); a Parameter around a DTensor or a ShardedTensor is saved, and so
+is a DTensor of TorchRec's local shards; an unknown tensor subclass is refused with a typed error, never a
+crash; a ``DcpStager()`` created inline keeps what DCP's background write reads alive. Every process is
+tests/python/fsdp2_worker.py; a crash shows as its exit status."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+import ettkit
+from ettkit.checkpoint._flatten import TENSOR, MAX_NAMED, ShardedSlot, StatefulSlot, check_sharded
+
+WORKER = os.path.join(os.path.dirname(__file__), "fsdp2_worker.py")
+DURABLE_STEP, LAST_STEP = 4, 9  # fsdp2_worker.py
+
+
+def run(tmp, mode, world, ckpt, out, name):
+    """`world` worker processes of `mode`; returns their exit statuses and stderr tails."""
+    init = f"file://{tmp / ('rdv-' + name)}"
+    procs = [subprocess.Popen([sys.executable, WORKER, mode, str(r), str(world), init, str(ckpt), str(out)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
+    errs = [p.communicate(timeout=300)[1][-4000:] for p in procs]
+    return [p.returncode for p in procs], errs
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Two ranks trained, saving attached, killed by SIGKILL with a save in flight."""
+    tmp = tmp_path_factory.mktemp("fsdp2")
+    out = tmp / "out"
+    out.mkdir()
+    codes, errs = run(tmp, "train", 2, tmp / "ckpt", out, "train")
+    assert codes == [-signal.SIGKILL] * 2, errs  # killed as planned, not crashed or failed earlier
+    return tmp, tmp / "ckpt", out
+
+
+def test_fresh_model_and_fresh_adamw_resume_bit_for_bit_after_sigkill(trained):
+    tmp, ckpt, out = trained
+    codes, errs = run(tmp, "resume", 2, ckpt, out, "resume")
+    assert codes == [0, 0], errs
+    for rank in range(2):
+        got = json.loads((out / f"resume-{rank}.json").read_text())
+        step = got["step"]
+        # The step in flight at the kill committed on every rank or on none: the newest durable one otherwise.
+        assert step in (DURABLE_STEP, DURABLE_STEP + 2), got
+        assert list(got["resumed"]) == [str(s) for s in range(step + 1, LAST_STEP + 1)]
+        for s, loss in got["resumed"].items():
+            assert loss == got["reference"][s], (rank, s, loss, got["reference"][s])  # bit for bit
+        assert got["final_differ"] == [], got
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_the_step_loads_at_another_world_size_through_ettkit_and_dcp(trained, world):
+    tmp, ckpt, out = trained
+    codes, errs = run(tmp, "load", world, ckpt, out, f"load{world}")
+    assert codes == [0] * world, errs
+    for rank in range(world):
+        got = json.loads((out / f"load-{world}-{rank}.json").read_text())
+        assert got["resharded_from"] == 2, got
+        # 9 parameters, each with exp_avg, exp_avg_sq and step: every one bit-identical to what was saved.
+        assert got["tensors"] == 36 and got["ettkit_differ"] == [] and got["dcp_differ"] == [], got
+
+
+def run_case(tmp_path, name):
+    out = tmp_path / "out"
+    out.mkdir()
+    codes, errs = run(tmp_path, f"case:{name}", 1, tmp_path / "ckpt", out, name)
+    assert codes == [0], errs  # a memory error would be a negative status (SIGSEGV)
+    return json.loads((out / f"{name}.json").read_text())
+
+
+@pytest.mark.parametrize("name,kind", [("param_dtensor", "DTensor"), ("param_sharded", "ShardedTensor")])
+def test_a_parameter_around_a_dtensor_or_sharded_tensor_saves_loads_and_stages(tmp_path, name, kind):
+    got = run_case(tmp_path, name)
+    assert got == {"type": kind, "is_parameter": True, "step": 1, "loaded": True, "staged": True,
+                   "staged_type": kind}
+
+
+def test_a_dtensor_of_local_shards_as_torchrec_makes_them_saves_each_shard_at_its_offsets(tmp_path):
+    got = run_case(tmp_path, "local_shards_wrapper")
+    assert got == {"step": 1, "names": ["t@0,0", "t@0,2"], "loaded": True}
+
+
+def test_an_unknown_tensor_subclass_is_refused_by_type_in_python_and_in_cpp(tmp_path):
+    got = run_case(tmp_path, "unknown")
+    assert "'w' is a __main__.Wrapped;" in got["save"], got
+    assert "'p' is a __main__.Wrapped (an nn.Parameter);" in got["save_param"], got
+    assert "'w' is a __main__.Wrapped;" in got["dcp"], got
+    assert got["committed"] is None and got["unchanged"] is True  # nothing saved, nothing of the user's touched
+    # Handed to the C++ stager directly (what a Python-side mistake would do): a typed refusal, no copy.
+    for key, name in (("cpp_dtensor", "'d'"), ("cpp_param", "'p'")):
+        assert f"state dict entry {name} cannot be staged: it is a Python tensor subclass" in got[key], got
+    assert got["tagged"] is True  # a subclass whose own storage holds its values saves like a tensor
+    assert got["bad_args"] == "TypeError" and got["tensor_list"] is True
+
+
+def test_an_inline_dcp_stager_keeps_the_arena_alive_until_dcps_background_write_is_done(tmp_path):
+    assert run_case(tmp_path, "dcp_inline")["equal"] is True
+
+
+def test_optimizer_state_created_ahead_of_the_first_step_is_what_the_step_creates(tmp_path):
+    got = run_case(tmp_path, "first_step")
+    for name in ("Adam_amsgrad", "AdamW", "SGD_momentum", "RMSprop_centered"):
+        assert got[name] == {"created": True, "same_layout": True, "zeros": True, "training_unchanged": True}, name
+    # SGD without momentum keeps no state; Adagrad made its state at construction; with dampening the first
+    # buffer is a copy of the gradient, which cannot exist before it: nothing is created for those.
+    assert got["SGD"]["created"] is False and got["Adagrad"]["created"] is False
+    assert got["SGD_dampening"]["created"] is False and got["SGD_dampening"]["training_unchanged"] is True
+    assert got["AdamW_plain"] == {"created": False}
+
+
+def dtensor_slot(rows):
+    return ShardedSlot((rows, 4), "torch.float32", (((0, 0), (rows // 2, 4), "Shard(dim=0)"),))
+
+
+def test_a_mismatch_names_the_saved_and_the_live_type_and_stays_short():
+    # The checkpoint holds FSDP2 AdamW state for 40 parameters; the live optimizer has none, and where the
+    # model had a DTensor the live state has a plain tensor.
+    saved = {"model": {"emb": dtensor_slot(10)},
+             "optim": {"state": {i: {"exp_avg": dtensor_slot(8), "exp_avg_sq": dtensor_slot(8)} for i in range(40)},
+                       "param_groups": []}}
+    live = {"model": StatefulSlot("model", None, None, {}, {"emb": TENSOR}),
+            "optim": StatefulSlot("optim", None, None, {}, {"state": {}, "param_groups": []})}
+    with pytest.raises(ettkit.InvalidArgumentError) as e:
+        check_sharded(live, saved)
+    msg = str(e.value)
+    assert "'model.emb': the checkpoint holds a DTensor [10, 4] torch.float32" in msg
+    assert "the state has no DTensor there: it holds a plain tensor" in msg
+    assert "'optim.state.0.exp_avg'" in msg and "ShardedTensor" not in msg
+    assert msg.count("'optim.state.") == MAX_NAMED - 1 and "... and 71 more" in msg  # 81 found, 10 named
+    assert "creates it before a load for Adam, AdamW" in msg
+    assert len(msg) < 2500, len(msg)
