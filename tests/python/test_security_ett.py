@@ -182,7 +182,9 @@ def measured(*args: str) -> tuple[int, dict | None, int]:
     """Runs ``python -m ettkit ARGS --json`` in a child: its exit status, its JSON and its peak RSS (KiB)."""
     proc = subprocess.run([sys.executable, "-c", _MEASURED_REPORT, *args, "--json"], capture_output=True,
                           text=True, timeout=600)
-    tail = json.loads(proc.stderr.strip().splitlines()[-1])
+    # The last line that is the child's own record: ettkit's log lines (a warning naming the skipped lines) may
+    # reach stderr after it, from the logging bridge.
+    tail = next(json.loads(line) for line in reversed(proc.stderr.splitlines()) if line.startswith('{"status"'))
     return tail["status"], json.loads(proc.stdout) if proc.stdout.strip() else None, tail["hwm_kib"]
 
 

@@ -162,9 +162,13 @@ class Fences:
             if not self._c.fence_pending:
                 return
             if fused:
-                tensors = list(m.parameters()) + [b for b in m.buffers() if b is not None]
-            else:
-                tensors = [b for b in m._buffers.values() if b is not None]
+                # The backward after this forward runs the fused kernel, which writes the tables *and* the
+                # fused optimizer's state (momentum), and the latter is no parameter or buffer of the module:
+                # a fence on the module's own tensors let the backward overwrite momentum still being copied
+                # (seen as a save not yet staged at the next forward under load). Wait for the whole copy.
+                self._c.wait_staged_on_current_stream()
+                return
+            tensors = [b for b in m._buffers.values() if b is not None]
             self._c.wait_for(local_tensors(tensors))
 
         # A fence only waits (it changes nothing the forward computes), so a precompiled graph traced without
