@@ -523,7 +523,9 @@ std::shared_ptr<Snapshot> Stager::stage(const NamedTensors& tensors, OnBusy on_b
                        "' is a CUDA inference tensor; clone it outside inference mode to checkpoint it");
         cuda.push_back(i);
       } else if (inference || e.nbytes <= sync_max) {
-        if (t.is_contiguous()) {
+        if (e.nbytes == 0) {
+          // An empty tensor's data pointer may be null, and memcpy's arguments must not be even for 0 bytes.
+        } else if (t.is_contiguous()) {
           std::memcpy(dst, t.const_data_ptr(), static_cast<size_t>(e.nbytes));
         } else {
           at::from_blob(dst, e.shape, t.options()).copy_(t);
