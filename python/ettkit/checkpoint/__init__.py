@@ -40,6 +40,8 @@ from .. import _C
 from ..errors import InvalidArgumentError
 from ._attach import Attachment, Fences, _listify
 from ._flatten import (
+    by_value_optimizer_prefixes,
+    check_by_value,
     check_sharded,
     check_unique,
     find_captured_optimizer,
@@ -47,7 +49,7 @@ from ._flatten import (
     flatten_state,
     live_sharded,
     rebuild_named,
-    restore_non_tensors,
+    restore_by_value,
 )
 from ._skeleton_codec import ExtraRecord, decode_extra, encode_extra, encode_skeleton
 from .data_position import DataPosition
@@ -139,6 +141,42 @@ def _memory_tier_root(memory_tier: Any) -> str:
         return os.fspath(memory_tier)
     raise InvalidArgumentError(f"memory_tier={memory_tier!r} must be True (/dev/shm), a directory on a memory file "
                                f"system, or None/False (off)")
+
+
+#: The most subdirectories of an empty checkpoint directory looked into for steps (a run directory has a few:
+#: ckpt/, ett/, compile-cache/); a directory with more is not searched further.
+MAX_SUBDIRECTORIES_SEARCHED = 64
+
+
+def _subdirectory_with_steps(directory: str) -> Optional[tuple[str, int]]:
+    """(path, newest committed step) of a direct subdirectory of ``directory`` that holds committed steps, when
+    ``directory`` itself holds no ``step-<N>`` entry; else None. Links are not followed and at most
+    :data:`MAX_SUBDIRECTORIES_SEARCHED` subdirectories are read (only their manifests, as
+    :func:`latest_step`); an unreadable directory is no finding."""
+    try:
+        with os.scandir(directory) as it:
+            entries = list(it)
+    except OSError:
+        return None
+    if any(e.name.startswith("step-") for e in entries):
+        return None
+    searched = 0
+    for e in sorted(entries, key=lambda e: e.name):
+        try:
+            if not e.is_dir(follow_symlinks=False):
+                continue
+        except OSError:
+            continue
+        searched += 1
+        if searched > MAX_SUBDIRECTORIES_SEARCHED:
+            break
+        try:
+            step = latest_step(e.path)
+        except Exception:  # a subdirectory we cannot read is not the one the user meant
+            step = None
+        if step is not None:
+            return e.path, int(step)
+    return None
 
 
 def _saved_states(slots: list, live: Any, value: Optional[ExtraRecord]) -> dict:
@@ -321,6 +359,7 @@ class AsyncCheckpointer:
         self._tensor_list = _C.checkpoint.TensorList()
         self._names: Optional[list] = None
         self._allow_pickle = allow_pickle
+        self._adopted: dict = {}  # id -> optimizer state dict passed by value that load_latest filled
         self._skeleton: Any = None
         self._skeleton_code = None  # the previous save's skeleton, encoded (_skeleton_codec.EncodedSkeleton)
         self._skeleton_comparable = False
@@ -577,15 +616,20 @@ class AsyncCheckpointer:
                 saved_world = value.world_size
                 check_sharded(live, value.skeleton,
                               reshard=saved_world is not None and saved_world != self._c.world_size)
+                # Every saved value either has a place in the state or the load is refused, before any copy.
+                check_by_value(live, value.skeleton)
             saved = _saved_states(slots, live, value)
             decoded.update(blob=blob, value=value, saved=saved)
 
         # Tensors under a Stateful that are not in its state_dict() yet (an optimizer before its first step)
-        # come back as new CPU tensors for its load_state_dict(); a module's must all be there already.
-        read_prefixes = [s.prefix for s in slots if not isinstance(s.obj, torch.nn.Module)]
+        # come back as new CPU tensors for its load_state_dict(); a module's must all be there already. So do
+        # those under the `state` of an optimizer's state dict passed by value, which the dict is given.
+        by_value_optim = by_value_optimizer_prefixes(live)
+        read_prefixes = [s.prefix for s in slots if not isinstance(s.obj, torch.nn.Module)] + by_value_optim
         self.restore_prefetched = None
         res = self._c.load_latest(names, tensors, validate, read_prefixes)
         if res is None:
+            self._nothing_to_restore()
             return None
         (step, blob, skipped, read, tier, memory_fallback, from_rank, saved_world, bytes_read, bytes_verified,
          prefetched, reverified) = res
@@ -608,9 +652,9 @@ class AsyncCheckpointer:
             value = decode(blob)
             saved = _saved_states(slots, live, value)
         self._schedule.restored(int(step))
+        loaded = dict(zip(names, tensors))
+        loaded.update(read)
         if slots:
-            loaded = dict(zip(names, tensors))
-            loaded.update(read)
             live_sharded(live, loaded)  # a ShardedTensor goes back whole (its shards were loaded in place)
             for slot in slots:
                 _restore_stateful(slot, saved[id(slot)], loaded)
@@ -618,11 +662,41 @@ class AsyncCheckpointer:
             # Written by the C++ AsyncCheckpointer: `extra` is its opaque bytes and there is no skeleton.
             return int(step), bytes(blob)
         captured = frozenset(id(s.captured) for s in slots if s.captured is not None)
-        restore_non_tensors(state_dict, value.skeleton, captured)
+        filled: list = []
+        restore_by_value(state_dict, value.skeleton, loaded, captured, filled)
+        for d in filled:
+            # Once the caller has handed it to optimizer.load_state_dict and attached the optimizer, a save
+            # recognises the dict as that optimizer's and keeps it current, although its tensors (new CPU ones
+            # here) are not the optimizer's (load_state_dict copies them to the parameters' device). Held, so
+            # that the id names this dict as long as it is remembered.
+            self._adopted[id(d)] = d
         return int(step), value.extra
 
+    def _nothing_to_restore(self) -> None:
+        """A load that found no step: says so with the directory on the "ettkit" logger, so that a job that
+        starts from scratch by mistake (a wrong directory, a wiped one) shows it. WARNING on a restart
+        (``TORCHELASTIC_RESTART_COUNT`` > 0), where a checkpoint was expected; INFO on a first start, where
+        finding none is the normal case and a warning at every new job would teach people to ignore it. A
+        directory without steps whose direct subdirectory has some (``AsyncCheckpointer(run_dir)`` for steps
+        in ``run_dir/ckpt``) is warned about, naming the subdirectory, whatever the attempt."""
+        import logging
+        import warnings
+
+        directory = self._c.directory
+        logger = logging.getLogger("ettkit")
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0").strip() not in ("", "0")
+        logger.log(logging.WARNING if restart else logging.INFO,
+                   "checkpoint: no committed step in %s: starting from scratch", directory)
+        holder = _subdirectory_with_steps(directory)
+        if holder is not None:
+            sub, step = holder
+            warnings.warn(
+                f"ettkit.checkpoint: {directory} holds no checkpoint, but its subdirectory {sub} holds step {step}: "
+                f"the job starts from scratch. If that is this job's checkpoint directory, pass "
+                f"AsyncCheckpointer({sub!r})", RuntimeWarning, stacklevel=3)
+
     def _find_optimizer(self):
-        return find_captured_optimizer(self._fences.optimizers)
+        return find_captured_optimizer(self._fences.optimizers, self._adopted)
 
     # ---- lifetime ---------------------------------------------------------------------------------------
     def close(self, discard_memory_tier: bool = True) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ..errors import InvalidArgumentError
+from .data_position import handed_out_by
 
 
 class _TensorSlot:
@@ -322,6 +323,7 @@ def _walk(state_dict: Any, strict: bool, find_optimizer: Any, slots: bool):
     found: list[StatefulSlot] = []
 
     fresh: set = set()  # ids of the state dicts taken here: an optimizer's own is not a captured one
+    inside = [0]  # > 0 while walking a state dict taken here (a Stateful's own copies are current)
 
     def stateful(obj: Any, captured: Any, prefix: str) -> Any:
         if isinstance(obj, _Optimizer):
@@ -332,7 +334,11 @@ def _walk(state_dict: Any, strict: bool, find_optimizer: Any, slots: bool):
             create_first_step_state(obj)
         state = state_dict_of(obj)
         fresh.add(id(state))
-        skeleton = walk(state, prefix)
+        inside[0] += 1
+        try:
+            skeleton = walk(state, prefix)
+        finally:
+            inside[0] -= 1
         if captured is not None:
             refresh_captured(captured, state)
         slot = StatefulSlot(prefix, obj, captured, state, skeleton)
@@ -345,6 +351,10 @@ def _walk(state_dict: Any, strict: bool, find_optimizer: Any, slots: bool):
         # is a value (a tuple of ints the skeleton keeps as it is).
         is_dict = isinstance(obj, dict)
         if is_dict or (isinstance(obj, (list, tuple)) and type(obj) is not _Size):
+            if is_dict and strict and not inside[0] and (
+                    _COPY_MARKS.intersection(obj)
+                    or (len(obj) == 2 and "batches" in obj and handed_out_by(obj) is not None)):
+                refuse_copied_state_dict(obj, prefix)
             if is_dict and find_optimizer is not None and "param_groups" in obj and id(obj) not in fresh:
                 opt = find_optimizer(obj, prefix)
                 if opt is not None:
@@ -389,6 +399,34 @@ def _walk(state_dict: Any, strict: bool, find_optimizer: Any, slots: bool):
     return names, tensors, skeleton, not opaque, found
 
 
+# Keys that only the state dicts of Statefuls ettkit cannot find from a copy of their state dict have: an LR
+# scheduler's (``_last_lr``: LRScheduler and ReduceLROnPlateau) and a GradScaler's (``_growth_tracker``).
+# Private names, so a user's own dict does not have them. A DataPosition's copy is known by identity
+# (data_position.handed_out_by): its keys are common words.
+_COPY_MARKS = frozenset(("_last_lr", "_growth_tracker"))
+
+
+def refuse_copied_state_dict(d: dict, prefix: str) -> None:
+    """Refuses a dict that is the ``state_dict()`` of an LR scheduler, a GradScaler or a DataPosition put in
+    the state by value. Such a dict is a copy taken when ``state_dict()`` was called: unlike an attached
+    optimizer's (whose per-parameter state it shares, so that ettkit finds the optimizer and refreshes the
+    dict), nothing in it leads back to the object. A save would store the object as it was at the capture
+    (a scheduler at ``last_epoch`` 0 when the state was put together before training), and a load would
+    restore the dict, never the object: a resume that goes on silently wrong. Raised at save and at load."""
+    if "_last_lr" in d:
+        what, noun = "an LR scheduler", "scheduler"
+    elif "_growth_tracker" in d:
+        what, noun = "a GradScaler", "scaler"
+    else:
+        what, noun = "a DataPosition", "data_position"
+    key = prefix.rsplit(".", 1)[-1] if prefix else noun
+    raise InvalidArgumentError(
+        f"{_describe(prefix)} is {what}'s state_dict(), a copy taken when it was called: a save would store the "
+        f"{noun} as it was then (not as it is at the save), and load_latest could restore only the copy, not the "
+        f"{noun}. Pass the {noun} object itself, not its state_dict(): {{'{key}': {noun}}} (saved and restored "
+        f"through its state_dict()/load_state_dict(); the files are the same)")
+
+
 def refresh_captured(captured: dict, state: dict) -> None:
     """Makes a dict captured from ``opt.state_dict()`` hold what ``opt.state_dict()`` holds now, in place:
     its ``state`` maps to the optimizer's live per-parameter state (which the first ``step()`` creates
@@ -403,13 +441,15 @@ def refresh_captured(captured: dict, state: dict) -> None:
         mine.update(now)
 
 
-def find_captured_optimizer(optimizers: list):
+def find_captured_optimizer(optimizers: list, adopted: Any = ()):
     """The ``find_optimizer`` of :func:`flatten_state` for the attached ``optimizers``: a dict with
     ``state`` and ``param_groups`` is taken for ``opt.state_dict()`` of the attached optimizer whose
     parameter groups it matches (group count, hyperparameter names, parameter ids as ``state_dict()``
     numbers them) and, when the dict has state, shares it (its per-parameter dicts or their tensors are the
     optimizer's). A dict captured before the first step has none: one that matches several attached
-    optimizers raises (pass the optimizer itself instead)."""
+    optimizers raises (pass the optimizer itself instead). ``adopted``: ids of dicts that ``load_latest`` filled
+    with an optimizer's saved state (read into new tensors, which ``optimizer.load_state_dict(d)`` copies to
+    the parameters' device, so they need not be shared): matched by their parameter groups alone."""
     if not optimizers:
         return None
 
@@ -448,7 +488,7 @@ def find_captured_optimizer(optimizers: list):
 
     def find(d: dict, prefix: str):
         candidates = [opt for opt in optimizers if matches(d, opt)]
-        if candidates and d["state"]:
+        if candidates and d["state"] and id(d) not in adopted:
             # A dict with state is live only if it shares it: a deep copy, or another optimizer's dict of
             # the same shape, is saved as it is.
             candidates = [opt for opt in candidates if shares_state(d, opt)]
@@ -481,24 +521,119 @@ def check_unique(names: list[str]) -> None:
             seen.add(n)
 
 
-def restore_non_tensors(target: Any, saved: Any, skip: Any = frozenset()) -> None:
-    """Copies non-tensor leaves of ``saved`` into the mutable containers of ``target`` in place. Statefuls
-    and the dicts whose ids are in ``skip`` (captured optimizer state dicts) are restored by their own
-    ``load_state_dict`` and left alone here."""
-    if isinstance(target, dict) and isinstance(saved, dict):
-        items = [(k, v) for k, v in saved.items() if k in target]
-    elif isinstance(target, list) and isinstance(saved, (list, tuple)):
-        items = list(enumerate(saved[: len(target)]))
-    else:
-        return
-    for k, v in items:
-        cur = target[k]
-        if v is TENSOR or isinstance(cur, torch.Tensor) or id(cur) in skip or is_stateful(cur):
-            continue
-        if isinstance(v, (dict, list, tuple)) and isinstance(cur, (dict, list)):
-            restore_non_tensors(cur, v, skip)
-        else:
-            target[k] = v
+def _child(name: str, k: Any) -> str:
+    return f"{name}.{k}" if name else str(k)
+
+
+def _is_optimizer_dict(x: Any) -> bool:
+    """Whether a live skeleton node is an optimizer's ``state_dict()`` passed by value."""
+    return isinstance(x, dict) and isinstance(x.get("state"), dict) and isinstance(x.get("param_groups"), list)
+
+
+def by_value_optimizer_prefixes(live: Any) -> list[str]:
+    """The names of the ``state`` of every optimizer state dict passed by value (not a Stateful, not one
+    recognised as an attached optimizer's) in the live skeleton from ``flatten_state(for_load=True)``: the
+    saved per-parameter state a fresh optimizer's dict lacks (Adam creates it in its first ``step()``) is read
+    there into new tensors and put into the dict, for the caller's ``optimizer.load_state_dict(d)``."""
+    out: list[str] = []
+
+    def walk(x: Any, name: str) -> None:
+        if _is_optimizer_dict(x):
+            out.append(_child(name, "state"))
+        if isinstance(x, dict):
+            for k, v in x.items():
+                walk(v, _child(name, k))
+        elif isinstance(x, (list, tuple)):
+            for i, v in enumerate(x):
+                walk(v, _child(name, i))
+
+    walk(live, "")
+    return out
+
+
+def _holds_values(x: Any) -> bool:
+    """Whether a skeleton node holds anything but tensors (the C++ name check reports those): a plain value
+    or an empty container is an entry that a load must restore or refuse."""
+    if x is TENSOR or isinstance(x, (ShardedSlot, StatefulSlot)):
+        return False
+    if isinstance(x, dict):
+        return not x or any(_holds_values(v) for v in x.values())
+    if isinstance(x, (list, tuple)) and type(x) is not _Size:
+        return not x or any(_holds_values(v) for v in x)
+    return True
+
+
+def check_by_value(live: Any, saved: Any) -> None:
+    """Before any tensor is copied: every entry of the saved state that is not a tensor (the C++ loader checks
+    those) must have a place in the state being loaded, and every such entry of the state one in the saved
+    state, so that :func:`restore_by_value` restores all of it. Raises :class:`InvalidArgumentError` naming
+    each entry that would be left out: a key only one side has, a list of another length, values in a tuple
+    at the root (immutable: nowhere to put them). Statefuls are their own ``load_state_dict``'s to check. The
+    ``state`` of an optimizer state dict passed by value is filled, not refused: a fresh optimizer has none."""
+    wrong: list[str] = []
+
+    def walk(x: Any, s: Any, name: str, fill: bool) -> None:
+        if isinstance(x, (StatefulSlot, ShardedSlot)) or x is TENSOR:
+            return
+        if isinstance(x, dict) and isinstance(s, dict):
+            for k, v in x.items():
+                if k not in s:
+                    if _holds_values(v):
+                        wrong.append(f"'{_child(name, k)}' is in the state, not in the checkpoint")
+                else:
+                    walk(v, s[k], _child(name, k), fill or (k == "state" and _is_optimizer_dict(x)))
+            for k, v in s.items():
+                if k not in x and not fill and _holds_values(v):
+                    wrong.append(f"'{_child(name, k)}' is in the checkpoint, not in the state")
+        elif isinstance(x, (list, tuple)) and type(x) is not _Size and isinstance(s, (list, tuple)) \
+                and type(s) is not _Size:
+            if len(x) != len(s):
+                wrong.append(f"'{name}' has {len(x)} items in the state, {len(s)} in the checkpoint")
+            for i, (v, sv) in enumerate(zip(x, s)):
+                walk(v, sv, _child(name, i), fill)
+
+    walk(live, saved, "", False)
+    if isinstance(live, tuple) and _holds_values(live):
+        wrong.append("the state is a tuple, whose values load_latest cannot replace: pass a dict or a list")
+    if wrong:
+        raise InvalidArgumentError(
+            "the state's values passed by value do not match the checkpoint, and load_latest restores every "
+            "saved entry or none: " + bounded(wrong) + ". Load with the state that was saved (the same keys "
+            "and list lengths)")
+
+
+def restore_by_value(target: Any, saved: Any, tensors: dict, skip: Any = frozenset(),
+                     optimizer_dicts: Any = None) -> Any:
+    """Puts the saved state into ``target``'s containers in place, after :func:`check_by_value` passed and
+    the tensors were loaded in place: plain values are replaced, a tuple is rebuilt around its (loaded)
+    tensors, and an entry only the checkpoint has (an optimizer's per-parameter state that a fresh
+    optimizer's ``state_dict()`` lacks) is added, its tensors the new ones in ``tensors`` (by name).
+    Statefuls and the dicts whose ids are in ``skip`` (captured optimizer state dicts) are restored by their
+    own ``load_state_dict`` and left alone. The optimizer state dicts restored by value are appended to the
+    list ``optimizer_dicts``. Returns what belongs where ``target`` was."""
+
+    def merge(cur: Any, s: Any, name: str) -> Any:
+        if isinstance(cur, _Tensor) or id(cur) in skip or is_stateful(cur):
+            return cur
+        if s is TENSOR or isinstance(s, ShardedSlot):
+            return rebuild_named(s, name, tensors)
+        if isinstance(s, dict) and isinstance(cur, dict):
+            if optimizer_dicts is not None and _is_optimizer_dict(cur):
+                optimizer_dicts.append(cur)
+            for k, v in s.items():
+                key = _child(name, k)
+                cur[k] = merge(cur[k], v, key) if k in cur else rebuild_named(v, key, tensors)
+            return cur
+        if isinstance(s, (list, tuple)) and type(s) is not _Size and isinstance(cur, (list, tuple)) \
+                and type(cur) is not _Size:
+            items = [merge(c, v, _child(name, i)) for i, (c, v) in enumerate(zip(cur, s))]
+            if isinstance(cur, list) and isinstance(s, list):
+                cur[:] = items
+                return cur
+            return items if isinstance(s, list) else tuple(items)
+        return rebuild_named(s, name, tensors)
+
+    return merge(target, saved, "")
 
 
 def find_saved(live: Any, saved: Any, out: dict) -> None:

@@ -16,12 +16,25 @@ epoch: ``DistributedSampler.set_epoch``, or a generator seeded with ``seed + epo
 from __future__ import annotations
 
 import operator
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 from ..errors import InvalidArgumentError
 
 __all__ = ["DataPosition"]
+
+
+# id of the state dict each DataPosition handed out last -> that DataPosition, which keeps the dict alive (so
+# the id names that dict while the entry exists): checkpoint/_flatten.py refuses such a copy put in a state by
+# value, since it could neither keep it current at each save nor restore the DataPosition from it.
+_owners: "weakref.WeakValueDictionary[int, DataPosition]" = weakref.WeakValueDictionary()
+
+
+def handed_out_by(d: Any) -> "DataPosition | None":
+    """The DataPosition whose latest ``state_dict()`` returned ``d`` (the same object), else None."""
+    pos = _owners.get(id(d))
+    return pos if pos is not None and pos._handed_out is d else None
 
 
 class DataPosition:
@@ -82,7 +95,14 @@ class DataPosition:
         self.batches = 0
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "batches": self.batches}
+        state = {"epoch": self.epoch, "batches": self.batches}
+        # Remembered so that a checkpointer recognises this copy put in a state by value (and refuses it).
+        old = getattr(self, "_handed_out", None)
+        if old is not None:
+            _owners.pop(id(old), None)
+        self._handed_out = state
+        _owners[id(state)] = self
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         if not isinstance(state, dict) or set(state) != {"epoch", "batches"}:
