@@ -267,7 +267,7 @@ def test_a_model_that_cannot_be_precompiled_falls_back_and_says_why(tmp_path):
     spec = declared_spec(dynamic=False, batch=8)
     cache = CompileCache(tmp_path / "cc", model=model, spec=spec, config={}, precompile=True)
     with ett.Recorder(tmp_path / "run", rank=0, world_size=1, launcher_phases_from_env=False) as rec:
-        with pytest.warns(RuntimeWarning, match="precompiled tier is not used: aot_compile failed"):
+        with pytest.warns(RuntimeWarning, match="precompiled tier is not used: aot_compile failed") as record:
             compiled, first, report, _ = overlapped_start(
                 model, [make_batch(8, 1)], spec, loss_fn, cache, recorder=rec
             )
@@ -276,6 +276,9 @@ def test_a_model_that_cannot_be_precompiled_falls_back_and_says_why(tmp_path):
             phases = [json.loads(line).get("name") for line in f]
         notes = ett.build_report(tmp_path / "run")["attempts"][0]["notes"]
     assert "compile/precompile_fallback" in phases and "compile/precompiled_save" not in phases
+    # The warning says how to fix it (#47 item 2), not only that it failed.
+    message = next(str(w.message) for w in record if "precompiled tier" in str(w.message))
+    assert "remove the graph break" in message and "precompile=False" in message, message
     # The tier and the reason are in the ledger: the report of the job says why after the fact.
     assert notes["compile_cache"] == "miss"
     assert notes["precompile_fallback"].startswith("aot_compile failed")
@@ -284,6 +287,10 @@ def test_a_model_that_cannot_be_precompiled_falls_back_and_says_why(tmp_path):
     assert summary["precompile_fallback"].startswith("aot_compile failed")
     assert summary["cache"] == "miss" and summary["precompiled"] == "miss"
     assert not list((tmp_path / "cc").glob("precompiled-*.bin"))
+    # The MegaCache path saved its file itself, on the compile's thread: a restart is warm without a
+    # cache.save() in the training loop (#47 item 2), and the ledger shows what the save cost.
+    assert report.cache_save.written and summary["cache_saved"] is True
+    assert "compile/cache_save" in phases and cache.path.is_file()
     loss_fn(compiled(first), first).backward()  # and it trains, through torch.compile
     assert model.fc.weight.grad is not None
 

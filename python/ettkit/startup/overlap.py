@@ -34,7 +34,7 @@ from ..errors import BatchMismatchError
 from ..ett import recorder as _ett_recorder
 from . import precompiled as _precompiled
 from .batch_spec import BatchSpec
-from .cache import CacheLoadResult, CacheSaveResult, CompileCache
+from .cache import CacheLoadResult, CacheSaveResult, CompileCache, CompileCacheWarning
 from .stages import StageGraph, StageReport
 from .warm import WarmCompileReport, compile_counters, compiled_graphs, counter_delta, warm_compile
 
@@ -65,6 +65,9 @@ class StartReport:
     precompile_fallback: str | None = None
     # With CompileCache(store=...) on a rank other than 0: why rank 0's file was not used (None when it was).
     precompile_peer: str | None = None
+    # The MegaCache file saved by the start itself after a torch.compile (None when nothing compiled that way:
+    # no cache, or the precompiled tier served the start and wrote its own file).
+    cache_save: CacheSaveResult | None = None
 
     @property
     def cache_tier(self) -> str | None:
@@ -97,6 +100,7 @@ class StartReport:
             "precompiled": None if self.precompiled is None else self.precompiled.status,
             "precompile_fallback": self.precompile_fallback,
             "precompile_peer": self.precompile_peer,
+            "cache_saved": None if self.cache_save is None else self.cache_save.written,
             "recompiles": self.recompiles,
             "spec_mismatch": list(self.spec_mismatch),
             "dynamic_dims_specialized": self.dynamic_dims_specialized,
@@ -178,7 +182,10 @@ def overlapped_start(
       checked against it: with ``strict`` a mismatch raises :class:`ettkit.errors.BatchMismatchError` naming the
       field, otherwise it warns and the report lists it (the first step would then recompile).
     - ``loss_fn(output, batch)`` and ``forward(model, batch)`` (default ``model(batch)``): as in training.
-    - ``cache``: a :class:`CompileCache` to load before compiling (save it yourself after the first steps).
+    - ``cache``: a :class:`CompileCache` to load before compiling. The start saves it itself: the precompiled
+      file right after ``aot_compile``, the MegaCache file right after the warm compile (both on the compile's
+      thread, overlapped with the first batch; ``report.precompiled_save`` / ``report.cache_save``). Call
+      ``cache.save()`` again only for what compiles later (a compiled optimizer step).
     - ``graph``: a StageGraph with more start-up stages to run in the same DAG (e.g. ``process_group_init``);
       ``compile_after`` names stages the compile must wait for. ``timeout_s``: deadline of the whole graph.
     - ``recorder``: where the stages are recorded as ETT phases (``compile``, ``preproc_creation``,
@@ -239,7 +246,10 @@ def overlapped_start(
         args, kwargs = _precompiled.capture_call_args(model, batch, forward)
         kw = dict(compile_kwargs or {})
         kw["fullgraph"] = True  # aot_compile's requirement: one graph, no Python between graphs
-        with sub_phase("compile/precompile"):
+        # Fences that AsyncCheckpointer.attach() installed before the start close over the C++ checkpointer,
+        # which cannot be pickled: traced in, they would make every such start compile cold. They are kept out
+        # of the graph and its guards, as PrecompiledModel runs them: before the graph, on every call.
+        with sub_phase("compile/precompile"), _precompiled.checkpoint_fences_detached(model):
             return torch.compile(model, **kw).forward.aot_compile((args, kwargs))
 
     def precompile_stage() -> Any:
@@ -260,6 +270,7 @@ def overlapped_start(
             text = str(exc).strip()
             first = text.splitlines()[0] if text else ""
             fallback["reason"] = f"aot_compile failed ({type(exc).__name__}: {first[:300]})"
+            fallback["hint"] = _precompiled.failure_hint(exc, model)
             fallback.pop("specialized", None)
             return None
         fallback["seconds"] = time.perf_counter() - t0
@@ -299,7 +310,23 @@ def overlapped_start(
         # With the precompiled tier asked for, what follows is its fallback: a sub-phase of its own in the
         # ledger, so that the report shows which starts fell back and what that cost.
         with sub_phase("compile/precompile_fallback") if precompile else contextlib.nullcontext():
-            return jit_compile()
+            compiled = jit_compile()
+        save_megacache()
+        return compiled
+
+    def save_megacache() -> None:
+        """Saves the MegaCache file now, on the compile's thread (overlapped with the first batch like the
+        compile): forward and backward have compiled on the fast batch, which is all the first real steps
+        compile when they match the spec. A job killed before any later save still restarts warm; a later
+        ``cache.save()`` writes only what compiled since (a compiled optimizer step), else nothing."""
+        if cache is None:
+            return
+        with sub_phase("compile/cache_save"):
+            try:
+                fallback["cache_save"] = cache.save()
+            except Exception as exc:  # noqa: BLE001 - a cache is an optimization, never a reason to fail
+                warnings.warn(f"could not save compile cache {cache.path}: {type(exc).__name__}: {exc}",
+                              CompileCacheWarning, stacklevel=2)
 
     def jit_compile() -> tuple:
         # torch.compile() itself imports Dynamo (seconds in a fresh process): do it here, overlapped.
@@ -357,9 +384,10 @@ def overlapped_start(
     if precompile:
         reason = no_precompile or fallback.get("reason")
         if reason:
+            hint = f". To fix it: {fallback['hint']}" if fallback.get("hint") else ""
             warnings.warn(
                 f"the precompiled tier is not used: {reason}; compiled through torch.compile and the MegaCache file "
-                "instead (report.precompile_fallback)",
+                f"instead (report.precompile_fallback){hint}",
                 RuntimeWarning,
                 stacklevel=2,
             )
@@ -377,6 +405,7 @@ def overlapped_start(
         precompiled_save=fallback.get("save"),
         precompile_fallback=reason,
         precompile_peer=fallback.get("peer"),
+        cache_save=fallback.get("cache_save"),
     )
     if sub_recorder is not None:
         # In the ETT ledger too (the report's attempts[].notes): which compile path this start took and, with

@@ -189,6 +189,50 @@ def _fences_detached(fences: list):
             m._forward_pre_hooks = hooks
 
 
+def checkpoint_fences_detached(module: torch.nn.Module):
+    """A block in which ``module``'s tree has none of the checkpoint fences (its other hooks stay): what
+    ``aot_compile`` traces and pickles must not reach the checkpointer a fence closes over (a C++ object that
+    cannot be pickled), and what the graph's guards record must be what :class:`PrecompiledModel` checks
+    them against (the tree without its fences)."""
+    return _fences_detached(_checkpoint_fences(module))
+
+
+def _hook_names(module: torch.nn.Module, limit: int = 4) -> list:
+    """``["bn: forward_pre_hook check_stats", ...]``: the hooks of ``module``'s tree other than the checkpoint
+    fences (those are kept out of the artifact), the usual holders of something that cannot be pickled."""
+    out = []
+    for name, m in module.named_modules():
+        for kind in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks"):
+            for hook in getattr(m, kind, {}).values():
+                if getattr(hook, _FENCE_MARK, False):
+                    continue
+                label = getattr(hook, "__qualname__", type(hook).__name__)
+                out.append(f"{name or '<root>'}: {kind.strip('_')[:-1]} {label}")
+    return out[:limit] + ([f"and {len(out) - limit} more"] if len(out) > limit else [])
+
+
+def failure_hint(exc: BaseException, module: Any) -> str:
+    """How to fix an ``aot_compile`` failure, for the warning that says the precompiled tier is not used."""
+    text = f"{type(exc).__name__}: {exc}".lower()
+    off = "or pass CompileCache(precompile=False) to take the MegaCache path without this warning"
+    if "pickle" in text or "serializ" in text:
+        hooks = _hook_names(module) if isinstance(module, torch.nn.Module) else []
+        where = f" (hooks on the model: {'; '.join(hooks)})" if hooks else ""
+        return (
+            "the precompiled file must hold everything the forward reaches, and the object named above cannot be "
+            f"pickled{where}. A hook or module attribute that holds a lock, an open file or a C++ object cannot "
+            "be saved (ettkit's own checkpoint fences are kept out, whether attach() ran before or after the "
+            "start): make the hook and what it holds picklable (e.g. a __getstate__ that leaves the lock "
+            "out), keep the object off the model, " + off
+        )
+    if "graph break" in text or "unsupported" in text or "fullgraph" in text:
+        return (
+            "the precompiled tier needs the forward as one graph (aot_compile runs with fullgraph=True): remove the "
+            "graph break named above (torch._dynamo.explain(model)(batch) lists every one), " + off
+        )
+    return "see docs/startup.md, \"The precompiled tier\", " + off
+
+
 class PrecompiledModel:
     """What :func:`ettkit.startup.overlapped_start` returns on the precompiled tier, in place of
     ``torch.compile(module)``: ``model(*args)`` runs the precompiled forward (its backward runs in
