@@ -34,29 +34,35 @@ COLORS = {"effective": "#2ca02c", "idle": "#ff7f0e", "failure": "#d62728", "unat
 BACKGROUND_COLOR = "#1f77b4"
 FAILURE_HATCH = "xx"
 
-# One colour per phase of the taxonomy, the same in every plot (matplotlib's tab20 without its greens and
-# greys, which mean effective and unattributed). Other phase names get one of OTHER_COLORS by a stable hash.
+# One fixed colour per phase of the taxonomy, the same in every plot. The palette is chosen so that any two of
+# these colours, and effective green, unattributed grey and the background blue, differ by at least 20 in
+# CIELAB (CIE76 ΔE; about 2 is just noticeable): no two phases share a hue pair as tab20's light and dark
+# pinks did for process_bootstrap and compile. Greens and greys stay reserved for effective and unattributed
+# time. Related phases get related hues where the palette allows (start-up blues and violets, checkpoint
+# yellows, failure reds). Other phase names get one of OTHER_COLORS by a stable hash. docs/ett.md lists both.
 PHASE_COLORS = {
-    "scheduling": "#aec7e8",
-    "hardware_setup": "#ffbb78",
+    "scheduling": "#87cefa",
+    "hardware_setup": "#ffd700",
     "launcher_init": "#ff7f0e",
-    "process_bootstrap": "#f7b6d2",
-    "worker_spawn": "#c5b0d5",
-    "process_group_init": "#9467bd",
-    "train_module_creation": "#8c564b",
-    "preproc_creation": "#c49c94",
-    "get_first_batch_data": "#17becf",
-    "compile": "#e377c2",
-    "checkpoint_restore": "#08519c",
+    "process_bootstrap": "#dda0dd",
+    "worker_spawn": "#7b68ee",
+    "process_group_init": "#8a2be2",
+    "train_module_creation": "#8c6d31",
+    "preproc_creation": "#ffe4b5",
+    "get_first_batch_data": "#008080",
+    "compile": "#c71585",
+    "checkpoint_restore": "#0000cd",
     "checkpoint_blocking": "#bcbd22",
-    "data_stall": "#9edae5",
-    "shutdown": "#dbdb8d",
+    "data_stall": "#40e0d0",
+    "shutdown": "#f08080",
+    "shutdown/process_teardown": "#fdae6b",
     "wasted_training": "#d62728",
-    "lost_in_flight": "#ff9896",
-    "detect_and_teardown": "#7f3b08",
-    "restart_gap": "#b35806",
+    "lost_in_flight": "#ff00ff",
+    "detect_and_teardown": "#882d17",
+    "restart_gap": "#7b4173",
 }
-OTHER_COLORS = ("#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd", "#e6550d", "#756bb1")
+# For user-named phases: as far (ΔE >= 25) from every colour above, and from each other, as the palette allows.
+OTHER_COLORS = ("#1e90ff", "#800080", "#ee82ee", "#ff0000", "#b8860b", "#8c564b", "#5254a3", "#ffb6c1")
 
 
 def phase_color(name: str) -> str:
@@ -111,7 +117,7 @@ def breakdown(report: dict) -> list[tuple[Style, float]]:
     return sorted(totals.items(), key=order)
 
 
-def _draw_timeline(ax, report: dict, scale: float, legend: dict) -> None:
+def _draw_timeline(ax, report: dict, scale: float) -> None:
     origin = report["e2e_begin_us"]
 
     def span(segment: dict) -> tuple[float, float]:
@@ -123,18 +129,17 @@ def _draw_timeline(ax, report: dict, scale: float, legend: dict) -> None:
     for y, (_, segments) in enumerate(rows):
         by_style: dict[Style, list] = {}
         for s in segments:
-            by_style.setdefault(segment_style(s), []).append(span(s))
+            if s["end_us"] > s["begin_us"]:  # a zero-width segment draws nothing, so it names nothing
+                by_style.setdefault(segment_style(s), []).append(span(s))
         for style, spans in by_style.items():
             ax.broken_barh(spans, (y - 0.35, 0.7), facecolors=style.color, hatch=style.hatch,
                            edgecolor="black" if style.hatch else style.color, linewidth=0)
-            legend.setdefault(style.label, style)
     background = report.get("background") or []
     for y, rank in enumerate(ranks):
         # A thin strip just under the rank's bar: persistence overlaps training, so it cannot share the bar.
         spans = [span(s) for s in background if s["rank"] == rank]
         if spans:
             ax.broken_barh(spans, (y + 0.37, 0.1), facecolors=BACKGROUND_COLOR)
-            legend.setdefault("checkpoint persist (background)", Style(BACKGROUND_COLOR, None, ""))
 
     for attempt in report.get("attempts") or []:
         if attempt.get("begin_us") is not None:
@@ -174,22 +179,46 @@ def figure(reports: dict | Sequence[dict]) -> Figure:
         if "timeline" not in r or "job_timeline" not in r:
             raise ValueError(NO_TIMELINE)
     scale, unit = time_unit(max(r.get("e2e_s") or 0.0 for r in reports))
+    legend: dict[str, Style] = {}
+    for r in reports:  # the legend first: the figure's height makes room for all of its rows
+        _legend_entries(r, legend)
+    columns = LEGEND_COLUMNS
+    legend_rows = -(-len(legend) // columns)
     ratios = []
     for r in reports:
         ratios += [0.45 * (len(r.get("ranks") or []) + 1) + 0.5, 0.55]
-    fig = Figure(figsize=(13, 0.9 + sum(ratios)), layout="constrained")
+    fig = Figure(figsize=(13, 0.9 + sum(ratios) + LEGEND_ROW_IN * legend_rows), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(ratios), 1, sharex=True, height_ratios=ratios, squeeze=False)[:, 0]
-    legend: dict[str, Style] = {}
     for i, r in enumerate(reports):
-        _draw_timeline(axes[2 * i], r, scale, legend)
+        _draw_timeline(axes[2 * i], r, scale)
         _draw_breakdown(axes[2 * i + 1], r, scale)
     axes[-1].set_xlabel(f"{unit} since the start of each run")
     axes[0].set_xlim(0, max((r.get("e2e_s") or 0.0) for r in reports) / scale or 1.0)
     handles = [Patch(facecolor=s.color, hatch=s.hatch, edgecolor="black" if s.hatch else s.color, label=label)
                for label, s in sorted(legend.items(), key=lambda kv: (kv[0] != "effective (training)", kv[0]))]
-    fig.legend(handles=handles, loc="outside right upper", fontsize=8, frameon=False)
+    # Below the axes in columns, on the figure's full width: a single column beside the axes ran off the
+    # bottom of the page after about a dozen entries.
+    fig.legend(handles=handles, loc="outside lower center", ncols=min(columns, max(1, len(handles))),
+               fontsize=8, frameon=False)
     return fig
+
+
+# The legend's layout: entries per row (the longest label, "checkpoint persist (background)", fits a quarter of
+# the 13-inch width at font size 8) and the height each row adds to the figure.
+LEGEND_COLUMNS = 5
+LEGEND_ROW_IN = 0.22
+
+
+def _legend_entries(report: dict, legend: dict) -> None:
+    """What the report's plot draws, one entry per style: segments of positive width only (a phase of zero
+    width draws nothing, so the legend does not name it), and the background strip when there is one."""
+    for s in list(report["timeline"]) + list(report["job_timeline"]):
+        if s["end_us"] > s["begin_us"]:
+            style = segment_style(s)
+            legend.setdefault(style.label, style)
+    if any(s["end_us"] > s["begin_us"] for s in report.get("background") or []):
+        legend.setdefault("checkpoint persist (background)", Style(BACKGROUND_COLOR, None, ""))
 
 
 def write_plot(reports: dict | Sequence[dict], path: str | os.PathLike) -> None:

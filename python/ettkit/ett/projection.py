@@ -21,7 +21,7 @@ from typing import Any
 from ..errors import InvalidArgumentError
 from .advisor import recommend_interval
 from .fleet import split_phases
-from .table import _grid, _num, _sec
+from .table import _grid, _num, _sec, format_duration
 
 DAY_S = 86400.0
 MAX_DAYS = 3650.0
@@ -234,12 +234,12 @@ def format_projection(p: Mapping, run_dir: str | None = None) -> str:
     lines = [
         f"ETT projection{f' from {run_dir}' if run_dir else ''}: {p['days']:g} days, world size {p['world_size']}, "
         f"{p['failures_per_day']:.3g} failures/day (MTBF {p['mtbf_h']:.3g} h)",
-        f"  measured      recovery R {_sec(m['restart_s'])} s ({m['restart_source']})",
-        f"                blocking B {_sec(m['blocking_s'])} s per checkpoint, start-up S {_sec(m['startup_s'])} s, "
-        f"shutdown D {_sec(m['shutdown_s'])} s, other idle {_num(100 * m['other_idle_per_training_s'], 2, '%')} "
+        f"  measured      recovery R {format_duration(m['restart_s'])} ({m['restart_source']})",
+        f"                blocking B {format_duration(m['blocking_s'])} per checkpoint, start-up S {format_duration(m['startup_s'])}, "
+        f"shutdown D {format_duration(m['shutdown_s'])}, other idle {_num(100 * m['other_idle_per_training_s'], 2, '%')} "
         "of training",
-        f"  interval      {_sec(p['interval_s'])} s (Young: sqrt(2 B MTBF)"
-        + (f", floor {_sec(m['floor_s'])} s" if m["floor_s"] else "") + ")",
+        f"  interval      {format_duration(p['interval_s'])} (Young: sqrt(2 B MTBF)"
+        + (f", floor {format_duration(m['floor_s'])}" if m["floor_s"] else "") + ")",
         f"  ETT%          {_num(p['ett_pct'], 2, '%')}   Idle% {_num(p['idle_pct'], 2, '%')}   "
         f"Failure% {_num(p['failure_pct'], 2, '%')}",
         f"  lost          {p['lost_accelerator_h']:.1f} of {p['accelerator_h']:.1f} accelerator-hours",
@@ -248,7 +248,7 @@ def format_projection(p: Mapping, run_dir: str | None = None) -> str:
         lines.append("  the job makes no progress: its failures cost more than the time between them")
     cur = p.get("at_current_interval")
     if cur:
-        lines.append(f"  at the run's interval {_sec(cur['interval_s'])} s: ETT% {_num(cur['ett_pct'], 2, '%')} "
+        lines.append(f"  at the run's interval {format_duration(cur['interval_s'])}: ETT% {_num(cur['ett_pct'], 2, '%')} "
                      f"({_num(cur['ett_gain_pct'], 2)} points below the recommended interval's)")
     dom = f"  dominant      {p['dominant']} ({_num(p['dominant_share_pct'], 1, '%')} of the waste)"
     if p.get("dominant_phase"):

@@ -7,6 +7,7 @@ comments, and no I/O, so callers decide where it goes. Every value the report ma
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
 from typing import Any
@@ -20,11 +21,35 @@ def _num(value: Any, decimals: int, suffix: str = "") -> str:
     return f"{value:.{decimals}f}{suffix}"
 
 
+def _significant(value: float, digits: int = 2) -> str:
+    """`value` in plain decimals with `digits` significant digits (0.00043313 -> "0.00043"), never in
+    exponent notation and without trailing zeros."""
+    decimals = max(0, digits - 1 - math.floor(math.log10(abs(value))))
+    return f"{value:.{decimals}f}".rstrip("0").rstrip(".")
+
+
 def _sec(value: float | None) -> str:
-    """Seconds: tenths are enough for hour-long jobs, but a short run or a blocking save needs milliseconds."""
+    """Seconds for a column headed "s": tenths are enough for hour-long jobs, a short run or a blocking save
+    needs milliseconds, and below a millisecond two significant digits keep the value from reading 0.000."""
     if value is None:
         return MISSING
-    return f"{value:.1f}" if abs(value) >= 10 else f"{value:.3f}"
+    if abs(value) >= 10:
+        return f"{value:.1f}"
+    if value == 0 or abs(value) >= 1e-3:
+        return f"{value:.3f}"
+    return _significant(value)
+
+
+def format_duration(seconds: float | None) -> str:
+    """A duration with its unit, as the report's prose prints one: "60.0 s", "4.500 s", and below a
+    millisecond "0.43 ms" (two significant digits: a fast save's mean blocking is not "0.000 s")."""
+    if seconds is None:
+        return MISSING
+    if seconds == 0:
+        return "0 s"
+    if abs(seconds) >= 1e-3:
+        return f"{_sec(seconds)} s"
+    return f"{_significant(seconds * 1e3)} ms"
 
 
 def _text(value: Any) -> str:
@@ -62,7 +87,7 @@ def _header(report: dict) -> list[str]:
     e2e = report.get("e2e_s")
     return [
         f"ETT report: {_text(report.get('run_dir'))}",
-        f"  E2E           {_hms(e2e)} ({_sec(e2e)} s)",
+        f"  E2E           {_hms(e2e)} ({format_duration(e2e)})",
         f"  ETT%          {_num(report.get('ett_pct'), 2, '%')}",
         f"  Idle%         {_num(report.get('idle_pct'), 2, '%')}",
         f"  Failure%      {_num(report.get('failure_pct'), 2, '%')}",
@@ -132,15 +157,15 @@ def _checkpointing(report: dict) -> list[str]:
     source = ckpt.get("interval_source")
     return [
         "Checkpointing",
-        f"  blocking          measured {_sec(blocking.get('measured'))} s, "
-        f"estimated {_sec(blocking.get('estimated'))} s",
-        f"  unsaved training  measured {_sec(unsaved.get('measured'))} s, "
-        f"estimated {_sec(unsaved.get('estimated'))} s",
-        f"  checkpoints       {_text(ckpt.get('count'))}, mean blocking {_sec(ckpt.get('blocking_mean_s'))} s, "
-        f"median durable latency {_sec(ckpt.get('durable_latency_median_s'))} s"
+        f"  blocking          measured {format_duration(blocking.get('measured'))}, "
+        f"estimated {format_duration(blocking.get('estimated'))}",
+        f"  unsaved training  measured {format_duration(unsaved.get('measured'))}, "
+        f"estimated {format_duration(unsaved.get('estimated'))}",
+        f"  checkpoints       {_text(ckpt.get('count'))}, mean blocking {format_duration(ckpt.get('blocking_mean_s'))}, "
+        f"median durable latency {format_duration(ckpt.get('durable_latency_median_s'))}"
         + (f", {ckpt['refused']} refused (torn snapshot)" if ckpt.get("refused") else "")
         + (f", {ckpt['failed']} FAILED, nothing committed (see the log)" if ckpt.get("failed") else ""),
-        f"  interval in use   {_sec(ckpt.get('interval_s'))} s" + (f" ({source})" if source else ""),
+        f"  interval in use   {format_duration(ckpt.get('interval_s'))}" + (f" ({source})" if source else ""),
         *_memory_tier(ckpt),
     ]
 
@@ -153,36 +178,36 @@ def _memory_tier(ckpt: dict) -> list[str]:
     source = mem.get("interval_source")
     restores = mem.get("restores") or 0
     return [
-        f"  memory tier       {_text(mem.get('count'))} saves, mean blocking {_sec(mem.get('blocking_mean_s'))} s, "
-        f"median time to committed {_sec(mem.get('durable_latency_median_s'))} s"
+        f"  memory tier       {_text(mem.get('count'))} saves, mean blocking {format_duration(mem.get('blocking_mean_s'))}, "
+        f"median time to committed {format_duration(mem.get('durable_latency_median_s'))}"
         + (f", {mem['refused']} refused (torn snapshot)" if mem.get("refused") else "")
         + (f", {mem['failed']} FAILED, nothing committed (see the log)" if mem.get("failed") else ""),
-        f"                    interval {_sec(mem.get('interval_s'))} s" + (f" ({source})" if source else "")
-        + f", recommended {_sec(mem.get('recommended_interval_s'))} s; {restores} "
-        + ("restore" if restores == 1 else "restores") + f", re-trained {_sec(mem.get('retraining_s'))} s after them",
+        f"                    interval {format_duration(mem.get('interval_s'))}" + (f" ({source})" if source else "")
+        + f", recommended {format_duration(mem.get('recommended_interval_s'))}; {restores} "
+        + ("restore" if restores == 1 else "restores") + f", re-trained {format_duration(mem.get('retraining_s'))} after them",
         "  (the checkpoint lines above and the recommendation below are the disk tier's)",
     ]
 
 
 def _recommendation(report: dict) -> list[str]:
     rec = report.get("recommendation")
-    mtbf = f"  MTBF              {_sec(report.get('mtbf_s'))} s"
+    mtbf = f"  MTBF              {format_duration(report.get('mtbf_s'))}"
     if report.get("mtbf_source"):
         mtbf += f" ({report['mtbf_source']})"
     if not rec:
-        return ["Recommendation", f"  interval          {_sec(report.get('recommended_interval_s'))} s", mtbf]
+        return ["Recommendation", f"  interval          {format_duration(report.get('recommended_interval_s'))}", mtbf]
     steps = rec.get("interval_steps")
     variants = " ".join(f"{k}={_sec(v)}" for k, v in (rec.get("variants") or {}).items())
     lines = [
         "Recommendation",
-        f"  interval          {_sec(rec.get('interval_s'))} s"
+        f"  interval          {format_duration(rec.get('interval_s'))}"
         + (f" ({steps} steps)" if steps is not None else "") + f", method {_text(rec.get('method'))}",
-        f"  current interval  {_sec(rec.get('current_interval_s'))} s",
-        f"  waste             at current {_sec(rec.get('waste_at_current_s'))} s, "
-        f"at recommended {_sec(rec.get('waste_at_recommended_s'))} s",
-        f"  expected saving   {_sec(rec.get('expected_saving_s'))} s",
+        f"  current interval  {format_duration(rec.get('current_interval_s'))}",
+        f"  waste             at current {format_duration(rec.get('waste_at_current_s'))}, "
+        f"at recommended {format_duration(rec.get('waste_at_recommended_s'))}",
+        f"  expected saving   {format_duration(rec.get('expected_saving_s'))}",
         f"  variants (s)      {variants or MISSING}",
-        f"  floor             {_sec(rec.get('floor_s'))} s",
+        f"  floor             {format_duration(rec.get('floor_s'))}",
         mtbf,
     ]
     if rec.get("note"):
