@@ -564,50 +564,48 @@ def _holds_values(x: Any) -> bool:
 
 
 def check_by_value(live: Any, saved: Any) -> None:
-    """Before any tensor is copied: every entry of the saved state that is not a tensor (the C++ loader checks
-    those) must have a place in the state being loaded, and every such entry of the state one in the saved
-    state, so that :func:`restore_by_value` restores all of it. Raises :class:`InvalidArgumentError` naming
-    each entry that would be left out: a key only one side has, a list of another length, values in a tuple
-    at the root (immutable: nowhere to put them). Statefuls are their own ``load_state_dict``'s to check. The
-    ``state`` of an optimizer state dict passed by value is filled, not refused: a fresh optimizer has none."""
+    """Before any tensor is copied: every entry of the state being loaded that holds a value other than a
+    tensor (the C++ loader checks those) must be in the saved state, since the load would otherwise leave it as
+    it was beside restored ones, and a root tuple must hold only tensors (nowhere to put its values). Raises
+    :class:`InvalidArgumentError` naming each such entry. The other direction needs no check: a saved entry
+    the state lacks is put into its dict or list by :func:`restore_by_value` (the per-parameter state of an
+    optimizer's state dict passed by value: a fresh optimizer has none), and a saved tensor with no place is
+    the C++ loader's to refuse. Statefuls are their own ``load_state_dict``'s to check."""
     wrong: list[str] = []
 
-    def walk(x: Any, s: Any, name: str, fill: bool) -> None:
+    def walk(x: Any, s: Any, name: str) -> None:
         if isinstance(x, (StatefulSlot, ShardedSlot)) or x is TENSOR:
             return
         if isinstance(x, dict) and isinstance(s, dict):
             for k, v in x.items():
-                if k not in s:
-                    if _holds_values(v):
-                        wrong.append(f"'{_child(name, k)}' is in the state, not in the checkpoint")
-                else:
-                    walk(v, s[k], _child(name, k), fill or (k == "state" and _is_optimizer_dict(x)))
-            for k, v in s.items():
-                if k not in x and not fill and _holds_values(v):
-                    wrong.append(f"'{_child(name, k)}' is in the checkpoint, not in the state")
+                if k in s:
+                    walk(v, s[k], _child(name, k))
+                elif _holds_values(v):
+                    wrong.append(f"'{_child(name, k)}' is in the state, not in the checkpoint")
         elif isinstance(x, (list, tuple)) and type(x) is not _Size and isinstance(s, (list, tuple)) \
                 and type(s) is not _Size:
-            if len(x) != len(s):
-                wrong.append(f"'{name}' has {len(x)} items in the state, {len(s)} in the checkpoint")
+            # A list takes the saved length (restore_by_value); its items beyond it hold no tensor or
+            # Stateful, or the C++ loader or _saved_states refused them.
             for i, (v, sv) in enumerate(zip(x, s)):
-                walk(v, sv, _child(name, i), fill)
+                walk(v, sv, _child(name, i))
 
-    walk(live, saved, "", False)
+    walk(live, saved, "")
     if isinstance(live, tuple) and _holds_values(live):
         wrong.append("the state is a tuple, whose values load_latest cannot replace: pass a dict or a list")
     if wrong:
         raise InvalidArgumentError(
-            "the state's values passed by value do not match the checkpoint, and load_latest restores every "
-            "saved entry or none: " + bounded(wrong) + ". Load with the state that was saved (the same keys "
-            "and list lengths)")
+            "load_latest restores every value of the state or none, and these have nothing saved to restore "
+            "them from: " + bounded(wrong) + ". Load with the keys that were saved (a key added since: put "
+            "it in the state after load_latest)")
 
 
 def restore_by_value(target: Any, saved: Any, tensors: dict, skip: Any = frozenset(),
                      optimizer_dicts: Any = None) -> Any:
     """Puts the saved state into ``target``'s containers in place, after :func:`check_by_value` passed and
     the tensors were loaded in place: plain values are replaced, a tuple is rebuilt around its (loaded)
-    tensors, and an entry only the checkpoint has (an optimizer's per-parameter state that a fresh
-    optimizer's ``state_dict()`` lacks) is added, its tensors the new ones in ``tensors`` (by name).
+    tensors, a list gets the saved list's length, and an entry only the checkpoint has (an optimizer's
+    per-parameter state that a fresh optimizer's ``state_dict()`` lacks, a key a dict gained in training) is
+    added, its tensors the new ones in ``tensors`` (by name).
     Statefuls and the dicts whose ids are in ``skip`` (captured optimizer state dicts) are restored by their
     own ``load_state_dict`` and left alone. The optimizer state dicts restored by value are appended to the
     list ``optimizer_dicts``. Returns what belongs where ``target`` was."""
@@ -627,6 +625,7 @@ def restore_by_value(target: Any, saved: Any, tensors: dict, skip: Any = frozens
         if isinstance(s, (list, tuple)) and type(s) is not _Size and isinstance(cur, (list, tuple)) \
                 and type(cur) is not _Size:
             items = [merge(c, v, _child(name, i)) for i, (c, v) in enumerate(zip(cur, s))]
+            items += [rebuild_named(v, _child(name, i), tensors) for i, v in enumerate(s) if i >= len(cur)]
             if isinstance(cur, list) and isinstance(s, list):
                 cur[:] = items
                 return cur
