@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import operator
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["DataPosition"]
+__all__ = ["DataPosition", "PositionedBatches"]
 
 
 # id of the state dict each DataPosition handed out last -> that DataPosition, which keeps the dict alive (so
@@ -75,24 +75,32 @@ class DataPosition:
         while num_epochs is None or self.epoch < num_epochs:
             yield self.epoch
 
-    def iterate(self, loader: Iterable) -> Iterator[Any]:
-        """The current epoch's batches of ``loader`` that were not consumed yet; then the next epoch begins."""
-        epoch = self.epoch
-        skip = self.batches
-        it = iter(loader)
-        for skipped in range(skip):
-            try:
-                next(it)
-            except StopIteration:
-                raise InvalidArgumentError(
-                    f"DataPosition: epoch {epoch} was saved after {skip} batches, but the loader yields only "
-                    f"{skipped}: the dataset, batch size or sampler differs from the run that saved it"
-                ) from None
-        for batch in it:
-            self.batches += 1
-            yield batch
-        self.epoch = epoch + 1
-        self.batches = 0
+    def iterate(self, loader: Iterable) -> PositionedBatches:
+        """The current epoch's batches of ``loader`` that were not consumed yet; then the next epoch begins.
+        ``iter()`` of the result calls ``iter(loader)`` (so it can be handed to ``overlapped_start``, which
+        calls it on the calling thread); the skipping happens at the first ``next()``."""
+        return PositionedBatches(self, loader, num_epochs=None, set_epoch=None, one_epoch=True)
+
+    def stream(
+        self,
+        loader: Iterable,
+        num_epochs: int | None = None,
+        *,
+        set_epoch: Callable[[int], Any] | None = None,
+    ) -> PositionedBatches:
+        """Every batch left, epoch after epoch, until ``num_epochs`` (forever when None): one iterable for
+        ``overlapped_start`` (docs/startup.md, "With a data position"). Each epoch begins with
+        ``set_epoch(epoch)`` (e.g. ``sampler.set_epoch``: the epoch's order from the epoch) and then
+        ``iter(loader)``; the first epoch's both happen when ``iter()`` is called on the result, which
+        ``overlapped_start`` does on the calling thread before any thread exists, so a DataLoader's workers
+        fork safely and prefetch while the model compiles. After a restore the first ``next()`` skips the
+        batches the saved step had consumed. ``pos.epoch`` tells the loop which epoch a batch came from."""
+        if num_epochs is not None:
+            num_epochs = self._count("num_epochs", num_epochs)
+        if set_epoch is not None and not callable(set_epoch):
+            raise InvalidArgumentError(f"DataPosition.stream set_epoch={set_epoch!r} must be callable, e.g. "
+                                       "sampler.set_epoch")
+        return PositionedBatches(self, loader, num_epochs=num_epochs, set_epoch=set_epoch, one_epoch=False)
 
     def state_dict(self) -> dict:
         state = {"epoch": self.epoch, "batches": self.batches}
@@ -112,3 +120,88 @@ class DataPosition:
 
     def __repr__(self) -> str:
         return f"DataPosition(epoch={self.epoch}, batches={self.batches})"
+
+
+class PositionedBatches:
+    """The batches :meth:`DataPosition.iterate` and :meth:`DataPosition.stream` hand out, counted as they go.
+
+    An iterator whose ``iter()`` starts the loader (``set_epoch``, then ``iter(loader)``) where it is called:
+    ``overlapped_start(model, pos.stream(loader, ...), ...)`` calls it on the calling thread, as it would
+    ``iter(loader)``, and reads ``num_workers`` / ``multiprocessing_context`` from here to know that it forks.
+    ``close()`` shuts the current epoch's worker processes down (a loop that stops early)."""
+
+    def __init__(self, position: DataPosition, loader: Iterable, *, num_epochs: int | None,
+                 set_epoch: Callable[[int], Any] | None, one_epoch: bool):
+        self._pos = position
+        self._loader = loader
+        self._num_epochs = num_epochs
+        self._set_epoch = set_epoch
+        self._one_epoch = one_epoch
+        self._it: Iterator | None = None
+        self._epoch = 0
+        self._skip = 0
+        self._done = False
+
+    # What overlapped_start reads from a loader to decide whether iter() forks (a DataLoader's attributes).
+    @property
+    def num_workers(self) -> int:
+        return getattr(self._loader, "num_workers", 0)
+
+    @property
+    def multiprocessing_context(self) -> Any:
+        return getattr(self._loader, "multiprocessing_context", None)
+
+    def _begin_epoch(self) -> None:
+        if self._it is not None or self._done:
+            return
+        if self._num_epochs is not None and self._pos.epoch >= self._num_epochs:
+            self._done = True
+            return
+        self._epoch = self._pos.epoch
+        self._skip = self._pos.batches
+        if self._set_epoch is not None:
+            self._set_epoch(self._epoch)
+        self._it = iter(self._loader)
+
+    def __iter__(self) -> PositionedBatches:
+        self._begin_epoch()
+        return self
+
+    def __next__(self) -> Any:
+        while True:
+            self._begin_epoch()
+            if self._done:
+                raise StopIteration
+            while self._skip:
+                try:
+                    next(self._it)
+                except StopIteration:
+                    consumed = self._pos.batches
+                    self.close()
+                    raise InvalidArgumentError(
+                        f"DataPosition: epoch {self._epoch} was saved after {consumed} batches, but the loader "
+                        f"yields only {consumed - self._skip}: the dataset, batch size or sampler differs from "
+                        "the run that saved it"
+                    ) from None
+                self._skip -= 1
+            try:
+                batch = next(self._it)
+            except StopIteration:
+                self._it = None
+                self._pos.epoch = self._epoch + 1
+                self._pos.batches = 0
+                if self._one_epoch:
+                    self._done = True
+                continue
+            self._pos.batches += 1
+            return batch
+
+    def close(self) -> None:
+        """Stops: the loader's iterator is dropped and its worker processes shut down."""
+        it, self._it, self._done = self._it, None, True
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if callable(shutdown):
+            shutdown()
+
+    def __repr__(self) -> str:
+        return f"PositionedBatches({self._pos!r}, num_epochs={self._num_epochs})"

@@ -141,7 +141,8 @@ def _iter_forks(loader: Any) -> bool:
 
 
 def _shutdown(iterator: Any) -> None:
-    shutdown = getattr(iterator, "_shutdown_workers", None)
+    # A DataLoader's iterator, or a wrapper that closes one (ettkit.checkpoint.DataPosition.stream's).
+    shutdown = getattr(iterator, "_shutdown_workers", None) or getattr(iterator, "close", None)
     if callable(shutdown):
         shutdown()
 
