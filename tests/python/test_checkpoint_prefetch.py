@@ -79,6 +79,80 @@ def _evict(path, offset=0, length=0):
     pytest.fail(f"{path} [{offset}, {end}) stayed in the page cache after 50 POSIX_FADV_DONTNEED")
 
 
+SMALL_CHUNK = 1 << 20  # the smallest chunk_bytes a manifest may declare (storage.cpp, decode_manifest)
+
+
+def _rechunk(step_dir, chunk=SMALL_CHUNK):
+    """Rewrites `step_dir`'s manifest with `chunk`-byte checksum chunks for its .safetensors files, computed
+    here from the files' bytes. The step stays exactly as valid as the writer left it (sizes and whole-file
+    XXH3 unchanged); the loaders verify against whatever chunk_bytes the manifest says, so a file of a few MiB
+    gets many chunk groups (with the production 32 MiB chunks every file here would have 1 or 2)."""
+    import json
+
+    from ettkit import _C
+
+    manifest = os.path.join(step_dir, "manifest.json")
+    with open(manifest) as f:
+        m = json.load(f)
+    for name, d in m["files"].items():
+        if not name.endswith(".safetensors"):
+            continue
+        with open(os.path.join(step_dir, name), "rb") as f:
+            raw = f.read()
+        assert _C.xxh3_hex(raw) == d["xxh3"]  # the same hash as the writer's
+        d["chunk_bytes"] = chunk
+        d["chunks"] = [_C.xxh3_hex(raw[i:i + chunk]) for i in range(0, len(raw), chunk)]
+    with open(manifest, "r+") as f:  # in place: the file keeps its mode (the memory tier's are 0600)
+        f.truncate()
+        json.dump(m, f)
+    return len(d["chunks"])
+
+
+def _flip_at(path, offset):
+    fd = os.open(path, os.O_RDWR)
+    try:
+        b = os.pread(fd, 1, offset)
+        os.pwrite(fd, bytes([b[0] ^ 0x40]), offset)
+    finally:
+        os.close(fd)
+
+
+class _Pinned:
+    """[offset, offset + length) of a file mapped and mlock()ed for the block: its pages stay in the page
+    cache whatever the machine's memory pressure (posix_fadvise cannot drop them). `locked` is False when
+    RLIMIT_MEMLOCK does not allow it (the caller then cannot assume the range stays cached)."""
+
+    def __init__(self, path, offset, length):
+        import ctypes
+
+        self.path, self.offset, self.length = path, offset, length
+        self.locked = False
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        self._libc.mmap.restype = ctypes.c_void_p
+        self._libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                    ctypes.c_long]
+        self._libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        self._libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        self._addr = None
+
+    def __enter__(self):
+        import ctypes
+        import mmap
+
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            addr = self._libc.mmap(None, self.length, mmap.PROT_READ, mmap.MAP_SHARED, fd, self.offset)
+        finally:
+            os.close(fd)
+        assert addr not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+        self._addr = addr
+        self.locked = self._libc.mlock(addr, self.length) == 0  # faults every page in, and keeps it
+        return self
+
+    def __exit__(self, *exc):
+        self._libc.munmap(self._addr, self.length)  # unlocks too
+
+
 def _needs_a_disk_backed_file_system(path):
     """tmpfs keeps its pages whatever posix_fadvise says: the tests that evict need a disk-backed file system."""
     import subprocess
@@ -159,21 +233,59 @@ def test_a_file_changed_and_dropped_from_the_page_cache_after_the_prefetch_is_ca
 
 
 def test_only_the_chunks_that_left_the_page_cache_are_hashed_again(tmp_path):
+    # Chunk 0 is pinned in the page cache (mlock) and every other chunk is evicted (checked with mincore): the
+    # load must hash exactly the evicted ones again. Without the pin, a busy machine may drop chunk 0 too, and
+    # the load would rightly hash it again as well (the figure then depends on memory pressure, not the code).
     _needs_a_disk_backed_file_system(tmp_path)
     d = str(tmp_path / "ck")
-    n = 9 << 20
+    n = 2 << 20  # 8 MiB of float32: 8 chunks of 1 MiB once rechunked
     with AsyncCheckpointer(d, keep_last=3, recorder=None, preempt_signals=()) as ck:
         ck.save(2, _state(2, n)).wait()
+    assert _rechunk(os.path.join(d, "step-2")) >= 8
     data = _data_file(d, 2)
     size = os.path.getsize(data)
-    with _reader(d) as r:
+    with _reader(d) as r, _Pinned(data, 0, SMALL_CHUNK) as pin:
         r.prefetch()
         r.wait_prefetch()
-        _evict(data, CHUNK, 0)  # the second chunk only
+        _evict(data, SMALL_CHUNK, 0)  # every chunk but the first
         target = _zeros(n)
         assert r.load_latest(target) == (2, None)
-        assert r.restore_prefetched == {"reverified_bytes": size - CHUNK}
+        reverified = r.restore_prefetched["reverified_bytes"]
+        if pin.locked:
+            assert reverified == size - SMALL_CHUNK
+        else:  # RLIMIT_MEMLOCK refused the pin: chunk 0 may have left the cache as well
+            assert reverified in (size - SMALL_CHUNK, size), (reverified, size)
         assert torch.equal(target["w"], _state(2, n)["w"])
+
+
+@pytest.mark.parametrize("tier", ["disk", "memory"])
+def test_a_late_chunk_corrupt_before_the_prefetch_is_refused_among_many_chunk_groups(tmp_path, tier):
+    # #48: with <= 2 chunks per file and >= 2 chunks per group, a prefetch that verified only its first group of
+    # chunks passed every test. 12+ chunks of 1 MiB here (7 groups of load_threads=2), the corrupt byte in the
+    # second-to-last one, written before the prefetch (so the page cache holds it, and the load would trust
+    # the prefetch's verdict without hashing anything again).
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    d = str(tmp_path / "ck")
+    n = 3 << 20  # 12 MiB of float32
+    kw = dict(recorder=None, preempt_signals=(), memory_tier=shm, job_id="j", copy_threads=2)
+    ck = AsyncCheckpointer(d, **kw)
+    ck.save(1, _state(1, n)).wait()
+    ck.save(2, _state(2, n), tier=tier).wait()
+    step_dir = os.path.join(ck.memory_tier_directory if tier == "memory" else d, "step-2")
+    ck.close(discard_memory_tier=False)
+    assert _rechunk(step_dir) >= 12
+    data = os.path.join(step_dir, "rank-0.safetensors")
+    _flip_at(data, os.path.getsize(data) - SMALL_CHUNK - SMALL_CHUNK // 2)
+    with AsyncCheckpointer(d, **kw) as r:
+        assert r.prefetch() == ([2, 1] if tier == "memory" else [2])
+        r.wait_prefetch()
+        target = _zeros(n)
+        warning = r"memory tier was not usable \(memory-tier step 2" if tier == "memory" else r"newer steps \[2\]"
+        with pytest.warns(RuntimeWarning, match=warning):
+            assert r.load_latest(target) == (1, None)
+        assert r.restored_from == "disk"
+        assert torch.equal(target["w"], _state(1, n)["w"])
 
 
 def test_a_step_resaved_under_the_same_number_after_the_prefetch_loads_the_new_snapshot(tmp_path):
@@ -249,20 +361,32 @@ def test_memory_tier_prefetch_verifies_the_memory_step_and_a_corrupt_one_moves_o
 
 
 def test_close_during_a_prefetch_returns_and_leaves_the_checkpoint_loadable(tmp_path):
+    # Whatever point the worker has reached when close() comes (not started, between chunk groups, done), the
+    # verdicts here hold: close() returns with nothing running, a later prefetch() is refused, the prefetch
+    # counts only a step it verified whole, and the step stays loadable. None of them depends on where the
+    # worker was, so none can pass or fail by timing. Where the stop lands is pinned deterministically in C++:
+    # check_step_files stops between chunk groups and returns nothing (storage_test.cpp,
+    # CheckStepFilesRefusesEachFaultByNameAndStopsBetweenChunkGroups; integrity_many_chunks_test.cpp, a stop
+    # after the third of 7 groups).
     d = str(tmp_path / "ck")
-    n = 16 << 20  # 64 MiB: the prefetch is still running when close() comes
+    n = 4 << 20  # 16 MiB
     with AsyncCheckpointer(d, recorder=None, preempt_signals=()) as ck:
         ck.save(5, _state(5, n)).wait()
+    assert _rechunk(os.path.join(d, "step-5")) >= 16  # many groups: many points for the stop to land
+    whole = sum(os.path.getsize(os.path.join(d, "step-5", f)) for f in ("rank-0.safetensors", "rank-0.extra"))
     for _ in range(3):
-        r = _reader(d)
-        r.prefetch()
+        r = _reader(d, copy_threads=2)
+        assert r.prefetch() == [5]
         r.close()
         assert r.wait_prefetch(timeout=0)  # nothing runs after close()
+        assert r.prefetch_figures["bytes"] in (0, whole)  # never a partly verified step
         with pytest.raises(ettkit.InvalidArgumentError, match=r"prefetch\(\) after close\(\)"):
             r.prefetch()
-    r = _reader(d)
+    r = _reader(d, copy_threads=2)
     r.prefetch()
-    r.prefetch()  # a second prefetch replaces the first
+    r.prefetch()  # a second prefetch replaces (cancels) the first, at whatever point it was
+    assert r.wait_prefetch()  # the second one runs to its end
+    assert r.prefetch_figures["bytes"] == whole
     target = _zeros(n)
     assert r.load_latest(target) == (5, None) and r.restore_prefetched is not None
     assert torch.equal(target["w"], _state(5, n)["w"])
