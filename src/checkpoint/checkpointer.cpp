@@ -302,6 +302,10 @@ struct AsyncCheckpointer::Impl {
   std::condition_variable cv;
   std::deque<Job> queue;
   int in_flight = 0;
+  // in_flight less the saves whose handle is finished (or about to be): close() records a drain only for
+  // these. in_flight drops after the handle wakes its waiter, so a caller that waited for its save and then
+  // closed could see it still in flight and record a drain of nothing (issue #48, a second drain record).
+  int unfinished = 0;
   bool closing = false;
   uint64_t seq = 0;
   uint64_t load_seq = 0;
@@ -431,6 +435,7 @@ struct AsyncCheckpointer::Impl {
       {
         // Statistics first, so a caller woken by the handle sees them.
         std::lock_guard<std::mutex> lk(mu);
+        --unfinished;
         if (err) {
           ++failed;
           if (torn) ++refused;
@@ -877,6 +882,7 @@ SaveHandle AsyncCheckpointer::save(int64_t step, const NamedTensors& tensors, co
     std::lock_guard<std::mutex> lk(im.mu);
     im.queue.push_back(Job{step, tier, im.seq++, b, snap, extra, hs});
     ++im.in_flight;
+    ++im.unfinished;
     im.last = hs;
     im.active = overlap ? snap : nullptr;
     ++im.blocking_n;
@@ -959,7 +965,7 @@ void AsyncCheckpointer::close(bool discard_memory_tier) {
     std::lock_guard<std::mutex> lk(im.mu);
     if (im.closing && !im.writer.joinable()) return;
     im.closing = true;
-    pending = im.in_flight > 0;
+    pending = im.unfinished > 0;
   }
   const int64_t drain_begin = epoch_us();
   im.cv.notify_all();

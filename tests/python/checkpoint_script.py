@@ -280,7 +280,16 @@ def main() -> int:
                 print("committed", flush=True)
                 return 4
             except ettkit.TornSnapshotError as e:
-                assert ("'w'" in str(e)) == culprit or "refused" in str(e), str(e)
+                # The culprit's own verdict names the tensor; every other rank's names the culprit rank and
+                # quotes that verdict (rank 0 from its vote, the others from rank 0's result), so a rank that
+                # blamed itself, the wrong rank or no tensor fails here.
+                msg = str(e)
+                own = "checkpoint step 2 was refused: 1 saved tensor(s) changed while they were being copied"
+                assert "'w'" in msg, msg
+                if culprit:
+                    assert msg.startswith(own), msg
+                else:
+                    assert f"rank {world - 1}: {own}" in msg and not msg.startswith(own), msg
             target = {"w": torch.zeros(1 << 18)}
             step, _ = ck.load_latest(target)
             assert step == 1, step

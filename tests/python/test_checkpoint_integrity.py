@@ -7,7 +7,6 @@ it byte for byte. A save may be refused (TornSnapshotError); it may never commit
 """
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -131,8 +130,10 @@ def test_in_backward_sparse_update_forced_overlap_never_commits_torn(tmp_path):
     # overlap=True with no fences: the in-backward update races the copy; every save commits the exact
     # state or is refused, never anything else.
     committed, refused, ck = in_backward_training(tmp_path, attach=False, saves=4, overlap=True)
-    assert len(committed) + len(refused) == 4
-    assert ck.saves_refused == len(refused)
+    # in_backward_training checked every committed step byte for byte; the checkpointer's own counts must
+    # agree with what the handles said (a refusal counted as a commit, or lost, fails here). A refused save
+    # is a failed one too.
+    assert (ck.saves_committed, ck.saves_refused, ck.saves_failed) == (len(committed), len(refused), len(refused))
 
 
 # ---- BatchNorm statistics written by the next forward ----------------------------------------------------
@@ -299,18 +300,14 @@ def test_attach_rejects_other_objects(tmp_path):
 
 
 # ---- several ranks: one refusal commits nothing anywhere -------------------------------------------------------
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_refusal_on_one_rank_commits_nothing_on_any_rank(tmp_path, world):
     script = os.path.join(os.path.dirname(__file__), "checkpoint_script.py")
-    port = _free_port()
+    # A file:// rendezvous: no port chosen here and bound later by rank 0, which another test's process
+    # (pytest-xdist) could take in between.
+    init = f"file://{tmp_path}/rdzv"
     procs = [subprocess.Popen([sys.executable, script, "tornrank", str(tmp_path / "ck"), str(r), str(world),
-                               str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(world)]
+                               init], stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(world)]
     outs = [p.communicate(timeout=180) for p in procs]
     for r, (p, (out, err)) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, (r, out.decode(), err.decode()[-3000:])
