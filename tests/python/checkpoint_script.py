@@ -29,6 +29,20 @@ def loop_state(step: int):
             "small": torch.tensor([step, -step], dtype=torch.int32)}
 
 
+def rank0_hosted_store(rank: int, world: int, rdzv_file: str):
+    """A TCPStore hosted by rank 0, as torchrun's rank-0 rendezvous does (its death takes the Store with it),
+    on a port the kernel chose when rank 0 bound it; the other ranks learn the port through a FileStore at
+    `rdzv_file`. No port is chosen before it is bound, so no other process (pytest-xdist) can take it."""
+    import torch.distributed as dist
+
+    boot = dist.FileStore(rdzv_file, world)
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+        boot.set("port", str(store.port))
+        return store
+    return dist.TCPStore("127.0.0.1", int(boot.get("port")), world, is_master=False)
+
+
 def main() -> int:
     mode, path = sys.argv[1], sys.argv[2]
     if mode == "loop":
@@ -206,13 +220,13 @@ def main() -> int:
 
         import torch.distributed as dist
 
-        rank, world, port, victim, store_mode = (int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]),
+        rank, world, rdzv, victim, store_mode = (int(sys.argv[3]), int(sys.argv[4]), sys.argv[5],
                                                  int(sys.argv[6]), sys.argv[7])
-        if store_mode == "launcher":
-            store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
-            dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+        if store_mode == "launcher":  # the test process hosts the Store on the port it bound (rdzv)
+            store = dist.TCPStore("127.0.0.1", int(rdzv), world, is_master=False)
         else:
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+            store = rank0_hosted_store(rank, world, rdzv)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
         state = {"w": torch.full((1 << 16,), float(rank))}
         ck = AsyncCheckpointer(path, recorder=None, keep_last=0, commit_timeout_s=600)
         assert ck.save(1, state).wait()

@@ -45,12 +45,16 @@ def test_random_mix_of_handle_and_checkpointer_calls_from_two_threads(seed):
 
 
 # ---- a peer dies: the survivors fail fast ----------------------------------------------------------------------
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# No port is chosen before it is bound (a port found free and released could be taken by another test's
+# process under pytest-xdist before a rank binds it): the launcher's Store binds port 0 here, rank 0's binds
+# port 0 in rank 0 and tells the others through a FileStore (checkpoint_script.rank0_hosted_store).
+#
+# What "fast" means: the target is 5 s from the death to a survivor's exit (peer_timeout_s=3 plus the heartbeat
+# period, then the interpreter's exit). The bug this guards against is a survivor that does not notice the
+# death and waits for its commit vote's timeout (commit_timeout_s=600 in the script) or the Store's (300 s).
+# 60 s sits far below those and 12x above the target, so a loaded CI machine does not fail it; the measured
+# time is printed.
+FAIL_FAST_BOUND_S = 60.0
 
 
 @pytest.mark.parametrize("world,victim,store_mode", [(2, 1, "rank0"), (3, 2, "rank0"), (3, 1, "launcher"),
@@ -60,12 +64,12 @@ def test_survivors_exit_within_seconds_after_a_peer_dies(tmp_path, world, victim
 
     import torch.distributed as dist
 
-    port = _free_port()
-    server = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False) \
+    server = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False) \
         if store_mode == "launcher" else None
+    rdzv = str(server.port) if server else str(tmp_path / "rdzv")
     path = tmp_path / "ck"
     path.mkdir()
-    procs = {r: subprocess.Popen([sys.executable, SCRIPT, "peerdeath", str(path), str(r), str(world), str(port),
+    procs = {r: subprocess.Popen([sys.executable, SCRIPT, "peerdeath", str(path), str(r), str(world), rdzv,
                                   str(victim), store_mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(world)}
     exited = {}
@@ -74,7 +78,7 @@ def test_survivors_exit_within_seconds_after_a_peer_dies(tmp_path, world, victim
         for r, p in procs.items():
             if r not in exited and p.poll() is not None:
                 exited[r] = time.time()
-        time.sleep(0.01)
+        time.sleep(0.01)  # polling the exits, not a verdict: their times are compared below
     for p in procs.values():
         p.kill()
     outs = {r: p.communicate() for r, p in procs.items()}
@@ -83,11 +87,10 @@ def test_survivors_exit_within_seconds_after_a_peer_dies(tmp_path, world, victim
     for r, p in procs.items():
         if r == victim:
             continue
+        # The script exits 0 only when each of its three saves after the death raised PeerLostError.
         assert p.returncode == 0, (r, outs[r][0], outs[r][1][-3000:])
-        # Target 5 s from the death to the survivor's exit (peer_timeout_s=3 plus the heartbeat period);
-        # the assertion leaves room for a loaded machine.
         print(f"world={world} victim={victim} store={store_mode} rank {r}: exit {exited[r] - death:.2f} s after the death")
-        assert exited[r] - death < 10.0, (r, exited[r] - death)
+        assert exited[r] - death < FAIL_FAST_BOUND_S, (r, exited[r] - death)
     del server
 
 
@@ -97,8 +100,8 @@ def test_every_rank_fails_fast_when_another_job_holds_the_directory(tmp_path, wo
 
     path = tmp_path / "ck"
     with AsyncCheckpointer(path, recorder=None):  # the other job
-        port = _free_port()
-        procs = [subprocess.Popen([sys.executable, SCRIPT, "lockedrank", str(path), str(r), str(world), str(port)],
+        init = f"file://{tmp_path}/rdzv"  # no port to race for (see above)
+        procs = [subprocess.Popen([sys.executable, SCRIPT, "lockedrank", str(path), str(r), str(world), init],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
         outs = [p.communicate(timeout=120) for p in procs]
     for r, (p, (out, err)) in enumerate(zip(procs, outs)):
