@@ -13,6 +13,7 @@ import pytest
 from ettkit import sharding as S
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
+from torchrec_gate import import_torchrec
 
 
 def torchrec_json_32_ranks() -> dict:
@@ -218,7 +219,9 @@ def test_placement_rank_quirk_uses_ranks(caplog):
 
 
 def test_real_torchrec_plan_when_installed():
-    trec = pytest.importorskip("torchrec.distributed.sharding_plan")
+    # torchrec_gate: a skip where TorchRec is not expected, a failure where `make build` installed it.
+    import_torchrec()
+    import torchrec.distributed.sharding_plan as trec
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder  # noqa: F401
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
