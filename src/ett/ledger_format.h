@@ -9,6 +9,8 @@
 //   config   {key, value}
 //   dropped  {n, ts}                                    events lost to a full queue (running total)
 //   end      {ts, status:"clean"|"exception"|"signal", detail}
+//   process_exit {ts, attempt, pid}                      the closing process's last instant (written at exit,
+//                                                       after the end record; absent after os._exit or a kill)
 
 #include <cstddef>
 #include <string_view>

@@ -174,6 +174,15 @@ RecordOutcome read_record(const Record& rec, std::string_view type, int rank, co
     a.last_ts = std::max(a.last_ts, a.end_ts);
     a.status = std::string(rec.string("status").value_or("clean"));
     a.detail = std::string(rec.string("detail").value_or(""));
+  } else if (type == "process_exit") {
+    // Written by the exit hook of the process that closed attempt `attempt` (recorder.cpp). It belongs to
+    // that attempt only: a record naming another attempt or process (a line appended out of place) is
+    // skipped rather than stretching an attempt it does not describe.
+    const int64_t ts = req_time(rec, "ts");
+    const int64_t attempt = req_int(rec, "attempt");
+    const int64_t pid = rec.integer("pid").value_or(-1);
+    if (attempt != a.attempt || (a.pid >= 0 && pid >= 0 && pid != a.pid)) return RecordOutcome::kSkipped;
+    a.process_exit_ts = std::max(a.process_exit_ts.value_or(ts), ts);
   } else {
     // An unknown record type of a known version: written by a newer minor ettkit; skip quietly.
     return RecordOutcome::kSkipped;

@@ -48,6 +48,9 @@ struct AttemptLedger {
   int64_t end_ts = 0;
   std::string status;         // "clean" | "exception" | "signal" (when has_end)
   std::string detail;
+  // The process_exit record of the process that recorded this attempt: the last instant of that process
+  // (after interpreter and process-group teardown), later than end_ts. Empty when it was not written.
+  std::optional<int64_t> process_exit_ts;
   uint64_t dropped = 0;
   int64_t pid = -1;           // the recording process (attempt record), -1 when unknown
   std::string host;

@@ -172,6 +172,76 @@ std::vector<LauncherPhase> parse_launcher_phases(std::string_view json, std::str
   return out;
 }
 
+// ---- the process_exit record ---------------------------------------------------------------------------
+// A clean attempt does not end when its recorder closes: the interpreter, the process group and the
+// libraries still tear down (seconds; minutes for NCCL on large jobs). The process's last instant is
+// appended to the ledger of every attempt this process closed, by a hook that runs as late as a process
+// that exits normally allows: an ELF destructor of this library, which the dynamic loader runs after
+// Python's finalization, every atexit handler and every C++ static destructor. It needs neither Python nor
+// the Recorder (closed and destroyed by then): only what close() registered below. A process that is
+// killed or leaves by _exit() (os._exit, a forked multiprocessing worker) writes none; the report then
+// ends the attempt at its end record, as before.
+
+struct ClosedLedger {
+  std::string path;  // absolute: the process may change directory before it exits
+  int attempt = 0;
+  pid_t pid = 0;     // the process that closed it: a forked child that exits must not write for its parent
+};
+
+// Leaked on purpose: a static container would be destroyed before the ELF destructor that reads it runs.
+struct ClosedLedgers {
+  std::mutex mutex;
+  std::vector<ClosedLedger> entries;  // one per ledger path (its latest attempt), oldest first
+};
+ClosedLedgers& closed_ledgers() {
+  static auto* ledgers = new ClosedLedgers();
+  return *ledgers;
+}
+// A process that closes recorders on many run directories (a test suite) pays at most this many open(2)s at
+// exit; the oldest entries go first.
+constexpr size_t kMaxClosedLedgers = 64;
+
+void remember_closed_ledger(const std::string& ledger_path, int attempt) {
+  std::error_code ec;
+  fs::path path = fs::absolute(ledger_path, ec);
+  if (ec) return;  // no process_exit record rather than one in the wrong file
+  ClosedLedgers& ledgers = closed_ledgers();
+  std::lock_guard lock(ledgers.mutex);
+  auto& entries = ledgers.entries;
+  std::erase_if(entries, [&](const ClosedLedger& e) { return e.path == path.string(); });
+  if (entries.size() >= kMaxClosedLedgers) entries.erase(entries.begin());
+  entries.push_back({path.string(), attempt, ::getpid()});
+}
+
+// The line `{"v":1,"t":"process_exit","ts":...,"attempt":...,"pid":...}` for an entry.
+std::string process_exit_line(const ClosedLedger& entry, int64_t ts) {
+  std::string line;
+  open_record(line, "process_exit");
+  append_int(line, "ts", ts);
+  append_int(line, "attempt", entry.attempt);
+  append_int(line, "pid", entry.pid);
+  line += "}\n";
+  return line;
+}
+
+__attribute__((destructor)) void write_process_exit_records() {
+  ClosedLedgers& ledgers = closed_ledgers();
+  // try_lock: a thread that held the lock when exit() began must not hang the process's exit.
+  if (!ledgers.mutex.try_lock()) return;
+  std::lock_guard lock(ledgers.mutex, std::adopt_lock);
+  const pid_t self = ::getpid();
+  const int64_t ts = epoch_us();
+  for (const auto& entry : ledgers.entries) {
+    if (entry.pid != self) continue;
+    // Never created, never through a link: a ledger removed or replaced since close() gets nothing.
+    const int fd = ::open(entry.path.c_str(), O_WRONLY | O_APPEND | O_CLOEXEC | O_NOFOLLOW);
+    if (fd < 0) continue;
+    const std::string line = process_exit_line(entry, ts);
+    write_all(fd, line.data(), line.size());  // one write(2) of one whole line, as every record
+    ::close(fd);
+  }
+}
+
 }  // namespace
 
 // ------------------------------------------------------------------------------------------------------
@@ -597,6 +667,8 @@ void Recorder::close(EndStatus status, std::string_view detail) {
   }
   if (finished) {
     im.writer.join();
+    // After the end record: the exit hook appends this process's last instant behind it.
+    remember_closed_ledger(im.ledger_path, im.attempt);
   } else {
     // The writer is stuck (e.g. a hung network file system). Shutdown must stay bounded: let it go; it
     // owns a reference to its state, so detaching is safe.

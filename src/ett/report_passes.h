@@ -68,6 +68,9 @@ struct RankAttempt {
   int64_t begin = 0;        // earliest record (scheduling included)
   int64_t alloc_begin = 0;  // earliest record excluding scheduling
   int64_t end = 0;
+  // Where the process's teardown begins (its end record) when its process_exit record extends `end`: the
+  // interval [teardown_begin, end) is the shutdown sub-stage phase::kProcessTeardown. Clean attempts only.
+  std::optional<int64_t> teardown_begin;
   bool failed = false;
   int64_t failure_point = 0;  // last activity (failed attempts)
   std::optional<int64_t> first_training;

@@ -47,6 +47,48 @@ std::string exception_type_of(const std::string& detail) {
 }
 
 
+// A rank of a failed attempt, as cause_of_failure() weighs it.
+struct FailedRank {
+  const AttemptLedger* ledger;
+  int64_t failure_point;  // its last activity (RankAttempt::failure_point)
+  int rank;
+};
+
+// A death without an end record (killed) or by a signal is a cause from outside the job; an exception on
+// another rank at about the same time is usually its consequence (gloo's "Connection reset by peer", NCCL's
+// "remote process exited"). An exception counts as raised after the death unless it was recorded more than
+// this long before the dead rank's last sign of life: ranks on one host share a clock, and NTP keeps hosts'
+// clocks within a few milliseconds of each other.
+constexpr int64_t kPeerClockSkewUs = 5000;
+
+bool died_from_outside(const AttemptLedger& a) { return !a.has_end || a.status == "signal"; }
+
+// The last instant the rank is known to have been alive: its end record (it recorded its own end), else its
+// latest record of any kind (heartbeats included: a killed rank died after it).
+int64_t last_alive(const AttemptLedger& a) { return a.has_end ? a.end_ts : a.last_ts; }
+
+// Which failed rank names the failure of an attempt (docs/ett.md §7, "failure category"). Within each
+// group (deaths from outside; exceptions and other statuses) the rank that stopped making progress first,
+// lowest rank on a tie. Then the death from outside wins over the exception unless the exception was
+// recorded while the dead rank was demonstrably still alive (by more than kPeerClockSkewUs). The choice
+// depends only on the records, never on which file or rank is read first.
+const AttemptLedger* cause_of_failure(const std::vector<FailedRank>& ranks) {
+  const FailedRank* outside = nullptr;
+  const FailedRank* other = nullptr;
+  auto earlier = [](const FailedRank& x, const FailedRank* y) {
+    return y == nullptr || x.failure_point < y->failure_point ||
+           (x.failure_point == y->failure_point && x.rank < y->rank);
+  };
+  for (const auto& r : ranks) {
+    const FailedRank*& slot = died_from_outside(*r.ledger) ? outside : other;
+    if (earlier(r, slot)) slot = &r;
+  }
+  if (outside == nullptr) return other->ledger;
+  if (other == nullptr) return outside->ledger;
+  const bool raised_while_alive = last_alive(*other->ledger) + kPeerClockSkewUs < last_alive(*outside->ledger);
+  return raised_while_alive ? other->ledger : outside->ledger;
+}
+
 // A coalescing appender for segments with buckets.
 void append_coalesced(std::vector<Segment>& out, Segment seg) {
   if (!out.empty() && out.back().e == seg.b && out.back().name == seg.name && out.back().kind == seg.kind &&
@@ -184,6 +226,12 @@ void collect_attempts(Analysis& an) {
       ra.begin = begin;
       ra.alloc_begin = alloc;
       ra.end = a.has_end ? std::max(a.end_ts, a.last_ts) : a.last_ts;
+      // A clean attempt's process lives on after its recorder closed (interpreter and process-group
+      // teardown): its process_exit record extends the attempt to the process's end, as shutdown.
+      if (a.has_end && a.status == "clean" && a.process_exit_ts && *a.process_exit_ts > ra.end) {
+        ra.teardown_begin = ra.end;
+        ra.end = *a.process_exit_ts;
+      }
       ra.failed = a.has_end ? a.status != "clean" : !a.running;
       ra.failure_point = a.activity_end > 0 ? a.activity_end : ra.begin;
       vec.push_back(std::move(ra));
@@ -196,20 +244,24 @@ void collect_attempts(Analysis& an) {
       if (!job.restart_count && a.restart_count) job.restart_count = a.restart_count;
     }
   }
-  // Job failure status: the first rank to stop making progress names the failure.
+  // Job failure status: the failure point is the first rank to stop making progress; the cause is chosen
+  // by cause_of_failure(), independent of which rank's last record happened to come first.
+  std::map<int, std::vector<FailedRank>> failed_ranks;  // attempt -> its failed ranks, in rank order
   for (auto& [rank, vec] : per_rank) {
     for (auto& ra : vec) {
-      JobAttempt& job = jobs[ra.ledger->attempt];
       if (!ra.failed) continue;
-      if (!job.failed || ra.failure_point < *job.failure_point) {
-        job.failed = true;
-        job.failure_point = ra.failure_point;
-        const auto& a = *ra.ledger;
-        job.status = !a.has_end ? "killed" : a.status;
-        job.detail = a.detail;
-        job.exception_type = a.status == "exception" ? exception_type_of(a.detail) : "";
-      }
+      JobAttempt& job = jobs[ra.ledger->attempt];
+      if (!job.failed || ra.failure_point < *job.failure_point) job.failure_point = ra.failure_point;
+      job.failed = true;
+      failed_ranks[ra.ledger->attempt].push_back({ra.ledger, ra.failure_point, rank});
     }
+  }
+  for (auto& [attempt, ranks] : failed_ranks) {
+    JobAttempt& job = jobs[attempt];
+    const AttemptLedger& a = *cause_of_failure(ranks);
+    job.status = !a.has_end ? "killed" : a.status;
+    job.detail = a.detail;
+    job.exception_type = a.status == "exception" ? exception_type_of(a.detail) : "";
   }
   // An attempt still in progress (read_for_report) that no rank has failed yet.
   for (auto& [rank, vec] : per_rank) {
@@ -249,6 +301,10 @@ void flatten_rank_timelines(Analysis& an) {
           items.push_back(
               {*ra.proc_start, a.ts, std::string(phase::kProcessBootstrap), Kind::kPhase, Layer::kFiller});
         }
+      }
+      if (ra.teardown_begin) {
+        items.push_back({*ra.teardown_begin, ra.end, std::string(phase::kProcessTeardown), Kind::kPhase,
+                         Layer::kPhase});
       }
       int64_t attempt_max = INT64_MIN;
       for (const auto& s : a.steps) {

@@ -25,6 +25,9 @@ inline constexpr std::string_view kTraining = "training";
 inline constexpr std::string_view kWastedTraining = "wasted_training";
 inline constexpr std::string_view kCheckpointBlocking = "checkpoint_blocking";
 inline constexpr std::string_view kShutdown = "shutdown";
+// Sub-stage the report derives for a clean attempt's process teardown: from its end record to the process's
+// process_exit record (interpreter finalization, process-group and library teardown after the recorder closed).
+inline constexpr std::string_view kProcessTeardown = "shutdown/process_teardown";
 // Background track (does not block training; drawn on its own trace track).
 inline constexpr std::string_view kCheckpointPersist = "checkpoint_persist";
 inline constexpr std::string_view kCheckpointMemoryPersist = "checkpoint_memory_persist";

@@ -55,6 +55,10 @@ _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_C
 # What a piece of owned time is (report.cpp's Kind) and which record wins where records overlap (Layer).
 _PHASE, _TRAINING, _WASTED, _UNATTRIBUTED, _LOST = range(5)
 _FILLER, _STEP, _PHASE_LAYER = range(3)
+_PROCESS_TEARDOWN = "shutdown/process_teardown"  # phase::kProcessTeardown
+# report_timeline.cpp kPeerClockSkewUs: how far an exception may be recorded before a dead peer's last sign of
+# life and still count as that death's consequence.
+_PEER_CLOCK_SKEW_US = 5000
 
 _EFFECTIVE, _IDLE, _FAILURE, _UNATTRIBUTED_BUCKET = "effective", "idle", "failure", "unattributed"
 _BASE_BUCKET = {_PHASE: _IDLE, _TRAINING: _EFFECTIVE, _WASTED: _FAILURE, _UNATTRIBUTED: _UNATTRIBUTED_BUCKET,
@@ -231,7 +235,7 @@ class _Attempt:
     its timeline)."""
 
     __slots__ = ("number", "ts", "proc_start", "floor", "begin", "alloc_begin", "last_ts", "activity_end",
-                 "has_end", "status", "detail", "max_step", "last_step", "has_bootstrap", "timeline", "first")
+                 "has_end", "end_ts", "pid", "status", "detail", "max_step", "last_step", "has_bootstrap", "timeline", "first")
 
     def __init__(self, number: int, ts: int, proc_start: Optional[int], floor: Optional[int],
                  first: bool) -> None:
@@ -245,6 +249,8 @@ class _Attempt:
         self.last_ts = ts
         self.activity_end = 0
         self.has_end = False
+        self.end_ts = 0
+        self.pid: Optional[int] = None  # the recording process (attempt record)
         self.status = "clean"
         self.detail = ""
         self.max_step: Optional[int] = None
@@ -605,12 +611,25 @@ class LiveLedger:
         elif t == "end":
             ts = _time(doc, "ts")
             a.has_end = True
+            a.end_ts = ts
             if ts > a.last_ts:
                 a.last_ts = ts
             status = doc.get("status")
             detail = doc.get("detail")
             a.status = status if type(status) is str else "clean"
             a.detail = detail if type(detail) is str else ""
+        elif t == "process_exit":
+            ts = _time(doc, "ts")
+            number = _integer(doc, "attempt")
+            pid = doc.get("pid")
+            if number != a.number or (type(pid) is int and a.pid is not None and pid != a.pid):
+                return  # another attempt's or process's line: skipped, as by the report
+            # report.cpp: a clean attempt lasts until its process exits; the teardown after the end record
+            # is the shutdown sub-stage.
+            if a.has_end and a.status == "clean" and ts > a.last_ts:
+                if a.timeline is not None:
+                    self._add(a, a.timeline, a.last_ts, ts, _PHASE_LAYER, _PROCESS_TEARDOWN, _PHASE)
+                a.last_ts = ts
         else:
             return  # an unknown type of a known version (a newer minor release): skipped, as by the report
         self.records += 1
@@ -665,6 +684,8 @@ class LiveLedger:
                 floor = prev.last_ts
                 proc_start = max(proc_start, floor)
         a = _Attempt(number, ts, proc_start, floor, first=prev is None)
+        pid = doc.get("pid")
+        a.pid = pid if type(pid) is int and pid >= 0 else None
         if self._latest_attempt is None or number > self._latest_attempt:
             self._latest_attempt = number
         if rf.timeline:
@@ -862,25 +883,40 @@ class LiveLedger:
 
     def _jobs(self) -> dict[int, dict]:
         """The job view of each attempt number over every rank: failed (any rank failed in it), its failure
-        point (the earliest failed rank's last activity) and category, as report.cpp decides them."""
+        point (the earliest failed rank's last activity) and category, as report.cpp decides them (its
+        cause_of_failure(): a death from outside, killed or by a signal, names the failure unless a peer's
+        exception was recorded while it was demonstrably still alive)."""
         jobs: dict[int, dict] = {}
+        groups: dict[int, tuple[list, list]] = {}  # attempt -> (deaths from outside, other failed ranks)
         for rf in sorted(self._files.values(), key=lambda r: r.rank):
             for a in rf.attempts:
                 job = jobs.setdefault(a.number, {"failed": False, "failure_point": None, "category": None})
-                rank_failed = self._rank_failed(a)
-                if not rank_failed:
+                if not self._rank_failed(a):
                     continue
                 point = a.failure_point()
                 if not job["failed"] or point < job["failure_point"]:
-                    job["failed"] = True
                     job["failure_point"] = point
-                    if not a.has_end:
-                        job["category"] = "killed"
-                    elif a.status == "exception":
-                        sep = a.detail.find(": ")
-                        job["category"] = "exception:" + (a.detail if sep < 0 else a.detail[:sep])
-                    else:
-                        job["category"] = a.status
+                job["failed"] = True
+                outside = not a.has_end or a.status == "signal"
+                groups.setdefault(a.number, ([], []))[0 if outside else 1].append((point, rf.rank, a))
+        for number, (outside, other) in groups.items():
+            first_outside = min(outside, key=lambda x: x[:2], default=None)
+            first_other = min(other, key=lambda x: x[:2], default=None)
+            cause = first_outside or first_other
+            if first_outside is not None and first_other is not None:
+                dead, raised = first_outside[2], first_other[2]
+                dead_alive = dead.end_ts if dead.has_end else dead.last_ts
+                if raised.end_ts + _PEER_CLOCK_SKEW_US < dead_alive:
+                    cause = first_other
+            a = cause[2]
+            if not a.has_end:
+                category = "killed"
+            elif a.status == "exception":
+                sep = a.detail.find(": ")
+                category = "exception:" + (a.detail if sep < 0 else a.detail[:sep])
+            else:
+                category = a.status
+            jobs[number]["category"] = category
         return jobs
 
     @staticmethod

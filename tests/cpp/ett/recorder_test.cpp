@@ -6,6 +6,8 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
+#include <cstdlib>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
@@ -354,6 +356,47 @@ TEST(CurrentRecorder, AForkedChildStartsWithAnEmptyStack) {
   ASSERT_EQ(::waitpid(pid, &status, 0), pid);
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
   EXPECT_EQ(current_recorder(), &rec);
+}
+
+// Issue #47 item 7: after close(), the process's last instant is appended as a process_exit record by an
+// exit hook that runs after every atexit handler (here one that sleeps 300 ms, standing for interpreter and
+// process-group teardown). A forked child writes only for the recorders it closed itself.
+TEST(Recorder, ProcessExitIsRecordedAfterAtexitTeardownByTheClosingProcessOnly) {
+  TempDir parent_dir;
+  TempDir child_dir;
+  {
+    Recorder rec(opts(parent_dir));
+    rec.step(0);
+  }  // closed in this process: its process_exit comes when this test binary exits, not the child
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    int code = 1;
+    try {
+      Recorder rec(opts(child_dir));
+      rec.step(0);
+      rec.close();
+      code = 0;
+    } catch (...) {
+    }
+    std::atexit([] { std::this_thread::sleep_for(std::chrono::milliseconds(300)); });
+    std::exit(code);  // a normal exit: atexit handlers, then the ELF destructors
+  }
+  ASSERT_GT(pid, 0);
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  const std::string child_ledger = (child_dir.path() / "ett" / "rank-0.jsonl").string();
+  auto ends = records(child_ledger, "end");
+  auto exits = records(child_ledger, "process_exit");
+  ASSERT_EQ(ends.size(), 1u);
+  ASSERT_EQ(exits.size(), 1u);
+  EXPECT_EQ(exits[0]["attempt"], 0);
+  EXPECT_EQ(exits[0]["pid"], static_cast<int64_t>(pid));
+  // At least the 300 ms the atexit handler slept after close().
+  EXPECT_GE(exits[0]["ts"].get<int64_t>() - ends[0]["ts"].get<int64_t>(), 300'000);
+  EXPECT_EQ(records(child_ledger).back()["t"], "process_exit");  // the ledger's last line
+  // The child inherited the parent's closed ledger but is not the process that closed it.
+  EXPECT_TRUE(records((parent_dir.path() / "ett" / "rank-0.jsonl").string(), "process_exit").empty());
 }
 
 TEST(CurrentRecorder, ThreadsSeeOneStack) {

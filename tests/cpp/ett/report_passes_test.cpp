@@ -81,14 +81,18 @@ TEST(ReportPasses, FlattenGivesTheInnermostIntervalItsTimeAndFillsGaps) {
   EXPECT_EQ(segs[5].e, 15);
 }
 
+// The failure point is the first rank to stop; an exception raised while the other rank was still
+// demonstrably alive (it recorded a step 8 s later) names the failure. Times in seconds here: the cause rule
+// allows 5 ms of clock skew (cause_of_failure()).
 TEST(ReportPasses, CollectAttemptsNamesTheFirstRankToStopAsTheFailure) {
+  constexpr int64_t kS = 1'000'000;
   LedgerBuilder l;
   auto& r0 = l.attempt(0, 0, 0);
-  l.step(r0, 1, 0, 10);
-  l.step(r0, 2, 10, 20);  // killed later: no end record
+  l.step(r0, 1, 0, 10 * kS);
+  l.step(r0, 2, 10 * kS, 20 * kS);  // killed later: no end record
   auto& r1 = l.attempt(1, 0, 0);
-  l.step(r1, 1, 0, 10);
-  l.end(r1, 12, "exception");
+  l.step(r1, 1, 0, 10 * kS);
+  l.end(r1, 12 * kS, "exception");
   r1.detail = "ValueError: boom";
   Analysis an;
   an.set = &l.set;
@@ -96,9 +100,29 @@ TEST(ReportPasses, CollectAttemptsNamesTheFirstRankToStopAsTheFailure) {
   ASSERT_EQ(an.jobs.size(), 1u);
   const JobAttempt& job = an.jobs.at(0);
   EXPECT_TRUE(job.failed);
-  EXPECT_EQ(*job.failure_point, 10);  // rank 1 stopped first, at its last activity
+  EXPECT_EQ(*job.failure_point, 10 * kS);  // rank 1 stopped first, at its last activity
   EXPECT_EQ(job.status, "exception");
   EXPECT_EQ(job.exception_type, "ValueError");
+}
+
+// Issue #47 item 6, at the pass itself: the killed rank's last record comes 0.5 ms after the survivor's
+// last activity and 0.4 ms before the survivor's exception. The old rule (first rank to stop names it)
+// said exception:ValueError; the kill is the cause. The failure point is still the first rank to stop.
+TEST(ReportPasses, CollectAttemptsNamesAKilledRankOverAPeersLaterException) {
+  LedgerBuilder l;
+  auto& r0 = l.attempt(0, 0, 0);
+  l.step(r0, 1, 0, 10'000'500);  // killed: no end record
+  auto& r1 = l.attempt(1, 0, 0);
+  l.step(r1, 1, 0, 10'000'000);
+  l.end(r1, 10'000'900, "exception");
+  r1.detail = "RuntimeError: Connection closed by peer";
+  Analysis an;
+  an.set = &l.set;
+  collect_attempts(an);
+  const JobAttempt& job = an.jobs.at(0);
+  EXPECT_EQ(*job.failure_point, 10'000'000);
+  EXPECT_EQ(job.status, "killed");
+  EXPECT_EQ(job.exception_type, "");
 }
 
 TEST(ReportPasses, TheJobTimelineTakesTheMostSevereRankAndCoversE2E) {

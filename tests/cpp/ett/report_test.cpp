@@ -571,5 +571,84 @@ TEST(Report, ARunWithoutAMemoryTierHasOnlyTheDiskTierAndConfiguredIntervalsPerTi
   EXPECT_TRUE(r2["recoveries"].empty());
 }
 
+// Issue #47 item 6: rank `killed` is SIGKILLed after its last step at 10 s (no end record); the other
+// rank's collective fails with gloo's error. Which rank's last record comes first is a sub-millisecond
+// race, and with it (old rule: the first rank to stop names the failure) the category flipped between
+// killed and exception:RuntimeError. Every order, and an exception recorded up to 1 ms before the killed
+// rank's last record (clocks of two hosts), reports killed.
+TEST(Report, AKilledRankNamesTheFailureWhicheverLastRecordCameFirst) {
+  const std::string gloo = "RuntimeError: [gloo/transport/tcp/pair.cc:534] Connection closed by peer";
+  struct Race {
+    double survivor_last, survivor_end;
+  };
+  for (int killed : {0, 1}) {
+    for (Race race : {Race{9.9995, 10.0009}, Race{10.0005, 10.0009}, Race{9.9995, 9.9991}, Race{10.0, 10.0},
+                      Race{9.9991, 10.0001}}) {
+      TempDir dir;
+      for (int rank : {0, 1}) {
+        LedgerFile f(dir, rank);
+        f.attempt(0, 0);
+        for (int n = 0; n < 9; ++n) f.step(n, n, n + 1);
+        f.step(9, 9, rank == killed ? 10.0 : race.survivor_last);
+        if (rank != killed) f.end(race.survivor_end, "exception", gloo);
+      }
+      auto r = report(dir);
+      SCOPED_TRACE("killed rank " + std::to_string(killed) + ", survivor's last step " +
+                   std::to_string(race.survivor_last) + ", its exception " + std::to_string(race.survivor_end));
+      EXPECT_EQ(r["failures_by_category"], json({{"killed", 1}}));
+      EXPECT_EQ(r["attempts"][0]["status"], "killed");
+      EXPECT_TRUE(r["attempts"][0]["exception_type"].is_null());
+    }
+  }
+}
+
+// The converse: an exception recorded while the other rank was demonstrably alive (its heartbeat 1 s later)
+// caused the failure; the launcher's SIGKILL of the other rank is its consequence.
+TEST(Report, AnExceptionRaisedWhileThePeerWasAliveNamesTheFailure) {
+  TempDir dir;
+  LedgerFile(dir, 0).attempt(0, 0).step(0, 0, 10).end(10.5, "exception", "ValueError: bad batch");
+  LedgerFile(dir, 1).attempt(0, 0).step(0, 0, 10).hb(11.5);
+  auto r = report(dir);
+  EXPECT_EQ(r["failures_by_category"], json({{"exception:ValueError", 1}}));
+  EXPECT_EQ(r["attempts"][0]["exception_type"], "ValueError");
+}
+
+// Issue #47 item 7: the process_exit record extends a clean attempt to its process's end, as the shutdown
+// sub-stage process_teardown; it is ignored for another attempt or process, and for a failed attempt.
+TEST(Report, ProcessExitCountsTheTeardownAfterACleanEndAsShutdown) {
+  TempDir dir;
+  LedgerFile f(dir, 0);
+  f.attempt(0, 0).step(0, 0, 10).end(10);
+  f.raw(json({{"v", 1}, {"t", "process_exit"}, {"ts", s(12.5)}, {"attempt", 0}, {"pid", 7}}).dump() + "\n");
+  auto r = report(dir);
+  EXPECT_DOUBLE_EQ(r["e2e_s"], 12.5);
+  EXPECT_DOUBLE_EQ(r["phases"]["shutdown"], 2.5);
+  EXPECT_DOUBLE_EQ(r["substages"]["shutdown/process_teardown"], 2.5);
+  EXPECT_DOUBLE_EQ(r["phases"]["training"], 10.0);
+  EXPECT_DOUBLE_EQ(r["ett_pct"], 80.0);
+
+  // Attempt 1 follows: its teardown is shutdown, not restart_gap; a line naming another attempt is skipped.
+  TempDir two;
+  LedgerFile g(two, 0);
+  g.attempt(0, 0).step(0, 0, 10).end(10);
+  g.raw(json({{"v", 1}, {"t", "process_exit"}, {"ts", s(11)}, {"attempt", 0}}).dump() + "\n");
+  g.attempt(1, 12).step(1, 12, 20).end(20);
+  g.raw(json({{"v", 1}, {"t", "process_exit"}, {"ts", s(30)}, {"attempt", 0}}).dump() + "\n");
+  auto r2 = report(two);
+  EXPECT_DOUBLE_EQ(r2["e2e_s"], 20.0);
+  EXPECT_DOUBLE_EQ(r2["phases"]["shutdown"], 1.0);
+  EXPECT_DOUBLE_EQ(r2["phases"]["restart_gap"], 1.0);
+
+  // A failed attempt keeps its end: the time after it is detect_and_teardown until the next attempt.
+  TempDir failed;
+  LedgerFile h(failed, 0);
+  h.attempt(0, 0).step(0, 0, 10).end(10, "exception", "ValueError: x");
+  h.raw(json({{"v", 1}, {"t", "process_exit"}, {"ts", s(11)}, {"attempt", 0}}).dump() + "\n");
+  h.attempt(1, 12).step(1, 12, 20).end(20);
+  auto r3 = report(failed);
+  EXPECT_FALSE(r3["phases"].contains("shutdown"));
+  EXPECT_DOUBLE_EQ(r3["phases"]["detect_and_teardown"], 2.0);
+}
+
 }  // namespace
 }  // namespace ettkit::ett
