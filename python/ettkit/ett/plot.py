@@ -180,14 +180,13 @@ def figure(reports: dict | Sequence[dict]) -> Figure:
             raise ValueError(NO_TIMELINE)
     scale, unit = time_unit(max(r.get("e2e_s") or 0.0 for r in reports))
     legend: dict[str, Style] = {}
-    for r in reports:  # the legend first: the figure's height makes room for all of its rows
+    for r in reports:
         _legend_entries(r, legend)
-    columns = LEGEND_COLUMNS
-    legend_rows = -(-len(legend) // columns)
     ratios = []
     for r in reports:
         ratios += [0.45 * (len(r.get("ranks") or []) + 1) + 0.5, 0.55]
-    fig = Figure(figsize=(13, 0.9 + sum(ratios) + LEGEND_ROW_IN * legend_rows), layout="constrained")
+    height = 0.9 + sum(ratios)
+    fig = Figure(figsize=(13, height), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(ratios), 1, sharex=True, height_ratios=ratios, squeeze=False)[:, 0]
     for i, r in enumerate(reports):
@@ -197,17 +196,23 @@ def figure(reports: dict | Sequence[dict]) -> Figure:
     axes[0].set_xlim(0, max((r.get("e2e_s") or 0.0) for r in reports) / scale or 1.0)
     handles = [Patch(facecolor=s.color, hatch=s.hatch, edgecolor="black" if s.hatch else s.color, label=label)
                for label, s in sorted(legend.items(), key=lambda kv: (kv[0] != "effective (training)", kv[0]))]
-    # Below the axes in columns, on the figure's full width: a single column beside the axes ran off the
-    # bottom of the page after about a dozen entries.
-    fig.legend(handles=handles, loc="outside lower center", ncols=min(columns, max(1, len(handles))),
+    # Beside the axes in as many columns as the figure's height needs: a single column ran off the bottom
+    # of a one-rank figure after about a dozen entries. The axes give up the width (constrained layout).
+    fig.legend(handles=handles, loc="outside right upper", ncols=legend_columns(len(handles), height),
                fontsize=8, frameon=False)
     return fig
 
 
-# The legend's layout: entries per row (the longest label, "checkpoint persist (background)", fits a quarter of
-# the 13-inch width at font size 8) and the height each row adds to the figure.
-LEGEND_COLUMNS = 5
-LEGEND_ROW_IN = 0.22
+# The pitch of one legend row (8-point text with matplotlib's 0.5 em label spacing is 12 points, 0.17 in; a
+# little more for the hatch patches' edges) and the figure height its border and padding take.
+LEGEND_ROW_IN = 0.2
+LEGEND_MARGIN_IN = 0.3
+
+
+def legend_columns(entries: int, height_in: float) -> int:
+    """How many columns a legend of `entries` rows needs to fit a figure `height_in` inches tall."""
+    rows = max(1, int((height_in - LEGEND_MARGIN_IN) / LEGEND_ROW_IN))
+    return max(1, -(-entries // rows))
 
 
 def _legend_entries(report: dict, legend: dict) -> None:
