@@ -8,10 +8,8 @@ warm-up, and compile caches that make restarts warm. See docs/startup.md.
     spec = startup.BatchSpec({...})                       # or BatchSpec.from_batch(sample, dynamic_dims={"*": 0})
     cache = startup.CompileCache(ckpt_dir / "compile-cache", model=model, spec=spec, precompile=True)
     model, batch, report, batches = startup.overlapped_start(model, loader, spec, loss_fn, cache)
-    for step, batch in enumerate(itertools.chain([batch], batches)):
+    for step, batch in enumerate(itertools.chain([batch], batches)):   # the start saved the cache itself
         train_step(model, batch)
-        if step == 1:
-            cache.save()                                  # forward and backward have compiled
 """
 
 from ..errors import BatchMismatchError, StageError

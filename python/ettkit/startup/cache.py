@@ -20,8 +20,9 @@ finds them. :class:`CompileCache` adds what a training job needs around those tw
   back under ``TORCHINDUCTOR_CACHE_DIR`` at the paths Inductor derives from their source and compiler
   flags, so a kernel whose source and flags match is loaded instead of rebuilt.
 
-Use: ``cache.load()`` before compiling, ``cache.save()`` after the first training steps (when forward and
-backward have compiled; later saves add what later recompiles produced).
+Use: ``cache.load()`` before compiling, ``cache.save()`` once forward and backward have compiled (later saves
+add what later recompiles produced). :func:`ettkit.startup.overlapped_start` does both itself: it saves right
+after its warm compile, on the compile's thread.
 
 The precompiled tier (``precompile=True``, torch >= 2.13): a second file under the same key,
 ``precompiled-<key>.bin``, holds the module's forward and backward compiled ahead of time
