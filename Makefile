@@ -144,3 +144,12 @@ gpu-kit:
 
 clean:
 	rm -rf build
+
+# Named one-line bugs in the integrity paths (the chunk checks of a load, the prefetch, a resharding load,
+# the memory tier, the peer replica's give-back, the commit vote), each applied to a copy of its one file,
+# compiled with build/py's own command and relinked into build/mutation; the tests named for it must fail
+# (tools/mutation_check.py; docs/sanitizers.md, "Mutation check"). MUTATIONS="a b": those only (--list).
+.PHONY: mutation-check
+mutation-check: build
+	$(PY) tools/mutation_check.py --build-dir $(BUILD_DIR) --json build/mutation-check.json \
+	  $(if $(MUTATIONS),--only $(MUTATIONS))
