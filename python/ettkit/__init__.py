@@ -14,6 +14,7 @@ import torch as _torch  # noqa: F401
 
 from . import _logging, errors
 from ._C import WITH_CUDA, __version__
+from .distributed import init_process_group
 from .errors import (
     BatchMismatchError,
     CancelledError,
