@@ -11,6 +11,7 @@ import itertools
 
 import pytest
 
+from ettkit import ett
 from ettkit.ett import plot, projection, table
 
 T0 = 1_700_000_000_000_000
@@ -112,6 +113,7 @@ def test_the_legend_fits_inside_the_figure():
 ])
 def test_durations_are_printed_with_significant_digits(seconds, text):
     assert table.format_duration(seconds) == text
+    assert ett.format_duration(seconds) == text  # public, for scripts that print a report's figures
 
 
 def test_a_sub_millisecond_mean_blocking_prints_in_milliseconds():

@@ -28,6 +28,7 @@ from .fleet import fleet_report, format_fleet
 from .projection import format_projection, project
 from .recorder import Recorder, current, init, phase, step
 from .report import build_report
+from .table import format_duration
 
 try:  # only in a build with CUDA: GPU-side phase timing with CUDA events (include/ettkit/ett/cuda_timer.h)
     from .._C.ett import CudaEventTimer  # noqa: F401
@@ -41,6 +42,7 @@ __all__ = [
     "build_report",
     "current",
     "fleet_report",
+    "format_duration",
     "format_fleet",
     "format_projection",
     "format_report",
