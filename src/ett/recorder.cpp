@@ -175,7 +175,8 @@ std::vector<LauncherPhase> parse_launcher_phases(std::string_view json, std::str
 // ---- the process_exit record ---------------------------------------------------------------------------
 // A clean attempt does not end when its recorder closes: the interpreter, the process group and the
 // libraries still tear down (seconds; minutes for NCCL on large jobs). The process's last instant is
-// appended to the ledger of every attempt this process closed, by a hook that runs as late as a process
+// appended to the ledger of every attempt this process closed since it last constructed a Recorder, by a
+// hook that runs as late as a process
 // that exits normally allows: an ELF destructor of this library, which the dynamic loader runs after
 // Python's finalization, every atexit handler and every C++ static destructor. It needs neither Python nor
 // the Recorder (closed and destroyed by then): only what close() registered below. A process that is
@@ -211,6 +212,14 @@ void remember_closed_ledger(const std::string& ledger_path, int attempt) {
   std::erase_if(entries, [&](const ClosedLedger& e) { return e.path == path.string(); });
   if (entries.size() >= kMaxClosedLedgers) entries.erase(entries.begin());
   entries.push_back({path.string(), attempt, ::getpid()});
+}
+
+// A Recorder constructed after others closed: the process went on to record something else (a notebook's
+// next run, an in-process restart), so its exit no longer ends the attempts it closed before.
+void forget_closed_ledgers() {
+  ClosedLedgers& ledgers = closed_ledgers();
+  std::lock_guard lock(ledgers.mutex);
+  ledgers.entries.clear();
 }
 
 // The line `{"v":1,"t":"process_exit","ts":...,"attempt":...,"pid":...}` for an entry.
@@ -508,6 +517,7 @@ Recorder::Recorder(RecorderOptions options) : impl_(std::make_unique<Impl>()) {
     record_phase(phase_id(phase::kProcessBootstrap), *proc_start, start_us);
   }
   record_launcher_phases(launcher_phases);
+  forget_closed_ledgers();
   // Last: a constructor that throws must not leave a pointer to a dead Recorder in the stack.
   make_current();
 }

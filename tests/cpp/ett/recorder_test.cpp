@@ -360,9 +360,12 @@ TEST(CurrentRecorder, AForkedChildStartsWithAnEmptyStack) {
 
 // Issue #47 item 7: after close(), the process's last instant is appended as a process_exit record by an
 // exit hook that runs after every atexit handler (here one that sleeps 300 ms, standing for interpreter and
-// process-group teardown). A forked child writes only for the recorders it closed itself.
+// process-group teardown). A forked child writes only for the recorders it closed itself, and only for those
+// closed after its last Recorder construction (a recorder it closed before opening another is not ended by
+// its exit).
 TEST(Recorder, ProcessExitIsRecordedAfterAtexitTeardownByTheClosingProcessOnly) {
   TempDir parent_dir;
+  TempDir child_first;
   TempDir child_dir;
   {
     Recorder rec(opts(parent_dir));
@@ -372,6 +375,7 @@ TEST(Recorder, ProcessExitIsRecordedAfterAtexitTeardownByTheClosingProcessOnly) 
   if (pid == 0) {
     int code = 1;
     try {
+      Recorder(opts(child_first)).close();  // the child then moves on to another recorder
       Recorder rec(opts(child_dir));
       rec.step(0);
       rec.close();
@@ -397,6 +401,9 @@ TEST(Recorder, ProcessExitIsRecordedAfterAtexitTeardownByTheClosingProcessOnly) 
   EXPECT_EQ(records(child_ledger).back()["t"], "process_exit");  // the ledger's last line
   // The child inherited the parent's closed ledger but is not the process that closed it.
   EXPECT_TRUE(records((parent_dir.path() / "ett" / "rank-0.jsonl").string(), "process_exit").empty());
+  const std::string first_ledger = (child_first.path() / "ett" / "rank-0.jsonl").string();
+  EXPECT_EQ(records(first_ledger, "end").size(), 1u);
+  EXPECT_TRUE(records(first_ledger, "process_exit").empty());
 }
 
 TEST(CurrentRecorder, ThreadsSeeOneStack) {
