@@ -263,8 +263,16 @@ def _child(variant: str, cfg: dict, data_dir: str, cache_dir: str, out_file: str
     if variant == "sequential":
         out["compile_s"] = durations[0] - steady  # the lazy compile inside the first step
     else:
+        # The start saves the cache itself after a torch.compile (report.cache_save); this later save writes
+        # only what compiled since (the steps' recompiles), so the file was written if either wrote it.
         saved = cache.save()
-        out.update(cache_saved=saved.written, cache_bytes=saved.bytes, cache_stats=cache.stats())
+        at_start = report.cache_save
+        out.update(
+            cache_saved=saved.written or bool(at_start and at_start.written),
+            cache_saved_at_start=None if at_start is None else at_start.written,
+            cache_bytes=saved.bytes if saved.written or at_start is None else at_start.bytes,
+            cache_stats=cache.stats(),
+        )
     with open(out_file, "w") as f:
         json.dump(out, f)
 

@@ -212,6 +212,8 @@ def _fmt(v, unit="", digits=1):
 
 
 def side_by_side(reps: dict) -> list:
+    from ettkit.ett import format_duration  # a sub-millisecond save reads 0.43 ms, not 0.000 s
+
     b, e = reps["baseline"], reps["ettkit"]
 
     def ph(r, name):
@@ -262,8 +264,8 @@ def side_by_side(reps: dict) -> list:
         ),
         (
             "  saves / blocking per save",
-            f"{b['_saves']} / {b['checkpoint_blocking_s']['measured'] / max(b['_saves'], 1):.3f} s",
-            f"{e['_saves']} / {e['checkpoint_blocking_s']['measured'] / max(e['_saves'], 1):.3f} s",
+            f"{b['_saves']} / {format_duration(b['checkpoint_blocking_s']['measured'] / max(b['_saves'], 1))}",
+            f"{e['_saves']} / {format_duration(e['checkpoint_blocking_s']['measured'] / max(e['_saves'], 1))}",
             "",
             0,
         ),

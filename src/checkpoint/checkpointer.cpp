@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <filesystem>
@@ -1629,9 +1630,12 @@ std::optional<LoadResult> AsyncCheckpointer::load_latest(const NamedTensors& ten
     if (out.prefetched) {
       // The restore phase above is only the copy: the note says where the verification went (the report's
       // attempts[].notes), so that a short checkpoint_restore is not read as a load without checksums.
+      // Three significant digits: a sub-millisecond verification reads 0.000433 s, not 0.00043313 s.
+      char seconds[32];
+      std::snprintf(seconds, sizeof seconds, "%.3g", im.prefetch.seconds());
       im.opt.recorder->set_note(
           "restore_prefetch", ettkit::detail::concat("step ", step, " (", tier == Tier::kMemory ? "memory" : "disk",
-                                                     ") verified ahead in ", im.prefetch.seconds(), " s; ",
+                                                     ") verified ahead in ", seconds, " s; ",
                                                      out.prefetch_reverified_bytes, " bytes hashed again at load"));
     }
   };

@@ -1,7 +1,7 @@
 """examples/python/quickstart.py, the README's trainer, under torchrun with a SIGKILL at a random step (#47).
 
 ``test_restart_*``: one job of 2 gloo ranks (``--max-restarts=1``) loses rank 1 to a SIGKILL at a step drawn
-from a seed (``QUICKSTART_SEED``, else a random one; printed), restarts and finishes; an uninterrupted job is
+from a seed (``QUICKSTART_SEED``, else a fixed one so CI is deterministic; printed), restarts and finishes; an uninterrupted job is
 the reference. ``test_*store*``: why a plain ``init_process_group`` cannot rejoin after a torchrun restart,
 and that ``ettkit.init_process_group`` gives each attempt its own keys (deterministic, one process).
 
@@ -87,9 +87,8 @@ def check_restart(job: dict) -> None:
     saves = len(range(EVERY, kill_at + 1, EVERY)) + len(range(restored + EVERY, STEPS + 1, EVERY))
     assert report["checkpoints"]["count"] == saves
     assert report["failures"] == 1 and sum(report["failures_by_category"].values()) == 1
-    # TODO(#47 item 6): the killed rank's cause must win; until then the survivor's gloo error may be
-    # reported first (a sub-millisecond race between the two ranks' last records).
-    assert set(report["failures_by_category"]) <= {"killed", "exception:RuntimeError"}, report["failures_by_category"]
+    # The killed rank's cause wins over the survivor's gloo error, whichever rank's last record came first.
+    assert report["failures_by_category"] == {"killed": 1}, report["failures_by_category"]
     # Time to Recover against the job's own clock: the kill to the last rank's first step after the restart.
     t_kill = next(r["t"] for r in logs[1] if r.get("event") == "kill")
     t_train = max(r["t"] for rank in (0, 1) for r in logs[rank] if r.get("event") == "train_begin" and r["attempt"] == 1)
@@ -98,7 +97,8 @@ def check_restart(job: dict) -> None:
 
 
 def seed_for_test() -> int:
-    return int(os.environ.get("QUICKSTART_SEED", random.SystemRandom().randrange(1 << 30)))
+    # A fixed default keeps CI deterministic; QUICKSTART_SEED (tools/quickstart_soak.sh) explores other steps.
+    return int(os.environ.get("QUICKSTART_SEED", "20261126"))
 
 
 def test_restart_resumes_bit_for_bit_with_the_precompiled_tier(tmp_path):
