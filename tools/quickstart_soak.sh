@@ -8,7 +8,7 @@ n=${1:-10}
 seed=${2:-$RANDOM}
 passed=0
 for ((i = 0; i < n; i++)); do
-  if QUICKSTART_SEED=$((seed + i)) PYTHONPATH="$PWD/python" nice -n 10 .venv/bin/python -m pytest \
+  if QUICKSTART_SEED=$((seed + i)) nice -n 10 .venv/bin/python -m pytest \
       tests/python/test_quickstart.py -q -p no:cacheprovider -s -k bit_for_bit >"/tmp/quickstart_soak.$i.log" 2>&1; then
     passed=$((passed + 1)); echo "run $i (seed $((seed + i))): pass"
   else

@@ -55,8 +55,11 @@ def losses(records: list[dict]) -> dict[int, str]:
 def run_restart(tmp_path, seed: int) -> dict:
     kill_at = random.Random(seed).randint(2, STEPS - 1)
     print(f"quickstart restart: seed {seed}, SIGKILL of rank 1 after step {kill_at}")
-    env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "python"),
-               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    # The workers import the ettkit this test imported (the installed one under make test, a checkout's
+    # python/ in a dev loop), never another copy.
+    pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(ettkit.__file__)))
+    pythonpath = os.pathsep.join([pkg_root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env = dict(os.environ, PYTHONPATH=pythonpath, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
     killed, ref = tmp_path / "killed", tmp_path / "reference"
     torchrun(killed, env, "--kill-at-step", str(kill_at))
     ref.mkdir()

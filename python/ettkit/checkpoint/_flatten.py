@@ -757,7 +757,7 @@ def rebuild_named(skeleton: Any, prefix: str, tensors: dict) -> Any:
             return tensors[name]
         if isinstance(x, dict):
             return {k: build(v, f"{name}.{k}" if name else str(k)) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
+        if isinstance(x, (list, tuple)) and type(x) is not _Size:  # a torch.Size is a value: kept as it is
             items = [build(v, f"{name}.{i}" if name else str(i)) for i, v in enumerate(x)]
             return items if isinstance(x, list) else tuple(items)
         return x
