@@ -32,6 +32,7 @@
 
 #include "checkpoint/restore_prefetch.h"
 #include "checkpoint/storage.h"
+#include "checkpoint/fake_p2p_backend.h"
 #include "ett/test_dir.h"
 #include "ettkit/checkpoint/checkpointer.h"
 #include "ettkit/common/error.h"
@@ -349,61 +350,8 @@ TEST(IntegrityManyChunks, ReshardingLoadRefusesALateCorruptChunkOfAnOldRanksFile
 // ---- peer replica give-back --------------------------------------------------------------------------------
 namespace {
 
-/// Messages between the in-process ranks, in order per (src, dst, tag), like a process group's pairs.
-struct Mailbox {
-  std::mutex mu;
-  std::condition_variable cv;
-  std::map<std::tuple<int, int, int>, std::deque<at::Tensor>> queues;
-};
-
-class DoneWork : public c10d::Work {
- public:
-  bool isCompleted() override { return true; }
-  bool wait(std::chrono::milliseconds) override { return true; }
-};
-
-class RecvWork : public c10d::Work {
- public:
-  RecvWork(std::shared_ptr<Mailbox> box, std::tuple<int, int, int> key, at::Tensor into)
-      : box_(std::move(box)), key_(key), into_(std::move(into)) {}
-  bool wait(std::chrono::milliseconds) override {
-    std::unique_lock<std::mutex> lk(box_->mu);
-    auto& q = box_->queues[key_];
-    // Bounded only so that a broken stream fails the test instead of hanging it; no verdict depends on it.
-    TORCH_CHECK(box_->cv.wait_for(lk, std::chrono::seconds(120), [&] { return !q.empty(); }), "fake recv timed out");
-    at::Tensor t = q.front();
-    q.pop_front();
-    TORCH_CHECK(t.numel() == into_.numel(), "fake recv of ", into_.numel(), " bytes got ", t.numel());
-    into_.copy_(t);
-    return true;
-  }
-
- private:
-  std::shared_ptr<Mailbox> box_;
-  std::tuple<int, int, int> key_;
-  at::Tensor into_;
-};
-
-/// send() copies into the mailbox at once; recv() waits for it (as in peer_replica_test.cpp).
-class FakeBackend : public c10d::Backend {
- public:
-  FakeBackend(int rank, int size, std::shared_ptr<Mailbox> box) : Backend(rank, size), box_(std::move(box)) {}
-  const std::string getBackendName() const override { return "fake"; }
-  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override {
-    {
-      std::lock_guard<std::mutex> lk(box_->mu);
-      box_->queues[{getRank(), dst, tag}].push_back(tensors.at(0).clone());
-    }
-    box_->cv.notify_all();
-    return c10::make_intrusive<DoneWork>();
-  }
-  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override {
-    return c10::make_intrusive<RecvWork>(box_, std::make_tuple(src, getRank(), tag), tensors.at(0));
-  }
-
- private:
-  std::shared_ptr<Mailbox> box_;
-};
+using ettkit::testing::FakeP2PBackend;
+using ettkit::testing::Mailbox;
 
 NamedTensors rank_state(int rank, int64_t step) {
   return {{"w", at::full({kElems}, static_cast<double>(100 * rank + step))}, {"i", at::arange(77, at::kLong) * step}};
@@ -438,7 +386,7 @@ struct Pair {
       o.memory_tier.job_id = "many-chunks-replica";
       fs::create_directories(o.memory_tier.root);
       ck[r] = std::make_unique<AsyncCheckpointer>(o, store);
-      ck[r]->enable_peer_replica(c10::make_intrusive<FakeBackend>(r, 2, box), 1);
+      ck[r]->enable_peer_replica(c10::make_intrusive<FakeP2PBackend>(r, 2, box), 1);
     });
   }
   void close(bool discard) {

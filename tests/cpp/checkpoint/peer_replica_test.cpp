@@ -25,6 +25,7 @@
 
 #include "checkpoint/peer_monitor.h"
 #include "checkpoint/storage.h"
+#include "checkpoint/fake_p2p_backend.h"
 #include "ett/test_dir.h"
 #include "ettkit/checkpoint/checkpointer.h"
 
@@ -36,64 +37,8 @@ namespace ckd = ettkit::checkpoint::detail;
 
 namespace {
 
-/// Messages between the in-process ranks, in order per (src, dst, tag), like a process group's pairs.
-struct Mailbox {
-  std::mutex mu;
-  std::condition_variable cv;
-  std::map<std::tuple<int, int, int>, std::deque<at::Tensor>> queues;
-};
-
-class DoneWork : public c10d::Work {
- public:
-  bool isCompleted() override { return true; }
-  bool wait(std::chrono::milliseconds) override { return true; }
-};
-
-class RecvWork : public c10d::Work {
- public:
-  RecvWork(std::shared_ptr<Mailbox> box, std::tuple<int, int, int> key, at::Tensor into)
-      : box_(std::move(box)), key_(key), into_(std::move(into)) {}
-  bool wait(std::chrono::milliseconds timeout) override {
-    std::unique_lock<std::mutex> lk(box_->mu);
-    auto& q = box_->queues[key_];
-    if (!box_->cv.wait_for(lk, timeout == kNoTimeout ? std::chrono::milliseconds(60000) : timeout,
-                           [&] { return !q.empty(); })) {
-      TORCH_CHECK(false, "fake recv timed out");
-    }
-    at::Tensor t = q.front();
-    q.pop_front();
-    TORCH_CHECK(t.numel() == into_.numel(), "fake recv of ", into_.numel(), " bytes got ", t.numel());
-    into_.copy_(t);
-    return true;
-  }
-
- private:
-  std::shared_ptr<Mailbox> box_;
-  std::tuple<int, int, int> key_;
-  at::Tensor into_;
-};
-
-/// send() copies the tensor into the mailbox at once; recv() waits for it. Enough of a process group for the
-/// replica, which only sends and receives CPU byte tensors.
-class FakeBackend : public c10d::Backend {
- public:
-  FakeBackend(int rank, int size, std::shared_ptr<Mailbox> box) : Backend(rank, size), box_(std::move(box)) {}
-  const std::string getBackendName() const override { return "fake"; }
-  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override {
-    {
-      std::lock_guard<std::mutex> lk(box_->mu);
-      box_->queues[{getRank(), dst, tag}].push_back(tensors.at(0).clone());
-    }
-    box_->cv.notify_all();
-    return c10::make_intrusive<DoneWork>();
-  }
-  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override {
-    return c10::make_intrusive<RecvWork>(box_, std::make_tuple(src, getRank(), tag), tensors.at(0));
-  }
-
- private:
-  std::shared_ptr<Mailbox> box_;
-};
+using ettkit::testing::FakeP2PBackend;
+using ettkit::testing::Mailbox;
 
 NamedTensors state(int rank, int64_t step) {
   return {{"w", at::full({1 << 15}, static_cast<double>(100 * rank + step))}, {"i", at::arange(77, at::kLong) * step}};
@@ -125,7 +70,7 @@ struct Pair {
         o.memory_tier.job_id = "replica-test";
         fs::create_directories(o.memory_tier.root);
         ck[r] = std::make_unique<AsyncCheckpointer>(o, store);
-        if (replica) ck[r]->enable_peer_replica(c10::make_intrusive<FakeBackend>(r, 2, box), 1);
+        if (replica) ck[r]->enable_peer_replica(c10::make_intrusive<FakeP2PBackend>(r, 2, box), 1);
       });
     }
     for (auto& x : t) x.join();
@@ -231,7 +176,7 @@ TEST(PeerReplica, EnableChecksItsArguments) {
     o.use_current_recorder = false;
     AsyncCheckpointer one(o);
     auto box = std::make_shared<Mailbox>();
-    EXPECT_THROW(one.enable_peer_replica(c10::make_intrusive<FakeBackend>(0, 1, box), 1), InvalidArgument);
+    EXPECT_THROW(one.enable_peer_replica(c10::make_intrusive<FakeP2PBackend>(0, 1, box), 1), InvalidArgument);
   }
   Pair p(d);
   p.open(/*replica=*/false);
@@ -243,12 +188,12 @@ TEST(PeerReplica, EnableChecksItsArguments) {
       EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
     }
   };
-  expect_refused(0, c10::make_intrusive<FakeBackend>(1, 2, p.box), 1, "the process group has rank 1 of 2");
-  expect_refused(0, c10::make_intrusive<FakeBackend>(0, 3, p.box), 1, "rank 0 of 3");
-  expect_refused(0, c10::make_intrusive<FakeBackend>(0, 2, p.box), 0, "ranks_per_host=0");
-  expect_refused(0, c10::make_intrusive<FakeBackend>(0, 2, p.box), 2, "ranks_per_host=2");
+  expect_refused(0, c10::make_intrusive<FakeP2PBackend>(1, 2, p.box), 1, "the process group has rank 1 of 2");
+  expect_refused(0, c10::make_intrusive<FakeP2PBackend>(0, 3, p.box), 1, "rank 0 of 3");
+  expect_refused(0, c10::make_intrusive<FakeP2PBackend>(0, 2, p.box), 0, "ranks_per_host=0");
+  expect_refused(0, c10::make_intrusive<FakeP2PBackend>(0, 2, p.box), 2, "ranks_per_host=2");
   p.both([&](int r) { ASSERT_TRUE(p.ck[r]->save(1, state(r, 1)).wait()); });
-  expect_refused(1, c10::make_intrusive<FakeBackend>(1, 2, p.box), 1, "before the first save()");
+  expect_refused(1, c10::make_intrusive<FakeP2PBackend>(1, 2, p.box), 1, "before the first save()");
   p.close(true);
 }
 
@@ -264,9 +209,9 @@ TEST(PeerReplica, AHostileAnnouncementIsRefusedAndTheStreamStaysInStep) {
   const std::string prefix = "t/replica/";
   ckd::PeerMonitor peers(store, "t/", 0, 2, 5.0);
   const std::string run = "0123456789abcdef";
-  ckd::PeerReplica replica(c10::make_intrusive<FakeBackend>(0, 2, box), store, prefix, run, &peers, 0, 2, 1, tier,
+  ckd::PeerReplica replica(c10::make_intrusive<FakeP2PBackend>(0, 2, box), store, prefix, run, &peers, 0, 2, 1, tier,
                            10.0);
-  FakeBackend rank1(1, 2, box);
+  FakeP2PBackend rank1(1, 2, box);
 
   // A snapshot of rank 1: its two files, their digests, a manifest.
   std::string src = d.str() + "/src";
