@@ -1,7 +1,5 @@
 """AsyncCheckpointer: round trip, formats, bad input and injected faults."""
 
-import concurrent.futures
-import contextlib
 import json
 import os
 import subprocess
@@ -196,43 +194,23 @@ def test_close_records_its_wait_for_the_last_save(tmp_path):
     assert report["checkpoints"]["interval_source"] == "configured"
 
 
-@contextlib.contextmanager
-def writer_held(ck):
-    """The writer stops before its first save's integrity verdict (a test hook) until the block ends, so that
-    save is still persisting, holding the one arena, whatever the machine's load. Released before close()."""
-    ck._c._hold_commits_for_testing(True)
-    try:
-        yield
-    finally:
-        ck._c._hold_commits_for_testing(False)
-
-
-def while_held(fn):
-    """fn() in another thread: a save that waited for the held writer (on_busy not honoured) would block until
-    the hold ends, which is after this returns, so a 60 s limit turns that deadlock into a failure."""
-    pool = concurrent.futures.ThreadPoolExecutor(1)
-    try:
-        return pool.submit(fn).result(timeout=60)
-    finally:
-        pool.shutdown(wait=False)  # on a timeout the thread finishes once the hold is released
-
-
 def test_on_busy_skip_and_error(tmp_path):
-    state = {"w": torch.randn(100_000)}
+    # Not event-driven yet: _hold_commits_for_testing holds the writer at the integrity verdict, which comes
+    # after the arena is released, so it cannot keep a save "still persisting" (tried in #48: under ASan the
+    # busy saves found the arena free). 4M floats saved 29 times keep the one arena busy for most of them; a
+    # hook that holds the writer before the release would make this exact.
+    state = {"w": torch.randn(4_000_000)}
     with AsyncCheckpointer(tmp_path / "skip", recorder=None, on_busy="skip") as ck:
-        with writer_held(ck):
-            first = ck.save(1, state)
-            busy = while_held(lambda: [ck.save(s, state) for s in (2, 3, 4)])
-        assert first.wait() and first.durable and not first.skipped
-        assert all(h.skipped and not h.durable and not h.wait() for h in busy)
-        after = ck.save(5, state)  # the arena is free again: saved, not skipped
-        assert after.wait() and not after.skipped
-        assert latest_step(tmp_path / "skip") == 5
+        handles = [ck.save(s, state) for s in range(1, 30)]
+        ck.wait()
+        skipped = [h for h in handles if h.skipped]
+        assert handles[0].durable and not handles[0].skipped
+        assert all(not h.durable and not h.wait() for h in skipped)
+        assert len(skipped) > 0
     with AsyncCheckpointer(tmp_path / "err", recorder=None, on_busy="error") as ck:
-        with writer_held(ck):
-            ck.save(1, state)
-            with pytest.raises(ettkit.InvalidArgumentError, match="on_busy='error'"):
-                while_held(lambda: ck.save(2, state))
+        with pytest.raises(ettkit.InvalidArgumentError, match="on_busy='error'"):
+            for s in range(1, 30):
+                ck.save(s, state)
     with pytest.raises(ValueError, match="on_busy"):
         AsyncCheckpointer(tmp_path, on_busy="drop")
 
