@@ -15,198 +15,35 @@ same flattening, with the same rule, to the **lowest rank** it sees, through a w
 before its oldest part is settled for good. Time owned once settled is exact as long as no record that
 arrives later covers it. Attempts, failures, their categories and failure points come from every rank.
 docs/ett.md ("Live metrics") lists where the two can differ.
+
+**Where each part lives.** This module folds records into attempts and the lowest rank's window, and keeps
+the public names (:class:`LiveLedger`, :func:`top_level_phase`). Reading the files is
+:mod:`._ledger_tail`'s, decoding a line :mod:`._ledger_records`', the ownership and failure-cause rules it
+shares with the report :mod:`._ownership`'s (pinned against the C++ by one corpus), and the figures
+:mod:`._live_figures`'.
 """
 
 from __future__ import annotations
 
-import errno
-import functools
-import heapq
-import itertools
-import json
 import logging
 import os
-import re
-import stat
 import time
 from typing import Optional
 
-from .. import _C
-from ..errors import InvalidArgumentError, IoError
+from ..errors import InvalidArgumentError
+from . import _ledger_tail
+from ._ledger_records import FORMAT_VERSION, OVERSIZED, Corrupt, byte_length, check_step_times, integer_field
+from ._ledger_records import MAX_EPOCH_US, MAX_LINE_BYTES, time_field
+# Module-level under its old name: a test counts the lines a refresh parses by replacing it here.
+from ._ledger_records import parse_line as _parse
+from ._ledger_tail import FileTail
+from ._live_figures import add_failures, add_timeline_figures, checkpoint_tier, job_failure, job_view
+from ._live_figures import top_level_phase
+from ._ownership import FILLER, PHASE, PHASE_LAYER, STEP, TRAINING, WASTED, Item, own
 
 logger = logging.getLogger("ettkit")
 
-# ---- the ledger format (src/ett/ledger_format.h, src/ett/ledger_reader.cpp) --------------------------------
-_FORMAT_VERSION = 1
-# UTC epoch microseconds a ledger time may take (1970 ... 9999-12-31T23:59:59): what the C++ reader accepts.
-_MAX_EPOCH_US = 253_402_300_799_000_000
-_MAX_RANK = 2_147_483_647
-# A refresh reads at most this much of one file at a time, so that catching up on a large ledger never
-# holds the whole file in memory.
-_CHUNK_BYTES = 1 << 20
-# What one line may cost (ledger::kMaxLineBytes and kMaxNestingDepth in src/ett/ledger_format.h): a longer or
-# deeper line is no record of the Recorder's; it is counted as corrupt and skipped, never held whole.
-_MAX_LINE_BYTES = 1 << 20
-_MAX_NESTING_DEPTH = 64
-_OVERSIZED = f"longer than {_MAX_LINE_BYTES} bytes; a ledger record is far shorter"
-# Opens a ledger file only as itself: never through a symbolic link, and without blocking on a FIFO.
-_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
-
-# What a piece of owned time is (report.cpp's Kind) and which record wins where records overlap (Layer).
-_PHASE, _TRAINING, _WASTED, _UNATTRIBUTED, _LOST = range(5)
-_FILLER, _STEP, _PHASE_LAYER = range(3)
 _PROCESS_TEARDOWN = "shutdown/process_teardown"  # phase::kProcessTeardown
-# report_timeline.cpp kPeerClockSkewUs: how far an exception may be recorded before a dead peer's last sign of
-# life and still count as that death's consequence.
-_PEER_CLOCK_SKEW_US = 5000
-
-_EFFECTIVE, _IDLE, _FAILURE, _UNATTRIBUTED_BUCKET = "effective", "idle", "failure", "unattributed"
-_BASE_BUCKET = {_PHASE: _IDLE, _TRAINING: _EFFECTIVE, _WASTED: _FAILURE, _UNATTRIBUTED: _UNATTRIBUTED_BUCKET,
-                _LOST: _FAILURE}
-
-
-@functools.lru_cache(maxsize=4096)
-def top_level_phase(name: str) -> str:
-    """The top-level phase ``name`` rolls up into, as the report groups phases (the C++ rule,
-    ``ettkit::ett::top_level_phase``): ``"parent/child"`` -> ``"parent"``, a launcher_init sub-stage ->
-    ``"launcher_init"``, any other name -> itself. Cached: a ledger has few distinct names."""
-    return _C.ett.top_level_phase(name)
-
-
-def _checkpoint_tier(name: str, phase: str) -> Optional[str]:
-    """``"disk"`` or ``"memory"`` for a record of checkpoint phase ``phase`` (report.cpp checkpoint_tier):
-    ``<phase>/memory`` is the memory tier's, the phase itself and its other sub-stages the disk tier's."""
-    if name == phase:
-        return "disk"
-    if not name.startswith(phase + "/"):
-        return None
-    return "memory" if name[len(phase):] == "/memory" else "disk"
-
-
-class _Corrupt(Exception):
-    """A ledger line the reader skips and counts; the message says why."""
-
-
-_decode = json.JSONDecoder().decode
-# A step line exactly as the Recorder writes it (src/ett/recorder.cpp), nearly every line of a ledger: read
-# without building a dict, as the C++ reader's FlatRecord does. JSON numbers have no leading zeros, so
-# neither does the pattern; any other spelling of a step takes the JSON path.
-_INT = "(?:0|[1-9][0-9]*)"
-_STEP_LINE = re.compile(r'\{"v":1,"t":"step","n":(-?' + _INT + '),"b":(' + _INT + '),"e":(' + _INT + r')\}')
-
-
-# A JSON string, or an unterminated one up to the end of the line: it always matches from a quote, without
-# backtracking, so stripping strings is linear in the line whatever it holds.
-_STRING = re.compile(rb'"[^"\\]*(?:\\.?[^"\\]*)*(?:"|\Z)')
-_NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
-_DEPTH_STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
-
-
-def _nesting_within(line: str | bytes, max_depth: int = _MAX_NESTING_DEPTH) -> bool:
-    """Whether ``line`` nests arrays and objects at most ``max_depth`` deep, brackets inside strings not
-    counted (the C++ reader's nesting_within). Python's json would otherwise build one list per level, or
-    raise RecursionError (no ValueError) a thousand levels down. At C speed: few brackets prove it at once;
-    otherwise strings are cut out, the brackets kept, and their running depth's maximum taken."""
-    if type(line) is str:
-        if line.count("[") + line.count("{") <= max_depth:
-            return True
-        line = line.encode("utf-8", "surrogatepass")
-    elif line.count(b"[") + line.count(b"{") <= max_depth:
-        return True
-    brackets = _STRING.sub(b"", line).translate(None, _NOT_BRACKETS)
-    return max(itertools.accumulate(map(_DEPTH_STEP.__getitem__, brackets)), default=0) <= max_depth
-
-
-def _parse(line: str | bytes) -> Optional[dict | tuple]:
-    """One ledger line as a JSON object, as (n, b, e) for a step line in the Recorder's own spelling, or
-    None when it is not an object (the caller counts it as corrupt). Raises _Corrupt, with the reason, for a
-    line nested deeper than the ledger's bound. Module-level so that a test can count the lines a refresh
-    parses."""
-    if type(line) is str:
-        m = _STEP_LINE.fullmatch(line)
-        if m is not None:
-            return int(m[1]), int(m[2]), int(m[3])
-    if not _nesting_within(line):
-        raise _Corrupt(f"nested deeper than {_MAX_NESTING_DEPTH} levels")
-    try:
-        doc = _decode(line) if type(line) is str else json.loads(line)
-    except ValueError:  # JSONDecodeError, and UnicodeDecodeError for bytes that are not UTF-8
-        return None
-    return doc if type(doc) is dict else None
-
-
-def _integer(doc: dict, key: str) -> int:
-    v = doc.get(key)
-    if type(v) is not int:  # bool is an int subclass, and JSON true is no integer to the C++ reader
-        raise _Corrupt(f"'{key}' is missing or not an integer")
-    return v
-
-
-def _time(doc: dict, key: str) -> int:
-    v = _integer(doc, key)
-    if not 0 <= v <= _MAX_EPOCH_US:
-        raise _Corrupt(f"'{key}' = {v} is out of range for UTC epoch microseconds (1970 to 9999)")
-    return v
-
-
-def _rank_of(file_name: str) -> Optional[int]:
-    """The rank of ``rank-<r>.jsonl`` written as the Recorder writes it (plain decimal, no leading zeros, at
-    most 2147483647), else None: the same files the report reads."""
-    digits = file_name[len("rank-"):-len(".jsonl")]
-    if not digits.isdigit() or not digits.isascii() or (len(digits) > 1 and digits[0] == "0"):
-        return None
-    rank = int(digits)
-    return rank if rank <= _MAX_RANK else None
-
-
-def _own(items: list, lo: int, hi: int, failed: bool, failure_point: int, first_training: Optional[int],
-         pre: dict, post: dict) -> Optional[int]:
-    """Adds the time each record owns within [lo, hi) to ``pre`` / ``post`` (µs per (name, kind)), split at
-    the attempt's first training; returns the first training (the begin of its first training time).
-
-    The owner of an instant is report.cpp's flatten(): the covering record of the highest layer (phase >
-    step > filler); within a layer the one that ends first, then the one that began last, then the one read
-    first. Records are ranked by their whole interval, not by the part inside [lo, hi), so owning [lo, T)
-    and then [T, hi) gives what owning [lo, hi) at once would: that is what lets the window settle time.
-    Uncovered time is unattributed. In a failed attempt, whatever the rank does from the job's failure
-    point on is lost_in_flight (``failure_point``; the job redoes it after the restore): its uncovered tail,
-    the report's fillers there, and, when another rank failed first, its records after that.
-    ``items`` are (b, e, layer, seq, name, kind)."""
-    if hi <= lo:
-        return first_training
-    live = sorted(it for it in items if it[1] > lo and it[0] < hi)
-    points = {lo, hi}
-    for it in live:
-        if it[0] > lo:
-            points.add(it[0])
-        if it[1] < hi:
-            points.add(it[1])
-    points = sorted(points)
-    heap: list = []
-    push, pop = heapq.heappush, heapq.heappop
-    nxt, n = 0, len(live)
-    p = points[0]
-    for q in points[1:]:
-        while nxt < n and live[nxt][0] <= p:
-            b, e, layer, seq, name, kind = live[nxt]
-            push(heap, (-layer, e, -b, seq, name, kind))
-            nxt += 1
-        # Lazy deletion, as in report.cpp: an ended record leaves the heap once it reaches the top.
-        while heap and heap[0][1] <= p:
-            pop(heap)
-        if heap:
-            top = heap[0]
-            if first_training is None and (top[5] == _TRAINING or top[5] == _WASTED):
-                first_training = p  # report.cpp: before the failure-point split
-            key = ("lost_in_flight", _LOST) if failed and p >= failure_point else (top[4], top[5])
-        elif failed and p >= failure_point:
-            key = ("lost_in_flight", _LOST)
-        else:
-            key = ("unattributed", _UNATTRIBUTED)
-        target = post if first_training is not None and p >= first_training else pre
-        target[key] = target.get(key, 0) + (q - p)
-        p = q
-    return first_training
 
 
 class _Timeline:
@@ -216,7 +53,7 @@ class _Timeline:
                  "unnumbered", "cache_key", "cache")
 
     def __init__(self) -> None:
-        self.pending: list = []        # open records: (b, e, layer, seq, name, kind)
+        self.pending: list[Item] = []  # open records: (b, e, layer, seq, name, kind)
         self.lo: Optional[int] = None  # time before this is settled (None: nothing settled yet)
         self.pre: dict = {}            # settled µs per (name, kind) before the first training ...
         self.post: dict = {}           # ... and from it on (a recovery attempt's window is failure time)
@@ -235,7 +72,8 @@ class _Attempt:
     its timeline)."""
 
     __slots__ = ("number", "ts", "proc_start", "floor", "begin", "alloc_begin", "last_ts", "activity_end",
-                 "has_end", "end_ts", "pid", "status", "detail", "max_step", "last_step", "has_bootstrap", "timeline", "first")
+                 "has_end", "end_ts", "pid", "status", "detail", "max_step", "last_step", "has_bootstrap", "timeline",
+                 "first")
 
     def __init__(self, number: int, ts: int, proc_start: Optional[int], floor: Optional[int],
                  first: bool) -> None:
@@ -262,64 +100,18 @@ class _Attempt:
         return self.activity_end if self.activity_end > 0 else self.begin
 
 
-class _RankFile:
-    """One ledger file: where reading stopped, and the attempts read so far."""
+class _RankFile(FileTail):
+    """One ledger file: where reading stopped (:class:`FileTail`), and the attempts read so far."""
 
-    __slots__ = ("rank", "path", "inode", "offset", "partial", "skipping", "refused", "line_no", "attempts",
-                 "high_water", "timeline", "corrupt_here")
+    __slots__ = ("rank", "attempts", "high_water", "timeline", "corrupt_here")
 
     def __init__(self, rank: int, path: str, timeline: bool) -> None:
+        super().__init__(path)
         self.rank = rank
-        self.path = path
-        self.inode: Optional[int] = None
-        self.offset = 0
-        # Bytes after the last newline read (a line still being written), appended to in place; dropped once
-        # longer than a line may be, and the rest of that line then skipped up to its newline.
-        self.partial = bytearray()
-        self.skipping = False
-        self.refused = False  # became a link or not a regular file: no longer read (its records stay)
-        self.line_no = 0
         self.attempts: list[_Attempt] = []
         self.high_water: Optional[int] = None  # highest step of the attempts before the current one
         self.timeline = timeline
         self.corrupt_here = 0
-
-
-def _byte_length(line: str | bytes) -> int:
-    return len(line) if type(line) is bytes else len(line.encode("utf-8", "surrogatepass"))
-
-
-def _open_ledger_folder(folder: str) -> Optional[int]:
-    """``RUN_DIR/ett`` opened as a directory of the run directory, never through a symbolic link (as the
-    report opens it), or None while it does not exist (or is no directory). Raises ``ettkit.IoError``."""
-    try:
-        return os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    except NotADirectoryError:
-        if not os.path.islink(folder):
-            return None  # a file where the folder belongs: nothing any Recorder wrote
-        raise IoError(f"ledger folder '{folder}' is a symbolic link; ettkit reads RUN_DIR/ett/ only as a "
-                      f"directory of the run directory, never through a link: serve the run directory the "
-                      f"link points into instead") from None
-    except OSError as e:
-        raise IoError(f"cannot open ledger folder '{folder}': {e.strerror}") from e
-
-
-def _not_a_ledger_file(dir_fd: int, name: str, path: str) -> Optional[str]:
-    """Why the entry ``name`` of the ledger folder is not read (a symbolic link, not a regular file), or
-    None for a regular file: the report's rule (src/ett/ledger_reader.cpp open_ledger_file)."""
-    try:
-        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-    except FileNotFoundError:
-        return None  # removed since the listing: nothing to read now, and one of that name may come back
-    except OSError as e:
-        raise IoError(f"cannot read ledger file '{path}': {e.strerror}") from e
-    if stat.S_ISLNK(st.st_mode):
-        return "is a symbolic link; only regular files in the ledger folder are read, never through a link"
-    if not stat.S_ISREG(st.st_mode):
-        return "is not a regular file (a directory, FIFO, socket or device)"
-    return None
 
 
 class LiveLedger:
@@ -354,7 +146,6 @@ class LiveLedger:
         self.orphan_records = 0   # records before any attempt record of their file
         self.late_records = 0     # records that arrived after the time they cover was settled (clipped)
         self.warnings: list[str] = []
-        self._categories: dict[str, str] = {}
 
     # ---- reading ---------------------------------------------------------------------------------------
     def refresh(self) -> int:
@@ -363,7 +154,7 @@ class LiveLedger:
         Raises ``ettkit.IoError`` naming the path when ``ett/`` is a symbolic link (refused, as by the
         report) or the OS refuses to open, list or read the folder or a ledger file."""
         folder = os.path.join(self.run_dir, "ett")
-        dir_fd = _open_ledger_folder(folder)
+        dir_fd = _ledger_tail.open_ledger_folder(folder)
         if dir_fd is None:
             return 0
         try:
@@ -372,27 +163,8 @@ class LiveLedger:
             os.close(dir_fd)
 
     def _refresh_in(self, dir_fd: int, folder: str) -> int:
-        try:
-            names = os.listdir(dir_fd)
-        except OSError as e:
-            raise IoError(f"cannot list ledger folder '{folder}': {e.strerror}") from e
-        for name in names:
-            if name in self._files or name in self._ignored:
-                continue
-            if not (name.startswith("rank-") and name.endswith(".jsonl")) or len(name) <= 11:
-                continue
-            path = os.path.join(folder, name)
-            rank = _rank_of(name)
-            if rank is None:
-                self._ignored.add(name)
-                self._warn(f"{path}: skipped; a ledger file is named rank-<r>.jsonl with r a rank in "
-                           f"plain decimal (0 to 2147483647, no leading zeros)")
-                continue
-            why = _not_a_ledger_file(dir_fd, name, path)
-            if why:
-                self._ignored.add(name)
-                self._warn(f"{path}: skipped; it {why}")
-                continue
+        for name, rank, path in _ledger_tail.new_ledger_files(dir_fd, folder, self._files, self._ignored,
+                                                              self._warn):
             self._files[name] = _RankFile(rank, path, timeline=False)
         if not self._files:
             return 0
@@ -432,107 +204,39 @@ class LiveLedger:
 
     def _restart(self, rf: _RankFile, why: str) -> None:
         self._warn(f"{rf.path} {why}; read again from its start")
-        fresh = _RankFile(rf.rank, rf.path, rf.timeline)
-        for slot in _RankFile.__slots__:
-            setattr(rf, slot, getattr(fresh, slot))
+        rf.__init__(rf.rank, rf.path, rf.timeline)  # what was read of it is forgotten, its role kept
 
     def _read(self, rf: _RankFile, dir_fd: int, name: str) -> None:
-        if rf.refused:
-            return
-        try:
-            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        except FileNotFoundError:
-            return  # removed since the listing; its records so far stay counted
-        except OSError as e:
-            raise IoError(f"cannot read ledger file '{rf.path}': {e.strerror}") from e
-        if not stat.S_ISREG(st.st_mode):
-            rf.refused = True
-            self._warn(f"{rf.path} was replaced by a symbolic link or something that is not a regular file; "
-                       f"no longer read (its records so far stay counted)")
-            return
-        if rf.inode is None:
-            rf.inode = st.st_ino
-        elif st.st_ino != rf.inode or st.st_size < rf.offset:
-            self._restart(rf, "was replaced or truncated")
-            rf.inode = st.st_ino
-        if st.st_size <= rf.offset:
-            return
-        try:
-            fd = os.open(name, _OPEN_FLAGS, dir_fd=dir_fd)
-        except FileNotFoundError:
-            return
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                return  # swapped for a link since the stat: the next refresh refuses it
-            raise IoError(f"cannot read ledger file '{rf.path}': {e.strerror}") from e
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_ino != rf.inode:
-                return  # swapped since the stat: the next refresh sees what it is now
-            while rf.offset < st.st_size:
-                chunk = os.pread(fd, min(_CHUNK_BYTES, st.st_size - rf.offset), rf.offset)
-                if not chunk:
-                    break
-                rf.offset += len(chunk)
-                self._feed(rf, chunk)
-        except OSError as e:
-            raise IoError(f"cannot read ledger file '{rf.path}': {e.strerror}") from e
-        finally:
-            os.close(fd)
+        # self._feed looked up on each read: a test counts the bytes read by replacing it on the class.
+        _ledger_tail.read_appended(rf, dir_fd, name, feed=self._feed, restart=self._restart, warn=self._warn)
 
     def _feed(self, rf: _RankFile, chunk: bytes) -> None:
-        """Folds the lines ``chunk`` completes. The bytes after its last newline wait in ``rf.partial``,
-        appended in place, so an unterminated line costs its own length once (not once per chunk) and at
-        most ``_MAX_LINE_BYTES``: past that it is dropped and skipped up to its newline, one corrupt line."""
-        start = 0
-        if rf.skipping:
-            newline = chunk.find(b"\n")
-            if newline < 0:
-                return
-            rf.skipping = False
-            rf.line_no += 1
-            self._corrupt(rf, _OVERSIZED)
-            start = newline + 1
-        cut = chunk.rfind(b"\n", start) + 1
-        if cut == 0:
-            rf.partial += memoryview(chunk)[start:]
-            if len(rf.partial) > _MAX_LINE_BYTES:
-                rf.partial = bytearray()
-                rf.skipping = True
-            return
-        if rf.partial:  # at most _MAX_LINE_BYTES waiting, plus at most a chunk
-            rf.partial += memoryview(chunk)[start:cut - 1]
-            data = bytes(rf.partial)
-        else:
-            data = chunk[start:cut - 1]
-        rf.partial = bytearray(memoryview(chunk)[cut:])
-        self._fold_lines(rf, data)
+        """Folds the lines ``chunk`` completes (:func:`._ledger_tail.take_complete_lines`); an oversized line
+        that ends in it is one corrupt line."""
+        oversized, data = _ledger_tail.take_complete_lines(rf, chunk)
+        if oversized:
+            self._corrupt(rf, OVERSIZED)
+        if data is not None:
+            self._fold_lines(rf, data)
 
     def _fold_lines(self, rf: _RankFile, data: bytes) -> None:
         """Folds the newline-separated lines of ``data`` (its last line complete, its newline cut off)."""
-        try:
-            # One decode for the whole batch (a newline always ends a character) is what keeps a refresh
-            # cheap; a batch holding bytes that are not UTF-8 is split into lines first, so that only the
-            # line holding them is corrupt.
-            lines = data.decode("utf-8").split("\n")
-        except UnicodeDecodeError:
-            lines = data.split(b"\n")
         parse = _parse
-        for line in lines:
+        for line in _ledger_tail.split_lines(data):
             rf.line_no += 1
             if not line:
                 continue
             try:
-                if len(line) > _MAX_LINE_BYTES // 4 and _byte_length(line) > _MAX_LINE_BYTES:
-                    raise _Corrupt(_OVERSIZED)
+                if len(line) > MAX_LINE_BYTES // 4 and byte_length(line) > MAX_LINE_BYTES:
+                    raise Corrupt(OVERSIZED)
                 doc = parse(line)
                 if doc is None:
-                    raise _Corrupt("")
+                    raise Corrupt("")
                 if type(doc) is tuple:
                     self._fold_step(rf, *doc)
                 else:
                     self._fold(rf, doc)
-            except _Corrupt as e:
+            except Corrupt as e:
                 self._corrupt(rf, str(e))
 
     def _corrupt(self, rf: _RankFile, why: str) -> None:
@@ -546,10 +250,10 @@ class LiveLedger:
         v = doc.get("v")
         t = doc.get("t")
         if type(v) is not int or type(t) is not str:
-            raise _Corrupt("")
-        if v > _FORMAT_VERSION:
+            raise Corrupt("")
+        if v > FORMAT_VERSION:
             # The report refuses such a ledger (UnsupportedError); a live endpoint keeps serving and says so.
-            raise _Corrupt(f"format version {v}; this ettkit reads up to version {_FORMAT_VERSION}, upgrade "
+            raise Corrupt(f"format version {v}; this ettkit reads up to version {FORMAT_VERSION}, upgrade "
                            f"ettkit to read it")
         if t == "attempt":
             self._fold_attempt(rf, doc)
@@ -560,19 +264,19 @@ class LiveLedger:
             return
         a = rf.attempts[-1]
         if t == "step":
-            _integer(doc, "n")
-            _time(doc, "b")
-            _time(doc, "e")
+            integer_field(doc, "n")
+            time_field(doc, "b")
+            time_field(doc, "e")
             self._fold_step(rf, doc["n"], doc["b"], doc["e"])
             return
         if t == "phase" or t == "bg":
             name = doc.get("name")
             if type(name) is not str:
-                raise _Corrupt("'name' is missing or not a string")
-            b = _time(doc, "b")
-            e = _time(doc, "e")
+                raise Corrupt("'name' is missing or not a string")
+            b = time_field(doc, "b")
+            e = time_field(doc, "e")
             if e < b:
-                raise _Corrupt("ends before it begins")
+                raise Corrupt("ends before it begins")
             if e > a.last_ts:
                 a.last_ts = e
             if t == "phase":
@@ -588,10 +292,10 @@ class LiveLedger:
                     a.alloc_begin = b
                 tl = a.timeline
                 if tl is not None:
-                    kind = (_TRAINING if name == "training" else
-                            _WASTED if name == "wasted_training" else _PHASE)
-                    self._add(a, tl, b, e, _PHASE_LAYER, name, kind)
-                    tier = _checkpoint_tier(name, "checkpoint_blocking")
+                    kind = (TRAINING if name == "training" else
+                            WASTED if name == "wasted_training" else PHASE)
+                    self._add(a, tl, b, e, PHASE_LAYER, name, kind)
+                    tier = checkpoint_tier(name, "checkpoint_blocking")
                     if tier is not None:
                         step = doc.get("step")
                         if type(step) is int and step >= 0:
@@ -599,17 +303,17 @@ class LiveLedger:
                         else:
                             tl.unnumbered[tier] += 1
         elif t == "hb":
-            ts = _time(doc, "ts")
+            ts = time_field(doc, "ts")
             if ts > a.last_ts:
                 a.last_ts = ts
         elif t == "config":
             value = doc.get("value")
             if type(doc.get("key")) is not str or type(value) not in (int, float):
-                raise _Corrupt("'key' or 'value' is missing or of the wrong type")
+                raise Corrupt("'key' or 'value' is missing or of the wrong type")
         elif t == "dropped":
-            _integer(doc, "n")
+            integer_field(doc, "n")
         elif t == "end":
-            ts = _time(doc, "ts")
+            ts = time_field(doc, "ts")
             a.has_end = True
             a.end_ts = ts
             if ts > a.last_ts:
@@ -619,8 +323,8 @@ class LiveLedger:
             a.status = status if type(status) is str else "clean"
             a.detail = detail if type(detail) is str else ""
         elif t == "process_exit":
-            ts = _time(doc, "ts")
-            number = _integer(doc, "attempt")
+            ts = time_field(doc, "ts")
+            number = integer_field(doc, "attempt")
             pid = doc.get("pid")
             if number != a.number or (type(pid) is int and a.pid is not None and pid != a.pid):
                 return  # another attempt's or process's line: skipped, as by the report
@@ -628,7 +332,7 @@ class LiveLedger:
             # is the shutdown sub-stage.
             if a.has_end and a.status == "clean" and ts > a.last_ts:
                 if a.timeline is not None:
-                    self._add(a, a.timeline, a.last_ts, ts, _PHASE_LAYER, _PROCESS_TEARDOWN, _PHASE)
+                    self._add(a, a.timeline, a.last_ts, ts, PHASE_LAYER, _PROCESS_TEARDOWN, PHASE)
                 a.last_ts = ts
         else:
             return  # an unknown type of a known version (a newer minor release): skipped, as by the report
@@ -638,11 +342,7 @@ class LiveLedger:
         if not rf.attempts:  # the report's order: a record before any attempt is an orphan, whatever it holds
             self.orphan_records += 1
             return
-        if not 0 <= b <= e <= _MAX_EPOCH_US:
-            if b > _MAX_EPOCH_US or e > _MAX_EPOCH_US:
-                raise _Corrupt(f"'b' = {b} or 'e' = {e} is out of range for UTC epoch microseconds "
-                               f"(1970 to 9999)")
-            raise _Corrupt("ends before it begins")
+        check_step_times(b, e)
         a = rf.attempts[-1]
         if e > a.activity_end:
             a.activity_end = e
@@ -657,18 +357,18 @@ class LiveLedger:
         if tl is not None:
             wasted = rf.high_water is not None and n <= rf.high_water
             if wasted:
-                self._add(a, tl, b, e, _STEP, "wasted_training", _WASTED)
+                self._add(a, tl, b, e, STEP, "wasted_training", WASTED)
             else:
-                self._add(a, tl, b, e, _STEP, "training", _TRAINING)
+                self._add(a, tl, b, e, STEP, "training", TRAINING)
         self.records += 1
 
     def _fold_attempt(self, rf: _RankFile, doc: dict) -> None:
-        number = _integer(doc, "attempt")
-        ts = _time(doc, "ts")
+        number = integer_field(doc, "attempt")
+        ts = time_field(doc, "ts")
         proc_start = doc.get("proc_start")
         if type(proc_start) is not int:
             proc_start = None
-        elif not 0 <= proc_start <= _MAX_EPOCH_US:
+        elif not 0 <= proc_start <= MAX_EPOCH_US:
             self._warn(f"{rf.path}:{rf.line_no}: proc_start {proc_start} is out of range; ignored")
             proc_start = None
         prev = rf.attempts[-1] if rf.attempts else None
@@ -714,16 +414,16 @@ class LiveLedger:
         raise KeyError(rank)
 
     @staticmethod
-    def _fillers(a: _Attempt) -> list:
+    def _fillers(a: _Attempt) -> list[Item]:
         # The report's own start-up fillers (docs/ett.md §3): worker_spawn for [allocation, process start)
         # and, when the Recorder wrote none, process_bootstrap for [process start, Recorder start).
         out = []
         ps = a.proc_start
         if ps is not None:
             if ps > a.begin:
-                out.append((a.begin, ps, _FILLER, -2, "worker_spawn", _PHASE))
+                out.append((a.begin, ps, FILLER, -2, "worker_spawn", PHASE))
             if ps < a.ts and not a.has_bootstrap:
-                out.append((ps, a.ts, _FILLER, -1, "process_bootstrap", _PHASE))
+                out.append((ps, a.ts, FILLER, -1, "process_bootstrap", PHASE))
         return out
 
     def _settle(self, a: _Attempt, tl: _Timeline, final: bool) -> None:
@@ -731,8 +431,8 @@ class LiveLedger:
         lo = tl.lo if tl.lo is not None else self._base_lo(a)
         failed, point = self._job_failure(a.number)
         if final:
-            tl.first_training = _own(tl.pending + self._fillers(a), lo, a.last_ts, failed, point,
-                                     tl.first_training, tl.pre, tl.post)
+            tl.first_training = own(tl.pending + self._fillers(a), lo, a.last_ts, failed, point,
+                                    tl.first_training, tl.pre, tl.post)
             tl.pending = []
             tl.lo = max(lo, a.last_ts)
             tl.final = True
@@ -740,8 +440,8 @@ class LiveLedger:
         ends = sorted(it[1] for it in tl.pending)
         horizon = ends[len(ends) - self._keep - 1]
         if horizon > lo:
-            tl.first_training = _own(tl.pending + self._fillers(a), lo, horizon, failed, point,
-                                     tl.first_training, tl.pre, tl.post)
+            tl.first_training = own(tl.pending + self._fillers(a), lo, horizon, failed, point,
+                                    tl.first_training, tl.pre, tl.post)
             tl.lo = horizon
         tl.pending = [it for it in tl.pending if it[1] > horizon]
 
@@ -756,18 +456,10 @@ class LiveLedger:
         key = (tl.seq, len(tl.pending), lo, a.last_ts, a.begin, a.alloc_begin, failed, point, a.has_bootstrap)
         if tl.cache_key != key:
             pre, post = dict(tl.pre), dict(tl.post)
-            first = _own(tl.pending + self._fillers(a), lo, a.last_ts, failed, point or 0, tl.first_training,
-                         pre, post)
+            first = own(tl.pending + self._fillers(a), lo, a.last_ts, failed, point or 0, tl.first_training,
+                        pre, post)
             tl.cache_key, tl.cache = key, (pre, post, first)
         return tl.cache
-
-    def _category(self, name: str) -> str:
-        c = self._categories.get(name)
-        if c is None:
-            from .badput import badput_category
-
-            c = self._categories[name] = badput_category(name)
-        return c
 
     def figures(self, now_s: Optional[float] = None) -> dict:
         """The current figures as a dict (report-like keys; docs/ett.md "Live metrics"). Call
@@ -784,157 +476,18 @@ class LiveLedger:
             "seconds_since_last_record": {rf.rank: max(0.0, (now_us - rf.attempts[-1].last_ts) / 1e6)
                                           for rf in self._files.values() if rf.attempts},
         }
-        jobs = self._jobs()
-        out["attempts"] = len(jobs)
-        failed = sorted((j["failure_point"], n) for n, j in jobs.items() if j["failed"])
-        by_category: dict[str, int] = {}
-        for _, n in failed:
-            by_category[jobs[n]["category"]] = by_category.get(jobs[n]["category"], 0) + 1
-        out["failures"] = len(failed)
-        out["failures_by_category"] = by_category
+        jobs = job_view(self._files.values(), self._latest_attempt)
+        failed = add_failures(jobs, out)
         if self._timeline_rank is None:
             return out
         ref = self._file_of(self._timeline_rank)
-        if not ref.attempts:
-            return out
-
-        buckets = {_EFFECTIVE: 0, _IDLE: 0, _FAILURE: 0, _UNATTRIBUTED_BUCKET: 0}
-        phases: dict[str, int] = {}
-        badput: dict[str, int] = {}
-        tier_blocking = {"disk": 0, "memory": 0}
-        numbers = sorted(jobs)
-        index = {n: i for i, n in enumerate(numbers)}
-
-        def account(name: str, kind: int, us: int, bucket: str) -> None:
-            buckets[bucket] += us
-            top = top_level_phase(name)
-            phases[top] = phases.get(top, 0) + us
-            if bucket != _EFFECTIVE:
-                c = self._category(name)
-                c = "OTHER" if c == "GOODPUT" else c  # "training" while the job still recovered
-                badput[c] = badput.get(c, 0) + us
-            tier = _checkpoint_tier(name, "checkpoint_blocking")
-            if tier is not None:
-                tier_blocking[tier] += us
-
-        first_training: dict[int, int] = {}
-        tts: dict[int, float] = {}
-        ended = None  # the latest end of the lowest rank's attempts so far
-        previous = None
-        saves = {"disk": 0, "memory": 0}
-        for a in ref.attempts:
-            job = jobs[a.number]
-            pre, post, first = self._owned(a, job["failed"], job["failure_point"])
-            if ended is not None and a.begin > ended:
-                # No record of the lowest rank covers the gap between two of its attempts.
-                prev_failed = jobs[previous.number]["failed"]
-                gap = a.begin - ended
-                account("detect_and_teardown" if prev_failed else "restart_gap", _PHASE, gap,
-                        _FAILURE if prev_failed else _IDLE)
-            i = index[a.number]
-            recovery = i > 0 and jobs[numbers[i - 1]]["failed"]
-            for (name, kind), us in pre.items():
-                account(name, kind, us, _FAILURE if recovery else _BASE_BUCKET[kind])
-            for (name, kind), us in post.items():
-                account(name, kind, us, _BASE_BUCKET[kind])
-            if first is not None:
-                first_training[a.number] = first
-                tts[a.number] = (first - a.alloc_begin) / 1e6
-            for tier in saves:
-                saves[tier] += len(a.timeline.blocked_steps[tier]) + a.timeline.unnumbered[tier]
-            ended = a.last_ts if ended is None else max(ended, a.last_ts)
-            previous = a
-
-        e2e_us = sum(buckets.values())
-        out["e2e_s"] = e2e_us / 1e6
-        for bucket, us in buckets.items():
-            out[f"{bucket}_s"] = us / 1e6
-        for bucket, key in ((_EFFECTIVE, "ett_pct"), (_IDLE, "idle_pct"), (_FAILURE, "failure_pct"),
-                            (_UNATTRIBUTED_BUCKET, "unattributed_pct")):
-            out[key] = 100.0 * buckets[bucket] / e2e_us if e2e_us > 0 else None
-        out["phases"] = {name: us / 1e6 for name, us in sorted(phases.items())}
-        from .badput import BADPUT_CATEGORIES
-
-        out["badput"] = {c: badput.get(c, 0) / 1e6 for c in BADPUT_CATEGORIES}
-        out["time_to_start_s"] = tts
-        out["time_to_recover_s"] = self._time_to_recover(failed, numbers, first_training, ended)
-        out["checkpoint_blocking_s"] = phases.get("checkpoint_blocking", 0) / 1e6
-        out["checkpoints"] = {tier: {"count": saves[tier], "blocking_s": tier_blocking[tier] / 1e6}
-                              for tier in ("disk", "memory")
-                              if tier == "disk" or saves[tier] or tier_blocking[tier]}
-        out["last_step"] = next((a.last_step for a in reversed(ref.attempts) if a.last_step is not None),
-                                None)
-        out["max_step"] = max((a.max_step for a in ref.attempts if a.max_step is not None), default=None)
+        if ref.attempts:
+            add_timeline_figures(ref.attempts, jobs, failed, self._owned, out)
         return out
 
     def _job_failure(self, number: int) -> tuple[bool, Optional[int]]:
-        """Whether attempt ``number`` failed on any rank, and the job's failure point (see :meth:`_jobs`)."""
-        failed, point = False, None
-        for rf in self._files.values():
-            for a in rf.attempts:
-                if a.number == number and self._rank_failed(a):
-                    p = a.failure_point()
-                    failed, point = True, p if point is None else min(point, p)
-        return failed, point
-
-    def _rank_failed(self, a: _Attempt) -> bool:
-        # Without an end record an attempt is killed once any rank has a later attempt; before that it runs.
-        return a.status != "clean" if a.has_end else a.number < self._latest_attempt
-
-    def _jobs(self) -> dict[int, dict]:
-        """The job view of each attempt number over every rank: failed (any rank failed in it), its failure
-        point (the earliest failed rank's last activity) and category, as report.cpp decides them (its
-        cause_of_failure(): a death from outside, killed or by a signal, names the failure unless a peer's
-        exception was recorded while it was demonstrably still alive)."""
-        jobs: dict[int, dict] = {}
-        groups: dict[int, tuple[list, list]] = {}  # attempt -> (deaths from outside, other failed ranks)
-        for rf in sorted(self._files.values(), key=lambda r: r.rank):
-            for a in rf.attempts:
-                job = jobs.setdefault(a.number, {"failed": False, "failure_point": None, "category": None})
-                if not self._rank_failed(a):
-                    continue
-                point = a.failure_point()
-                if not job["failed"] or point < job["failure_point"]:
-                    job["failure_point"] = point
-                job["failed"] = True
-                outside = not a.has_end or a.status == "signal"
-                groups.setdefault(a.number, ([], []))[0 if outside else 1].append((point, rf.rank, a))
-        for number, (outside, other) in groups.items():
-            first_outside = min(outside, key=lambda x: x[:2], default=None)
-            first_other = min(other, key=lambda x: x[:2], default=None)
-            cause = first_outside or first_other
-            if first_outside is not None and first_other is not None:
-                dead, raised = first_outside[2], first_other[2]
-                dead_alive = dead.end_ts if dead.has_end else dead.last_ts
-                if raised.end_ts + _PEER_CLOCK_SKEW_US < dead_alive:
-                    cause = first_other
-            a = cause[2]
-            if not a.has_end:
-                category = "killed"
-            elif a.status == "exception":
-                sep = a.detail.find(": ")
-                category = "exception:" + (a.detail if sep < 0 else a.detail[:sep])
-            else:
-                category = a.status
-            jobs[number]["category"] = category
-        return jobs
-
-    @staticmethod
-    def _time_to_recover(failed: list, numbers: list, first_training: dict, end: int) -> list:
-        """Time to Recover per failure in failure-point order (docs/ett.md §7): to the first training of the
-        first later attempt that trains after the failure point, cut at the next failure; still growing
-        (to the latest record) while the job has not trained again."""
-        out = []
-        for k, (f, attempt) in enumerate(failed):
-            stop = end
-            for n in numbers:
-                if n > attempt and first_training.get(n, -1) > f:
-                    stop = first_training[n]
-                    break
-            if k + 1 < len(failed) and failed[k + 1][0] < stop:
-                stop = failed[k + 1][0]
-            out.append(max(stop - f, 0) / 1e6)
-        return out
+        """Whether attempt ``number`` failed on any rank, and the job's failure point."""
+        return job_failure(self._files.values(), number, self._latest_attempt)
 
 
 __all__ = ["LiveLedger", "top_level_phase"]
