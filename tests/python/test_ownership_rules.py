@@ -17,12 +17,16 @@ KINDS = {"phase": _ownership.PHASE, "training": _ownership.TRAINING, "wasted": _
 LAYERS = {"filler": _ownership.FILLER, "step": _ownership.STEP, "phase": _ownership.PHASE_LAYER}
 
 
+def items_of(case: dict) -> list[_ownership.Item]:
+    """The corpus case's items as the live view holds records, in the corpus's order (its file order)."""
+    return [(it["b"], it["e"], LAYERS[it["layer"]], seq, it["name"], KINDS[it["kind"]])
+            for seq, it in enumerate(case["items"])]
+
+
 def flatten(case: dict) -> list[list]:
     """The corpus case's owners as the live view decides them, coalesced as the report's flatten() does."""
-    items = [(it["b"], it["e"], LAYERS[it["layer"]], seq, it["name"], KINDS[it["kind"]])
-             for seq, it in enumerate(case["items"])]
     out: list[list] = []
-    for p, q, top in _ownership.owner_spans(items, case["lo"], case["hi"]):
+    for p, q, top in _ownership.owner_spans(items_of(case), case["lo"], case["hi"]):
         name, kind = ("unattributed", _ownership.UNATTRIBUTED) if top is None else (top[4], top[5])
         if out and out[-1][1] == p and (out[-1][2], out[-1][3]) == (name, kind):
             out[-1][1] = q
@@ -39,8 +43,7 @@ def test_the_live_view_owns_each_instant_as_the_report_does(case):
 def test_owning_a_span_in_two_windows_gives_what_owning_it_at_once_does():
     # What lets the live view settle its window: items are ranked by their whole interval.
     for case in CORPUS["flatten"]:
-        items = [(it["b"], it["e"], LAYERS[it["layer"]], seq, it["name"], KINDS[it["kind"]])
-                 for seq, it in enumerate(case["items"])]
+        items = items_of(case)
         lo, hi = case["lo"], case["hi"]
         whole: tuple[dict, dict] = ({}, {})
         _ownership.own(items, lo, hi, False, 0, None, *whole)
@@ -57,8 +60,9 @@ def attempts_of(case: dict) -> list[tuple[int, _Attempt]]:
     for r in case["ranks"]:
         a = _Attempt(0, r["ts"], None, None, first=True)
         a.activity_end, a.last_ts = r["activity_end"], r["last_ts"]
-        if r["end"] is not None:
-            a.has_end, a.end_ts, a.status, a.detail = True, r["end"]["ts"], r["end"]["status"], r["end"]["detail"]
+        end = r["end"]
+        if end is not None:  # else killed: no end record
+            a.has_end, a.end_ts, a.status, a.detail = True, end["ts"], end["status"], end["detail"]
         out.append((r["rank"], a))
     return out
 
