@@ -38,12 +38,14 @@ without following symlinks (:mod:`ettkit.startup.trusted_files`); anything else 
 cold compile) unless ``trust_shared=True``. MegaCache artifact keys are checked before torch sees them (a key
 becomes a path under Inductor's cache dir). Compile once per job through the Store carries an HMAC-SHA256
 keyed by a secret the ranks share outside the Store, verified before a byte of it is used.
+
+This module holds the key, both tiers and compile once per job; the bytes of a file and their strict checks
+are :mod:`ettkit.startup.cache_format`'s, finding and restoring the compiled kernels is
+:mod:`ettkit.startup.compiled_kernels`'.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import dataclasses
 import hashlib
 import hmac
@@ -52,8 +54,6 @@ import inspect
 import json
 import os
 import platform
-import re
-import struct
 import sys
 import time
 import warnings
@@ -64,19 +64,17 @@ from typing import Any
 
 import torch
 
-from .. import _C
 from ..errors import InvalidArgumentError
+from . import cache_format
+from .cache_format import megacache_artifacts
+from .compiled_kernels import read_kernel_files, restore_kernels
+# Module names, looked up at each call, so that tests can replace what Inductor would report.
+from .compiled_kernels import inductor_cache_dir as _inductor_cache_dir
+from .compiled_kernels import loaded_kernel_files as _loaded_kernel_files
 from .trusted_files import CacheDirectory, UntrustedFileError
 from .warm import compile_counters, counter_delta
 
 __all__ = ["CacheLoadResult", "CacheSaveResult", "CompileCache", "CompileCacheWarning", "compile_fingerprint"]
-
-_MAGIC = b"ETTKMEGA"
-_PRECOMPILED_MAGIC = b"ETTKPREC"
-# 2: the body's checksum is XXH3-64 (body_xxh3), as in every ettkit file format; format 1's SHA-256 files
-# read as a miss ("unsupported header") and are rewritten by the next save.
-_FORMAT = 2
-_HEADER = struct.Struct("<8sI")  # magic, header JSON length; then the JSON, then the payload
 
 
 #: A temporary cache file older than this is a dead writer's (a write takes seconds) and is removed.
@@ -183,191 +181,6 @@ def compile_fingerprint(model: Any = None, spec: Any = None, config: Mapping | N
     if config:
         feed("config", json.dumps(config, sort_keys=True, default=repr))
     return h.hexdigest()
-
-
-_KERNEL_PATH = re.compile(r"^[A-Za-z0-9_]{2}/[A-Za-z0-9_][A-Za-z0-9_.]*$")
-
-
-def _inductor_cache_dir() -> Path:
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    return Path(cache_dir())
-
-
-def _loaded_kernel_files() -> list:
-    """(path relative to the Inductor cache dir, absolute path) of every compiled C++ kernel this process
-    loaded. Uses Inductor internals (its C++ code caches); if they change, kernels are simply not bundled."""
-    try:
-        from torch._inductor import codecache
-
-        keys: set = set()
-        stack = [codecache.CppCodeCache]
-        while stack:
-            cls = stack.pop()
-            stack.extend(cls.__subclasses__())
-            keys.update(k for k in getattr(cls, "cache", {}) if isinstance(k, str))
-        if not keys:
-            return []
-        root = _inductor_cache_dir()
-    except Exception:  # noqa: BLE001 - an optimization; torch internals may move
-        return []
-    files = []
-    for key in sorted(keys):
-        if len(key) < 3:
-            continue
-        for p in sorted((root / key[1:3]).glob(glob_escape(key) + ".*")):
-            rel = f"{key[1:3]}/{p.name}"
-            if p.is_file() and not p.name.endswith((".lock", ".tmp")) and _KERNEL_PATH.match(rel):
-                files.append((rel, p))
-    # Inductor's CPU vector-ISA probe: before it builds the first kernel of a process it compiles a test
-    # program per candidate ISA and dlopens it in a child process (5.6 s of a 9.3 s warm load measured, on
-    # a 2-core machine); a "<library>.load_ok" marker beside the library skips both. The probe's answer
-    # depends on the CPU, which the cache key holds (machine, ATen's CPU capability).
-    try:
-        markers = sorted(root.glob("*/*.so.load_ok"))
-    except OSError:
-        markers = []
-    have = {rel for rel, _ in files}
-    for marker in markers:
-        library = marker.with_name(marker.name[: -len(".load_ok")])
-        for p in (library, marker):
-            rel = f"{p.parent.name}/{p.name}"
-            if rel not in have and p.is_file() and _KERNEL_PATH.match(rel):
-                files.append((rel, p))
-                have.add(rel)
-    return files
-
-
-def glob_escape(text: str) -> str:
-    return "".join(f"[{c}]" if c in "*?[" else c for c in text)
-
-
-def _restore_kernels(kernels: list, body: bytes, offset: int, trust_shared: bool = False) -> int:
-    """Writes bundled kernel files that are not already in the Inductor cache dir; returns how many. Each goes
-    through the opened cache dir and its opened two-letter subdirectory (created 0700; a symlink, or a
-    directory of another user or writable by the world, is refused: UntrustedFileError), as a new 0600 file
-    renamed into place (dlopen needs no execute bit). A group-writable directory is accepted here: torch
-    creates Inductor's directories with the umask's mode (0775 under umask 002) and loads kernels from
-    them whatever ettkit does, so refusing it would only make the warm start rebuild them."""
-    restored = 0
-    with CacheDirectory(
-        _inductor_cache_dir(), trust_shared=trust_shared, create=True, group_write_ok=True
-    ) as root:
-        subdirs: dict = {}
-        try:
-            for entry in kernels:
-                rel, size = entry["path"], entry["bytes"]
-                data = body[offset : offset + size]
-                offset += size
-                if not _KERNEL_PATH.match(rel) or ".." in rel:  # _parse checked it; a path never leaves root
-                    raise UntrustedFileError(f"kernel path {rel!r} is not <2 characters>/<file name>")
-                sub_name, name = rel.split("/")
-                if sub_name not in subdirs:
-                    subdirs[sub_name] = root.subdirectory(sub_name)
-                sub = subdirs[sub_name]
-                if sub.exists(name):
-                    continue
-                # Atomic: a concurrent Inductor never sees half a library. Not fsynced: a kernel lost in a
-                # crash is rebuilt from its source.
-                sub.write(name, data, durable=False)
-                restored += 1
-        finally:
-            for sub in subdirs.values():
-                sub.close()
-    return restored
-
-
-# ---- MegaCache: the artifact list, checked before torch sees it ------------------------------------------
-#
-# torch.compiler.load_cache_artifacts(bytes) hands every artifact to its type's populate_cache(), which turns
-# the artifact's key into a path under Inductor's cache dir: an "autotune" key is os.path.join(cache_dir(),
-# key) (an absolute key replaces the cache dir altogether), an "inductor" / "aot_autograd" key a directory
-# name, a "precompile" key a directory under cache_dir()/dynamo. The container is torch's
-# AppendingByteSerializer (torch/utils/_appending_byte_serializer.py, torch/compiler/_cache.py; not a pickle):
-#   crc32 (4 bytes, big-endian, of the rest) | version (uint64 = 1) |
-#   per artifact type: type (str) | count (uint64) | count x (key (str), content (bytes))
-# with str = uint64 length + base64 of the UTF-8 text and bytes = uint64 length + the bytes. Decoded here
-# strictly (base64 without stray characters, UTF-8, every length inside the blob), so that torch's lenient
-# decoder reads the same keys as this check.
-
-_MEGACACHE_VERSION = 1
-#: One file or directory name, as torch's own keys are (hashes, "<hash>.best_config", a PGO job key).
-_ARTIFACT_NAME = r"[A-Za-z0-9_][A-Za-z0-9_.:=+@,-]{0,254}"
-#: Autotune keys are "<kernel directory>/<hash>.best_config" (the last two components of the local path:
-#: AutotuneCache._artifact_key_from_local_cache_key), so exactly one "/" between two names; every other
-#: type: one name.
-_ARTIFACT_KEY = {"autotune": re.compile(rf"{_ARTIFACT_NAME}/{_ARTIFACT_NAME}")}
-_ARTIFACT_KEY_DEFAULT = re.compile(_ARTIFACT_NAME)
-
-
-class _Reader:
-    """Strict reader of the AppendingByteSerializer fields: every length must lie inside the blob."""
-
-    def __init__(self, data: bytes):
-        self.data, self.i = memoryview(data), 0
-
-    def uint64(self) -> int:
-        if self.i + 8 > len(self.data):
-            raise ValueError(f"MegaCache blob ends inside a length field at byte {self.i}")
-        value = int.from_bytes(self.data[self.i : self.i + 8], "big")
-        self.i += 8
-        return value
-
-    def bytes_(self) -> memoryview:
-        size = self.uint64()
-        if size > len(self.data) - self.i:
-            raise ValueError(
-                f"MegaCache field of {size} bytes at byte {self.i} runs past the end of the blob"
-            )
-        out = self.data[self.i : self.i + size]
-        self.i += size
-        return out
-
-    def text(self) -> str:
-        raw = self.bytes_()
-        try:
-            return base64.b64decode(bytes(raw), validate=True).decode("utf-8")
-        except (binascii.Error, UnicodeDecodeError) as exc:
-            raise ValueError(f"MegaCache text before byte {self.i} is not base64 of UTF-8 ({exc})") from None
-
-    def done(self) -> bool:
-        return self.i == len(self.data)
-
-
-def megacache_artifacts(blob: bytes) -> list:
-    """``[(type, key, content size), ...]`` of a MegaCache blob (what ``save_cache_artifacts()`` returns
-    first), decoded strictly without unpickling or copying anything. Raises ValueError for a damaged blob,
-    and for an artifact key that is not a plain name (see ``_ARTIFACT_KEY``): absolute, with "..", a
-    backslash, NUL or a "/" (autotune: more than its one), or empty — torch would write such an artifact
-    outside its cache dir."""
-    if len(blob) < 12:
-        raise ValueError(f"MegaCache blob of {len(blob)} bytes is shorter than its 12-byte preamble")
-    # The leading CRC-32 is not checked here: the file's XXH3 already covers these bytes, torch checks the CRC
-    # itself, and no CRC makes a key safe (a forger computes it). Skipping it halves the cost of this check.
-    reader = _Reader(blob)
-    reader.i = 4
-    version = reader.uint64()
-    if version != _MEGACACHE_VERSION:
-        raise ValueError(f"MegaCache blob has encoding version {version}; ettkit reads {_MEGACACHE_VERSION}")
-    out = []
-    while not reader.done():
-        kind = reader.text()
-        count = reader.uint64()
-        if count > (len(blob) - reader.i) // 16:  # each artifact has two length fields at least
-            raise ValueError(f"MegaCache blob claims {count} {kind!r} artifacts, more than its bytes hold")
-        rule = _ARTIFACT_KEY.get(kind, _ARTIFACT_KEY_DEFAULT)
-        for _ in range(count):
-            key = reader.text()
-            size = len(reader.bytes_())
-            if not rule.fullmatch(key) or ".." in key:
-                raise ValueError(
-                    f"MegaCache artifact key {key!r} (type {kind!r}) is not "
-                    + ("<name>/<name>" if kind in _ARTIFACT_KEY else "one file name")
-                    + " (no absolute path, '..', '\\', NUL or other '/'): torch would write it outside its "
-                    "cache dir; refused"
-                )
-            out.append((kind, key, size))
-    return out
 
 
 # ---- compile once per job: the Store payload's HMAC ------------------------------------------------------
@@ -576,20 +389,21 @@ class CompileCache:
         data = self._read(self.path, t0, "no cache for this key")
         if isinstance(data, CacheLoadResult):
             return dataclasses.replace(data, reason=self._miss_reason()) if data.status == "miss" else data
-        checked = self._checked(data, t0, self.path, _MAGIC, "megacache_bytes")
-        if isinstance(checked, CacheLoadResult):
-            return checked
-        header, body = checked
-        megacache = body[: header["megacache_bytes"]]
+        file = self._checked(data, t0, self.path, cache_format.MEGACACHE)
+        if isinstance(file, CacheLoadResult):
+            return file
+        megacache = file.section
         try:
             megacache_artifacts(megacache)  # before torch sees a key, and before any kernel is written
         except ValueError as exc:
             return self._ignored("corrupt", str(exc), t0)
-        kernels = header.get("kernels", [])
+        kernels = file.kernels
         restored = 0
         try:
             if self.kernels:
-                restored = _restore_kernels(kernels, body, header["megacache_bytes"], self.trust_shared)
+                restored = restore_kernels(
+                    kernels, file.body, file.section_bytes, _inductor_cache_dir(), self.trust_shared
+                )
         except OSError as exc:  # a read-only or untrusted Inductor dir: the compile is merely slower
             warnings.warn(
                 f"could not restore compiled kernels from {self.path}: {exc}",
@@ -614,19 +428,20 @@ class CompileCache:
             str(self.path),
             "loaded",
             artifacts=artifacts,
-            bytes=len(body),
+            bytes=len(file.body),
             seconds=time.perf_counter() - t0,
         )
 
     def _checked(
-        self, data: bytes, t0: float, path: Path, magic: bytes, first_section: str
-    ) -> tuple[dict, bytes] | CacheLoadResult:
-        """A file's header and body, or the "corrupt" / "stale" result (warned) that ignores it. Both files
-        (MegaCache and precompiled) share this layout and these checks."""
+        self, data: bytes, t0: float, path: Path, kind: cache_format.FileKind
+    ) -> cache_format.CacheFile | CacheLoadResult:
+        """The decoded file, or the "corrupt" / "stale" result (warned) that ignores it. Both files (MegaCache
+        and precompiled) share this layout and these checks."""
         try:
-            header, body = self._parse(data, magic, first_section)
+            file = cache_format.decode(data, kind)
         except ValueError as exc:
             return self._ignored("corrupt", str(exc), t0, path)
+        header = file.header
         if header.get("key") != self.key:
             fields = header.get("key_fields", {}) if isinstance(header.get("key_fields"), dict) else {}
             return self._ignored(
@@ -636,53 +451,7 @@ class CompileCache:
                 t0,
                 path,
             )
-        return header, body
-
-    def _parse(
-        self, data: bytes, expect_magic: bytes = _MAGIC, first_section: str = "megacache_bytes"
-    ) -> tuple[dict, bytes]:
-        if len(data) < _HEADER.size:
-            raise ValueError(f"file is {len(data)} bytes, shorter than the {_HEADER.size}-byte preamble")
-        magic, header_len = _HEADER.unpack_from(data)
-        if magic != expect_magic:
-            raise ValueError(f"bad magic {magic!r} (expected {expect_magic!r}): not an ettkit compile cache")
-        end = _HEADER.size + header_len
-        if end > len(data):
-            raise ValueError(f"header of {header_len} bytes runs past the end of the {len(data)}-byte file")
-        try:
-            header = json.loads(data[_HEADER.size : end])
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"header is not JSON ({exc})") from None
-        if not isinstance(header, dict) or header.get("format") != _FORMAT:
-            raise ValueError(
-                f"unsupported header (format {header.get('format') if isinstance(header, dict) else '?'}, "
-                f"this ettkit reads format {_FORMAT})"
-            )
-        body = data[end:]
-        if len(body) != header.get("body_bytes"):
-            raise ValueError(
-                f"body is {len(body)} bytes, the header says {header.get('body_bytes')} (truncated write?)"
-            )
-        if _C.xxh3_hex(body) != header.get("body_xxh3"):
-            raise ValueError("body checksum mismatch (XXH3-64)")
-        kernels = header.get("kernels", [])
-        mega = header.get(first_section)
-        if not isinstance(mega, int) or not isinstance(kernels, list) or mega < 0:
-            raise ValueError(f"header lacks {first_section}/kernels")
-        total = mega
-        for k in kernels:
-            if not (
-                isinstance(k, dict)
-                and isinstance(k.get("path"), str)
-                and _KERNEL_PATH.match(k["path"])
-                and isinstance(k.get("bytes"), int)
-                and k["bytes"] >= 0
-            ):
-                raise ValueError(f"bad kernel entry {k!r}")
-            total += k["bytes"]
-        if total != len(body):
-            raise ValueError(f"sections add up to {total} bytes, the body has {len(body)}")
-        return header, body
+        return file
 
     # ---- save ----------------------------------------------------------------------------------------
 
@@ -714,7 +483,7 @@ class CompileCache:
         blobs = self._kernel_blobs(kernel_files, self.path)
         if blobs:
             counts["cpu_kernel_files"] = len(blobs)
-        data, body = self._compose(_MAGIC, "megacache_bytes", megacache, blobs, {"artifacts": counts})
+        data, body = self._encode(cache_format.MEGACACHE, megacache, blobs, {"artifacts": counts})
         try:
             self._write_atomic(data)
         except OSError as exc:
@@ -734,27 +503,14 @@ class CompileCache:
     def _kernel_blobs(kernel_files: list, path: Path) -> list:
         """(relative path, bytes) of the kernel files to bundle; an unreadable one warns and bundles none."""
         try:
-            return [(rel, p.read_bytes()) for rel, p in kernel_files]
+            return read_kernel_files(kernel_files)
         except OSError as exc:
             warnings.warn(f"compiled kernels not bundled into {path}: {exc}", CompileCacheWarning, stacklevel=3)
             return []
 
-    def _compose(self, magic: bytes, first_section: str, first: bytes, blobs: list, extra: dict) -> tuple:
-        """The bytes of a cache file (preamble, JSON header, body = first section + kernels) and its body."""
-        body = first + b"".join(data for _, data in blobs)
-        header = {
-            "format": _FORMAT,
-            "key": self.key,
-            "key_fields": self.key_fields,
-            first_section: len(first),
-            "kernels": [{"path": rel, "bytes": len(data)} for rel, data in blobs],
-            "body_bytes": len(body),
-            "body_xxh3": _C.xxh3_hex(body),
-            "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            **extra,
-        }
-        header_bytes = json.dumps(header, sort_keys=True).encode()
-        return _HEADER.pack(magic, len(header_bytes)) + header_bytes + body, body
+    def _encode(self, kind: cache_format.FileKind, section: bytes, blobs: list, extra: dict) -> tuple:
+        """The bytes of a cache file of this key and its body (see :func:`.cache_format.encode`)."""
+        return cache_format.encode(kind, self.key, self.key_fields, section, blobs, extra)
 
     def _write_atomic(self, data: bytes, path: Path | None = None) -> None:
         """Replaces a file of this cache atomically (the protocol of C++ ``ettkit::replace_file_durably``:
@@ -785,20 +541,21 @@ class CompileCache:
         data = self._read(path, t0, "no precompiled artifact for this key")
         if isinstance(data, CacheLoadResult):
             return data, None
-        checked = self._checked(data, t0, path, _PRECOMPILED_MAGIC, "artifact_bytes")
-        if isinstance(checked, CacheLoadResult):
-            return checked, None
-        header, body = checked
+        file = self._checked(data, t0, path, cache_format.PRECOMPILED)
+        if isinstance(file, CacheLoadResult):
+            return file, None
+        header, body = file.header, file.body
         changed = precompiled.changed_sources(header.get("sources", []))
         if changed:
             return self._ignored(
                 "stale", f"the Python source it was traced from has changed ({', '.join(changed[:5])})", t0, path
             ), None
-        size = header["artifact_bytes"]
-        kernels = header.get("kernels", [])
+        size = file.section_bytes
+        kernels = file.kernels
         restored = 0
         try:
-            restored = _restore_kernels(kernels, body, size, self.trust_shared) if self.kernels else 0
+            if self.kernels:
+                restored = restore_kernels(kernels, body, size, _inductor_cache_dir(), self.trust_shared)
         except OSError as exc:  # the kernels are rebuilt from the artifact's sources: slower, not wrong
             warnings.warn(f"could not restore compiled kernels from {path}: {exc}", CompileCacheWarning, stacklevel=2)
         try:
@@ -836,7 +593,7 @@ class CompileCache:
         extra = {"artifacts": counts, "sources": precompiled.source_fingerprint(fn)}
         if dynamic_dims_specialized:
             extra["dynamic_dims_specialized"] = dynamic_dims_specialized
-        data, body = self._compose(_PRECOMPILED_MAGIC, "artifact_bytes", artifact, blobs, extra)
+        data, body = self._encode(cache_format.PRECOMPILED, artifact, blobs, extra)
         try:
             self._write_atomic(data, path)
         except OSError as exc:

@@ -16,6 +16,10 @@ to the MegaCache path with the reason in ``report.precompile_fallback``.
 compiles forward, loss and backward on the synthetic batch (holding the GIL for most of it, while the
 workers load in their own processes and the thread that waits for the first batch sleeps in a queue read
 without the GIL). Time to Start becomes max(compile, first batch) plus small overheads.
+
+Each stage is a method of :class:`_OverlappedStart` (``cache_load``, ``compile_stage`` and the steps it takes:
+``precompile_and_publish``, ``jit_compile``, ``save_megacache``); :func:`overlapped_start` builds the graph,
+runs it, checks the first batch and writes the report.
 """
 
 from __future__ import annotations
@@ -154,6 +158,306 @@ def _specialization(error: Exception) -> str:
     return "; ".join(detail) if detail else (lines[0] if lines else type(error).__name__)
 
 
+class _OverlappedStart:
+    """The stages of one :func:`overlapped_start` call, each phase a method, and what they learnt.
+
+    It holds the graph's results and recorder, never the graph: the graph owns the stage callables (bound
+    methods of this object), which must not own it back. ``fallback`` is what the cache and compile stages
+    learnt about the precompiled tier: "reason" (why it is not used), "hint", "peer", "specialized",
+    "seconds", "save" (the precompiled file's save) and "cache_save" (the MegaCache file's)."""
+
+    def __init__(
+        self,
+        model: Any,
+        spec: BatchSpec,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        cache: CompileCache | None,
+        forward: Callable[[Any, Any], Any] | None,
+        compile_kwargs: dict | None,
+        seed: int,
+        graph: StageGraph,
+    ):
+        self.model, self.spec, self.loss_fn, self.cache = model, spec, loss_fn, cache
+        self.forward, self.compile_kwargs, self.seed = forward, compile_kwargs, seed
+        self.results = graph.results  # not the graph itself (see the class comment)
+        self.sub_recorder = getattr(graph, "recorder", None)  # the recorder, not the graph: no cycle
+        self.precompile = cache is not None and cache.precompile
+        # Why this start cannot use the precompiled tier at all (it then behaves as without precompile=True).
+        self.no_precompile = _precompile_blocker(model) if self.precompile else None
+        self.fallback: dict = {}
+
+    # ---- the graph ------------------------------------------------------------------------------------
+
+    def add_stages(self, graph: StageGraph, loader: Any, compile_after: Sequence[str]) -> None:
+        results = self.results
+        graph.add("loader_iter", lambda: iter(loader), forks=_iter_forks(loader), phase="preproc_creation")
+        graph.add("get_first_batch_data", lambda: next(results["loader_iter"]), after=["loader_iter"])
+        compile_deps = list(compile_after)
+        if self.cache is not None:
+            graph.add("cache_load", self.cache_load, runs_dynamo=True, phase="compile")
+            compile_deps.append("cache_load")
+        graph.add("compile", self.compile_stage, after=compile_deps, runs_dynamo=True, phase="compile")
+
+    def sub_phase(self, name: str):
+        # A sub-phase of "compile" in the ETT ledger: which tier the start took is visible in the report.
+        return self.sub_recorder.phase(name) if self.sub_recorder is not None else contextlib.nullcontext()
+
+    # ---- stage "cache_load" ---------------------------------------------------------------------------
+
+    def cache_load(self) -> tuple:
+        """(precompiled file's result, its loaded forward or None, MegaCache file's result or None)."""
+        cache = self.cache
+        if not (self.precompile and self.no_precompile is None):
+            return None, None, cache.load()
+        with self.sub_phase("compile/precompiled_load"):
+            result, fn = cache.load_precompiled()
+        if fn is None and cache.shares and cache.rank != 0:
+            received, fn = self.receive_from_rank_0()
+            if fn is not None:
+                return received, fn, None
+        if fn is not None:
+            return result, fn, None  # the MegaCache file is not needed
+        return result, None, cache.load()
+
+    def receive_from_rank_0(self) -> tuple:
+        """Compile once per job: rank 0 compiles (or loads) and publishes; this rank waits for its file."""
+        with self.sub_phase("compile/precompiled_wait"):
+            received, fn, why = self.cache.receive_precompiled()
+        if fn is None:
+            self.fallback["peer"] = why
+            if why and not why.startswith(("no precompiled file from rank 0", "rank 0's precompiled")):
+                # The same model fails here too.
+                self.fallback["reason"] = f"rank 0 could not precompile: {why}"
+        return received, fn
+
+    # ---- stage "compile" ------------------------------------------------------------------------------
+
+    def compile_stage(self) -> tuple:
+        """(the model to train, its WarmCompileReport or None, the guard that specialized a dynamic dim)."""
+        loaded = self.results.get("cache_load")
+        if loaded is not None and loaded[1] is not None:
+            self.publish(None)
+            # A graph compiled with soft dims is still one: the warm start reports the cold start's guard.
+            return self.precompiled_model(loaded[1], "loaded"), None, loaded[0].dynamic_dims_specialized
+        if self.precompile and self.no_precompile is None and "reason" not in self.fallback:
+            precompiled = self.precompile_and_publish()
+            if precompiled is not None:
+                return precompiled
+        elif self.precompile and self.no_precompile is not None:
+            self.publish(self.no_precompile)
+        # With the precompiled tier asked for, what follows is its fallback: a sub-phase of its own in the
+        # ledger, so that the report shows which starts fell back and what that cost.
+        with self.sub_phase("compile/precompile_fallback") if self.precompile else contextlib.nullcontext():
+            compiled = self.jit_compile()
+        self.save_megacache()
+        return compiled
+
+    def precompiled_model(self, fn: Any, origin: str) -> _precompiled.PrecompiledModel:
+        kwargs = self.compile_kwargs
+        return _precompiled.PrecompiledModel(self.model, fn, origin=origin, compile_kwargs=kwargs)
+
+    def precompile_and_publish(self) -> tuple | None:
+        """Precompiles on the fast batch, saves and publishes the file: the compile stage's result, or None
+        (the reason in ``fallback``; "publish" then tells the other ranks why)."""
+        before = compile_counters()
+        fn = self.precompile_forward()
+        saved = self.fallback.get("save")
+        written = saved is not None and saved.written
+        self.publish(None if written else self.fallback.get("reason", "its file was not written"))
+        if fn is None:
+            return None
+        after = compile_counters()
+        warm = WarmCompileReport(
+            seconds=self.fallback["seconds"],
+            graphs=after["graphs"] - before["graphs"],
+            backward=any(p.requires_grad for p in self.model.parameters()),
+            counters=counter_delta(before, after),
+        )
+        return self.precompiled_model(fn, "compiled"), warm, self.fallback.get("specialized")
+
+    def aot_compile(self, batch: Any) -> Any:
+        args, kwargs = _precompiled.capture_call_args(self.model, batch, self.forward)
+        kw = dict(self.compile_kwargs or {})
+        kw["fullgraph"] = True  # aot_compile's requirement: one graph, no Python between graphs
+        # Fences that AsyncCheckpointer.attach() installed before the start close over the C++ checkpointer,
+        # which cannot be pickled: traced in, they would make every such start compile cold. They are kept out
+        # of the graph and its guards, as PrecompiledModel runs them: before the graph, on every call.
+        with self.sub_phase("compile/precompile"), _precompiled.checkpoint_fences_detached(self.model):
+            return torch.compile(self.model, **kw).forward.aot_compile((args, kwargs))
+
+    def precompile_forward(self) -> Any:
+        """The precompiled forward for the fast batch, compiled and saved now, or None (reason in
+        ``fallback``)."""
+        from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
+
+        fallback = self.fallback
+        t0 = time.perf_counter()
+        try:
+            try:
+                fn = self.aot_compile(self.spec.fast_batch(self.seed))
+            except ConstraintViolationError as e:
+                # As in jit_compile: the declared range cannot be served by one graph; the soft dims give the
+                # widest graph there is, and its guards send other sizes to the fallback compile.
+                fallback["specialized"] = _specialization(e)
+                fn = self.aot_compile(self.spec.fast_batch(self.seed, soft=True))
+        except Exception as exc:  # noqa: BLE001 - graph breaks, unsupported ops: the MegaCache path still works
+            text = str(exc).strip()
+            first = text.splitlines()[0] if text else ""
+            fallback["reason"] = f"aot_compile failed ({type(exc).__name__}: {first[:300]})"
+            fallback["hint"] = _precompiled.failure_hint(exc, self.model)
+            fallback.pop("specialized", None)
+            return None
+        fallback["seconds"] = time.perf_counter() - t0
+        with self.sub_phase("compile/precompiled_save"):
+            fallback["save"] = self.cache.save_precompiled(fn, fallback.get("specialized"))
+        return fn
+
+    def publish(self, reason: str | None) -> None:
+        cache = self.cache
+        if self.precompile and cache.shares and cache.rank == 0:
+            with self.sub_phase("compile/precompiled_publish"):
+                cache.publish_precompiled(reason)
+
+    def jit_compile(self) -> tuple:
+        model, spec, seed = self.model, self.spec, self.seed
+        # torch.compile() itself imports Dynamo (seconds in a fresh process): do it here, overlapped.
+        compiled = model if _is_compiled(model) else torch.compile(model, **(self.compile_kwargs or {}))
+        from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
+
+        try:
+            fast = spec.fast_batch(seed)
+            return compiled, warm_compile(compiled, fast, self.loss_fn, forward=self.forward), None
+        except ConstraintViolationError as e:
+            # The model or Inductor made a size-dependent choice on a declared dynamic dim (e.g. Inductor's CPU
+            # mm decomposition guards on the batch size of a matmul with an inner size of 1). A graph that
+            # serves the whole declared range does not exist: compile with soft dims, and say which guard.
+            specialized = _specialization(e)
+            soft = spec.fast_batch(seed, soft=True)
+            return compiled, warm_compile(compiled, soft, self.loss_fn, forward=self.forward), specialized
+
+    def save_megacache(self) -> None:
+        """Saves the MegaCache file now, on the compile's thread (overlapped with the first batch like the
+        compile): forward and backward have compiled on the fast batch, which is all the first real steps
+        compile when they match the spec. A job killed before any later save still restarts warm; a later
+        ``cache.save()`` writes only what compiled since (a compiled optimizer step), else nothing."""
+        cache = self.cache
+        if cache is None:
+            return
+        with self.sub_phase("compile/cache_save"):
+            try:
+                self.fallback["cache_save"] = cache.save()
+            except Exception as exc:  # noqa: BLE001 - a cache is an optimization, never a reason to fail
+                warnings.warn(f"could not save compile cache {cache.path}: {type(exc).__name__}: {exc}",
+                              CompileCacheWarning, stacklevel=2)
+
+    # ---- after the graph ------------------------------------------------------------------------------
+
+    def fallback_reason(self, stacklevel: int) -> str | None:
+        """Why the precompiled tier asked for was not used (warned, naming the line ``stacklevel`` up), or
+        None."""
+        if not self.precompile:
+            return None
+        reason = self.no_precompile or self.fallback.get("reason")
+        if reason:
+            hint = f". To fix it: {self.fallback['hint']}" if self.fallback.get("hint") else ""
+            warnings.warn(
+                f"the precompiled tier is not used: {reason}; compiled through torch.compile and the MegaCache file "
+                f"instead (report.precompile_fallback){hint}",
+                RuntimeWarning,
+                stacklevel=stacklevel + 1,
+            )
+        return reason
+
+    def report(
+        self, stages: StageReport, time_to_start: float, mismatch: list, reason: str | None
+    ) -> StartReport:
+        results, fallback = self.results, self.fallback
+
+        def dur(name: str) -> float:
+            s = stages.stages.get(name)
+            return s.duration_s if s is not None else 0.0
+
+        loaded = results.get("cache_load") or (None, None, None)
+        return StartReport(
+            time_to_start_s=time_to_start,
+            compile_s=dur("cache_load") + dur("compile"),
+            first_batch_s=dur("loader_iter") + dur("get_first_batch_data"),
+            cache=loaded[2],
+            warm=results["compile"][1],
+            stages=stages,
+            spec_mismatch=mismatch,
+            dynamic_dims_specialized=results["compile"][2],
+            graphs_at_start=compiled_graphs(),
+            precompiled=loaded[0],
+            precompiled_save=fallback.get("save"),
+            precompile_fallback=reason,
+            precompile_peer=fallback.get("peer"),
+            cache_save=fallback.get("cache_save"),
+        )
+
+    def record_notes(self, report: StartReport) -> None:
+        """In the ETT ledger too (the report's attempts[].notes): which compile path this start took and, with
+        the precompiled tier asked for, why it was not used, so that a job's restarts show it after the fact."""
+        recorder = self.sub_recorder
+        if recorder is None:
+            return
+        tier = report.cache_tier
+        if tier is not None:
+            recorder.set_note("compile_cache", tier)
+        reason = report.precompile_fallback
+        if reason:
+            limit = recorder.MAX_NOTE_BYTES  # bytes of UTF-8, not characters
+            recorder.set_note("precompile_fallback", reason.encode()[:limit].decode(errors="ignore"))
+
+
+def _precompile_blocker(model: Any) -> str | None:
+    """Why this model cannot take the precompiled tier at all, or None."""
+    why_not = _precompiled.supported()
+    if why_not is None and _is_compiled(model):
+        return "the model was compiled by the caller: pass the module itself to precompile it"
+    if why_not is None and not isinstance(model, torch.nn.Module):
+        return f"the model is a {type(model).__name__}, not a torch.nn.Module"
+    return why_not
+
+
+def _run_graph(graph: StageGraph) -> StageReport:
+    try:
+        return graph.run()
+    except BaseException:
+        iterator = graph.results.get("loader_iter")
+        if iterator is not None:
+            _shutdown(iterator)  # do not leave worker processes behind a failed start
+        raise
+
+
+def _check_first_batch(spec: BatchSpec, results: dict, strict: bool, stacklevel: int) -> list:
+    """The first real batch's differences from the spec: raises BatchMismatchError with ``strict`` (after
+    stopping the loader's workers), else warns (naming the line ``stacklevel`` up) and returns them."""
+    mismatch = spec.diff(results["get_first_batch_data"])
+    if mismatch:
+        message = (
+            "the first real batch does not match the batch spec the model was compiled for: "
+            + "; ".join(mismatch)
+        )
+        if strict:
+            _shutdown(results["loader_iter"])
+            raise BatchMismatchError(message)
+        warnings.warn(message + " (the first step will recompile)", RuntimeWarning, stacklevel=stacklevel + 1)
+    return mismatch
+
+
+def _warn_specialized(specialized: str | None, stacklevel: int) -> None:
+    if specialized:
+        warnings.warn(
+            f"the compile specialized a dynamic dim of the batch spec ({specialized}); compiled again with the dims "
+            "marked soft (torch._dynamo.maybe_mark_dynamic): batch sizes outside the graph's guard recompile once "
+            "(report.recompiles). Set Dim(hint=...) to the size of the real batches so that the warm graph "
+            "covers them, or narrow Dim(min, max) to a range the guard allows.",
+            RuntimeWarning,
+            stacklevel=stacklevel + 1,
+        )
+
+
 def overlapped_start(
     model: Any,
     loader: Any,
@@ -199,222 +503,14 @@ def overlapped_start(
         # Resolved here, not in StageGraph, so that a missing recorder's warning names the caller's line.
         recorder = _ett_recorder.resolve(recorder, "overlapped_start", stacklevel=2)
     g = graph if graph is not None else StageGraph(timeout_s=timeout_s, recorder=recorder)
-
-    results = g.results  # not `g` itself: the graph owns these callables, they must not own it back
-    g.add("loader_iter", lambda: iter(loader), forks=_iter_forks(loader), phase="preproc_creation")
-    g.add("get_first_batch_data", lambda: next(results["loader_iter"]), after=["loader_iter"])
-    compile_deps = list(compile_after)
-    precompile = cache is not None and cache.precompile
-    # Why this start cannot use the precompiled tier at all (it then behaves as without precompile=True).
-    no_precompile = None
-    if precompile:
-        no_precompile = _precompiled.supported()
-        if no_precompile is None and _is_compiled(model):
-            no_precompile = "the model was compiled by the caller: pass the module itself to precompile it"
-        elif no_precompile is None and not isinstance(model, torch.nn.Module):
-            no_precompile = f"the model is a {type(model).__name__}, not a torch.nn.Module"
-    sub_recorder = getattr(g, "recorder", None)  # the recorder, not the graph: no reference cycle
-    fallback: dict = {}  # what the cache and compile stages learnt about the precompiled tier
-
-    def sub_phase(name: str):
-        # A sub-phase of "compile" in the ETT ledger: which tier the start took is visible in the report.
-        return sub_recorder.phase(name) if sub_recorder is not None else contextlib.nullcontext()
-
-    if cache is not None:
-
-        def cache_load() -> tuple:
-            if precompile and no_precompile is None:
-                with sub_phase("compile/precompiled_load"):
-                    result, fn = cache.load_precompiled()
-                if fn is None and cache.shares and cache.rank != 0:
-                    # Compile once per job: rank 0 compiles (or loads) and publishes; this rank waits for it.
-                    with sub_phase("compile/precompiled_wait"):
-                        received, fn, why = cache.receive_precompiled()
-                    if fn is not None:
-                        return received, fn, None
-                    fallback["peer"] = why
-                    if why and not why.startswith(("no precompiled file from rank 0", "rank 0's precompiled")):
-                        fallback["reason"] = f"rank 0 could not precompile: {why}"  # the same model fails here too
-                if fn is not None:
-                    return result, fn, None  # the MegaCache file is not needed
-                return result, None, cache.load()
-            return None, None, cache.load()
-
-        g.add("cache_load", cache_load, runs_dynamo=True, phase="compile")
-        compile_deps.append("cache_load")
-
-    def aot_compile(batch: Any) -> Any:
-        args, kwargs = _precompiled.capture_call_args(model, batch, forward)
-        kw = dict(compile_kwargs or {})
-        kw["fullgraph"] = True  # aot_compile's requirement: one graph, no Python between graphs
-        # Fences that AsyncCheckpointer.attach() installed before the start close over the C++ checkpointer,
-        # which cannot be pickled: traced in, they would make every such start compile cold. They are kept out
-        # of the graph and its guards, as PrecompiledModel runs them: before the graph, on every call.
-        with sub_phase("compile/precompile"), _precompiled.checkpoint_fences_detached(model):
-            return torch.compile(model, **kw).forward.aot_compile((args, kwargs))
-
-    def precompile_stage() -> Any:
-        """The precompiled forward for the fast batch, compiled and saved now, or None (reason in
-        `fallback`)."""
-        from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
-
-        t0 = time.perf_counter()
-        try:
-            try:
-                fn = aot_compile(spec.fast_batch(seed))
-            except ConstraintViolationError as e:
-                # As in the JIT path below: the declared range cannot be served by one graph; the soft dims give
-                # the widest graph there is, and its guards send other sizes to the fallback compile.
-                fallback["specialized"] = _specialization(e)
-                fn = aot_compile(spec.fast_batch(seed, soft=True))
-        except Exception as exc:  # noqa: BLE001 - graph breaks, unsupported ops: the MegaCache path still works
-            text = str(exc).strip()
-            first = text.splitlines()[0] if text else ""
-            fallback["reason"] = f"aot_compile failed ({type(exc).__name__}: {first[:300]})"
-            fallback["hint"] = _precompiled.failure_hint(exc, model)
-            fallback.pop("specialized", None)
-            return None
-        fallback["seconds"] = time.perf_counter() - t0
-        with sub_phase("compile/precompiled_save"):
-            fallback["save"] = cache.save_precompiled(fn, fallback.get("specialized"))
-        return fn
-
-    def publish(reason: str | None) -> None:
-        if precompile and cache.shares and cache.rank == 0:
-            with sub_phase("compile/precompiled_publish"):
-                cache.publish_precompiled(reason)
-
-    def compile_stage() -> tuple:
-        loaded = results.get("cache_load")
-        if loaded is not None and loaded[1] is not None:
-            publish(None)
-            # A graph compiled with soft dims is still one: the warm start reports the cold start's guard.
-            return _precompiled.PrecompiledModel(model, loaded[1], origin="loaded", compile_kwargs=compile_kwargs), \
-                None, loaded[0].dynamic_dims_specialized
-        if precompile and no_precompile is None and "reason" not in fallback:
-            before = compile_counters()
-            fn = precompile_stage()
-            saved = fallback.get("save")
-            publish(None if saved is not None and saved.written else fallback.get("reason", "its file was not written"))
-            if fn is not None:
-                after = compile_counters()
-                warm = WarmCompileReport(
-                    seconds=fallback["seconds"],
-                    graphs=after["graphs"] - before["graphs"],
-                    backward=any(p.requires_grad for p in model.parameters()),
-                    counters=counter_delta(before, after),
-                )
-                return _precompiled.PrecompiledModel(model, fn, origin="compiled", compile_kwargs=compile_kwargs), \
-                    warm, fallback.get("specialized")
-        elif precompile and no_precompile is not None:
-            publish(no_precompile)
-        # With the precompiled tier asked for, what follows is its fallback: a sub-phase of its own in the
-        # ledger, so that the report shows which starts fell back and what that cost.
-        with sub_phase("compile/precompile_fallback") if precompile else contextlib.nullcontext():
-            compiled = jit_compile()
-        save_megacache()
-        return compiled
-
-    def save_megacache() -> None:
-        """Saves the MegaCache file now, on the compile's thread (overlapped with the first batch like the
-        compile): forward and backward have compiled on the fast batch, which is all the first real steps
-        compile when they match the spec. A job killed before any later save still restarts warm; a later
-        ``cache.save()`` writes only what compiled since (a compiled optimizer step), else nothing."""
-        if cache is None:
-            return
-        with sub_phase("compile/cache_save"):
-            try:
-                fallback["cache_save"] = cache.save()
-            except Exception as exc:  # noqa: BLE001 - a cache is an optimization, never a reason to fail
-                warnings.warn(f"could not save compile cache {cache.path}: {type(exc).__name__}: {exc}",
-                              CompileCacheWarning, stacklevel=2)
-
-    def jit_compile() -> tuple:
-        # torch.compile() itself imports Dynamo (seconds in a fresh process): do it here, overlapped.
-        compiled = model if _is_compiled(model) else torch.compile(model, **(compile_kwargs or {}))
-        from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
-
-        try:
-            return compiled, warm_compile(compiled, spec.fast_batch(seed), loss_fn, forward=forward), None
-        except ConstraintViolationError as e:
-            # The model or Inductor made a size-dependent choice on a declared dynamic dim (e.g. Inductor's CPU
-            # mm decomposition guards on the batch size of a matmul with an inner size of 1). A graph that
-            # serves the whole declared range does not exist: compile with soft dims, and say which guard.
-            specialized = _specialization(e)
-            return compiled, warm_compile(compiled, spec.fast_batch(seed, soft=True), loss_fn, forward=forward), \
-                specialized
-
-    g.add("compile", compile_stage, after=compile_deps, runs_dynamo=True, phase="compile")
-
-    try:
-        stages = g.run()
-    except BaseException:
-        iterator = g.results.get("loader_iter")
-        if iterator is not None:
-            _shutdown(iterator)  # do not leave worker processes behind a failed start
-        raise
-    first_batch = g.results["get_first_batch_data"]
-    mismatch = spec.diff(first_batch)
-    if mismatch:
-        message = (
-            "the first real batch does not match the batch spec the model was compiled for: "
-            + "; ".join(mismatch)
-        )
-        if strict:
-            _shutdown(g.results["loader_iter"])
-            raise BatchMismatchError(message)
-        warnings.warn(message + " (the first step will recompile)", RuntimeWarning, stacklevel=2)
-    specialized = g.results["compile"][2]
-    if specialized:
-        warnings.warn(
-            f"the compile specialized a dynamic dim of the batch spec ({specialized}); compiled again with the dims "
-            "marked soft (torch._dynamo.maybe_mark_dynamic): batch sizes outside the graph's guard recompile once "
-            "(report.recompiles). Set Dim(hint=...) to the size of the real batches so that the warm graph "
-            "covers them, or narrow Dim(min, max) to a range the guard allows.",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+    start = _OverlappedStart(model, spec, loss_fn, cache, forward, compile_kwargs, seed, g)
+    start.add_stages(g, loader, compile_after)
+    stages = _run_graph(g)
+    # Warnings from here on name the caller's line (stacklevel=2: one frame above this function).
+    mismatch = _check_first_batch(spec, g.results, strict, stacklevel=2)
+    _warn_specialized(g.results["compile"][2], stacklevel=2)
     time_to_start = time.perf_counter() - t0
-
-    def dur(name: str) -> float:
-        s = stages.stages.get(name)
-        return s.duration_s if s is not None else 0.0
-
-    loaded = g.results.get("cache_load") or (None, None, None)
-    reason = None
-    if precompile:
-        reason = no_precompile or fallback.get("reason")
-        if reason:
-            hint = f". To fix it: {fallback['hint']}" if fallback.get("hint") else ""
-            warnings.warn(
-                f"the precompiled tier is not used: {reason}; compiled through torch.compile and the MegaCache file "
-                f"instead (report.precompile_fallback){hint}",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-    report = StartReport(
-        time_to_start_s=time_to_start,
-        compile_s=dur("cache_load") + dur("compile"),
-        first_batch_s=dur("loader_iter") + dur("get_first_batch_data"),
-        cache=loaded[2],
-        warm=g.results["compile"][1],
-        stages=stages,
-        spec_mismatch=mismatch,
-        dynamic_dims_specialized=specialized,
-        graphs_at_start=compiled_graphs(),
-        precompiled=loaded[0],
-        precompiled_save=fallback.get("save"),
-        precompile_fallback=reason,
-        precompile_peer=fallback.get("peer"),
-        cache_save=fallback.get("cache_save"),
-    )
-    if sub_recorder is not None:
-        # In the ETT ledger too (the report's attempts[].notes): which compile path this start took and, with
-        # the precompiled tier asked for, why it was not used, so that a job's restarts show it after the fact.
-        tier = report.cache_tier
-        if tier is not None:
-            sub_recorder.set_note("compile_cache", tier)
-        if reason:
-            limit = sub_recorder.MAX_NOTE_BYTES  # bytes of UTF-8, not characters
-            sub_recorder.set_note("precompile_fallback", reason.encode()[:limit].decode(errors="ignore"))
-    return StartResult(g.results["compile"][0], first_batch, report, g.results["loader_iter"])
+    report = start.report(stages, time_to_start, mismatch, start.fallback_reason(stacklevel=2))
+    start.record_notes(report)
+    results = g.results
+    return StartResult(results["compile"][0], results["get_first_batch_data"], report, results["loader_iter"])
