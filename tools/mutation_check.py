@@ -71,14 +71,14 @@ MANY = "checkpoint_integrity_many_chunks_test"
 # in the file exactly once, so a refactor of the line shows up here instead of silently testing nothing).
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
-        "normal-load-chunk-loop", "src/checkpoint/storage.cpp",
+        "normal-load-chunk-loop", "src/checkpoint/file_checksums.cpp",
         "for (size_t i = 0; i < all.size(); ++i) all[i] = i;",
         "for (size_t i = 0; i < all.size(); ++i) all[i] = 0;",
         "the normal load (and the replica's receipt) verifies chunk 0 as many times as there are chunks",
         (Test(MANY, "IntegrityManyChunks.NormalDiskLoad*"), Test(MANY, "IntegrityManyChunks.MemoryTierLoad*"),
          Test(MANY, "IntegrityManyChunks.CheckStepFiles*"))),
     Mutation(
-        "prefetch-group-loop", "src/checkpoint/storage.cpp",
+        "prefetch-group-loop", "src/checkpoint/step_files.cpp",
         "std::iota(which.begin(), which.end(), first);",
         "std::iota(which.begin(), which.end(), size_t{0});",
         "the prefetch's group loop checks the first group of load_threads chunks over and over (issue #48)",
@@ -122,7 +122,8 @@ MUTATIONS: tuple[Mutation, ...] = (
          Test("checkpoint_commit_test", "CommitVote.AFailedRankAndALostPeerKeepTheirKinds"))),
 )
 
-# A subset for CI, one per integrity layer that compiles fastest (storage.cpp has no torch headers).
+# A subset for CI, one per integrity layer that compiles fastest (file_checksums.cpp and step_files.cpp have no
+# torch headers).
 CI_SUBSET = ("prefetch-group-loop", "normal-load-chunk-loop", "manifest-commit-result")
 
 

@@ -1,0 +1,47 @@
+#pragma once
+// The safetensors file format as ettkit writes and reads it: the header codec (8-byte length, JSON, padding)
+// and the validated index of a file's tensors. Torch-free; the dtype strings are those of
+// ettkit/checkpoint/safetensors_dtypes.h.
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "checkpoint/file_io.h"
+
+#pragma GCC visibility push(default)
+namespace ettkit::checkpoint::detail {
+
+struct SafetensorsEntry {
+  std::string name;
+  std::string dtype;  // "F32", "BF16", ...
+  std::vector<int64_t> shape;
+  uint64_t begin = 0;  // relative to the data section
+  uint64_t end = 0;
+};
+/// The 8-byte little-endian length + JSON header padded with spaces to a multiple of 8.
+std::string encode_safetensors_header(const std::vector<SafetensorsEntry>& entries,
+                                      const std::map<std::string, std::string>& metadata);
+struct SafetensorsIndex {
+  uint64_t data_offset = 0;  // where the data section starts in the file
+  uint64_t data_size = 0;
+  std::map<std::string, SafetensorsEntry> tensors;
+  std::map<std::string, std::string> metadata;  // the header's __metadata__ (strings to strings)
+};
+/// The __metadata__ key under which a disk save records the XXH3-64 (hex) of a tensor it saved whole (no
+/// `@offsets` in its name): "ettkit.xxh3.<name>". Why: a step resharded onto another number of ranks gives
+/// every new rank one old rank's copy of such a tensor, which is right only when every old rank held the
+/// same bytes (a DDP replica); these digests prove it, or show the tensor was per-rank state, from the
+/// headers alone.
+inline constexpr const char* kWholeTensorDigestPrefix = "ettkit.xxh3.";
+/// Parses and validates the header of the safetensors file `path` whose size is `file_size`: offsets in
+/// range, non-overlapping, element counts match dtype and shape. Throws CorruptData naming the file.
+SafetensorsIndex read_safetensors_index(const std::string& path, uint64_t file_size);
+SafetensorsIndex read_safetensors_index(const ReadFile& file);
+/// Bytes per element of a safetensors dtype string, or 0 when unknown (the one dtype table's answer:
+/// defined in safetensors_dtypes.cpp).
+int safetensors_dtype_size(const std::string& dtype);
+
+}  // namespace ettkit::checkpoint::detail
+#pragma GCC visibility pop
