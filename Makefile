@@ -11,6 +11,8 @@
 #   make tsan      the C++ tests under ThreadSanitizer
 #   make asan-python  the Python tests of the checkpoint, recorder and start-up bindings, with the extension
 #                  built under ASan + UBSan and the ASan runtime preloaded into CPython (docs/sanitizers.md)
+#   make mutation-check  named one-line bugs in the integrity paths, each shown caught by its tests
+#                  (mutation-check-ci: CI's subset)
 #   make gpu-kit   .gpu/: what a lent GPU machine needs beyond its image to build, test and benchmark ettkit
 #                  in one call of tools/gpu_check.sh (docs/benchmarks.md, "GPU")
 # TORCH_VERSION=X.Y.Z (e.g. 2.11.0, the GPU machine's torch) builds and tests against that torch instead, in
@@ -168,3 +170,9 @@ clean:
 mutation-check: build
 	$(PY) tools/mutation_check.py --build-dir $(BUILD_DIR) --json build/mutation-check.json \
 	  $(if $(MUTATIONS),--only $(MUTATIONS))
+
+# CI's part of it (.ci/run, after make test, on the same build/py): the subset that compiles fastest, one
+# mutation per integrity layer (tools/mutation_check.py's CI_SUBSET; about 3 minutes on the 2-core VM).
+.PHONY: mutation-check-ci
+mutation-check-ci: build
+	$(PY) tools/mutation_check.py --build-dir $(BUILD_DIR) --json build/mutation-check-ci.json --ci

@@ -316,7 +316,7 @@ struct AsyncCheckpointer::Impl {
   std::shared_ptr<Snapshot> active;
   CopyPriority priority;
   int64_t refused = 0;
-  bool hold_commits = false;  // tests: the writer waits before its integrity verdict
+  bool hold_commits = false;  // tests: the writer waits before it releases the arena (wait_while_held)
   std::exception_ptr peer_lost;  // once set, every queued and later save fails with it at once
   std::unique_ptr<PeerMonitor> peers;  // world > 1
   double blocking_sum = 0;
@@ -469,14 +469,19 @@ struct AsyncCheckpointer::Impl {
     }
   }
 
+  /// Tests only (hold_commits_for_testing): the writer waits here with a save's bytes written and its arena
+  /// still held, so that a test can write a saved tensor "during" the save (the verdict follows) or find the
+  /// arena busy, deterministically. close() ends a hold: it must see the held save as unfinished, and a test
+  /// cannot release a hold from inside close().
+  void wait_while_held() {
+    std::unique_lock<std::mutex> lk(mu);
+    cv.wait(lk, [&] { return !hold_commits || closing; });
+  }
+
   /// The integrity verdict, as late as possible: entries no fence decided are judged after the (slow)
   /// write, so that a write that overlapped a copy has had every chance to finish and bump its counter
   /// (docs/checkpoint.md: what detection can and cannot see).
   void refuse_if_torn(Job& job) {
-    {
-      std::unique_lock<std::mutex> lk(mu);
-      cv.wait(lk, [&] { return !hold_commits; });
-    }
     std::vector<std::string> changed = job.snapshot->changed_entries();
     if (!changed.empty()) throw TornSnapshot(torn_message(job.step, changed), __FILE__, __LINE__);
   }
@@ -497,6 +502,7 @@ struct AsyncCheckpointer::Impl {
           {ConstBuffer{header.data(), header.size()},
            ConstBuffer{job.snapshot->data(), static_cast<size_t>(job.snapshot->total_bytes())}},
           MemoryTier::kFileMode);
+      wait_while_held();
       job.snapshot->release();
       m.files[base + ".extra"] = write_file_durably(tmp + "/" + base + ".extra", {ConstBuffer{job.extra.data(), job.extra.size()}},
                                                     MemoryTier::kFileMode);
@@ -665,6 +671,7 @@ struct AsyncCheckpointer::Impl {
           *tmp_dir, base + ".safetensors",
           {ConstBuffer{header.data(), header.size()},
            ConstBuffer{job.snapshot->data(), static_cast<size_t>(job.snapshot->total_bytes())}});
+      wait_while_held();
       // The arena is free as soon as its bytes are on disk; the commit below does not need it.
       job.snapshot->release();
       mine[base + ".extra"] =

@@ -172,12 +172,16 @@ def test_failed_write_reports_io_error_and_keeps_previous_step(tmp_path):
 
 def test_close_records_its_wait_for_the_last_save(tmp_path):
     """Leaving the with-block waits for the save still being written: a shutdown/checkpoint_drain phase, not
-    unattributed time. 64 MiB written and fsynced cannot commit between save() returning and close()."""
+    unattributed time. The writer is held with save 1's bytes written (the test hook), so close() finds that
+    save unfinished whatever the machine's load; close() ends the hold and waits for the commit."""
     from ettkit import ett
 
     with ett.Recorder(tmp_path / "run", rank=0, world_size=1):
         with AsyncCheckpointer(tmp_path / "ck", every="10min") as ck:
-            ck.save(1, {"w": torch.ones(16 << 20)})
+            ck._c._hold_commits_for_testing(True)
+            held = ck.save(1, {"w": torch.ones(1 << 16)})
+            assert not held.durable  # held: it cannot have committed
+        assert held.durable  # close() ended the hold and waited for the commit
         # Nothing queued at close: nothing recorded. The writer wakes save 1's waiter before it counts the
         # save done; close() once read that count and recorded a drain of nothing (issue #48: two drain
         # records under make test's load). Several closes right after a wait give that window more chances.
@@ -195,22 +199,27 @@ def test_close_records_its_wait_for_the_last_save(tmp_path):
 
 
 def test_on_busy_skip_and_error(tmp_path):
-    # Not event-driven yet: _hold_commits_for_testing holds the writer at the integrity verdict, which comes
-    # after the arena is released, so it cannot keep a save "still persisting" (tried in #48: under ASan the
-    # busy saves found the arena free). 4M floats saved 29 times keep the one arena busy for most of them; a
-    # hook that holds the writer before the release would make this exact.
-    state = {"w": torch.randn(4_000_000)}
+    # Event-driven: the test hook holds the writer with save 1's bytes written and its one arena still held,
+    # so every later save finds the arena busy, whatever the machine's load.
+    state = {"w": torch.randn(1 << 16)}
     with AsyncCheckpointer(tmp_path / "skip", recorder=None, on_busy="skip") as ck:
-        handles = [ck.save(s, state) for s in range(1, 30)]
-        ck.wait()
-        skipped = [h for h in handles if h.skipped]
-        assert handles[0].durable and not handles[0].skipped
-        assert all(not h.durable and not h.wait() for h in skipped)
-        assert len(skipped) > 0
+        ck._c._hold_commits_for_testing(True)
+        first = ck.save(1, state)
+        later = [ck.save(s, state) for s in range(2, 6)]
+        assert all(h.skipped and not h.durable for h in later)
+        ck._c._hold_commits_for_testing(False)
+        assert first.wait() and first.durable and not first.skipped
+        assert all(not h.wait() for h in later)
+        after = ck.save(6, state)  # the arena is free again: not skipped
+        assert after.wait() and not after.skipped
+    assert latest_step(str(tmp_path / "skip")) == 6
+    assert sorted(p for p in os.listdir(tmp_path / "skip") if p.startswith("step-")) == ["step-1", "step-6"]
     with AsyncCheckpointer(tmp_path / "err", recorder=None, on_busy="error") as ck:
+        ck._c._hold_commits_for_testing(True)
+        ck.save(1, state)
         with pytest.raises(ettkit.InvalidArgumentError, match="on_busy='error'"):
-            for s in range(1, 30):
-                ck.save(s, state)
+            ck.save(2, state)
+        ck._c._hold_commits_for_testing(False)
     with pytest.raises(ValueError, match="on_busy"):
         AsyncCheckpointer(tmp_path, on_busy="drop")
 

@@ -14,7 +14,6 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -36,12 +35,6 @@ def _ids(snippets):
 
 def _by_lang(lang):
     return [s for s in RUNNABLE if s.lang == lang]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _expected_output(snippet: Snippet) -> str | None:
@@ -70,7 +63,10 @@ def _env(workdir) -> dict:
     env = dict(os.environ)
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     env["PYTHONPATH"] = TESTS + os.pathsep + env.get("PYTHONPATH", "")
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    # A one-rank group: MASTER_PORT=0 lets its TCPStore server bind a port of the kernel's choosing. A port
+    # picked here and released before the block binds it could be taken meanwhile by another worker's test
+    # (issue #48); no other rank ever needs the number.
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     env.pop("ETTKIT_RUN_DIR", None)
     # Each block compiles into its own Inductor cache: what one block compiled cannot change another's.
     env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(str(workdir), "inductor-cache")

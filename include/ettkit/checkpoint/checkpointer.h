@@ -369,8 +369,9 @@ class ETTKIT_API AsyncCheckpointer {
   bool overlapped() const;
   /// Whether the latest save has entries no fence has decided yet (hooks skip their work otherwise).
   bool fence_pending() const;
-  /// Tests only: while held, the writer stops right before a save's integrity verdict, so that a test can
-  /// write a saved tensor "during" the save deterministically. close() after releasing.
+  /// Tests only: while held, the writer stops with a save's bytes written, before it releases the arena and
+  /// gives the integrity verdict, so that a test can write a saved tensor "during" the save, or find the arena
+  /// busy, deterministically. close() ends a hold (and counts the held save as one it waits for).
   void hold_commits_for_testing(bool hold);
   void set_unfenced_sync_max_bytes(int64_t bytes);
   /// Copy order for later saves (see CopyPriority); replaces the previous one.

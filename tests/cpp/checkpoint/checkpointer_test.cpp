@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <random>
 
 #include "checkpoint/storage.h"
@@ -261,6 +262,28 @@ TEST(CheckpointerIntegrity, DefaultSaveReturnsWithTheCopiesDone) {
   EXPECT_TRUE(h.staged());  // nothing fences the caller's writes: save() waited for the copy
   w.add_(1.0);
   EXPECT_TRUE(h.wait());
+}
+
+// The test hook holds the writer with a save's bytes written and its arena still held: a later save finds the
+// arena busy whatever the machine's load, and close() ends the hold, counting the held save as one to wait for.
+TEST(CheckpointerTestHold, AHeldSaveKeepsTheArenaBusyAndCloseEndsTheHold) {
+  CheckpointerOptions o;
+  o.directory = temp_dir();
+  o.on_busy = OnBusy::kSkip;
+  std::optional<SaveHandle> held;
+  {
+    AsyncCheckpointer ck(o);
+    ck.hold_commits_for_testing(true);
+    held = ck.save(1, {{"w", at::ones({1 << 12})}});
+    for (int64_t step = 2; step <= 4; ++step) {
+      SaveHandle busy = ck.save(step, {{"w", at::ones({1 << 12})}});
+      EXPECT_TRUE(busy.skipped()) << "step " << step << " found the held save's arena free";
+    }
+    EXPECT_FALSE(held->durable());
+    ck.close(/*discard_memory_tier=*/false);  // would hang if close() did not end the hold
+  }
+  EXPECT_TRUE(held->durable());
+  EXPECT_EQ(ckd::list_step_dirs(o.directory), (std::vector<int64_t>{1}));
 }
 
 TEST(CheckpointerIntegrity, UnfencedWriteDuringAnOverlappedSaveIsRefused) {
