@@ -1,8 +1,9 @@
 // StageGraph scheduler. One mutex (Impl::mu_) guards all run state; it is never held while a stage's
 // callable runs, so a callable may block on anything (a Python stage blocks on the GIL). Workers and the
 // calling thread wait on one condition variable (cv_) with predicates; every state change notifies it.
-// Worker threads share ownership of the Impl with the StageGraph, so a detached worker (detach_on_destroy)
-// can finish a stage that outlived the graph.
+// The threads are a WorkerPool's (startup/worker_pool.h); each runs worker_loop_locked() below and shares
+// ownership of the Impl with the StageGraph, so a detached worker (detach_on_destroy) can finish a stage
+// that outlived the graph.
 #include "ettkit/startup/stage_graph.h"
 
 #include <algorithm>
@@ -14,12 +15,12 @@
 #include <limits>
 #include <mutex>
 #include <optional>
-#include <thread>
 #include <unordered_map>
 
 #include "common/describe.h"
 #include "common/logging.h"
 #include "startup/stage_dag.h"
+#include "startup/worker_pool.h"
 #include "ettkit/common/clock.h"
 #include "ettkit/ett/phases.h"
 #include "ettkit/ett/recorder.h"
@@ -109,7 +110,8 @@ void StageContext::throw_if_cancelled() const {
 
 class StageGraph::Impl : public std::enable_shared_from_this<StageGraph::Impl> {
  public:
-  explicit Impl(StageGraphOptions options) : options_(options) {
+  explicit Impl(StageGraphOptions options)
+      : options_(options), pool_(mu_, cv_, [this](size_t stage) { abandon_locked(stage); }) {
     ETTKIT_EXPECTS(options_.max_workers >= 1 && options_.max_workers <= 64, "StageGraph max_workers=",
                    options_.max_workers, " is out of range; use 1..64");
     ETTKIT_EXPECTS(std::isfinite(options_.timeout_s) && options_.timeout_s >= 0, "StageGraph timeout_s=",
@@ -122,16 +124,11 @@ class StageGraph::Impl : public std::enable_shared_from_this<StageGraph::Impl> {
   // touch, so a worker still inside a stage is detached; it holds the Impl until it leaves.
   void shutdown() {
     if (!options_.detach_on_destroy) {
-      join_workers(std::nullopt);
+      pool_.join(std::nullopt);
       return;
     }
-    join_idle_workers();
-    for (auto& w : workers_) {
-      if (!w->joined) {
-        w->thread.detach();
-        w->joined = true;
-      }
-    }
+    pool_.join_idle();
+    pool_.detach_busy();
   }
 
   struct Stage {
@@ -226,7 +223,7 @@ class StageGraph::Impl : public std::enable_shared_from_this<StageGraph::Impl> {
   }
   bool join(double timeout_s) {
     ETTKIT_EXPECTS(!std::isnan(timeout_s), "StageGraph::join timeout_s is NaN; use seconds or infinity");
-    return join_workers(std::isfinite(timeout_s) ? std::optional<double>(std::max(0.0, timeout_s)) : std::nullopt);
+    return pool_.join(std::isfinite(timeout_s) ? std::optional<double>(std::max(0.0, timeout_s)) : std::nullopt);
   }
   size_t size() const { return stages_.size(); }
 
@@ -241,12 +238,7 @@ class StageGraph::Impl : public std::enable_shared_from_this<StageGraph::Impl> {
 
  private:
   enum class State : uint8_t { kPending, kRunning, kDone };
-  struct Worker {
-    std::thread thread;
-    size_t current = kNone;  // stage being run (guarded by mu_)
-    bool exited = false;     // guarded by mu_
-    bool joined = false;     // touched only by the thread that joins
-  };
+  using Worker = detail::WorkerPool::Worker;
 
   using Clock = std::chrono::steady_clock;
   double rel_s(Clock::time_point t) const { return std::chrono::duration<double>(t - t0_).count(); }
@@ -510,38 +502,14 @@ class StageGraph::Impl : public std::enable_shared_from_this<StageGraph::Impl> {
   }
 
   void spawn_worker_locked() {
-    int w = static_cast<int>(workers_.size());
-    workers_.push_back(std::make_unique<Worker>());
-    workers_.back()->thread = std::thread([self = shared_from_this(), w] { self->worker_main(w); });
+    pool_.spawn_locked([self = shared_from_this()](Worker& me, std::unique_lock<std::mutex>& lk) {
+      self->worker_loop_locked(me, lk);
+    });
   }
 
-  // Marks a worker gone however its thread leaves worker_main: at the end of the loop, or by a forced
-  // unwind out of a stage (then `lk` is unlocked and the stage is still current).
-  class WorkerExit {
-   public:
-    WorkerExit(Impl& impl, Worker& self, std::unique_lock<std::mutex>& lk) : impl_(impl), self_(self), lk_(lk) {}
-    WorkerExit(const WorkerExit&) = delete;
-    WorkerExit& operator=(const WorkerExit&) = delete;
-    ~WorkerExit() {
-      if (!lk_.owns_lock()) lk_.lock();
-      if (self_.current != kNone) {
-        impl_.abandon_locked(self_.current);
-        self_.current = kNone;
-      }
-      self_.exited = true;
-      impl_.cv_.notify_all();
-    }
-
-   private:
-    Impl& impl_;
-    Worker& self_;
-    std::unique_lock<std::mutex>& lk_;
-  };
-
-  void worker_main(int w) {
-    std::unique_lock<std::mutex> lk(mu_);
-    Worker& self = *workers_[w];
-    WorkerExit exit_mark(*this, self, lk);
+  // A worker's life: take the first dispatchable stage, run it without the lock, record how it ended;
+  // until the graph is finished. The pool marks the worker exited however it leaves.
+  void worker_loop_locked(Worker& self, std::unique_lock<std::mutex>& lk) {
     while (true) {
       size_t i = kNone;
       cv_.wait(lk, [&] {
@@ -550,7 +518,7 @@ class StageGraph::Impl : public std::enable_shared_from_this<StageGraph::Impl> {
         return i != kNone;
       });
       if (i == kNone) break;
-      begin_locked(i, w, Clock::now());
+      begin_locked(i, self.index, Clock::now());
       self.current = i;
       cv_.notify_all();  // the caller may need a new wake-up time (this stage's deadline)
       StageContext ctx(&stages_[i].name, tokens_[i]);
@@ -558,61 +526,9 @@ class StageGraph::Impl : public std::enable_shared_from_this<StageGraph::Impl> {
       std::exception_ptr err = invoke(i, ctx);
       auto end = Clock::now();
       lk.lock();
-      self.current = kNone;
+      self.current = detail::WorkerPool::kIdle;
       finish_locked(i, std::move(err), end);
       cv_.notify_all();
-    }
-  }
-
-  // Joins exited workers; waits up to `timeout_s` (forever when nullopt) for the others to exit.
-  // Workers leave once the graph is finished; only a thread still inside a timed-out stage stays.
-  bool join_workers(std::optional<double> timeout_s) {
-    std::vector<Worker*> to_join;
-    bool all = true;
-    {
-      std::unique_lock<std::mutex> lk(mu_);
-      auto exited = [&] {
-        return std::all_of(workers_.begin(), workers_.end(), [](const auto& w) { return w->exited || w->joined; });
-      };
-      if (timeout_s) {
-        cv_.wait_for(lk, std::chrono::duration<double>(*timeout_s), exited);
-      } else {
-        cv_.wait(lk, exited);
-      }
-      collect_exited_locked(to_join, &all);
-    }
-    for (Worker* w : to_join) {
-      w->thread.join();
-      w->joined = true;
-    }
-    return all;
-  }
-
-  // After run(): waits for every worker that is not inside a (timed-out) stage to exit, and joins it.
-  void join_idle_workers() {
-    std::vector<Worker*> to_join;
-    {
-      std::unique_lock<std::mutex> lk(mu_);
-      cv_.wait(lk, [&] {
-        return std::all_of(workers_.begin(), workers_.end(),
-                           [](const auto& w) { return w->exited || w->joined || w->current != kNone; });
-      });
-      collect_exited_locked(to_join, nullptr);
-    }
-    for (Worker* w : to_join) {
-      w->thread.join();
-      w->joined = true;
-    }
-  }
-
-  void collect_exited_locked(std::vector<Worker*>& to_join, bool* all) {
-    for (auto& w : workers_) {
-      if (w->joined) continue;
-      if (w->exited) {
-        to_join.push_back(w.get());
-      } else if (all != nullptr) {
-        *all = false;
-      }
     }
   }
 
@@ -647,7 +563,7 @@ class StageGraph::Impl : public std::enable_shared_from_this<StageGraph::Impl> {
   std::exception_ptr first_error_;
   size_t first_error_stage_ = kNone;
   bool first_error_is_timeout_ = false;
-  std::vector<std::unique_ptr<Worker>> workers_;
+  detail::WorkerPool pool_;  // after mu_ and cv_, which it waits on
   StageReport report_;
 };
 
@@ -760,7 +676,7 @@ StageReport StageGraph::Impl::run(const InterruptCheck& interrupted, double poll
 
   report_ = StageReport{};
   report_.stages = records_;
-  report_.workers = static_cast<int>(workers_.size());
+  report_.workers = static_cast<int>(pool_.size_locked());
   std::vector<std::pair<size_t, size_t>> edges;
   for (size_t i = 0; i < n; ++i) {
     for (size_t p : explicit_[i]) edges.emplace_back(p, i);
@@ -778,7 +694,7 @@ StageReport StageGraph::Impl::run(const InterruptCheck& interrupted, double poll
 
   // Idle workers exit promptly now; threads still inside a timed-out or interrupted stage are left to
   // join() or the destructor.
-  join_idle_workers();
+  pool_.join_idle();
 
   if (was_interrupted) {
     // An interrupt wins over a stage error: the caller asked to stop, and that is what it gets.
