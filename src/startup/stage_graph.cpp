@@ -532,6 +532,24 @@ class StageGraph::Impl : public std::enable_shared_from_this<StageGraph::Impl> {
     }
   }
 
+  // run()'s steps (defined below the class).
+  struct Outcome {
+    bool interrupted;
+    std::exception_ptr interrupt_error;
+    std::vector<std::string> interrupted_running;
+    std::exception_ptr error;
+    size_t error_stage;
+    bool error_is_timeout;
+  };
+  void plan_run();
+  void reset_run_state_locked();
+  void run_forking_stages(std::unique_lock<std::mutex>& lk, const InterruptCheck& interrupted);
+  void start_workers(std::unique_lock<std::mutex>& lk, const InterruptCheck& interrupted);
+  void wait_until_finished(std::unique_lock<std::mutex>& lk, const InterruptCheck& interrupted,
+                           double poll_interval_s);
+  StageReport build_report_locked();
+  void throw_outcome(const Outcome& outcome) const;
+
   StageGraphOptions options_;
   std::vector<Stage> stages_;
   std::unordered_map<std::string, size_t> by_name_;
@@ -567,25 +585,22 @@ class StageGraph::Impl : public std::enable_shared_from_this<StageGraph::Impl> {
   StageReport report_;
 };
 
-StageReport StageGraph::Impl::run(const InterruptCheck& interrupted, double poll_interval_s) {
-  ETTKIT_EXPECTS(!ran_, "StageGraph::run() was already called; a StageGraph runs once (build a new one)");
-  ETTKIT_EXPECTS(std::isfinite(poll_interval_s) && poll_interval_s > 0, "StageGraph::run poll_interval_s=",
-                 poll_interval_s, " is invalid; use a positive number of seconds");
-  validate();
-  size_t n = stages_.size();
+// ---- run(): the named steps ----------------------------------------------------------------------------
 
+// The run's fixed plan (read by workers without the lock): order, implicit collective-group edges,
+// successors, phase ids and cancellation tokens.
+void StageGraph::Impl::plan_run() {
+  const size_t n = stages_.size();
   explicit_ = explicit_preds();
   order_ = detail::topological_order(explicit_);
   implicit_.assign(n, kNone);
-  {
-    std::unordered_map<std::string, size_t> last_of_group;
-    for (size_t i : order_) {
-      const auto& g = stages_[i].options.collective_group;
-      if (g.empty()) continue;
-      auto it = last_of_group.find(g);
-      if (it != last_of_group.end()) implicit_[i] = it->second;
-      last_of_group[g] = i;
-    }
+  std::unordered_map<std::string, size_t> last_of_group;
+  for (size_t i : order_) {
+    const auto& g = stages_[i].options.collective_group;
+    if (g.empty()) continue;
+    auto it = last_of_group.find(g);
+    if (it != last_of_group.end()) implicit_[i] = it->second;
+    last_of_group[g] = i;
   }
   succs_.assign(n, {});
   for (size_t i = 0; i < n; ++i) {
@@ -598,8 +613,10 @@ StageReport StageGraph::Impl::run(const InterruptCheck& interrupted, double poll
   }
   tokens_.clear();
   for (size_t i = 0; i < n; ++i) tokens_.push_back(std::make_shared<StageContext::Token>());
+}
 
-  std::unique_lock<std::mutex> lk(mu_);
+void StageGraph::Impl::reset_run_state_locked() {
+  const size_t n = stages_.size();
   ran_ = true;
   state_.assign(n, State::kPending);
   deadline_.assign(n, std::nullopt);
@@ -621,8 +638,10 @@ StageReport StageGraph::Impl::run(const InterruptCheck& interrupted, double poll
     graph_deadline_ =
         t0_ + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(options_.timeout_s));
   }
+}
 
-  // 1. Forking stages, on this thread, before any worker exists.
+// Step 1: the forking stages, on this thread, before any worker exists.
+void StageGraph::Impl::run_forking_stages(std::unique_lock<std::mutex>& lk, const InterruptCheck& interrupted) {
   for (size_t i : order_) {
     if (!stages_[i].options.forks || state_[i] != State::kPending) continue;
     if (apply_deadlines_locked(Clock::now()), finished_) break;
@@ -638,20 +657,26 @@ StageReport StageGraph::Impl::run(const InterruptCheck& interrupted, double poll
     lk.lock();
     finish_locked(i, std::move(err), end);
   }
+}
 
-  // 2. Everything else on the pool, unless the caller is already interrupting (e.g. Ctrl-C in a forking
-  // stage, which runs on the thread that receives signals).
+// Step 2: everything else on the pool, unless the caller is already interrupting (e.g. Ctrl-C in a forking
+// stage, which runs on the thread that receives signals).
+void StageGraph::Impl::start_workers(std::unique_lock<std::mutex>& lk, const InterruptCheck& interrupted) {
   if (!finished_ && interrupted) poll_interrupt(lk, interrupted);
   if (!finished_) apply_deadlines_locked(Clock::now());
   if (!finished_) {
     size_t threaded = 0;
-    for (size_t i = 0; i < n; ++i) threaded += (state_[i] == State::kPending) ? 1 : 0;
+    for (State s : state_) threaded += (s == State::kPending) ? 1 : 0;
     size_t want = std::min<size_t>(threaded, static_cast<size_t>(options_.max_workers));
     for (size_t w = 0; w < want; ++w) spawn_worker_locked();
     if (want == 0) finished_ = all_done_locked();
   }
   if (all_done_locked()) finished_ = true;
-  // Wake for the earliest deadline and, with an interrupt check, at least every poll interval.
+}
+
+// Step 3: wake for the earliest deadline and, with an interrupt check, at least every poll interval.
+void StageGraph::Impl::wait_until_finished(std::unique_lock<std::mutex>& lk, const InterruptCheck& interrupted,
+                                           double poll_interval_s) {
   const auto poll_every = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(poll_interval_s));
   auto next_poll = Clock::now() + poll_every;
   while (!finished_) {
@@ -673,42 +698,61 @@ StageReport StageGraph::Impl::run(const InterruptCheck& interrupted, double poll
     }
   }
   cv_.notify_all();
+}
 
+StageReport StageGraph::Impl::build_report_locked() {
   report_ = StageReport{};
   report_.stages = records_;
   report_.workers = static_cast<int>(pool_.size_locked());
   std::vector<std::pair<size_t, size_t>> edges;
-  for (size_t i = 0; i < n; ++i) {
+  for (size_t i = 0; i < stages_.size(); ++i) {
     for (size_t p : explicit_[i]) edges.emplace_back(p, i);
     if (implicit_[i] != kNone) edges.emplace_back(implicit_[i], i);
   }
   summarize(report_, edges);
-  auto err = first_error_;
-  size_t err_stage = first_error_stage_;
-  bool is_timeout = first_error_is_timeout_;
-  const bool was_interrupted = interrupted_;
-  auto interrupt_error = interrupt_error_;
-  const auto interrupted_running = interrupted_running_;
-  StageReport out = report_;
+  return report_;
+}
+
+// Step 4, after the idle workers are joined: an interrupt, then a stage's error, becomes run()'s exception.
+void StageGraph::Impl::throw_outcome(const Outcome& outcome) const {
+  if (outcome.interrupted) {
+    // An interrupt wins over a stage error: the caller asked to stop, and that is what it gets.
+    if (outcome.interrupt_error) std::rethrow_exception(outcome.interrupt_error);
+    ETTKIT_THROW(Cancelled, "start-up graph was interrupted (",
+                 outcome.interrupted_running.empty()
+                     ? std::string("no stage was running")
+                     : "still running: " + join_names(outcome.interrupted_running) +
+                           "; asked to cancel, their threads are left to join()",
+                 ")");
+  }
+  if (outcome.error) {
+    if (outcome.error_is_timeout) std::rethrow_exception(outcome.error);
+    throw StageFailed(stages_[outcome.error_stage].name, outcome.error, ettkit::detail::describe(outcome.error),
+                      __FILE__, __LINE__);
+  }
+}
+
+StageReport StageGraph::Impl::run(const InterruptCheck& interrupted, double poll_interval_s) {
+  ETTKIT_EXPECTS(!ran_, "StageGraph::run() was already called; a StageGraph runs once (build a new one)");
+  ETTKIT_EXPECTS(std::isfinite(poll_interval_s) && poll_interval_s > 0, "StageGraph::run poll_interval_s=",
+                 poll_interval_s, " is invalid; use a positive number of seconds");
+  validate();
+  plan_run();
+
+  std::unique_lock<std::mutex> lk(mu_);
+  reset_run_state_locked();
+  run_forking_stages(lk, interrupted);
+  start_workers(lk, interrupted);
+  wait_until_finished(lk, interrupted, poll_interval_s);
+  StageReport out = build_report_locked();
+  const Outcome outcome{interrupted_, interrupt_error_,   interrupted_running_,
+                        first_error_, first_error_stage_, first_error_is_timeout_};
   lk.unlock();
 
   // Idle workers exit promptly now; threads still inside a timed-out or interrupted stage are left to
   // join() or the destructor.
   pool_.join_idle();
-
-  if (was_interrupted) {
-    // An interrupt wins over a stage error: the caller asked to stop, and that is what it gets.
-    if (interrupt_error) std::rethrow_exception(interrupt_error);
-    ETTKIT_THROW(Cancelled, "start-up graph was interrupted (",
-                 interrupted_running.empty() ? std::string("no stage was running")
-                                             : "still running: " + join_names(interrupted_running) +
-                                                    "; asked to cancel, their threads are left to join()",
-                 ")");
-  }
-  if (err) {
-    if (is_timeout) std::rethrow_exception(err);
-    throw StageFailed(stages_[err_stage].name, err, ettkit::detail::describe(err), __FILE__, __LINE__);
-  }
+  throw_outcome(outcome);
   return out;
 }
 
