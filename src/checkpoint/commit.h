@@ -10,7 +10,8 @@
 //                   <prefix>result = "ok" or {"kind": "torn"|"peer_lost"|"error", "message": why}
 //   rank r > 0:     waits for the result; its save is durable only when it reads "ok".
 //
-// Torch-free apart from the Store type; the checkpointer's writer thread owns one CommitVote per save.
+// Torch-free apart from the Store type; the checkpointer's writer thread owns one CommitVote per save. The
+// waits and the decoding are StoreExchange's (store_exchange.h): a dead rank ends them, a hostile value is named.
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <cstdint>
@@ -20,6 +21,7 @@
 
 #include "checkpoint/peer_monitor.h"
 #include "checkpoint/storage.h"
+#include "checkpoint/store_exchange.h"
 
 // Exported (though not installed) so tests/cpp/checkpoint can drive a vote over an in-process Store.
 #pragma GCC visibility push(default)
@@ -52,11 +54,9 @@ class CommitVote {
   void await_result();
 
  private:
-  c10d::Store& store_;
-  PeerMonitor& peers_;
+  StoreExchange exchange_;  // every wait through `peers`, every value decoded strictly
   std::string prefix_;
   int64_t step_;
-  double timeout_s_;
 };
 
 /// What rank 0 publishes for an error: {"kind": "torn"|"peer_lost"|"error", "message": describe(e)}.

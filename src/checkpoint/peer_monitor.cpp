@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "checkpoint/store_exchange.h"  // bytes_of, string_of
 #include "common/background_thread.h"
 #include "common/describe.h"
 #include "common/logging.h"
@@ -14,11 +15,6 @@
 namespace ettkit::checkpoint::detail {
 
 using ::ettkit::detail::first_line;
-
-namespace {
-std::vector<uint8_t> bytes_of(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
-std::string string_of(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
-}  // namespace
 
 PeerMonitor::PeerMonitor(c10::intrusive_ptr<c10d::Store> store, std::string prefix, int rank, int /*world*/,
                          double peer_timeout_s)

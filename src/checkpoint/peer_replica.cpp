@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "checkpoint/peer_monitor.h"
+#include "checkpoint/store_exchange.h"
 #include "common/background_thread.h"
 #include "common/describe.h"
 #include "common/logging.h"
@@ -49,17 +50,8 @@ constexpr uint64_t kChunkBytes = uint64_t{32} << 20;
 // serves every rank's polls: 5 a second per rank at most).
 constexpr auto kPollMin = std::chrono::milliseconds(10);
 constexpr auto kPollMax = std::chrono::milliseconds(200);
-
-std::vector<uint8_t> bytes_of(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
-std::string string_of(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
-
-/// A file descriptor closed on scope exit.
-struct OwnedFd {
-  int fd = -1;
-  ~OwnedFd() {
-    if (fd >= 0) ::close(fd);
-  }
-};
+// What a snapshot announcement (and a replica given back) is.
+constexpr const char* kAnnouncementShape = "{\"manifest\": the snapshot's manifest.json text}";
 
 /// What the sender of rank `owner`'s snapshot must name: that rank's two files, nothing else and nothing
 /// with a path in it (the names become file names in this rank's memory tier).
@@ -144,7 +136,8 @@ void PeerReplica::send_files(int dst, int tag, const std::string& step_dir, cons
   at::Tensor buf;
   for (const auto& [name, d] : m.files) {
     std::string path = step_dir + "/" + name;
-    OwnedFd f{::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC)};
+    OwnedFd f;  // file_io.h
+    f.fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
     ETTKIT_CHECK(f.fd >= 0, IoError, "peer replica: cannot open '", path, "': ", std::strerror(errno));
     if (!buf.defined() && d.size > 0) buf = at::empty({static_cast<int64_t>(kChunkBytes)}, at::kByte);
     for (uint64_t off = 0; off < d.size; off += kChunkBytes) {
@@ -210,11 +203,11 @@ std::string PeerReplica::send(const std::string& step_dir, int64_t step) {
   try {
     std::string text = read_small_file(step_dir + "/manifest.json");
     Manifest m = decode_manifest(text, step_dir + "/manifest.json");
-    peers_->set(prefix_ + "announce/" + who, json{{"manifest", text}}.dump());
+    StoreExchange exchange(*store_, peers_, timeout_s_);
+    exchange.publish(prefix_ + "announce/" + who, json{{"manifest", text}});
     send_files(partner(), kStreamTag, step_dir, m);
     const std::string ack_key = prefix_ + "ack/" + who;
-    peers_->wait_keys({ack_key}, {partner()}, timeout_s_, what + ": its acknowledgement");
-    std::string ack = string_of(store_->get(ack_key));
+    std::string ack = exchange.await_from(ack_key, partner(), what + ": its acknowledgement");
     store_->deleteKey(ack_key);
     if (!ack.empty()) {
       ++failed_;
@@ -261,9 +254,9 @@ void PeerReplica::receive_loop() {
         auto now = std::chrono::steady_clock::now();
         if (!deadline) deadline = now + std::chrono::milliseconds(static_cast<int64_t>(timeout_s_ * 1000));
         try {
-          peers_->wait_keys({done_key}, {src}, std::chrono::duration<double>(kPollMin).count(),
-                            "peer replica: rank " + std::to_string(src) + "'s count of snapshots");
-          const std::string count = string_of(store_->get(done_key));
+          StoreExchange poll(*store_, peers_, std::chrono::duration<double>(kPollMin).count());
+          const std::string count =
+              poll.await_from(done_key, src, "peer replica: rank " + std::to_string(src) + "'s count of snapshots");
           const std::optional<int64_t> announced = decode_count(count);
           if (!announced) {
             ++refused_;
@@ -318,13 +311,15 @@ void PeerReplica::receive_loop() {
       ++failed_;
       ETTKIT_LOG_WARN("peer replica: receiving rank ", src, "'s snapshots stops: ", first_line(e));
       try {
-        store_->set(prefix_ + "ack/" + who, bytes_of("rank " + std::to_string(rank_) + ": " + first_line(e)));
+        StoreExchange(*store_, peers_, timeout_s_).publish(prefix_ + "ack/" + who,
+                                                           "rank " + std::to_string(rank_) + ": " + first_line(e));
       } catch (...) {
       }
       return;
     }
     try {
-      store_->set(prefix_ + "ack/" + who, bytes_of(why.empty() ? "" : "rank " + std::to_string(rank_) + ": " + why));
+      StoreExchange(*store_, peers_, timeout_s_)
+          .publish(prefix_ + "ack/" + who, why.empty() ? "" : "rank " + std::to_string(rank_) + ": " + why);
     } catch (const std::exception& e) {
       ETTKIT_LOG_DEBUG("peer replica: receiver for rank ", src, " stops: ", first_line(e));
       return;
@@ -335,9 +330,9 @@ void PeerReplica::receive_loop() {
 
 Manifest PeerReplica::decode_announcement(const std::string& text, int owner, const std::string& run,
                                           const std::string& source) const {
-  json a = json::parse(text, nullptr, /*allow_exceptions=*/false);
-  ETTKIT_CHECK(a.is_object() && a.contains("manifest") && a["manifest"].is_string(), CorruptData, source,
-               " is not {\"manifest\": the snapshot's manifest.json text}");
+  const json a = StoreExchange::decode(text, source, kAnnouncementShape);
+  ETTKIT_CHECK(a.is_object() && a.contains("manifest") && a["manifest"].is_string(), CorruptData, source, " is not ",
+               kAnnouncementShape);
   Manifest m = decode_manifest(a["manifest"].get<std::string>(), source);
   check_names(m, owner, source);
   const std::string id = manifest_run_id(m, source);
@@ -362,12 +357,12 @@ std::string PeerReplica::restore_exchange(uint64_t seq, int64_t give_step, int64
         std::string text = read_small_file(dir + "/manifest.json");
         Manifest m = decode_manifest(text, dir + "/manifest.json");
         ETTKIT_CHECK(m.step == give_step, CorruptData, "'", dir, "/manifest.json' is step ", m.step);
-        peers_->set(key, json{{"manifest", text}}.dump());
+        StoreExchange(*store_, peers_, timeout_s_).publish(key, json{{"manifest", text}});
         send_files(to, kRestoreTag, dir, m);
       } catch (const std::exception& e) {
         give_error = first_line(e);
         try {
-          peers_->set(key, json{{"error", give_error}}.dump());
+          StoreExchange(*store_, peers_, timeout_s_).publish(key, json{{"error", give_error}});
         } catch (...) {
         }
       }
@@ -378,8 +373,9 @@ std::string PeerReplica::restore_exchange(uint64_t seq, int64_t give_step, int64
     const int from = partner();
     const std::string key = base + std::to_string(rank_);
     try {
-      peers_->wait_keys({key}, {from}, timeout_s_, "load_latest: rank " + std::to_string(from) + "'s replica of this rank");
-      const std::string text = string_of(store_->get(key));
+      const std::string text = StoreExchange(*store_, peers_, timeout_s_)
+                                   .await_from(key, from, "load_latest: rank " + std::to_string(from) +
+                                                              "'s replica of this rank");
       const std::string source = "rank " + std::to_string(from) + "'s replica of step " + std::to_string(take_step) +
                                  " ('" + key + "')";
       json a = json::parse(text, nullptr, /*allow_exceptions=*/false);
