@@ -6,7 +6,8 @@
 #   make test-slow the same with the slow tests (pytest -m slow) included: a nightly run, not CI's
 #   make demo      the main job: one sharded training job, the plain PyTorch way and with ettkit, each killed once
 #                  and restarted; both ETT reports side by side (docs/demo.md)
-#   make bench     every benchmark with --quick; JSON into build/bench/
+#   make bench     every benchmark (a benchmarks/*.py with a __main__; the others are its modules) with
+#                  --quick; JSON into build/bench/
 #   make sanitize  the C++ tests under AddressSanitizer + UndefinedBehaviorSanitizer
 #   make tsan      the C++ tests under ThreadSanitizer
 #   make asan-python  the Python tests of the checkpoint, recorder and start-up bindings, with the extension
@@ -99,7 +100,7 @@ bench: build
 	@mkdir -p build/bench
 	@for f in benchmarks/*.py; do \
 	  name=$$(basename $$f .py); \
-	  [[ $$name == bench_common ]] && continue; \
+	  grep -q '^if __name__ == "__main__":' $$f || continue; \
 	  echo "==== $$name ===="; \
 	  $(PY) $$f --quick --json build/bench/$$name.json; \
 	done

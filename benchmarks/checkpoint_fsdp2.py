@@ -1,7 +1,7 @@
 """The FSDP2 case of benchmarks/checkpoint.py: a ``fully_shard`` model and AdamW on gloo ranks, ettkit against
 DCP in the same run.
 
-    python benchmarks/checkpoint_fsdp2.py [--quick] [--dir DIR]     (or: checkpoint.py --cases fsdp2)
+    python benchmarks/checkpoint_fsdp2.py [--quick] [--dir DIR] [--json PATH]   (or: checkpoint.py --cases fsdp2)
 
 Saved by SAVE_WORLD ranks, each save of ``{"model": model, "optim": optimizer}`` after an optimizer step:
 ettkit attached (``attach(model=..., optimizer=...)``: the save returns once its copies are queued, the
@@ -26,6 +26,9 @@ import statistics
 import subprocess
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import write_json  # noqa: E402
 
 SAVE_WORLD, LOAD_WORLD = 2, 3
 
@@ -211,9 +214,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--dir", default="/tmp/ettkit_bench_ckpt")
+    ap.add_argument("--json", help="also write the results here (make bench: build/bench/checkpoint_fsdp2.json)")
     args = ap.parse_args()
-    for metric, values in run(args.dir, args.quick).items():
+    results = run(args.dir, args.quick)
+    for metric, values in results.items():
         print(f"{metric}: " + ", ".join(f"{k}={v:.4g}" for k, v in values.items()))
+    if args.json:
+        write_json(args.json, "checkpoint_fsdp2", {"quick": args.quick, "save_world": SAVE_WORLD,
+                                                   "load_world": LOAD_WORLD}, results)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,9 @@ and a checkpoint (blocking and persist) every 1,000. The attempts ledger has N a
 killed, with a restore and a gap before the next.
 
   .venv/bin/python benchmarks/ett_report_scale.py [--steps N] [--attempts N] [--repeat N] [--baseline-pythonpath DIR]
+      [--quick] [--json PATH]
+
+--quick (what `make bench` runs): 100,000 steps and 2,000 attempts, a tenth of the default sizes.
 
 Each case also runs with ETTKIT_LEDGER_FULL_PARSER=1 ("full parser": every ledger line through the full JSON
 parser instead of the fast scanner). `--baseline-pythonpath` runs the same commands with another ettkit build first on PYTHONPATH (a copy of
@@ -23,6 +26,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import write_json  # noqa: E402
 
 T0 = 1_700_000_000_000_000
 
@@ -89,7 +95,13 @@ def main() -> None:
     p.add_argument("--attempts", type=int, default=20_000)
     p.add_argument("--baseline-pythonpath", metavar="DIR")
     p.add_argument("--repeat", type=int, default=1, help="runs per case and variant, alternating; medians shown")
+    p.add_argument("--quick", action="store_true", help="a tenth of the default sizes (unless given)")
+    p.add_argument("--json", help="also write the results here (make bench: build/bench/ett_report_scale.json)")
     args = p.parse_args()
+    if args.quick:
+        args.steps = args.steps if args.steps != p.get_default("steps") else 100_000
+        args.attempts = args.attempts if args.attempts != p.get_default("attempts") else 2_000
+    results: dict = {}
     with tempfile.TemporaryDirectory(prefix="ettkit-report-scale-") as tmp:
         steps_run, attempts_run = os.path.join(tmp, "steps"), os.path.join(tmp, "attempts")
         write_step_ledger(steps_run, args.steps)
@@ -112,6 +124,11 @@ def main() -> None:
             for name, results in runs.items():
                 wall, cpu, rss = (statistics.median(col) for col in zip(*results))
                 print(f"{label:<34} {name:<11} {wall:7.2f} {cpu:7.2f} {rss:12.0f}", flush=True)
+                for metric, value in (("wall_s", wall), ("cpu_s", cpu), ("peak_rss_MB", rss)):
+                    results.setdefault(f"{metric}[{label}]", {})[name] = value
+    if args.json:
+        write_json(args.json, "ett_report_scale", {"steps": args.steps, "attempts": args.attempts,
+                                                   "repeat": args.repeat}, results)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 TORCH_VERSION="${TORCH_VERSION:-2.14.1}"
 VENV="${VENV:-.venv}"
 APT_PACKAGES=(build-essential pkg-config python3-venv python3-dev libspdlog-dev libgtest-dev libgmock-dev
-              libbenchmark-dev nlohmann-json3-dev libxxhash-dev)
+              libbenchmark-dev nlohmann-json3-dev libxxhash-dev time)  # time: /usr/bin/time -v (ett_report_scale.py)
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
