@@ -18,4 +18,5 @@ PYBIND11_MODULE(_C, m) {
   ettkit::python::bind_startup(startup);
   auto checkpoint = m.def_submodule("checkpoint", "async checkpoint stager and checkpointer");
   ettkit::python::bind_checkpoint(checkpoint);
+  ettkit::python::bind_dtype(checkpoint);
 }

@@ -26,13 +26,12 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.futures import Future
 
+from .. import _C
 from ..errors import CorruptDataError, InvalidArgumentError
 
-# safetensors dtype strings (what ettkit writes) -> torch dtypes.
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-           "C64": torch.complex64, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64}
+# safetensors dtype strings (what ettkit writes) -> torch dtypes: the C++ table the writer and loader use
+# (include/ettkit/checkpoint/safetensors_dtypes.h), so that this reader takes exactly the dtypes ettkit saves.
+_DTYPES: dict[str, torch.dtype] = dict(_C.checkpoint.safetensors_dtypes())
 _SHARD = re.compile(r"^(.*)@(\d+(?:,\d+)*)$")
 
 

@@ -14,6 +14,7 @@
 
 #include "checkpoint/storage.h"
 #include "ett/test_dir.h"
+#include "ettkit/checkpoint/safetensors_dtypes.h"
 #include "ettkit/common/error.h"
 
 using nlohmann::json;
@@ -274,4 +275,33 @@ TEST(Storage, CheckStepFilesRefusesEachFaultByNameAndStopsBetweenChunkGroups) {
   asked = 0;
   EXPECT_EQ(ckd::check_step_files(*ckd::open_step(dir, 1, 0), true, 1, [&] { return ++asked > 99; }), extra);
   EXPECT_EQ(asked, 4);
+}
+
+// The one dtype table (ettkit/checkpoint/safetensors_dtypes.h) that the writer, the loader, the header decoder
+// and Python's DCP reader all read: what it holds is the checkpoint format, so it is pinned here entry by entry,
+// and each entry answers the same both ways and gives the decoder the torch element size.
+TEST(Storage, TheOneDtypeTableNamesEachDtypeBothWaysWithItsSize) {
+  const std::vector<std::pair<std::string, c10::ScalarType>> expected = {
+      {"F32", c10::kFloat},       {"F64", c10::kDouble},        {"F16", c10::kHalf},     {"BF16", c10::kBFloat16},
+      {"I64", c10::kLong},        {"I32", c10::kInt},           {"I16", c10::kShort},    {"I8", c10::kChar},
+      {"U8", c10::kByte},         {"BOOL", c10::kBool},         {"F8_E4M3", c10::kFloat8_e4m3fn},
+      {"F8_E5M2", c10::kFloat8_e5m2}, {"U16", c10::kUInt16},    {"U32", c10::kUInt32},   {"U64", c10::kUInt64},
+      {"C64", c10::kComplexFloat}};
+  const auto& table = ettkit::checkpoint::safetensors_dtypes();
+  ASSERT_EQ(table.size(), expected.size());
+  for (size_t i = 0; i < table.size(); ++i) {
+    EXPECT_EQ(table[i].name, expected[i].first);
+    EXPECT_EQ(table[i].type, expected[i].second) << table[i].name;
+    EXPECT_EQ(ettkit::checkpoint::find_safetensors_dtype(std::string_view(table[i].name)), &table[i]);
+    EXPECT_EQ(ettkit::checkpoint::find_safetensors_dtype(table[i].type), &table[i]);
+    EXPECT_EQ(ckd::safetensors_dtype_size(table[i].name), static_cast<int>(c10::elementSize(table[i].type)));
+  }
+  EXPECT_EQ(ckd::safetensors_dtype_size("F32"), 4);
+  EXPECT_EQ(ckd::safetensors_dtype_size("C64"), 8);
+  EXPECT_EQ(ckd::safetensors_dtype_size("F8_E5M2"), 1);
+  // What safetensors or torch has and ettkit does not save: refused by name and by type.
+  EXPECT_EQ(ettkit::checkpoint::find_safetensors_dtype(std::string_view("C128")), nullptr);
+  EXPECT_EQ(ckd::safetensors_dtype_size("f32"), 0);
+  EXPECT_EQ(ettkit::checkpoint::find_safetensors_dtype(c10::kComplexDouble), nullptr);
+  EXPECT_EQ(ettkit::checkpoint::find_safetensors_dtype(c10::kQInt8), nullptr);
 }
