@@ -359,6 +359,8 @@ LedgerWriter::LedgerWriter(LedgerWriterOptions options) {
   ETTKIT_CHECK(fd >= 0, IoError, "cannot open the ledger '", options.path, "' for appending: ",
                std::strerror(errno));
   state_ = std::make_shared<State>(std::move(options), fd);
+  queue_ = &state_->queue;
+  dropped_ = &state_->dropped;
   if (!existing.ends_with_newline) {
     // A previous attempt was killed mid-line: terminate the torn line so our first record stands alone.
     write_all(fd, "\n", 1);
@@ -378,10 +380,6 @@ LedgerWriter::~LedgerWriter() {
 const std::string& LedgerWriter::path() const { return state_->options.path; }
 const ClockAnchor& LedgerWriter::anchor() const { return state_->anchor; }
 PhaseNames& LedgerWriter::names() { return state_->names; }
-
-void LedgerWriter::enqueue(const Event& event) noexcept {
-  if (!state_->queue.try_push(event)) state_->dropped.fetch_add(1, std::memory_order_relaxed);
-}
 
 uint64_t LedgerWriter::dropped() const noexcept { return state_->dropped.load(std::memory_order_relaxed); }
 

@@ -38,6 +38,7 @@
 #include <thread>
 #include <unordered_map>
 
+#include "ett/event_queue.h"
 #include "ettkit/common/clock.h"
 #include "ettkit/ett/recorder.h"
 
@@ -134,8 +135,11 @@ class LedgerWriter {
   const ClockAnchor& anchor() const;
   PhaseNames& names();
 
-  /// Queues an event; when the queue is full the event is dropped and counted. Lock-free, never blocks.
-  void enqueue(const Event& event) noexcept;
+  /// Queues an event; when the queue is full the event is dropped and counted. Lock-free, never blocks;
+  /// inline, as it was when it lived in the Recorder: it is the hot path's one shared write.
+  void enqueue(const Event& event) noexcept {
+    if (!queue_->try_push(event)) dropped_->fetch_add(1, std::memory_order_relaxed);
+  }
   /// Events dropped so far.
   uint64_t dropped() const noexcept;
   /// Queues the attempt record; call before start() so that it is the attempt's first line.
@@ -157,6 +161,9 @@ class LedgerWriter {
  private:
   struct State;
   std::shared_ptr<State> state_;
+  // The hot path's view of the state's queue and drop count (the state outlives the writer's use of them).
+  BoundedMpscQueue<Event>* queue_ = nullptr;
+  std::atomic<uint64_t>* dropped_ = nullptr;
   std::thread thread_;
   int attempts_before_ = 0;
   int64_t last_ts_us_ = 0;
