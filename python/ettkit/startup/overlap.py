@@ -328,8 +328,8 @@ class _OverlappedStart:
             fast = spec.fast_batch(seed)
             return compiled, warm_compile(compiled, fast, self.loss_fn, forward=self.forward), None
         except ConstraintViolationError as e:
-            # The model or Inductor made a size-dependent choice on a declared dynamic dim (e.g. Inductor's CPU
-            # mm decomposition guards on the batch size of a matmul with an inner size of 1). A graph that
+            # The model or Inductor made a size-dependent choice on a declared dynamic dim (e.g. Inductor's
+            # CPU mm decomposition guards on the batch size of a matmul with an inner size of 1). A graph that
             # serves the whole declared range does not exist: compile with soft dims, and say which guard.
             specialized = _specialization(e)
             soft = spec.fast_batch(seed, soft=True)
@@ -361,8 +361,8 @@ class _OverlappedStart:
         if reason:
             hint = f". To fix it: {self.fallback['hint']}" if self.fallback.get("hint") else ""
             warnings.warn(
-                f"the precompiled tier is not used: {reason}; compiled through torch.compile and the MegaCache file "
-                f"instead (report.precompile_fallback){hint}",
+                f"the precompiled tier is not used: {reason}; compiled through torch.compile and the MegaCache "
+                f"file instead (report.precompile_fallback){hint}",
                 RuntimeWarning,
                 stacklevel=stacklevel + 1,
             )
@@ -396,8 +396,9 @@ class _OverlappedStart:
         )
 
     def record_notes(self, report: StartReport) -> None:
-        """In the ETT ledger too (the report's attempts[].notes): which compile path this start took and, with
-        the precompiled tier asked for, why it was not used, so that a job's restarts show it after the fact."""
+        """In the ETT ledger too (the report's attempts[].notes): which compile path this start took and,
+        with the precompiled tier asked for, why it was not used, so that a job's restarts show it after the
+        fact."""
         recorder = self.sub_recorder
         if recorder is None:
             return
