@@ -101,7 +101,7 @@ def main() -> None:
     if args.quick:
         args.steps = args.steps if args.steps != p.get_default("steps") else 100_000
         args.attempts = args.attempts if args.attempts != p.get_default("attempts") else 2_000
-    results: dict = {}
+    metrics: dict = {}
     with tempfile.TemporaryDirectory(prefix="ettkit-report-scale-") as tmp:
         steps_run, attempts_run = os.path.join(tmp, "steps"), os.path.join(tmp, "attempts")
         write_step_ledger(steps_run, args.steps)
@@ -125,10 +125,10 @@ def main() -> None:
                 wall, cpu, rss = (statistics.median(col) for col in zip(*results))
                 print(f"{label:<34} {name:<11} {wall:7.2f} {cpu:7.2f} {rss:12.0f}", flush=True)
                 for metric, value in (("wall_s", wall), ("cpu_s", cpu), ("peak_rss_MB", rss)):
-                    results.setdefault(f"{metric}[{label}]", {})[name] = value
+                    metrics.setdefault(f"{metric}[{label}]", {})[name] = value
     if args.json:
         write_json(args.json, "ett_report_scale", {"steps": args.steps, "attempts": args.attempts,
-                                                   "repeat": args.repeat}, results)
+                                                   "repeat": args.repeat}, metrics)
 
 
 if __name__ == "__main__":
