@@ -48,10 +48,9 @@ struct TensorList {
     for (size_t i = 0; i < n; ++i) {
       PyObject* o = PyList_GET_ITEM(tensors.ptr(), static_cast<Py_ssize_t>(i));
       ETTKIT_EXPECTS(THPVariable_Check(o), "state dict entry '", items[i].first, "' is not a tensor");
-      const at::Tensor& t = THPVariable_Unpack(o);
-      // A conjugate or negative-bit view's storage holds other values than it shows, and staging copies
-      // storage bytes: save its values (a copy made here, inside save()). Two bit tests per tensor.
-      items[i].second = t.is_conj() || t.is_neg() ? t.detach().resolve_conj().resolve_neg() : t;
+      // Conjugate and negative-bit views are resolved by AsyncCheckpointer::save (the one policy, for C++
+      // callers too).
+      items[i].second = THPVariable_Unpack(o);
     }
   }
   /// Drops the tensor references (the names stay for the next save).
@@ -97,6 +96,121 @@ py::object snapshot_keeping_alive(std::shared_ptr<checkpoint::Snapshot> snap, co
   py::object out = py::cast(std::move(snap));
   if (!out.is_none()) py::detail::keep_alive_impl(out, stager);
   return out;
+}
+
+/// A text option given from Python: `value` as a string, or InvalidArgument naming `field` and `valid` (a
+/// number or None would otherwise be pybind11's TypeError, naming neither).
+std::string text_option(const py::handle& value, const char* field, const char* valid) {
+  ETTKIT_EXPECTS(py::isinstance<py::str>(value), field, "=", py::repr(value).cast<std::string>(), " is not valid: ",
+                 valid);
+  return value.cast<std::string>();
+}
+
+/// The name of an enum value that `parse` reads from one of `names` (so that the names live in one table,
+/// the parser's).
+template <typename E, typename Parse>
+std::string name_of(E value, std::initializer_list<const char*> names, Parse parse) {
+  for (const char* n : names) {
+    if (parse(n) == value) return n;
+  }
+  return "?";
+}
+
+constexpr const char* kOnBusyValid = "give one of 'wait', 'skip', 'error'";
+constexpr const char* kOverlapValid = "give one of 'auto', 'on', 'off'";
+constexpr const char* kTierValid = "give one of 'disk', 'memory'";
+
+/// checkpoint::LoadResult::read as {name: tensor}.
+py::dict read_tensors(const checkpoint::LoadResult& r) {
+  py::dict out;
+  for (const auto& [name, t] : r.read) out[py::str(name)] = py::cast(t);
+  return out;
+}
+
+/// The options as Python sets them: every field by name, the enums as their names. The recorder is a raw
+/// pointer in C++: its Python object is kept alive by this options object (and the options object by the
+/// AsyncCheckpointer made from it).
+void bind_options(py::module_& m) {
+  using namespace checkpoint;
+  py::class_<StagerOptions>(m, "StagerOptions", "include/ettkit/checkpoint/checkpointer.h: StagerOptions")
+      .def(py::init<>())
+      .def_readwrite("memory_budget_bytes", &StagerOptions::memory_budget_bytes)
+      .def_readwrite("num_arenas", &StagerOptions::num_arenas)
+      .def_readwrite("copy_threads", &StagerOptions::copy_threads)
+      .def_readwrite("sync_copy_max_bytes", &StagerOptions::sync_copy_max_bytes)
+      .def_readwrite("pin_memory", &StagerOptions::pin_memory);
+  py::class_<MemoryTierOptions>(m, "MemoryTierOptions", "include/ettkit/checkpoint/checkpointer.h: MemoryTierOptions")
+      .def(py::init<>())
+      .def_readwrite("root", &MemoryTierOptions::root)
+      .def_readwrite("job_id", &MemoryTierOptions::job_id)
+      .def_readwrite("budget_bytes", &MemoryTierOptions::budget_bytes)
+      .def_readwrite("verify", &MemoryTierOptions::verify);
+  py::class_<CheckpointerOptions>(m, "CheckpointerOptions",
+                                  "include/ettkit/checkpoint/checkpointer.h: CheckpointerOptions. Checked by the "
+                                  "AsyncCheckpointer made from it (InvalidArgument naming the field).")
+      .def(py::init<>())
+      .def_readwrite("directory", &CheckpointerOptions::directory)
+      .def_readwrite("keep_last", &CheckpointerOptions::keep_last)
+      .def_property(
+          "on_busy",
+          [](const CheckpointerOptions& o) {
+            return name_of(o.on_busy, {"wait", "skip", "error"}, [](const char* n) { return parse_on_busy(n); });
+          },
+          [](CheckpointerOptions& o, const py::handle& v) {
+            o.on_busy = parse_on_busy(text_option(v, "on_busy", kOnBusyValid));
+          })
+      .def_property(
+          "overlap",
+          [](const CheckpointerOptions& o) {
+            return name_of(o.overlap, {"auto", "on", "off"}, [](const char* n) { return parse_overlap(n); });
+          },
+          [](CheckpointerOptions& o, const py::handle& v) {
+            o.overlap = parse_overlap(text_option(v, "overlap", kOverlapValid));
+          })
+      .def_readwrite("unfenced_sync_max_bytes", &CheckpointerOptions::unfenced_sync_max_bytes)
+      .def_readwrite("verify_on_load", &CheckpointerOptions::verify_on_load)
+      .def_readwrite("stager", &CheckpointerOptions::stager)
+      .def_readwrite("rank", &CheckpointerOptions::rank)
+      .def_readwrite("world_size", &CheckpointerOptions::world_size)
+      .def_readwrite("commit_timeout_s", &CheckpointerOptions::commit_timeout_s)
+      .def_readwrite("peer_timeout_s", &CheckpointerOptions::peer_timeout_s)
+      .def_property(
+          "recorder",
+          [](const CheckpointerOptions& o) { return py::cast(o.recorder, py::return_value_policy::reference); },
+          [](const py::object& self, const py::object& recorder) {
+            auto& o = self.cast<CheckpointerOptions&>();
+            o.recorder = recorder.is_none() ? nullptr : recorder.cast<ett::Recorder*>();
+            if (!recorder.is_none()) py::detail::keep_alive_impl(self, recorder);
+          },
+          "An ettkit._C.ett.Recorder or None (records nothing: Python resolves the current recorder itself)")
+      .def_readwrite("metadata", &CheckpointerOptions::metadata)
+      .def_readwrite("read_only", &CheckpointerOptions::read_only)
+      .def_readwrite("memory_tier", &CheckpointerOptions::memory_tier)
+      .def_readwrite("reshard_whole_from_rank0", &CheckpointerOptions::reshard_whole_from_rank0);
+  m.def("check_peer_replica", &check_peer_replica, py::arg("options"), py::arg("ranks_per_host") = py::none(),
+        "The peer replica's preconditions (a memory tier, world_size > 1, ranks_per_host in [1, world_size) "
+        "unless None), before its process group is created.");
+}
+
+/// load_latest's result by name (include/ettkit/checkpoint/checkpointer.h: LoadResult).
+void bind_load_result(py::module_& m) {
+  using checkpoint::LoadResult;
+  py::class_<LoadResult>(m, "LoadResult", "The step load_latest restored and how (fields by name).")
+      .def_readonly("step", &LoadResult::step)
+      .def_property_readonly("extra", [](const LoadResult& r) { return py::bytes(r.extra); })
+      .def_readonly("skipped_steps", &LoadResult::skipped_steps, "newer steps that failed validation")
+      .def_property_readonly("read", &read_tensors, "{name: new CPU tensor} under the read_prefixes")
+      .def_property_readonly("tier", [](const LoadResult& r) { return checkpoint::tier_name(r.tier); })
+      .def_readonly("memory_fallback", &LoadResult::memory_fallback,
+                    "why the memory tier was not used, or ''")
+      .def_readonly("memory_from_rank", &LoadResult::memory_from_rank,
+                    "the rank that gave the memory step back, or -1")
+      .def_readonly("saved_world_size", &LoadResult::saved_world_size, "the world size that wrote the step")
+      .def_readonly("reshard_bytes_read", &LoadResult::reshard_bytes_read)
+      .def_readonly("reshard_bytes_verified", &LoadResult::reshard_bytes_verified)
+      .def_readonly("prefetched", &LoadResult::prefetched, "whether prefetch() had verified the step")
+      .def_readonly("prefetch_reverified_bytes", &LoadResult::prefetch_reverified_bytes,
+                    "bytes hashed again because they left the page cache since the prefetch");
 }
 
 }  // namespace
@@ -198,58 +312,24 @@ void bind_checkpoint(py::module_& m) {
       .def("wait", &SaveHandle::wait, py::arg("timeout_s") = -1.0, py::call_guard<py::gil_scoped_release>())
       .def("wait_staged", &SaveHandle::wait_staged, py::call_guard<py::gil_scoped_release>());
 
+  bind_options(m);
+  bind_load_result(m);
   py::class_<AsyncCheckpointer>(m, "AsyncCheckpointer", py::release_gil_before_calling_cpp_dtor())
-      .def(py::init([](const std::string& directory, int keep_last, const std::string& on_busy,
-                       const std::string& overlap, bool verify_on_load,
-                       int64_t memory_budget_bytes, int num_arenas, int copy_threads, int64_t sync_copy_max_bytes,
-                       int pin_memory, int rank, int world_size, double commit_timeout_s, ett::Recorder* recorder,
-                       std::map<std::string, std::string> metadata, py::object store, bool read_only,
-                       double peer_timeout_s, const std::string& memory_tier, const std::string& job_id,
-                       int64_t memory_tier_budget_bytes, bool verify_memory_tier, bool reshard_whole_from_rank0) {
-             CheckpointerOptions o;
-             o.directory = directory;
-             o.keep_last = keep_last;
-             o.on_busy = parse_on_busy(on_busy);
-             o.overlap = parse_overlap(overlap);
-             o.verify_on_load = verify_on_load;
-             o.stager.memory_budget_bytes = memory_budget_bytes;
-             o.stager.num_arenas = num_arenas;
-             o.stager.copy_threads = copy_threads;
-             o.stager.sync_copy_max_bytes = sync_copy_max_bytes;
-             o.stager.pin_memory = pin_memory;
-             o.rank = rank;
-             o.world_size = world_size;
-             o.commit_timeout_s = commit_timeout_s;
-             o.recorder = recorder;
-             o.use_current_recorder = false;  // the Python layer resolved "current" (and keeps it alive)
-             o.metadata = std::move(metadata);
-             o.read_only = read_only;
-             o.peer_timeout_s = peer_timeout_s;
-             o.memory_tier.root = memory_tier;
-             o.memory_tier.job_id = job_id;
-             o.memory_tier.budget_bytes = memory_tier_budget_bytes;
-             o.memory_tier.verify = verify_memory_tier;
-             o.reshard_whole_from_rank0 = reshard_whole_from_rank0;
+      .def(py::init([](CheckpointerOptions options, const py::object& store) {
+             options.use_current_recorder = false;  // the Python layer resolved "current" (and keeps it alive)
              c10::intrusive_ptr<c10d::Store> s;
              if (!store.is_none()) s = store.cast<c10::intrusive_ptr<c10d::Store>>();
              py::gil_scoped_release nogil;
-             return std::make_unique<AsyncCheckpointer>(std::move(o), std::move(s));
+             return std::make_unique<AsyncCheckpointer>(std::move(options), std::move(s));
            }),
-           py::arg("directory"), py::kw_only(), py::arg("keep_last") = 3, py::arg("on_busy") = "wait",
-           py::arg("overlap") = "auto", py::arg("verify_on_load") = true, py::arg("memory_budget_bytes") = 0, py::arg("num_arenas") = 1,
-           py::arg("copy_threads") = 0, py::arg("sync_copy_max_bytes") = 4096, py::arg("pin_memory") = -1,
-           py::arg("rank") = -1, py::arg("world_size") = -1, py::arg("commit_timeout_s") = 600.0,
-           py::arg("recorder") = nullptr, py::arg("metadata") = std::map<std::string, std::string>{},
-           py::arg("store") = py::none(), py::arg("read_only") = false, py::arg("peer_timeout_s") = 3.0,
-           py::arg("memory_tier") = "", py::arg("job_id") = "", py::arg("memory_tier_budget_bytes") = 0,
-           py::arg("verify_memory_tier") = true, py::arg("reshard_whole_from_rank0") = false,
-           py::keep_alive<1, 15>(),
-           py::keep_alive<1, 17>())
+           py::arg("options"), py::arg("store") = py::none(),
+           // The options object holds the recorder's Python object (see CheckpointerOptions.recorder).
+           py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
       .def(
           "save",
-          [](AsyncCheckpointer& c, int64_t step, TensorList& list, const py::bytes& extra, const std::string& tier) {
+          [](AsyncCheckpointer& c, int64_t step, TensorList& list, const py::bytes& extra, const py::handle& tier) {
             std::string blob = extra;
-            Tier t = parse_tier(tier);
+            Tier t = parse_tier(text_option(tier, "tier", kTierValid));
             std::optional<SaveHandle> h;
             {
               py::gil_scoped_release nogil;
@@ -312,19 +392,10 @@ void bind_checkpoint(py::module_& m) {
               r = c.load_latest(nt, validate, read_prefixes);
             }
             if (!r) return py::none();
-            py::dict read;
-            for (auto& [name, t] : r->read) read[py::str(name)] = py::cast(std::move(t));
-            return py::make_tuple(r->step, py::bytes(r->extra), r->skipped_steps, read, tier_name(r->tier),
-                                  r->memory_fallback, r->memory_from_rank, r->saved_world_size,
-                                  r->reshard_bytes_read, r->reshard_bytes_verified, r->prefetched,
-                                  r->prefetch_reverified_bytes);
+            return py::cast(std::move(*r));
           },
           py::arg("names"), py::arg("tensors"), py::arg("validate_extra") = py::none(),
-          py::arg("read_prefixes") = std::vector<std::string>{},
-          "Returns (step, extra bytes, skipped steps, {name: new CPU tensor} for read_prefixes, tier, why the "
-          "memory tier was not used or '', the rank that gave the memory step back or -1, the world size that "
-          "wrote the step, bytes read and verified by a resharding load, whether prefetch() had verified the "
-          "step, the bytes hashed again because they left the page cache since) or None.")
+          py::arg("read_prefixes") = std::vector<std::string>{}, "Returns a LoadResult, or None.")
       .def("prefetch", &AsyncCheckpointer::prefetch, py::call_guard<py::gil_scoped_release>(),
            "Starts verifying the step load_latest will most likely restore on a background thread; returns the "
            "steps queued.")
@@ -366,19 +437,20 @@ void bind_checkpoint(py::module_& m) {
                              py::overload_cast<>(&AsyncCheckpointer::mean_time_to_durable_s, py::const_))
       .def(
           "tier_costs",
-          [](const AsyncCheckpointer& c, const std::string& tier) {
-            Tier t = parse_tier(tier);
-            return py::make_tuple(c.mean_blocking_s(t), c.mean_time_to_durable_s(t));
+          [](const AsyncCheckpointer& c, const py::handle& tier) {
+            auto costs = checkpoint::TierCosts::of(c, parse_tier(text_option(tier, "tier", kTierValid)));
+            return py::make_tuple(costs.committed, costs.blocking_s, costs.durable_s);
           },
-          py::arg("tier"), "(mean blocking s, mean save -> committed s) of one tier's saves")
+          py::arg("tier"), "(saves committed, mean blocking s, mean save -> committed s) of one tier's saves")
       .def_property_readonly("saves_committed", &AsyncCheckpointer::saves_committed)
       .def_property_readonly("memory_saves_committed", &AsyncCheckpointer::memory_saves_committed)
       .def_property_readonly("memory_tier_directory", &AsyncCheckpointer::memory_tier_directory)
       .def_property_readonly("saves_failed", &AsyncCheckpointer::saves_failed)
       .def_property_readonly("saves_refused", &AsyncCheckpointer::saves_refused);
 
-  // The interval policy. Python gives times from its own clock (tests replace it) and the costs it measured
-  // (TierCosts as (committed, blocking s, durable s) tuples), so the binding holds no Python callable.
+  // The interval policy. Python gives times from its own clock (tests replace it) and the checkpointer, whose
+  // measured costs C++ reads (TierCosts::of), so the binding holds no Python callable. The overloads with
+  // costs as (committed, blocking s, durable s) tuples are for tests that inject costs.
   using checkpoint::CheckpointSchedule;
   using checkpoint::Every;
   using checkpoint::FailureHistory;
@@ -414,6 +486,15 @@ void bind_checkpoint(py::module_& m) {
            py::arg("disk"), py::arg("memory"), py::arg("mtbf_s"), py::arg("restart_s"), py::arg("start_s"))
       .def(
           "due",
+          [](const CheckpointSchedule& s, int64_t step, double now,
+             const AsyncCheckpointer& ck) -> std::optional<std::string> {
+            auto t = s.due(step, now, ck);
+            if (!t) return std::nullopt;
+            return std::string(tier_name(*t));
+          },
+          py::arg("step"), py::arg("now"), py::arg("checkpointer"))
+      .def(
+          "due",
           [costs](const CheckpointSchedule& s, int64_t step, double now, const py::tuple& disk,
                   const py::tuple& memory) -> std::optional<std::string> {
             auto t = s.due(step, now, costs(disk, "disk"), costs(memory, "memory"));
@@ -428,6 +509,12 @@ void bind_checkpoint(py::module_& m) {
           },
           py::arg("step"), py::arg("tier"), py::arg("now"))
       .def("restored", &CheckpointSchedule::restored, py::arg("step"))
+      .def(
+          "auto_interval_s",
+          [](const CheckpointSchedule& s, const AsyncCheckpointer& ck, const py::handle& tier) {
+            return s.auto_interval_s(ck, parse_tier(text_option(tier, "tier", kTierValid)));
+          },
+          py::arg("checkpointer"), py::arg("tier"))
       .def(
           "auto_interval_s",
           [costs](const CheckpointSchedule& s, const py::tuple& c) { return s.auto_interval_s(costs(c, "given")); },

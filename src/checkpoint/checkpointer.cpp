@@ -28,6 +28,7 @@
 #include "checkpoint/reshard.h"
 #include "checkpoint/restore_prefetch.h"
 #include "checkpoint/storage.h"
+#include "checkpoint/store_exchange.h"
 #include "common/background_thread.h"
 #include "common/describe.h"
 #include "common/logging.h"
@@ -47,7 +48,8 @@ Overlap parse_overlap(const std::string& s) {
   if (s == "auto") return Overlap::kAuto;
   if (s == "on") return Overlap::kOn;
   if (s == "off") return Overlap::kOff;
-  ETTKIT_THROW(InvalidArgument, "overlap='", s, "' is not one of 'auto', 'on', 'off'");
+  ETTKIT_THROW(InvalidArgument, "overlap='", s, "' is not one of 'auto', 'on', 'off' (Python also takes True for "
+               "'on' and False for 'off')");
 }
 
 Tier parse_tier(const std::string& s) {
@@ -178,8 +180,8 @@ std::optional<at::ScalarType> scalar_type_of(const std::string& dtype) {
 }
 
 /// save()'s argument checks that need no stager: the step's range (step-<N> names have at most 18
-/// digits), the name safetensors reserves for its metadata, dtypes, and views whose storage holds other
-/// values than they show (the copy is of storage bytes).
+/// digits), the name safetensors reserves for its metadata, and dtypes. The only place they are made: the
+/// Python layer relies on them.
 void check_save_arguments(int64_t step, const NamedTensors& tensors, bool read_only) {
   ETTKIT_EXPECTS(!read_only, "save(step=", step, ") on a read_only checkpointer: it only loads");
   ETTKIT_EXPECTS(step >= 0 && step <= kMaxStep, "step=", step,
@@ -188,22 +190,34 @@ void check_save_arguments(int64_t step, const NamedTensors& tensors, bool read_o
     ETTKIT_EXPECTS(name != "__metadata__", "state dict key '__metadata__' is reserved: safetensors keeps the "
                    "file's metadata under that name, so a tensor saved as it could never be read back; rename it");
     safetensors_dtype(t.scalar_type(), name);
-    ETTKIT_EXPECTS(!t.is_conj() && !t.is_neg(), "state dict entry '", name, "' is a ",
-                   t.is_conj() ? "conjugate" : "negative-bit", " view: its storage holds ",
-                   t.is_conj() ? "the conjugate" : "the negation", " of the values it shows; save ",
-                   t.is_conj() ? "resolve_conj()" : "resolve_neg()", " of it instead");
   }
 }
 
-std::vector<uint8_t> bytes_of(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
-std::string string_of(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
+bool shows_other_values(const at::Tensor& t) { return t.is_conj() || t.is_neg(); }
 
-/// A rank's report of its memory-tier steps for load_latest's vote (the Store key `source`), checked before
-/// any of it is used: {"held": [[step, run id], ...], "replica": [...] (optional), "disk": step or -1}.
-/// CorruptData naming the key for anything else: a Store client that is not a rank gets no exception of the
-/// JSON library out of a rank, and no run id that is not one into the vote.
-json decode_memory_report(const std::string& text, const std::string& source) {
-  json r = json::parse(text, nullptr, /*allow_exceptions=*/false);
+/// `tensors` with each conjugate or negative-bit view replaced by a resolved copy (its storage holds other
+/// values than it shows, and staging copies storage bytes: the file must hold what it shows). The one place
+/// that policy lives, for C++ and Python callers. Returns `tensors` itself, uncopied, when none is a view:
+/// two bit tests per tensor, no copy of 10^4 names on every save.
+const NamedTensors& with_views_resolved(const NamedTensors& tensors, NamedTensors& resolved) {
+  if (std::none_of(tensors.begin(), tensors.end(), [](const auto& e) { return shows_other_values(e.second); })) {
+    return tensors;
+  }
+  resolved.reserve(tensors.size());
+  for (const auto& [name, t] : tensors) {
+    resolved.emplace_back(name, shows_other_values(t) ? t.detach().resolve_conj().resolve_neg() : t);
+  }
+  return resolved;
+}
+
+/// What a rank's report of its memory-tier steps for load_latest's vote is.
+constexpr const char* kMemoryReportShape =
+    "{\"held\": [[step, run id], ...], \"replica\": [...] (optional), \"disk\": step or -1}";
+
+/// A rank's report of its memory-tier steps (StoreExchange decoded it from the Store key `source`), checked
+/// before any of it is used: kMemoryReportShape. CorruptData naming the key for anything else: no run id
+/// that is not one gets into the vote.
+void check_memory_report(const json& r, const std::string& source) {
   ETTKIT_CHECK(r.is_object(), CorruptData, source, " is not a JSON object");
   auto step_ok = [](const json& v, int64_t lo) {
     return v.is_number_integer() && v.get<int64_t>() >= lo && v.get<int64_t>() <= kMaxStep;
@@ -220,7 +234,6 @@ json decode_memory_report(const std::string& text, const std::string& source) {
   }
   ETTKIT_CHECK(r.contains("disk") && step_ok(r["disk"], -1), CorruptData, source,
                ": 'disk' is not a step number or -1");
-  return r;
 }
 
 /// Why a save was refused, from the names of the tensors that changed while being copied.
@@ -319,6 +332,7 @@ struct AsyncCheckpointer::Impl {
   bool hold_commits = false;  // tests: the writer waits before it releases the arena (wait_while_held)
   std::exception_ptr peer_lost;  // once set, every queued and later save fails with it at once
   std::unique_ptr<PeerMonitor> peers;  // world > 1
+  std::unique_ptr<StoreExchange> exchange;  // world > 1: every vote and agreement of the ranks, over `peers`
   double blocking_sum = 0;
   int64_t blocking_n = 0;
   double durable_sum = 0;
@@ -590,17 +604,9 @@ struct AsyncCheckpointer::Impl {
     report["disk"] = disk_newest;
     std::vector<json> reports{report};
     if (world > 1) {
-      std::string p = key_prefix + "load/" + std::to_string(seq) + "/memory/";
-      store->set(p + std::to_string(rank), bytes_of(report.dump()));
-      std::vector<std::string> keys;
-      std::vector<int> others;
-      for (int r = 0; r < world; ++r) {
-        keys.push_back(p + std::to_string(r));
-        if (r != rank) others.push_back(r);
-      }
-      peers->wait_keys(keys, others, opt.commit_timeout_s, "load_latest: the other ranks' memory-tier steps");
-      reports.clear();
-      for (const std::string& k : keys) reports.push_back(decode_memory_report(string_of(store->get(k)), "'" + k + "'"));
+      reports = exchange->all_gather(key_prefix + "load/" + std::to_string(seq) + "/memory/", rank, world, report,
+                                     "load_latest: the other ranks' memory-tier steps", kMemoryReportShape,
+                                     check_memory_report);
     }
     using Held = std::set<std::pair<int64_t, std::string>>;
     auto steps_of = [](const json& report, const char* key) {
@@ -756,9 +762,12 @@ AsyncCheckpointer::AsyncCheckpointer(CheckpointerOptions options, c10::intrusive
   // leaving them waiting for a run id.
   std::string base = "ettkit_ckpt:" + im.opt.directory + "/";
   std::string run_key;
+  // No heartbeat runs before the ranks share a run id: rank 0's answer is awaited for commit_timeout_s.
+  std::optional<StoreExchange> before_run;
   if (im.world > 1) {
     int64_t n = im.store->add(base + "opens", 1);
     run_key = base + "gen/" + std::to_string((n - 1) / im.world) + "/run_id";
+    before_run.emplace(*im.store, nullptr, im.opt.commit_timeout_s);
   }
   // Before anything below touches the directory: a second job must not remove this one's temporaries.
   if (im.rank == 0 && !im.opt.read_only) {
@@ -768,7 +777,7 @@ AsyncCheckpointer::AsyncCheckpointer(CheckpointerOptions options, c10::intrusive
           im.opt.directory, "/.lock'. Two jobs writing one directory delete each other's saves: give this job its "
           "own directory, or stop the other one (a dead holder's lock is released by the kernel); to only load, "
           "open it read-only (read_only=True in Python, CheckpointerOptions::read_only in C++)");
-      if (im.world > 1) im.store->set(run_key, bytes_of("locked:" + why));
+      if (before_run) before_run->publish(run_key, "locked:" + why);
       throw checkpoint::DirectoryLocked(why, __FILE__, __LINE__);
     }
   }
@@ -776,10 +785,9 @@ AsyncCheckpointer::AsyncCheckpointer(CheckpointerOptions options, c10::intrusive
     if (im.rank == 0) {
       im.run_id = random_id();
       if (!im.opt.read_only) remove_stale_temporaries(im.opt.directory, im.run_id);
-      im.store->set(run_key, bytes_of(im.run_id));
-    } else {
-      im.store->wait({run_key}, std::chrono::milliseconds(static_cast<int64_t>(im.opt.commit_timeout_s * 1000)));
-      im.run_id = string_of(im.store->get(run_key));
+    }
+    im.run_id = before_run->from_rank0(run_key, im.rank, im.run_id, "rank 0's run id for this checkpointer");
+    if (im.rank != 0) {
       if (im.run_id.rfind("locked:", 0) == 0) {
         throw checkpoint::DirectoryLocked("rank 0: " + im.run_id.substr(7), __FILE__, __LINE__);
       }
@@ -789,6 +797,7 @@ AsyncCheckpointer::AsyncCheckpointer(CheckpointerOptions options, c10::intrusive
     im.key_prefix = base + im.run_id + "/";
     ETTKIT_EXPECTS(im.opt.peer_timeout_s > 0, "peer_timeout_s=", im.opt.peer_timeout_s, " must be > 0");
     im.peers = std::make_unique<PeerMonitor>(im.store, im.key_prefix, im.rank, im.world, im.opt.peer_timeout_s);
+    im.exchange = std::make_unique<StoreExchange>(*im.store, im.peers.get(), im.opt.commit_timeout_s);
   } else {
     im.run_id = random_id();
     if (!im.opt.read_only) remove_stale_temporaries(im.opt.directory, im.run_id);
@@ -837,6 +846,8 @@ SaveHandle AsyncCheckpointer::save(int64_t step, const NamedTensors& tensors, co
     priority = im.priority;
   }
   check_save_arguments(step, tensors, im.opt.read_only);
+  NamedTensors resolved;
+  const NamedTensors& staged = with_views_resolved(tensors, resolved);
   ETTKIT_EXPECTS(extra.size() <= kMaxExtraBytes, "save(step=", step, "): extra holds ", extra.size(),
                  " bytes; at most ", kMaxExtraBytes, " (256 MiB) are kept, since a load reads them whole: put "
                  "large state in tensors");
@@ -865,7 +876,7 @@ SaveHandle AsyncCheckpointer::save(int64_t step, const NamedTensors& tensors, co
   hs->tier = tier;
   bool overlap = im.opt.overlap == Overlap::kOn || (im.opt.overlap == Overlap::kAuto && im.overlap.load());
   std::shared_ptr<Snapshot> snap =
-      im.stager->stage(tensors, im.opt.on_busy, priority, overlap ? im.unfenced_sync_max_bytes.load() : 0);
+      im.stager->stage(staged, im.opt.on_busy, priority, overlap ? im.unfenced_sync_max_bytes.load() : 0);
   if (!snap) {
     hs->skipped = true;
     ETTKIT_LOG_INFO("checkpoint step ", step, " skipped: the previous save is still persisting (on_busy='skip')");
@@ -1038,11 +1049,20 @@ int64_t AsyncCheckpointer::memory_saves_committed() const {
 std::string AsyncCheckpointer::memory_tier_directory() const { return impl_->memory_dir; }
 const std::string& AsyncCheckpointer::run_id() const { return impl_->run_id; }
 
+void check_peer_replica(const CheckpointerOptions& options, std::optional<int> ranks_per_host) {
+  ETTKIT_EXPECTS(!options.memory_tier.root.empty(), "peer_replica=True needs a memory tier (memory_tier=True for "
+                 "/dev/shm; in C++ a MemoryTierOptions::root): the partner keeps the replica in its memory tier");
+  const int world = options.world_size > 0 ? options.world_size : 1;
+  ETTKIT_EXPECTS(world > 1, "peer_replica=True needs world_size > 1 (a partner on another node); this job has 1 rank");
+  if (!ranks_per_host) return;
+  ETTKIT_EXPECTS(*ranks_per_host >= 1 && *ranks_per_host < world, "ranks_per_host=", *ranks_per_host,
+                 " leaves no partner on another node among world_size=", world, " ranks: it must be in [1, ",
+                 world - 1, "] (the number of ranks each node runs, e.g. torchrun's LOCAL_WORLD_SIZE)");
+}
+
 void AsyncCheckpointer::enable_peer_replica(c10::intrusive_ptr<c10d::Backend> group, int ranks_per_host) {
   Impl& im = *impl_;
-  ETTKIT_EXPECTS(im.memory, "peer_replica needs a memory tier (memory_tier root, e.g. \"/dev/shm\"): the replica "
-                 "of a snapshot is kept in the partner's memory tier");
-  ETTKIT_EXPECTS(im.world > 1, "peer_replica needs world_size > 1 (a partner on another node); this job has 1 rank");
+  check_peer_replica(im.opt, ranks_per_host);
   {
     std::lock_guard<std::mutex> lk(im.mu);
     ETTKIT_EXPECTS(!im.replica, "enable_peer_replica() was already called");
@@ -1600,36 +1620,13 @@ std::optional<LoadResult> AsyncCheckpointer::load_latest(const NamedTensors& ten
   bool listed_any = false;
   // Every rank's verdict on its candidate for one step, combined: the worst wins, with its reason.
   auto vote = [&](const std::string& key, const Candidate& c) -> std::pair<Verdict, std::string> {
-    Verdict all = c.verdict;
-    std::string why = c.reason;
-    if (im.world == 1) return {all, why};
-    std::string p = im.key_prefix + key + "/";
-    json mine = {{"v", static_cast<int>(c.verdict)}, {"why", c.reason}};
-    im.store->set(p + std::to_string(im.rank), bytes_of(mine.dump()));
-    std::vector<std::string> keys;
-    std::vector<int> others;
-    for (int r = 0; r < im.world; ++r) {
-      keys.push_back(p + std::to_string(r));
-      if (r != im.rank) others.push_back(r);
-    }
-    im.peers->wait_keys(keys, others, im.opt.commit_timeout_s, "load_latest: the other ranks' verdicts (" + key + ")");
-    for (int r = 0; r < im.world; ++r) {
-      const std::string& key = keys[static_cast<size_t>(r)];
-      json rep = json::parse(string_of(im.store->get(key)), nullptr, /*allow_exceptions=*/false);
-      // What `mine` above writes, or refused: a verdict outside the enum or a missing reason is no rank's.
-      const bool ok = rep.is_object() && rep.contains("v") && rep["v"].is_number_integer() &&
-                      rep["v"].get<int64_t>() >= static_cast<int>(Verdict::kOk) &&
-                      rep["v"].get<int64_t>() <= static_cast<int>(Verdict::kVanished) && rep.contains("why") &&
-                      rep["why"].is_string();
-      ETTKIT_CHECK(ok, CorruptData, "load_latest: the Store key '", key, "' does not hold a verdict {\"v\": 0-3, "
-                   "\"why\": text}");
-      auto v = static_cast<Verdict>(rep["v"].get<int>());
-      if (severity(v) > severity(all)) {
-        all = v;
-        why = "rank " + std::to_string(r) + ": " + rep["why"].get<std::string>();
-      }
-    }
-    return {all, why};
+    if (im.world == 1) return {c.verdict, c.reason};
+    // A verdict outside the enum or a missing reason is no rank's: StoreExchange refuses it.
+    RankVerdict all = im.exchange->worst_verdict(
+        im.key_prefix + key + "/", im.rank, im.world, {static_cast<int>(c.verdict), c.reason},
+        static_cast<int>(Verdict::kVanished), [](int v) { return severity(static_cast<Verdict>(v)); },
+        "load_latest: the other ranks' verdicts (" + key + ")");
+    return {static_cast<Verdict>(all.verdict), all.why};
   };
   auto record_restore = [&](int64_t step, Tier tier) {
     if (!im.opt.recorder) return;
@@ -1704,12 +1701,9 @@ std::optional<LoadResult> AsyncCheckpointer::load_latest(const NamedTensors& ten
     if (im.world > 1) {
       // Every rank must see the same candidate list: take rank 0's.
       std::string key = im.key_prefix + "load/" + std::to_string(lseq) + "/steps";
-      if (im.rank == 0) {
-        im.store->set(key, bytes_of(json(steps).dump()));
-      } else {
-        im.peers->wait_keys({key}, {0}, im.opt.commit_timeout_s, "load_latest: rank 0's list of steps");
-        steps = decode_step_list(string_of(im.store->get(key)), "load_latest: rank 0's list of steps (the Store key '" +
-                                 key + "')");
+      std::string listed = im.exchange->from_rank0(key, im.rank, json(steps).dump(), "load_latest: rank 0's list of steps");
+      if (im.rank != 0) {
+        steps = decode_step_list(listed, "load_latest: rank 0's list of steps (the Store key '" + key + "')");
       }
     }
     listed_any = listed_any || !steps.empty();

@@ -162,8 +162,16 @@ std::optional<Tier> CheckpointSchedule::due(int64_t step, double now, const Tier
   return std::nullopt;
 }
 
+std::optional<Tier> CheckpointSchedule::due(int64_t step, double now, const AsyncCheckpointer& ck) const {
+  return due(step, now, TierCosts::of(ck, Tier::kDisk), TierCosts::of(ck, Tier::kMemory));
+}
+
 std::optional<Tier> CheckpointSchedule::due(int64_t step, const AsyncCheckpointer& ck) const {
-  return due(step, now_s(), TierCosts::of(ck, Tier::kDisk), TierCosts::of(ck, Tier::kMemory));
+  return due(step, now_s(), ck);
+}
+
+double CheckpointSchedule::auto_interval_s(const AsyncCheckpointer& ck, Tier tier) const {
+  return auto_interval_s(TierCosts::of(ck, tier));
 }
 
 void CheckpointSchedule::saved(int64_t step, Tier tier, double now) {

@@ -471,3 +471,31 @@ def test_integer_steps_of_numpy_and_torch_are_steps(tmp_path):
         ck.save(torch.tensor(4), {"w": torch.ones(3)}).wait()
         assert ck.should_save(np.int32(5)) is False
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-3", "step-4"]
+
+
+# ---- the binding: options and the load result by name, every check in C++ once ----------------------------
+
+def test_options_and_load_result_are_named_and_checked_once_in_cpp(tmp_path):
+    from ettkit import _C
+
+    # A value of the wrong type is C++'s InvalidArgumentError naming the field (not pybind11's TypeError).
+    with pytest.raises(ettkit.InvalidArgumentError, match=r"on_busy=3 is not valid: give one of 'wait'"):
+        AsyncCheckpointer(tmp_path / "a", recorder=None, on_busy=3)
+    with pytest.raises(ettkit.InvalidArgumentError, match=r"overlap='sometimes' is not one of 'auto', 'on', 'off'"):
+        AsyncCheckpointer(tmp_path / "a", recorder=None, overlap="sometimes")
+    with pytest.raises(ettkit.InvalidArgumentError, match=r"unfenced_sync_max_bytes=-1 must be >= 0"):
+        AsyncCheckpointer(tmp_path / "a", recorder=None, unfenced_sync_max_bytes=-1)
+    options = _C.checkpoint.CheckpointerOptions()
+    options.on_busy, options.overlap = "skip", "off"
+    assert (options.on_busy, options.overlap, options.keep_last, options.stager.num_arenas) == ("skip", "off", 3, 1)
+    with pytest.raises(AttributeError):
+        options.keep_lsat = 2  # a misspelt field is an error, not a new attribute
+    with AsyncCheckpointer(tmp_path / "b", recorder=None) as ck:
+        with pytest.raises(ettkit.InvalidArgumentError, match=r"tier=3 is not valid: give one of 'disk', 'memory'"):
+            ck.save(1, {"w": torch.ones(2)}, tier=3)
+        ck.save(4, {"w": torch.ones(2)}, extra=b"x").wait()
+        res = ck._c.load_latest(["w"], [torch.zeros(2)])
+        assert (res.step, res.tier, res.skipped_steps) == (4, "disk", [])
+        assert isinstance(res.extra, bytes) and len(res.extra) > 0  # the encoded skeleton and extra=
+        assert (res.saved_world_size, res.memory_from_rank) == (1, -1)
+        assert res.read == {} and not res.prefetched and res.memory_fallback == ""

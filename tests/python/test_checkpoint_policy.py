@@ -29,7 +29,7 @@ def test_every_auto_saves_once_to_measure_then_waits_for_the_measurement_then_fo
     with AsyncCheckpointer(tmp_path, recorder=None, every="auto", preempt_signals=(),
                            mtbf_prior_s=3600) as ck:
         ck._clock = clock
-        ck._measured_costs = lambda tier="disk": (costs["committed"], costs["blocking"], costs["durable"])
+        ck._injected_costs = lambda tier="disk": (costs["committed"], costs["blocking"], costs["durable"])
         assert ck.should_save(1)  # nothing saved yet: the first save measures what a save costs
         ck.save(1, state(1)).wait()
         # Not measured yet (as while the first save still persists, or after it failed): the conservative
@@ -123,7 +123,7 @@ def test_every_memory_auto_measures_its_own_tier(tmp_path):
     with AsyncCheckpointer(tmp_path / "ck", recorder=None, every=100, every_memory="auto", memory_tier=shm,
                            job_id="j", preempt_signals=(), mtbf_prior_s=3600) as ck:
         ck._clock = clock
-        ck._measured_costs = lambda tier="disk": costs[tier]
+        ck._injected_costs = lambda tier="disk": costs[tier]
         assert ck.due(1) == "memory"  # the first memory save measures the tier
         ck.save(1, state(1)).wait()
         assert ck.auto_interval_s("memory") == AUTO_UNMEASURED_INTERVAL_S

@@ -352,8 +352,9 @@ class ETTKIT_API AsyncCheckpointer {
   /// Stages `tensors` and queues their persistence as step `step`, with `extra` (opaque bytes) as the
   /// rank's non-tensor state. Blocking time (including waits for a busy arena) is recorded. Throws
   /// InvalidArgument for a step outside [0, 10^18), the name "__metadata__" (reserved by safetensors), a
-  /// dtype safetensors cannot store, or a conjugate / negative-bit view (resolve_conj() / resolve_neg() it:
-  /// its storage holds other values than it shows), or Tier::kMemory without a memory tier.
+  /// dtype safetensors cannot store, or Tier::kMemory without a memory tier. A conjugate or negative-bit
+  /// view (whose storage holds other values than it shows) saves the values it shows: save() copies it
+  /// resolved (resolve_conj() / resolve_neg()) before staging.
   /// Tier::kMemory commits this rank's snapshot into the memory tier only (no Store traffic); a later
   /// committed disk save of a step >= it retires it.
   SaveHandle save(int64_t step, const NamedTensors& tensors, const std::string& extra = {}, Tier tier = Tier::kDisk);
@@ -464,6 +465,11 @@ class ETTKIT_API AsyncCheckpointer {
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+/// The peer replica's preconditions, checked before its process group is created (enable_peer_replica()
+/// checks the same): a memory tier, world_size > 1, and, unless nullopt (not known yet), ranks_per_host in
+/// [1, world_size). InvalidArgument naming what is missing otherwise.
+ETTKIT_API void check_peer_replica(const CheckpointerOptions& options, std::optional<int> ranks_per_host);
 
 /// The newest committed step of the checkpoint directory `directory`, or nullopt when none is committed (or
 /// the directory does not exist). "Committed" and "newest" as for load_latest: step-<N>/manifest.json

@@ -83,7 +83,10 @@ class ETTKIT_API CheckpointSchedule {
 
   /// The tier a save is due to at `step`, or nullopt. `disk` and `memory` are the tiers' measured costs.
   std::optional<Tier> due(int64_t step, double now, const TierCosts& disk, const TierCosts& memory) const;
-  /// The same with the checkpointer's own measured costs and the steady clock.
+  /// The same with the checkpointer's own measured costs (TierCosts::of) at `now`: what a caller with its
+  /// own clock uses (the Python layer), so that the costs are read where they are kept, never handed back.
+  std::optional<Tier> due(int64_t step, double now, const AsyncCheckpointer& ck) const;
+  /// The same on the steady clock.
   std::optional<Tier> due(int64_t step, const AsyncCheckpointer& ck) const;
 
   /// A save of `step` to `tier` was queued (not skipped) at `now`.
@@ -95,6 +98,8 @@ class ETTKIT_API CheckpointSchedule {
   /// time (at least 0.1 ms) and the history, never below the time a save of the tier takes to commit;
   /// kAutoUnmeasuredIntervalS before one has committed.
   double auto_interval_s(const TierCosts& costs) const;
+  /// The same for `tier` with the checkpointer's own measured costs.
+  double auto_interval_s(const AsyncCheckpointer& ck, Tier tier) const;
 
   const Every& every(Tier tier) const { return state(tier).every; }
   const FailureHistory& history() const { return history_; }

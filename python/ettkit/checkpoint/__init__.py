@@ -67,12 +67,12 @@ SaveHandle = _C.checkpoint.SaveHandle
 AUTO_UNMEASURED_INTERVAL_S = _C.checkpoint.AUTO_UNMEASURED_INTERVAL_S
 
 
-def _parse_overlap(overlap: Any) -> str:
-    if overlap in ("auto", "on", "off"):
-        return overlap
+def _overlap_name(overlap: Any) -> Any:
+    """``overlap=True``/``False`` as the C++ names ``"on"``/``"off"``; anything else as given, for the C++
+    options to check (``CheckpointerOptions.overlap``)."""
     if overlap is True or overlap is False:
         return "on" if overlap else "off"
-    raise InvalidArgumentError(f"overlap={overlap!r} must be 'auto', True ('on') or False ('off')")
+    return overlap
 
 
 def _step_number(step: Any) -> int:
@@ -293,8 +293,6 @@ class AsyncCheckpointer:
                  reshard_whole_from_rank0: bool = False, allow_pickle: bool = False):
         if allow_pickle is not True and allow_pickle is not False:
             raise InvalidArgumentError(f"allow_pickle={allow_pickle!r} must be True or False")
-        if on_busy not in ("wait", "skip", "error"):
-            raise InvalidArgumentError(f"on_busy={on_busy!r} is not one of 'wait', 'skip', 'error'")
         if memory_budget_bytes is not None and memory_budget_bytes <= 0:
             raise InvalidArgumentError(f"memory_budget_bytes={memory_budget_bytes} must be positive (or None)")
         if memory_tier_budget_bytes is not None and memory_tier_budget_bytes <= 0:
@@ -306,9 +304,6 @@ class AsyncCheckpointer:
         if every_mem.kind != "never" and not memory_root:
             raise InvalidArgumentError(f"every_memory={every_memory!r} needs a memory tier: pass memory_tier=True "
                                        f"(/dev/shm) or a directory on a memory file system")
-        if peer_replica and not memory_root:
-            raise InvalidArgumentError("peer_replica=True needs a memory tier (memory_tier=True for /dev/shm): the "
-                                       "partner keeps the replica in its memory tier")
         rank, world = 0, 1
         if process_group is not None or (torch.distributed.is_available() and torch.distributed.is_initialized()):
             import torch.distributed as dist
@@ -321,16 +316,35 @@ class AsyncCheckpointer:
 
         recorder = resolve(recorder, "AsyncCheckpointer", stacklevel=2)  # "current": the innermost open one
         self._recorder = recorder
-        self._c = _C.checkpoint.AsyncCheckpointer(
-            os.fspath(directory), keep_last=int(keep_last), on_busy=on_busy, overlap=_parse_overlap(overlap),
-            verify_on_load=bool(verify_on_load),
-            memory_budget_bytes=int(memory_budget_bytes or 0), num_arenas=2 if double_buffer else 1,
-            copy_threads=int(copy_threads), pin_memory=-1 if pin_memory is None else int(bool(pin_memory)),
-            rank=rank, world_size=world, commit_timeout_s=float(commit_timeout_s), recorder=recorder,
-            metadata={str(k): str(v) for k, v in (metadata or {}).items()}, store=store, read_only=bool(read_only),
-            peer_timeout_s=float(peer_timeout_s), memory_tier=memory_root, job_id=str(job_id or ""),
-            memory_tier_budget_bytes=int(memory_tier_budget_bytes or 0), verify_memory_tier=bool(verify_memory_tier),
-            reshard_whole_from_rank0=bool(reshard_whole_from_rank0))
+        # Every check of these values is C++'s (the constructor, or the options' setters for the names): one
+        # place for C++ and Python callers, with the same messages.
+        options = _C.checkpoint.CheckpointerOptions()
+        options.directory = os.fspath(directory)
+        options.keep_last = int(keep_last)
+        options.on_busy = on_busy
+        options.overlap = _overlap_name(overlap)
+        options.unfenced_sync_max_bytes = int(unfenced_sync_max_bytes)
+        options.verify_on_load = bool(verify_on_load)
+        options.stager.memory_budget_bytes = int(memory_budget_bytes or 0)
+        options.stager.num_arenas = 2 if double_buffer else 1
+        options.stager.copy_threads = int(copy_threads)
+        options.stager.pin_memory = -1 if pin_memory is None else int(bool(pin_memory))
+        options.rank = rank
+        options.world_size = world
+        options.commit_timeout_s = float(commit_timeout_s)
+        options.peer_timeout_s = float(peer_timeout_s)
+        options.recorder = recorder
+        options.metadata = {str(k): str(v) for k, v in (metadata or {}).items()}
+        options.read_only = bool(read_only)
+        options.memory_tier.root = memory_root
+        options.memory_tier.job_id = str(job_id or "")
+        options.memory_tier.budget_bytes = int(memory_tier_budget_bytes or 0)
+        options.memory_tier.verify = bool(verify_memory_tier)
+        options.reshard_whole_from_rank0 = bool(reshard_whole_from_rank0)
+        if peer_replica:
+            # Before the directory is locked and the side group created: nothing to undo when it is refused.
+            ranks_per_host = self._ranks_per_host(options, ranks_per_host)
+        self._c = _C.checkpoint.AsyncCheckpointer(options, store)
         if recorder is not None and not read_only:
             _record_intervals(recorder, every_disk, every_mem)
         self.restored_from: Optional[str] = None
@@ -350,10 +364,10 @@ class AsyncCheckpointer:
             except BaseException:
                 self._c.close(False)
                 raise
-        if unfenced_sync_max_bytes < 0:
-            raise InvalidArgumentError(f"unfenced_sync_max_bytes={unfenced_sync_max_bytes} must be >= 0")
-        self._c.set_unfenced_sync_max_bytes(int(unfenced_sync_max_bytes))
         self._clock = time.monotonic  # the interval policy's clock (tests replace it)
+        #: Tests set a function ``tier -> (committed, blocking_s, durable_s)`` to inject the costs ``"auto"``
+        #: decides from; None: C++ reads this checkpointer's measured costs (``TierCosts::of``).
+        self._injected_costs = None
         self._fences = Fences(self._c)
         self._handles: deque = deque(maxlen=4)
         self._tensor_list = _C.checkpoint.TensorList()
@@ -381,24 +395,33 @@ class AsyncCheckpointer:
         # Not a clean end either: the memory tier stays for the restart.
         self._finalizer = weakref.finalize(self, self._c.close, False)
 
-    def _open_replica_group(self, store, rank: int, world: int, ranks_per_host: Optional[int], timeout_s: float):
-        """The side gloo group that carries replicas (its own PrefixStore: no key of the training's groups)."""
-        import datetime
-
-        import torch.distributed as dist
-
-        if world < 2:
-            raise InvalidArgumentError("peer_replica=True needs world_size > 1 (a partner on another node); "
-                                       "this job has 1 rank")
+    @staticmethod
+    def _ranks_per_host(options: "_C.checkpoint.CheckpointerOptions", ranks_per_host: Any) -> int:
+        """``ranks_per_host=`` (default: torchrun's ``LOCAL_WORLD_SIZE``) as an int, with the peer replica's
+        preconditions checked by C++ (``check_peer_replica``: a memory tier, world_size > 1, the range)."""
+        _C.checkpoint.check_peer_replica(options)  # the memory tier and world first: they need no ranks_per_host
         if ranks_per_host is None:
             local = os.environ.get("LOCAL_WORLD_SIZE")
             if not local:
                 raise InvalidArgumentError("peer_replica=True needs ranks_per_host (the ranks each node runs): pass "
                                            "ranks_per_host=..., or run under torchrun (LOCAL_WORLD_SIZE)")
-            ranks_per_host = int(local)
-        if isinstance(ranks_per_host, bool) or not isinstance(ranks_per_host, int) or not 1 <= ranks_per_host < world:
-            raise InvalidArgumentError(f"ranks_per_host={ranks_per_host!r} leaves no partner on another node among "
-                                       f"world_size={world} ranks: it must be an int in [1, {world - 1}]")
+            try:
+                ranks_per_host = int(local)
+            except ValueError:
+                raise InvalidArgumentError(f"LOCAL_WORLD_SIZE={local!r} is not an int: pass ranks_per_host=...") \
+                    from None
+        if isinstance(ranks_per_host, bool) or not isinstance(ranks_per_host, int):
+            raise InvalidArgumentError(f"ranks_per_host={ranks_per_host!r} ({type(ranks_per_host).__name__}) must "
+                                       f"be an int: the ranks each node runs")
+        _C.checkpoint.check_peer_replica(options, ranks_per_host)
+        return ranks_per_host
+
+    def _open_replica_group(self, store, rank: int, world: int, ranks_per_host: int, timeout_s: float):
+        """The side gloo group that carries replicas (its own PrefixStore: no key of the training's groups)."""
+        import datetime
+
+        import torch.distributed as dist
+
         prefix = f"ettkit_replica:{self._c.directory}/{self._c.run_id}/"
         group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world,
                                       datetime.timedelta(seconds=timeout_s))
@@ -431,8 +454,6 @@ class AsyncCheckpointer:
         step = _step_number(step)
         if tier is None:
             tier = self.due(step) or "disk"
-        if tier not in ("disk", "memory"):
-            raise InvalidArgumentError(f"tier={tier!r} is not one of 'disk', 'memory'")
         # Statefuls (modules, optimizers, ...) give a fresh state_dict() here, so the save holds the state an
         # optimizer created since the last one; so does a dict captured from an attached optimizer.
         names, tensors, skeleton, comparable, _ = flatten_state(state_dict, self._find_optimizer())
@@ -508,8 +529,10 @@ class AsyncCheckpointer:
         step = _step_number(step)
         if self._preempt_signal is not None:
             return "disk"
-        return self._schedule.due(step, self._clock(), self._measured_costs("disk"),
-                                  self._measured_costs("memory"))
+        if self._injected_costs is not None:
+            return self._schedule.due(step, self._clock(), self._injected_costs("disk"),
+                                      self._injected_costs("memory"))
+        return self._schedule.due(step, self._clock(), self._c)
 
     def auto_interval_s(self, tier: str = "disk") -> float:
         """The interval the ETT advisor recommends for one tier from this job's measured blocking time and
@@ -517,14 +540,14 @@ class AsyncCheckpointer:
         of that tier takes to commit). Before a save of the tier has committed (nothing measured):
         :data:`AUTO_UNMEASURED_INTERVAL_S`. Both tiers are held against every failure the history shows
         (the ledger does not say which failures lost a node; the disk interval is the conservative one)."""
-        return self._schedule.auto_interval_s(self._measured_costs(tier))
+        if self._injected_costs is not None:
+            return self._schedule.auto_interval_s(self._injected_costs(tier))
+        return self._schedule.auto_interval_s(self._c, tier)
 
     def _measured_costs(self, tier: str = "disk") -> tuple[int, float, float]:
         """(saves committed, mean blocking s, mean time to committed s) of one tier: what ``"auto"`` decides
-        from."""
-        if tier == "memory":
-            return (self._c.memory_saves_committed, *self._c.tier_costs("memory"))
-        return (self._c.saves_committed, *self._c.tier_costs("disk"))
+        from (C++ ``TierCosts::of``)."""
+        return tuple(self._c.tier_costs(tier))
 
     def _failure_history(self, prior: float) -> tuple[float, float]:
         """(MTBF s, mean Time to Recover s) from the recorder's ETT ledger (the run directory above
@@ -631,19 +654,20 @@ class AsyncCheckpointer:
         if res is None:
             self._nothing_to_restore()
             return None
-        (step, blob, skipped, read, tier, memory_fallback, from_rank, saved_world, bytes_read, bytes_verified,
-         prefetched, reverified) = res
+        step, blob, tier = res.step, res.extra, res.tier
         self.restored_from = tier
-        self.restore_prefetched = {"reverified_bytes": int(reverified)} if prefetched else None
-        self.restored_from_rank = from_rank if from_rank >= 0 else None
-        self.resharded_from = saved_world if saved_world != self._c.world_size else None
-        self.reshard_bytes = {"read": bytes_read, "verified": bytes_verified} if self.resharded_from else None
-        if skipped or memory_fallback:
+        self.restore_prefetched = {"reverified_bytes": int(res.prefetch_reverified_bytes)} if res.prefetched else None
+        self.restored_from_rank = res.memory_from_rank if res.memory_from_rank >= 0 else None
+        self.resharded_from = res.saved_world_size if res.saved_world_size != self._c.world_size else None
+        self.reshard_bytes = ({"read": res.reshard_bytes_read, "verified": res.reshard_bytes_verified}
+                              if self.resharded_from else None)
+        if res.skipped_steps or res.memory_fallback:
             import warnings
 
+            skipped = res.skipped_steps
             why = f"newer steps {skipped} in {self._c.directory} failed validation" if skipped else ""
-            if memory_fallback:
-                why += ("; " if why else "") + f"the memory tier was not usable ({memory_fallback})"
+            if res.memory_fallback:
+                why += ("; " if why else "") + f"the memory tier was not usable ({res.memory_fallback})"
             warnings.warn(f"ettkit.checkpoint: {why}; loaded step {step} from the {tier} tier", RuntimeWarning,
                           stacklevel=2)
         if decoded.get("blob") == blob:
@@ -653,7 +677,7 @@ class AsyncCheckpointer:
             saved = _saved_states(slots, live, value)
         self._schedule.restored(int(step))
         loaded = dict(zip(names, tensors))
-        loaded.update(read)
+        loaded.update(res.read)
         if slots:
             live_sharded(live, loaded)  # a ShardedTensor goes back whole (its shards were loaded in place)
             for slot in slots:

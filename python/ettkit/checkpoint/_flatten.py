@@ -501,18 +501,10 @@ def find_captured_optimizer(optimizers: list, adopted: Any = ()):
     return find
 
 
-# Names a safetensors header gives a meaning of its own: a tensor under one could never be read back.
-RESERVED_NAMES = frozenset({"__metadata__"})
-
-
 def check_unique(names: list[str]) -> None:
     """Two paths can flatten to one name ({"a.b": t} and {"a": {"b": t}}): refuse rather than overwrite.
-    Names safetensors reserves are refused too."""
+    (The name safetensors reserves, ``__metadata__``, is refused by the C++ save, for every caller.)"""
     unique = set(names)
-    for reserved in RESERVED_NAMES & unique:
-        raise InvalidArgumentError(
-            f"state dict key '{reserved}' is reserved: safetensors keeps the file's metadata under that "
-            "name, so a tensor saved as it could never be read back; rename it")
     if len(unique) != len(names):
         seen: set[str] = set()
         for n in names:

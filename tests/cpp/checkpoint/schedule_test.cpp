@@ -3,6 +3,7 @@
 // the time to commit), and the failure history read from an ETT ledger. Deterministic: every time is given.
 #include "ettkit/checkpoint/schedule.h"
 
+#include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -142,4 +143,25 @@ TEST(Schedule, FailureHistoryComesFromTheLedgerOrThePrior) {
   ck::CheckpointSchedule s(Every::automatic(), {}, h, 0.0);
   EXPECT_DOUBLE_EQ(s.auto_interval_s({1, 1.0, 0.0}),
                    ettkit::ett::recommend_interval(1.0, 25.0, 10.0, ettkit::ett::IntervalMethod::kDaly));
+}
+
+// The overloads that take the checkpointer read each tier's own measured costs (TierCosts::of) at the
+// caller's time: the Python layer's due() and auto_interval_s() hand no costs over, C++ reads them.
+TEST(Schedule, DueReadsEachTiersCostsFromTheCheckpointer) {
+  ettkit::testing::TempDir d;
+  ck::CheckpointerOptions o;
+  o.directory = d.str() + "/ck";
+  o.use_current_recorder = false;
+  ck::AsyncCheckpointer c(o);
+  ASSERT_TRUE(c.save(1, {{"w", at::ones({4})}}).wait());
+  ck::CheckpointSchedule s(Every::automatic(), Every::automatic(), ck::FailureHistory{3600.0, 0.0}, 0.0);
+  s.saved(1, Tier::kDisk, 0.0);
+  s.saved(1, Tier::kMemory, 0.0);
+  const double disk = s.auto_interval_s(c, Tier::kDisk);
+  EXPECT_DOUBLE_EQ(disk, s.auto_interval_s(ck::TierCosts::of(c, Tier::kDisk)));
+  ASSERT_LT(disk, ck::kAutoUnmeasuredIntervalS);  // one disk save committed: measured
+  EXPECT_EQ(s.auto_interval_s(c, Tier::kMemory), ck::kAutoUnmeasuredIntervalS);  // no memory save committed
+  EXPECT_FALSE(s.due(2, disk * 0.5, c));
+  EXPECT_EQ(s.due(3, disk, c), Tier::kDisk);
+  c.close();
 }
