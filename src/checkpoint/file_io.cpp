@@ -38,11 +38,11 @@ void throw_errno(const char* what, const std::string& path, int err) {
   ETTKIT_THROW(IoError, what, " '", path, "' failed: ", std::strerror(err), " (errno ", err, ")");
 }
 
-ReadFile::~ReadFile() {
+NamedFd::~NamedFd() {
   if (fd_ >= 0) ::close(fd_);
 }
 
-ReadFile& ReadFile::operator=(ReadFile&& o) noexcept {
+NamedFd& NamedFd::operator=(NamedFd&& o) noexcept {
   if (this != &o) {
     if (fd_ >= 0) ::close(fd_);
     fd_ = std::exchange(o.fd_, -1);
@@ -53,7 +53,7 @@ ReadFile& ReadFile::operator=(ReadFile&& o) noexcept {
 
 uint64_t ReadFile::size() const {
   struct stat st {};
-  if (::fstat(fd_, &st) != 0) throw_errno("stat of", path_, errno);
+  if (::fstat(fd(), &st) != 0) throw_errno("stat of", path(), errno);
   return static_cast<uint64_t>(st.st_size);
 }
 
@@ -62,29 +62,16 @@ std::string ReadFile::read_all(uint64_t max_bytes) const {
   char buf[65536];
   for (uint64_t off = 0; off <= max_bytes;) {
     const uint64_t want = std::min<uint64_t>(sizeof buf, max_bytes + 1 - off);
-    ssize_t n = ::pread(fd_, buf, static_cast<size_t>(want), static_cast<off_t>(off));
+    ssize_t n = ::pread(fd(), buf, static_cast<size_t>(want), static_cast<off_t>(off));
     if (n < 0) {
       if (errno == EINTR) continue;
-      throw_errno("reading", path_, errno);
+      throw_errno("reading", path(), errno);
     }
     if (n == 0) break;
     out.append(buf, static_cast<size_t>(n));
     off += static_cast<uint64_t>(n);
   }
   return out;
-}
-
-Dir::~Dir() {
-  if (fd_ >= 0) ::close(fd_);
-}
-
-Dir& Dir::operator=(Dir&& o) noexcept {
-  if (this != &o) {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = std::exchange(o.fd_, -1);
-    path_ = std::move(o.path_);
-  }
-  return *this;
 }
 
 Dir open_directory(const std::string& path) {

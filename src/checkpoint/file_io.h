@@ -22,26 +22,32 @@ struct ConstBuffer {
   size_t size;
 };
 
-/// A directory held open, so that what is created, opened, renamed or removed in it goes by name relative to
-/// this handle: once it is open, renaming its path or swapping a directory of that path for a symbolic link
-/// redirects nothing. Move-only; closes its descriptor.
-class Dir {
+/// A descriptor and the path that messages name it by (Dir, ReadFile). Move-only; closes its descriptor.
+class NamedFd {
  public:
-  Dir() = default;
-  Dir(int fd, std::string path) : fd_(fd), path_(std::move(path)) {}
-  ~Dir();
-  Dir(Dir&& o) noexcept : fd_(std::exchange(o.fd_, -1)), path_(std::move(o.path_)) {}
-  Dir& operator=(Dir&& o) noexcept;
-  Dir(const Dir&) = delete;
-  Dir& operator=(const Dir&) = delete;
+  NamedFd() = default;
+  NamedFd(int fd, std::string path) : fd_(fd), path_(std::move(path)) {}
+  ~NamedFd();
+  NamedFd(NamedFd&& o) noexcept : fd_(std::exchange(o.fd_, -1)), path_(std::move(o.path_)) {}
+  NamedFd& operator=(NamedFd&& o) noexcept;
+  NamedFd(const NamedFd&) = delete;
+  NamedFd& operator=(const NamedFd&) = delete;
   int fd() const { return fd_; }
   const std::string& path() const { return path_; }
-  /// `name` inside this directory, as messages name it.
-  std::string path_of(const std::string& name) const { return path_ + "/" + name; }
 
  private:
   int fd_ = -1;
   std::string path_;
+};
+
+/// A directory held open, so that what is created, opened, renamed or removed in it goes by name relative to
+/// this handle: once it is open, renaming its path or swapping a directory of that path for a symbolic link
+/// redirects nothing.
+class Dir : public NamedFd {
+ public:
+  using NamedFd::NamedFd;
+  /// `name` inside this directory, as messages name it.
+  std::string path_of(const std::string& name) const { return path() + "/" + name; }
 };
 /// Opens the directory `path`. Links in `path` are followed: it is the caller's own directory (the
 /// checkpoint directory the user named, a memory-tier root). Throws IoError.
@@ -91,26 +97,14 @@ std::string read_small_file(const std::string& path, uint64_t max_bytes = kMaxSm
 
 /// A file opened read-only; closed by its owner. Reading through it is immune to a rename or unlink of
 /// the path afterwards (the open inode outlives its directory entry).
-class ReadFile {
+class ReadFile : public NamedFd {
  public:
-  ReadFile() = default;
-  ReadFile(int fd, std::string path) : fd_(fd), path_(std::move(path)) {}
-  ~ReadFile();
-  ReadFile(ReadFile&& o) noexcept : fd_(std::exchange(o.fd_, -1)), path_(std::move(o.path_)) {}
-  ReadFile& operator=(ReadFile&& o) noexcept;
-  ReadFile(const ReadFile&) = delete;
-  ReadFile& operator=(const ReadFile&) = delete;
-  int fd() const { return fd_; }
-  const std::string& path() const { return path_; }
+  using NamedFd::NamedFd;
   /// Size from fstat. Throws IoError.
   uint64_t size() const;
   /// The whole file, or at most `max_bytes` + 1 of it (a caller that gets more than it allowed knows the
   /// file is too large without holding it: a hostile file may be huge or sparse). Throws IoError.
   std::string read_all(uint64_t max_bytes = kMaxSmallFileBytes) const;
-
- private:
-  int fd_ = -1;
-  std::string path_;
 };
 
 // ---- building blocks of the other storage units (step files, directory layout, lock) --------------------
