@@ -1,5 +1,6 @@
 // AsyncCheckpointer: the writer thread, the commit protocol over the c10d Store, and load_latest.
 #include "ettkit/checkpoint/checkpointer.h"
+#include "ettkit/checkpoint/safetensors_dtypes.h"
 
 #include <fcntl.h>
 #include <sys/vfs.h>
@@ -143,40 +144,16 @@ void SaveHandle::wait_staged() {
 
 namespace {
 
+/// The safetensors dtype string of a tensor's dtype, from the one table (ettkit/checkpoint/safetensors_dtypes.h).
 std::string safetensors_dtype(at::ScalarType t, const std::string& key) {
-  switch (t) {
-    case at::kFloat: return "F32";
-    case at::kDouble: return "F64";
-    case at::kHalf: return "F16";
-    case at::kBFloat16: return "BF16";
-    case at::kLong: return "I64";
-    case at::kInt: return "I32";
-    case at::kShort: return "I16";
-    case at::kChar: return "I8";
-    case at::kByte: return "U8";
-    case at::kBool: return "BOOL";
-    case at::kFloat8_e4m3fn: return "F8_E4M3";
-    case at::kFloat8_e5m2: return "F8_E5M2";
-    case at::kUInt16: return "U16";
-    case at::kUInt32: return "U32";
-    case at::kUInt64: return "U64";
-    case at::kComplexFloat: return "C64";
-    default: break;
-  }
+  if (const SafetensorsDtype* d = find_safetensors_dtype(t)) return d->name;
   ETTKIT_THROW(InvalidArgument, "state dict entry '", key, "' has dtype ", t, ", which safetensors cannot store");
 }
 
-/// The dtype a safetensors dtype string names, among those safetensors_dtype() writes.
+/// The torch dtype a safetensors dtype string names, or nullopt when ettkit does not read that dtype.
 std::optional<at::ScalarType> scalar_type_of(const std::string& dtype) {
-  static const std::map<std::string, at::ScalarType> kTypes = {
-      {"F32", at::kFloat},     {"F64", at::kDouble},          {"F16", at::kHalf},          {"BF16", at::kBFloat16},
-      {"I64", at::kLong},      {"I32", at::kInt},             {"I16", at::kShort},         {"I8", at::kChar},
-      {"U8", at::kByte},       {"BOOL", at::kBool},           {"F8_E4M3", at::kFloat8_e4m3fn},
-      {"F8_E5M2", at::kFloat8_e5m2}, {"U16", at::kUInt16},    {"U32", at::kUInt32},        {"U64", at::kUInt64},
-      {"C64", at::kComplexFloat}};
-  auto it = kTypes.find(dtype);
-  if (it == kTypes.end()) return std::nullopt;
-  return it->second;
+  if (const SafetensorsDtype* d = find_safetensors_dtype(std::string_view(dtype))) return d->type;
+  return std::nullopt;
 }
 
 /// save()'s argument checks that need no stager: the step's range (step-<N> names have at most 18
