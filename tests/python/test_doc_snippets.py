@@ -65,7 +65,7 @@ def _env(workdir) -> dict:
     env["PYTHONPATH"] = TESTS + os.pathsep + env.get("PYTHONPATH", "")
     # A one-rank group: MASTER_PORT=0 lets its TCPStore server bind a port of the kernel's choosing. A port
     # picked here and released before the block binds it could be taken meanwhile by another worker's test
-    # (issue #48); no other rank ever needs the number.
+    # (issue #48); no other rank needs the number (the runner gives `ranks N` blocks a FileStore instead).
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     env.pop("ETTKIT_RUN_DIR", None)
     # Each block compiles into its own Inductor cache: what one block compiled cannot change another's.
@@ -100,7 +100,10 @@ _PY_RUNNER = textwrap.dedent("""
     rank = int(os.environ["RANK"])
     if kind == "ranks":
         import torch.distributed as dist
-        dist.init_process_group("gloo")
+        # A FileStore in the block's directory, which every rank shares: no port to agree on (the environment's
+        # MASTER_PORT is 0, for one-rank blocks).
+        dist.init_process_group("gloo", init_method="file://" + os.path.join(os.getcwd(), "rendezvous"),
+                                rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
     ns = {} if kind == "bare" else doc_snippet_env.namespace(os.getcwd(), rank)
     if kind == "recorder":  # a recorder that is open while the block runs, as inside a `with ett.Recorder(...)`
         ns["rec"] = ns["ett"].Recorder(ns["run_dir"])
