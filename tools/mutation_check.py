@@ -12,8 +12,9 @@ Why this shape (cost on a 2-core machine, and never touching the tree others wor
     holds every object of libettkit.so and every test binary. Per mutation, only the mutated file is compiled
     (with the build's own compile command, read from ninja) into the scratch directory, and libettkit.so is
     relinked there from the build's other objects plus that one. The build directory is only read.
-  * The tests run unchanged, the build's gtest binaries and the in-tree Python package, with
-    LD_LIBRARY_PATH naming the scratch library: the binaries and the extension find libettkit through
+  * The tests run unchanged, the build's gtest binaries and the in-tree Python sources with the build's
+    extension module (linked together under the scratch directory's site/), with LD_LIBRARY_PATH naming
+    the scratch library: the binaries and the extension find libettkit through
     RUNPATH, which LD_LIBRARY_PATH precedes. A baseline first relinks the unmutated library the same way
     and runs every named test against it: each must pass, and the binaries must resolve libettkit to the
     scratch copy, or no verdict is given (a "caught" that the harness itself caused would mean nothing).
@@ -191,6 +192,23 @@ class Scratch:
         self.lib_dir = os.path.join(self.dir, "lib")
         shutil.rmtree(self.dir, ignore_errors=True)
         os.makedirs(self.lib_dir)
+        self.site_dir = self._package()
+
+    def _package(self) -> str:
+        """site/ettkit: the in-tree Python sources (links) with the build's extension module, the package the
+        pytest tests import (first on PYTHONPATH). The tree itself has no extension in a clean clone (the
+        build installs it into the venv, whose copy links its own libettkit, not the scratch one)."""
+        modules = glob.glob(os.path.join(self.build.dir, "python", "csrc", "_C*.so"))
+        if len(modules) != 1:
+            raise Refused(f"expected one extension module in {self.build.dir}/python/csrc, found {modules}")
+        pkg = os.path.join(self.dir, "site", "ettkit")
+        os.makedirs(pkg)
+        src = os.path.join(ROOT, "python", "ettkit")
+        for name in os.listdir(src):
+            if not name.startswith("_C.") and name != "__pycache__":
+                os.symlink(os.path.join(src, name), os.path.join(pkg, name))
+        os.symlink(modules[0], os.path.join(pkg, os.path.basename(modules[0])))
+        return os.path.dirname(pkg)
 
     def compile(self, rel: str, text: str) -> str:
         """Compiles `text` as the source `rel` with the build's command; returns the object's path."""
@@ -236,7 +254,7 @@ class Scratch:
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
         env["LD_LIBRARY_PATH"] = self.lib_dir + (":" + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
-        env["PYTHONPATH"] = os.path.join(ROOT, "python") + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env["PYTHONPATH"] = self.site_dir + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         return env
 
 
