@@ -173,7 +173,7 @@ mutation-check: build
 	  $(if $(MUTATIONS),--only $(MUTATIONS))
 
 # CI's part of it (.ci/run, after make test, on the same build/py): the subset that compiles fastest, one
-# mutation per integrity layer (tools/mutation_check.py's CI_SUBSET; about 3 minutes on the 2-core VM).
+# mutation per integrity layer (tools/mutation_check.py's CI_SUBSET; 55–143 s on the 2-core VM, docs/sanitizers.md).
 .PHONY: mutation-check-ci
 mutation-check-ci: build
 	$(PY) tools/mutation_check.py --build-dir $(BUILD_DIR) --json build/mutation-check-ci.json --ci
