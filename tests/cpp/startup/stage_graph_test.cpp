@@ -623,10 +623,14 @@ TEST(StageGraph, CancellationRacingRunningStagesKeepsTheGraphConsistent) {
               << r.name << " started although its dependency did not succeed (round " << round << ")";
         }
       }
-      if (!threw) EXPECT_EQ(r.status, StageStatus::kSucceeded) << r.name << " round " << round;
+      if (!threw) {
+        EXPECT_EQ(r.status, StageStatus::kSucceeded) << r.name << " round " << round;
+      }
     }
     EXPECT_EQ(n_started, started.load()) << "round " << round;
-    if (kind == 1) EXPECT_TRUE(threw);
+    if (kind == 1) {
+      EXPECT_TRUE(threw);
+    }
   }
 }
 
