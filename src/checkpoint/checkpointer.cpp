@@ -28,6 +28,7 @@
 #include "checkpoint/peer_replica.h"
 #include "checkpoint/reshard.h"
 #include "checkpoint/restore_prefetch.h"
+#include "checkpoint/session.h"
 #include "checkpoint/storage.h"
 #include "checkpoint/store_exchange.h"
 #include "common/background_thread.h"
@@ -259,30 +260,14 @@ struct Job {
 
 // ---- AsyncCheckpointer ---------------------------------------------------------------------------------
 
-struct AsyncCheckpointer::Impl {
-  CheckpointerOptions opt;
-  c10::intrusive_ptr<c10d::Store> store;
-  int rank = 0;
-  int world = 1;
-  std::string run_id;
-  std::string key_prefix;
+// The Session (session.h) is what the writer and the loader share; the rest is the writer's state.
+struct AsyncCheckpointer::Impl : detail::Session {
   std::unique_ptr<Stager> stager;
-  // Ledger phase ids, per tier where the tier is in the name (index: Tier; docs/ett.md, "checkpoint tiers").
-  uint32_t blocking_id[2] = {0, 0}, refused_id[2] = {0, 0}, failed_id[2] = {0, 0}, restore_id[2] = {0, 0};
-  uint32_t persist_id = 0, staging_id = 0, memory_id = 0;
-  // close()'s wait for the saves still queued or being written: the end of a job waits for its last save.
-  uint32_t drain_id = 0;
-  // The memory tier (null without one). Written by the writer thread only; load_latest and close touch it
-  // after wait_all() / the writer's join.
-  std::unique_ptr<MemoryTier> memory;
-  std::string job_id;
-  std::string memory_dir;
+  // The memory tier's figures (the tier itself is the Session's). Written by the writer thread only.
   int64_t memory_committed = 0;
   double memory_durable_sum = 0;
   // Verify-ahead of the steps load_latest is about to consider (prefetch()); the owner thread only.
   RestorePrefetch prefetch;
-  // The peer replica (null unless enable_peer_replica()); closed before `memory` and `peers`, which it borrows.
-  std::unique_ptr<PeerReplica> replica;
   // Per tier (index: Tier): what a save blocked training, and how many saves it was summed over. The fences'
   // waits count against the tier of the save they wait for.
   double tier_blocking_sum[2] = {0, 0};
@@ -308,8 +293,6 @@ struct AsyncCheckpointer::Impl {
   int64_t refused = 0;
   bool hold_commits = false;  // tests: the writer waits before it releases the arena (wait_while_held)
   std::exception_ptr peer_lost;  // once set, every queued and later save fails with it at once
-  std::unique_ptr<PeerMonitor> peers;  // world > 1
-  std::unique_ptr<StoreExchange> exchange;  // world > 1: every vote and agreement of the ranks, over `peers`
   double blocking_sum = 0;
   int64_t blocking_n = 0;
   double durable_sum = 0;
