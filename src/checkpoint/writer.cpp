@@ -261,9 +261,7 @@ void Writer::send_replica(int64_t step) {
 void Writer::retire_superseded_memory(int64_t step) {
   if (!s_.memory) return;
   MemoryTier& memory = *s_.memory;
-  auto superseded = [&](const MemoryStep& s) { return s.step <= step || !memory.in_lineage(s.run_id); };
-  memory.retire_if(superseded);
-  for (const std::string& shelf : memory.replica_shelves()) memory.retire_in(shelf, superseded);
+  memory.retire_everywhere([&](const MemoryStep& s) { return s.step <= step || !memory.in_lineage(s.run_id); });
 }
 
 }  // namespace ettkit::checkpoint::detail
