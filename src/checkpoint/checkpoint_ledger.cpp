@@ -94,30 +94,18 @@ void CheckpointLedger::note_prefetched_restore(int64_t step, Tier tier, double v
 }
 
 double CheckpointLedger::mean_blocking_s() const {
-  std::lock_guard<std::mutex> lk(mu_);
-  return mean(blocking_sum_, saves_);
+  return locked([&] { return mean(blocking_sum_, saves_); });
 }
 double CheckpointLedger::mean_blocking_s(Tier tier) const {
-  std::lock_guard<std::mutex> lk(mu_);
-  const TierFigures& f = tier_[index_of(tier)];
-  return mean(f.blocking_sum, f.saves);
+  return locked([&] { return mean(tier_[index_of(tier)].blocking_sum, tier_[index_of(tier)].saves); });
 }
 double CheckpointLedger::mean_time_to_durable_s(Tier tier) const {
-  std::lock_guard<std::mutex> lk(mu_);
-  const TierFigures& f = tier_[index_of(tier)];
-  return mean(f.durable_sum, f.committed);
+  return locked([&] { return mean(tier_[index_of(tier)].durable_sum, tier_[index_of(tier)].committed); });
 }
 int64_t CheckpointLedger::saves_committed(Tier tier) const {
-  std::lock_guard<std::mutex> lk(mu_);
-  return tier_[index_of(tier)].committed;
+  return locked([&] { return tier_[index_of(tier)].committed; });
 }
-int64_t CheckpointLedger::saves_failed() const {
-  std::lock_guard<std::mutex> lk(mu_);
-  return failed_;
-}
-int64_t CheckpointLedger::saves_refused() const {
-  std::lock_guard<std::mutex> lk(mu_);
-  return refused_;
-}
+int64_t CheckpointLedger::saves_failed() const { return locked([&] { return failed_; }); }
+int64_t CheckpointLedger::saves_refused() const { return locked([&] { return refused_; }); }
 
 }  // namespace ettkit::checkpoint::detail

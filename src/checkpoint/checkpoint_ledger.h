@@ -64,6 +64,13 @@ class CheckpointLedger {
     uint32_t blocking = 0, refused = 0, failed = 0, restore = 0;
   };
 
+  /// `read()` under the figures' mutex.
+  template <class Read>
+  auto locked(Read read) const {
+    std::lock_guard<std::mutex> lk(mu_);
+    return read();
+  }
+
   ett::Recorder* recorder_ = nullptr;
   PhaseIds tier_ids_[2];
   uint32_t persist_id_ = 0, memory_id_ = 0, staging_id_ = 0, drain_id_ = 0;
