@@ -9,6 +9,7 @@
 
 #include "common/describe.h"
 #include "ettkit/checkpoint/checkpointer.h"
+#include "ettkit/common/clock.h"
 #include "ettkit/common/error.h"
 
 namespace ettkit::checkpoint::detail {
@@ -106,6 +107,50 @@ void CommitVote::await_result() {
   if (kind == "torn") ETTKIT_THROW(checkpoint::TornSnapshot, "checkpoint step ", step_, " was refused by the commit vote: ", why);
   if (kind == "peer_lost") ETTKIT_THROW(checkpoint::PeerLost, "rank 0: ", why);
   ETTKIT_THROW(IoError, "checkpoint step ", step_, " was not committed by rank 0: ", why);
+}
+
+void DiskCommit::commit(uint64_t seq, const std::string& tmp, const Dir* tmp_dir,
+                        std::map<std::string, FileDigest> files, std::exception_ptr local_error, Manifest manifest) {
+  std::optional<CommitVote> vote;
+  if (s_.world > 1) {
+    vote.emplace(*s_.store, *s_.peers, s_.key_prefix + "save/" + std::to_string(seq) + "/", manifest.step,
+                 s_.timeout_s);
+    if (local_error) {
+      vote->report_failure(s_.rank, local_error);
+    } else {
+      vote->report(s_.rank, files);
+    }
+  }
+  if (local_error && (s_.world == 1 || s_.rank != 0)) std::rethrow_exception(local_error);
+  if (s_.rank != 0) {
+    vote->await_result();
+    return;
+  }
+  try {
+    if (local_error) std::rethrow_exception(local_error);
+    manifest.files = std::move(files);
+    write_manifest_and_rename(vote, tmp, tmp_dir, manifest);
+  } catch (...) {
+    remove_tree_quietly(tmp);
+    if (vote) vote->publish_failure(std::current_exception());
+    throw;
+  }
+  // Committed and durable: `latest` and retention cannot fail the step (they warn instead).
+  history_.after_commit(s_.directory, manifest.step, s_.keep_last);
+  if (vote) vote->publish_ok();
+}
+
+void DiskCommit::write_manifest_and_rename(std::optional<CommitVote>& vote, const std::string& tmp,
+                                           const Dir* tmp_dir, Manifest& manifest) {
+  if (vote) {
+    for (auto& [name, d] : vote->gather(s_.world)) manifest.files[name] = std::move(d);
+  }
+  manifest.created_unix_us = epoch_us();  // the commit's time: after every rank's files are durable
+  manifest.commit_seq = history_.next_seq(s_.directory);
+  std::string text = encode_manifest(manifest);
+  write_file_durably(*tmp_dir, "manifest.json", {ConstBuffer{text.data(), text.size()}});
+  fsync_directory(*tmp_dir);
+  commit_step_directory(s_.directory, tmp, manifest.step);
 }
 
 }  // namespace ettkit::checkpoint::detail

@@ -12,11 +12,15 @@
 //
 // Torch-free apart from the Store type; the checkpointer's writer thread owns one CommitVote per save. The
 // waits and the decoding are StoreExchange's (store_exchange.h): a dead rank ends them, a hostile value is named.
+//
+// DiskCommit is the whole commit of a disk-tier save once this rank's files are written: the vote, and on
+// rank 0 the manifest, the rename, `latest` and retention (its CommitHistory). The writer owns one.
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <cstdint>
 #include <exception>
 #include <map>
+#include <optional>
 #include <string>
 
 #include "checkpoint/peer_monitor.h"
@@ -57,6 +61,39 @@ class CommitVote {
   StoreExchange exchange_;  // every wait through `peers`, every value decoded strictly
   std::string prefix_;
   int64_t step_;
+};
+
+/// The commit of one disk-tier save after this rank wrote its files into the step's temporary directory.
+/// Not thread-safe: the writer thread uses it. Rank 0 of a writer holds the directory lock, so that its
+/// CommitHistory is the directory's only committer.
+class DiskCommit {
+ public:
+  struct Setup {
+    std::string directory;  // canonical CKPT_DIR
+    int keep_last = 0;      // retention (<= 0 keeps every step)
+    int rank = 0;
+    int world = 1;
+    c10d::Store* store = nullptr;    // world > 1
+    PeerMonitor* peers = nullptr;    // world > 1
+    std::string key_prefix;          // the run's Store keys; each save votes under "save/<seq>/"
+    double timeout_s = 0;            // every wait of the vote
+  };
+  explicit DiskCommit(Setup setup) : s_(std::move(setup)) {}
+
+  /// The step `manifest.step`, save number `seq`: this rank's `files` are durable in `tmp` (held open as
+  /// `tmp_dir`; null when it could not be made), or it failed with `local_error`. Returns once the step is
+  /// committed on every rank; rethrows `local_error`, or throws why the step was not committed (another
+  /// rank's failure, a lost peer, rank 0's manifest or rename). Rank 0 removes `tmp` when it fails.
+  void commit(uint64_t seq, const std::string& tmp, const Dir* tmp_dir, std::map<std::string, FileDigest> files,
+              std::exception_ptr local_error, Manifest manifest);
+
+ private:
+  /// Rank 0: every rank's digests into the manifest, then the manifest, the rename and the fsyncs.
+  void write_manifest_and_rename(std::optional<CommitVote>& vote, const std::string& tmp, const Dir* tmp_dir,
+                                 Manifest& manifest);
+
+  Setup s_;
+  CommitHistory history_;  // rank 0: commit sequence and retention
 };
 
 /// What rank 0 publishes for an error: {"kind": "torn"|"peer_lost"|"error", "message": describe(e)}.

@@ -488,6 +488,11 @@ void MemoryTier::abort(const std::string& tmp) noexcept {
   }
 }
 
+void MemoryTier::retire_everywhere(const std::function<bool(const MemoryStep&)>& drop) {
+  retire_if(drop);
+  for (const std::string& shelf : replica_shelves()) retire_in(shelf, drop);
+}
+
 void MemoryTier::retire_in(const std::string& shelf, const std::function<bool(const MemoryStep&)>& drop) noexcept {
   std::lock_guard<std::mutex> lk(mu_);
   retire_locked(shelf, drop);

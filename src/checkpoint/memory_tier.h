@@ -133,6 +133,9 @@ class MemoryTier {
   /// step (nothing else writes a rank directory). Never throws (failures are logged).
   void retire_if(const std::function<bool(const MemoryStep&)>& drop) noexcept { retire_in(dir_, drop); }
   void retire_in(const std::string& shelf, const std::function<bool(const MemoryStep&)>& drop) noexcept;
+  /// retire_if() on this rank's own shelf, then retire_in() on every replica shelf: a disk step or a
+  /// restore that supersedes snapshots supersedes the replicas kept of them too.
+  void retire_everywhere(const std::function<bool(const MemoryStep&)>& drop);
   /// Every replica shelf of this rank directory.
   std::vector<std::string> replica_shelves() const;
   /// Removes this rank's directory (and the job directory once no rank's is left), releases the lock.

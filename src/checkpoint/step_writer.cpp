@@ -1,0 +1,86 @@
+#include "checkpoint/step_writer.h"
+
+#include <unistd.h>
+
+#include <torch/version.h>
+
+#include "checkpoint/reshard.h"
+#include "ettkit/checkpoint/safetensors_dtypes.h"
+#include "ettkit/common/clock.h"
+
+namespace ettkit::checkpoint::detail {
+
+std::string safetensors_dtype(at::ScalarType t, const std::string& key) {
+  if (const SafetensorsDtype* d = find_safetensors_dtype(t)) return d->name;
+  ETTKIT_THROW(InvalidArgument, "state dict entry '", key, "' has dtype ", t, ", which safetensors cannot store");
+}
+
+std::string header_of(const std::vector<PlanEntry>& plan, const uint8_t* arena) {
+  std::vector<SafetensorsEntry> entries;
+  entries.reserve(plan.size());
+  std::map<std::string, std::string> metadata{{"format", "pt"}};
+  for (const PlanEntry& e : plan) {
+    entries.push_back({e.name, safetensors_dtype(e.dtype, e.name), e.shape, static_cast<uint64_t>(e.offset),
+                       static_cast<uint64_t>(e.offset + e.nbytes)});
+    if (arena != nullptr && !split_shard_name(e.name).second) {
+      metadata[kWholeTensorDigestPrefix + e.name] = xxh3_of(arena + e.offset, static_cast<size_t>(e.nbytes));
+    }
+  }
+  return encode_safetensors_header(entries, metadata);
+}
+
+StepWriter::StepWriter(const Session& session, int64_t step, Snapshot& snapshot, const std::string& extra,
+                       bool whole_tensor_digests)
+    : session_(session),
+      step_(step),
+      snapshot_(snapshot),
+      extra_(extra),
+      whole_tensor_digests_(whole_tensor_digests),
+      base_("rank-" + std::to_string(session.rank)) {}
+
+// Made on first use, not in the constructor: a dtype it cannot name is the save's error, which the disk
+// tier reports to the vote like any other write error.
+const std::string& StepWriter::header() {
+  if (!header_made_) {
+    header_ = header_of(snapshot_.plan(), whole_tensor_digests_ ? snapshot_.data() : nullptr);
+    header_made_ = true;
+  }
+  return header_;
+}
+
+uint64_t StepWriter::bytes() {
+  return header().size() + static_cast<uint64_t>(snapshot_.total_bytes()) + extra_.size();
+}
+
+std::map<std::string, FileDigest> StepWriter::write_rank_files(const Dir& dir, unsigned mode, const StepHooks& hooks) {
+  std::map<std::string, FileDigest> files;
+  const std::string& head = header();
+  remove_rank_files(dir);
+  files[base_ + ".safetensors"] = write_file_durably(
+      dir, base_ + ".safetensors",
+      {ConstBuffer{head.data(), head.size()},
+       ConstBuffer{snapshot_.data(), static_cast<size_t>(snapshot_.total_bytes())}},
+      mode);
+  if (hooks.after_data) hooks.after_data();
+  // The arena is free as soon as its bytes are durable; nothing after this needs it.
+  snapshot_.release();
+  files[base_ + ".extra"] = write_file_durably(dir, base_ + ".extra", {ConstBuffer{extra_.data(), extra_.size()}}, mode);
+  if (hooks.verdict) hooks.verdict();
+  return files;
+}
+
+void StepWriter::remove_rank_files(const Dir& dir) noexcept {
+  for (const char* ext : {".safetensors", ".extra"}) ::unlinkat(dir.fd(), (base_ + ext).c_str(), 0);
+}
+
+Manifest StepWriter::manifest() const {
+  Manifest m;
+  m.step = step_;
+  m.world_size = session_.world;
+  m.created_unix_us = epoch_us();
+  m.metadata = session_.opt.metadata;
+  m.torch_version = TORCH_VERSION;
+  return m;
+}
+
+}  // namespace ettkit::checkpoint::detail

@@ -1,0 +1,69 @@
+#pragma once
+// StepWriter: the one way a rank writes its part of a step, for both tiers (the disk tier's temporary step
+// directory and the memory tier's): rank-<r>.safetensors (the safetensors header, then the staged arena as
+// its data section), then rank-<r>.extra, and the manifest fields every step carries. What differs between
+// the tiers is given, not branched on: the directory, the files' mode, and whether the header records the
+// whole-tensor digests a resharding load needs (the disk tier's; memory-tier steps are never resharded).
+//
+// Ownership: borrows the Session (for the rank, world and options) and the snapshot; one StepWriter per
+// save, on the writer thread. It releases the snapshot's arena as soon as the data file is durable.
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "checkpoint/session.h"
+#include "checkpoint/storage.h"
+#include "ettkit/checkpoint/checkpointer.h"
+
+namespace ettkit::checkpoint::detail {
+
+/// The safetensors dtype string of a tensor's dtype, from the one table (ettkit/checkpoint/safetensors_dtypes.h);
+/// InvalidArgument naming the state dict entry `key` for a dtype safetensors cannot store.
+std::string safetensors_dtype(at::ScalarType t, const std::string& key);
+
+/// The safetensors header of a staged snapshot (offsets relative to the arena, which is the data section).
+/// With `arena` (a disk save), it also records the XXH3 of every tensor saved whole (storage.h,
+/// kWholeTensorDigestPrefix), hashed from the staged bytes, so that a resharding load can tell a replica
+/// from per-rank state; memory-tier steps are never resharded and skip that pass.
+std::string header_of(const std::vector<PlanEntry>& plan, const uint8_t* arena);
+
+/// What the writer does between the files of a step: the writer owns the test hold and the torn verdict.
+struct StepHooks {
+  std::function<void()> after_data;  // the data file is durable and the arena not yet released
+  std::function<void()> verdict;     // every file is durable: throws TornSnapshot to refuse the step
+};
+
+class StepWriter {
+ public:
+  /// `whole_tensor_digests`: the header records them (the disk tier). `snapshot` is staged already.
+  StepWriter(const Session& session, int64_t step, Snapshot& snapshot, const std::string& extra,
+             bool whole_tensor_digests);
+
+  /// The bytes this rank's files take (what the memory tier reserves before begin()).
+  uint64_t bytes();
+  /// Writes this rank's files into `dir` (a leftover of an earlier failed attempt at the same step goes
+  /// first), each created with `mode` and made durable; releases the arena after the data file. Returns
+  /// their digests by file name. Throws what the writes and the hooks throw.
+  std::map<std::string, FileDigest> write_rank_files(const Dir& dir, unsigned mode, const StepHooks& hooks);
+  /// Removes this rank's files from `dir` (a failed or refused attempt: they may hold mixed bytes). Quiet.
+  void remove_rank_files(const Dir& dir) noexcept;
+  /// The manifest fields every step carries (step, world size, creation time now, the options' metadata,
+  /// torch version); the caller adds the files and its tier's fields.
+  Manifest manifest() const;
+
+ private:
+  const std::string& header();
+
+  const Session& session_;
+  int64_t step_;
+  Snapshot& snapshot_;
+  const std::string& extra_;
+  bool whole_tensor_digests_;
+  std::string base_;  // "rank-<r>"
+  std::string header_;
+  bool header_made_ = false;
+};
+
+}  // namespace ettkit::checkpoint::detail
