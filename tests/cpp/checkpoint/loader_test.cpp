@@ -101,9 +101,9 @@ TEST(Loader, APrefetchedCandidateDecodesItsManifestOnceAtLoad) {
   EXPECT_TRUE(at::equal(t[1].second, state(5)[1].second));
 }
 
-TEST(Loader, AReshardCandidateDecodesItsManifestOnceForEveryOldRank) {
-  TempDir d;
-  const std::string dir = d.str() + "/ck";
+namespace {
+/// Step 7 saved by 3 ranks, each with rows [2r, 2r + 2) of a 6 x 4 table filled with r.
+void save_by_three_ranks(const std::string& dir) {
   constexpr int kOldWorld = 3;
   c10::intrusive_ptr<c10d::Store> store = c10::make_intrusive<c10d::HashStore>();
   std::vector<std::thread> ranks;
@@ -120,13 +120,35 @@ TEST(Loader, AReshardCandidateDecodesItsManifestOnceForEveryOldRank) {
     });
   }
   for (auto& x : ranks) x.join();
+}
+}  // namespace
+
+TEST(Loader, AReshardCandidateDecodesItsManifestOnceForEveryOldRank) {
+  TempDir d;
+  const std::string dir = d.str() + "/ck";
+  save_by_three_ranks(dir);
   AsyncCheckpointer one(options(dir, /*read_only=*/true));
   const uint64_t listing = listing_decodes(dir);
   NamedTensors t{{"table@0,0", at::zeros({6, 4})}};
   std::optional<LoadResult> got;
   const uint64_t decodes = decodes_during([&] { got = one.load_latest(t); });
   ASSERT_TRUE(got);
-  EXPECT_EQ(got->saved_world_size, kOldWorld);
+  EXPECT_EQ(got->saved_world_size, 3);
   EXPECT_EQ(decodes, listing + 1) << "the old ranks' files are opened with the one decoded manifest";
   EXPECT_EQ(t[0].second[5][0].item<float>(), 2.0f);
+}
+
+// The one executor runs a reshard plan into a destination it cannot read in place (strided) through a
+// contiguous copy, as it does a same-world plan (checkpointer_test's non-contiguous tensor).
+TEST(Loader, AReshardPlanFillsAStridedDestination) {
+  TempDir d;
+  const std::string dir = d.str() + "/ck";
+  save_by_three_ranks(dir);
+  AsyncCheckpointer one(options(dir, /*read_only=*/true));
+  NamedTensors t{{"table@0,0", at::zeros({4, 6}).t()}};
+  ASSERT_FALSE(t[0].second.is_contiguous());
+  auto got = one.load_latest(t);
+  ASSERT_TRUE(got);
+  at::Tensor want = at::arange(6, at::kFloat).floor_divide(2).reshape({6, 1}).expand({6, 4});
+  EXPECT_TRUE(at::equal(t[0].second, want)) << t[0].second;
 }
