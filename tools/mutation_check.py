@@ -88,20 +88,20 @@ MUTATIONS: tuple[Mutation, ...] = (
          Test(pytest="tests/python/test_checkpoint_prefetch.py::"
                      "test_a_late_chunk_corrupt_before_the_prefetch_is_refused_among_many_chunk_groups"))),
     Mutation(
-        "prefetch-reverify-evicted", "src/checkpoint/checkpointer.cpp",
+        "prefetch-reverify-evicted", "src/checkpoint/read_plan.cpp",
         "if (!again.empty()) verify_file_chunks(f.data, d, threads, again);",
         "if (again.empty()) verify_file_chunks(f.data, d, threads, again);",
         "a load that takes the prefetch's verification never hashes again the chunks that left the page cache",
         (Test(pytest="tests/python/test_checkpoint_prefetch.py::"
                      "test_a_file_changed_and_dropped_from_the_page_cache_after_the_prefetch_is_caught"),)),
     Mutation(
-        "reshard-chunk-range", "src/checkpoint/checkpointer.cpp",
+        "reshard-chunk-range", "src/checkpoint/reshard_plan.cpp",
         "for (uint64_t k = begin / d.chunk_bytes; k <= (begin + length - 1) / d.chunk_bytes; ++k) chunks[r].insert(k);",
         "for (uint64_t k = begin / d.chunk_bytes; k <= begin / d.chunk_bytes; ++k) chunks[r].insert(k);",
         "a resharding load verifies only the chunk each read starts in",
         (Test(MANY, "IntegrityManyChunks.Resharding*"),)),
     Mutation(
-        "memory-tier-verify", "src/checkpoint/checkpointer.cpp",
+        "memory-tier-verify", "src/checkpoint/loader.cpp",
         "im.opt.verify_on_load && im.opt.memory_tier.verify,",
         "im.opt.verify_on_load && !im.opt.memory_tier.verify,",
         "the memory tier's verify option read the wrong way round: memory steps load unverified",

@@ -1,6 +1,7 @@
 // The manifest codec and the JSON form of a FileDigest (manifest.h).
 #include "checkpoint/manifest.h"
 
+#include <atomic>
 #include <climits>
 #include <nlohmann/json.hpp>
 
@@ -128,7 +129,14 @@ std::string encode_manifest(const Manifest& m) {
   return j.dump(2) + "\n";
 }
 
+namespace {
+std::atomic<uint64_t> g_decodes{0};
+}  // namespace
+
+uint64_t manifest_decodes() { return g_decodes.load(std::memory_order_relaxed); }
+
 Manifest decode_manifest(const std::string& text, const std::string& source) {
+  g_decodes.fetch_add(1, std::memory_order_relaxed);
   json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
   ETTKIT_CHECK(j.is_object(), CorruptData, "manifest '", source, "' is not a JSON object");
   const std::string where = "manifest '" + source + "'";

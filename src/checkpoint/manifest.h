@@ -28,6 +28,9 @@ std::string encode_manifest(const Manifest& m);
 /// Checks every field's type and range. Throws CorruptData naming `source` and the bad field (Unsupported
 /// for a version newer than 1); never anything else.
 Manifest decode_manifest(const std::string& text, const std::string& source);
+/// How many times decode_manifest has run in this process (every thread): what a test counts to prove that a
+/// load decodes each candidate's manifest once (tests/cpp/checkpoint/loader_test.cpp).
+uint64_t manifest_decodes();
 /// A manifest's "ettkit.run_id" metadata (what memory-tier steps carry), checked. CorruptData naming
 /// `source` when it is missing or not a run id.
 std::string manifest_run_id(const Manifest& m, const std::string& source);

@@ -36,53 +36,70 @@ void run_before_open_step_hook(int64_t step) {
   if (hook) hook(step);
 }
 
-std::optional<OpenedStep> open_step(const std::string& dir, int64_t step, int rank) {
-  OpenedStep out;
+StepDirectory::StepDirectory(Dir parent, Dir step, std::string name, std::string path)
+    : parent_(std::move(parent)), step_(std::move(step)), name_(std::move(name)), path_(std::move(path)) {
+  struct stat opened {};
+  if (::fstat(step_.fd(), &opened) != 0) throw_errno("stat of", path_, errno);
+  dev_ = opened.st_dev;
+  ino_ = opened.st_ino;
+}
+
+// A file missing from a directory that is no longer at its path (renamed to .trash-*, deleted) was retired
+// under us; missing from the directory still in place, the step is damaged.
+bool StepDirectory::moved_away() const {
+  struct stat now {};
+  return ::fstatat(parent_.fd(), name_.c_str(), &now, AT_SYMLINK_NOFOLLOW) != 0 || now.st_ino != ino_ ||
+         now.st_dev != dev_;
+}
+
+ReadFile StepDirectory::open_file(const std::string& file) const {
+  std::string path = path_ + "/" + file;
+  int fd = open_regular_or_throw(step_.fd(), file, path, /*missing_ok=*/true);
+  if (fd >= 0) return ReadFile(fd, path);
+  if (moved_away()) return ReadFile();
+  ETTKIT_THROW(CorruptData, "'", path, "' is missing");
+}
+
+std::optional<StepDirectory> StepDirectory::open(const std::string& dir, int64_t step) {
   const std::string name = step_dir_name(step);
-  out.path = dir + "/" + name;
   const int top = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (top < 0) {
     if (errno == ENOENT) return std::nullopt;
     throw_errno("opening directory", dir, errno);
   }
-  const Dir parent(top, dir);
+  Dir parent(top, dir);
   // Never through a link: the step directory and its files are what this directory holds, or refused as
   // corrupt (load_latest then falls back to the next step).
   std::optional<Dir> d = open_subdirectory(parent, name);
   if (!d) return std::nullopt;
-  const int dfd = d->fd();
-  struct stat opened {};
-  if (::fstat(dfd, &opened) != 0) throw_errno("stat of", out.path, errno);
-  // A file missing from a directory that is no longer at its path (renamed to .trash-*, deleted) was
-  // retired under us; missing from the directory still in place, the step is damaged.
-  auto moved_away = [&] {
-    struct stat now {};
-    return ::fstatat(parent.fd(), name.c_str(), &now, AT_SYMLINK_NOFOLLOW) != 0 || now.st_ino != opened.st_ino ||
-           now.st_dev != opened.st_dev;
-  };
-  bool vanished = false;
-  auto open_in = [&](const std::string& file) -> ReadFile {
-    std::string path = out.path + "/" + file;
-    int fd = open_regular_or_throw(dfd, file, path, /*missing_ok=*/true);
-    if (fd >= 0) return ReadFile(fd, path);
-    if (moved_away()) {
-      vanished = true;
-      return ReadFile();
-    }
-    ETTKIT_THROW(CorruptData, "'", path, "' is missing");
-  };
-  ReadFile manifest = open_in("manifest.json");
-  if (vanished) return std::nullopt;
-  out.manifest_path = manifest.path();
-  out.manifest = decode_manifest(read_bounded(manifest.fd(), out.manifest_path, kMaxSmallFileBytes), out.manifest_path);
-  ETTKIT_CHECK(out.manifest.step == step, CorruptData, "manifest '", out.manifest_path, "' says step ",
-               out.manifest.step);
-  std::string base = "rank-" + std::to_string(rank);
-  out.data = open_in(base + ".safetensors");
-  if (vanished) return std::nullopt;
-  out.extra = open_in(base + ".extra");
-  if (vanished) return std::nullopt;
+  StepDirectory out(std::move(parent), std::move(*d), name, dir + "/" + name);
+  ReadFile manifest = out.open_file("manifest.json");
+  if (manifest.fd() < 0) return std::nullopt;
+  out.manifest_path_ = manifest.path();
+  out.manifest_ = decode_manifest(read_bounded(manifest.fd(), out.manifest_path_, kMaxSmallFileBytes),
+                                  out.manifest_path_);
+  ETTKIT_CHECK(out.manifest_.step == step, CorruptData, "manifest '", out.manifest_path_, "' says step ",
+               out.manifest_.step);
   return out;
+}
+
+std::optional<OpenedStep> StepDirectory::open_rank(int rank) const {
+  OpenedStep out;
+  out.path = path_;
+  out.manifest_path = manifest_path_;
+  std::string base = "rank-" + std::to_string(rank);
+  out.data = open_file(base + ".safetensors");
+  if (out.data.fd() < 0) return std::nullopt;
+  out.extra = open_file(base + ".extra");
+  if (out.extra.fd() < 0) return std::nullopt;
+  out.manifest = manifest_;
+  return out;
+}
+
+std::optional<OpenedStep> open_step(const std::string& dir, int64_t step, int rank) {
+  std::optional<StepDirectory> d = StepDirectory::open(dir, step);
+  if (!d) return std::nullopt;
+  return d->open_rank(rank);
 }
 
 const FileDigest& listed_digest(const OpenedStep& step, const ReadFile& file) {

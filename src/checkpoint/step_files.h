@@ -6,6 +6,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <sys/types.h>
 
 #include "checkpoint/file_io.h"
 #include "checkpoint/manifest.h"
@@ -26,7 +27,35 @@ struct OpenedStep {
   ReadFile data;   ///< rank-<r>.safetensors
   ReadFile extra;  ///< rank-<r>.extra
 };
-/// Opens step-<N> for `rank`. nullopt when the step directory vanished before or while it was opened
+/// step-<N> of a checkpoint (or memory-tier) directory, opened once and its manifest read and decoded once:
+/// the files of any of its ranks are then opened from the same directory handle with that one manifest (a
+/// resharding load opens every old rank's, a same-world load its own). Owns the step directory's descriptor;
+/// each OpenedStep it hands out owns its own files and a copy of the manifest. Never follows a link.
+class StepDirectory {
+ public:
+  /// Opens step-<N> of `dir` and decodes its manifest. nullopt when the step directory (or its manifest) vanished
+  /// (retired by retention); throws like open_step for a bad manifest or a directory that is not what it should be.
+  static std::optional<StepDirectory> open(const std::string& dir, int64_t step);
+  const Manifest& manifest() const { return manifest_; }
+  const std::string& path() const { return path_; }
+  const std::string& manifest_path() const { return manifest_path_; }
+  /// `rank`'s data and extra files with this manifest. nullopt when the step was retired meanwhile; CorruptData
+  /// when a file is missing from the directory still in place.
+  std::optional<OpenedStep> open_rank(int rank) const;
+
+ private:
+  StepDirectory(Dir parent, Dir step, std::string name, std::string path);
+  bool moved_away() const;  // the step directory is no longer at its path
+  /// `file` of the step directory; an invalid ReadFile when the step was retired, CorruptData when it is missing.
+  ReadFile open_file(const std::string& file) const;
+
+  Dir parent_, step_;
+  std::string name_, path_, manifest_path_;
+  dev_t dev_ = 0;
+  ino_t ino_ = 0;
+  Manifest manifest_;
+};
+/// Opens step-<N> for `rank` (StepDirectory::open, then open_rank). nullopt when the step directory vanished before or while it was opened
 /// (retired by the writer's retention: not a corruption). Throws CorruptData (or Unsupported) when the step
 /// exists but its manifest is bad or a file is missing, or when the step directory or one of its files is a
 /// symbolic link or not what it should be (never followed: the step falls back like any corrupt one),
