@@ -79,7 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--scratch", default=os.path.join(ROOT, "build", "compare"),
                     help="where the base worktree, its build, the packages and the results go")
     ap.add_argument("--build-prefix", default="",
-                    help="a command the base's cmake calls run under, e.g. 'flock /tmp/build.lock nice -n 10'")
+                    help="a command the base's cmake calls run under, e.g. 'flock /tmp/b.lock nice -n 10'")
     ap.add_argument("--json", help="also write the comparison (and every run's figures) to this file")
     args = ap.parse_args(argv)
     if args.rounds < 1:
@@ -237,8 +237,10 @@ def build_extension(tree: str, build_dir: str, prefix: list[str]) -> str:
         env.setdefault("CCACHE_BASEDIR", os.path.dirname(ROOT))
         env.setdefault("CCACHE_NOHASHDIR", "1")
     if not os.path.exists(os.path.join(out, "build.ninja")):
-        sh([*prefix, "cmake", "-S", tree, "-B", out, "-G", "Ninja", *options], "configuring the base", env=env)
-    sh([*prefix, "cmake", "--build", out, "--target", "ettkit_python"], "building the base's extension", env=env)
+        sh([*prefix, "cmake", "-S", tree, "-B", out, "-G", "Ninja", *options], "configuring the base",
+           env=env)
+    sh([*prefix, "cmake", "--build", out, "--target", "ettkit_python"], "building the base's extension",
+       env=env)
     return out
 
 
