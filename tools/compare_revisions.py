@@ -194,6 +194,13 @@ def cmake_options(cache_text: str) -> list[str]:
     return out
 
 
+def cmake_command(cache_text: str) -> str:
+    """The cmake that configured a build (its CMAKE_COMMAND): a cmake on PATH may be older than the
+    project requires."""
+    m = re.search(r"^CMAKE_COMMAND:INTERNAL=(.+)$", cache_text, re.MULTILINE)
+    return m.group(1) if m else "cmake"
+
+
 # ---- the steps that build and run -----------------------------------------------------------
 
 def sh(cmd: list[str], what: str, **kw) -> None:
@@ -230,16 +237,17 @@ def build_extension(tree: str, build_dir: str, prefix: list[str]) -> str:
     if not os.path.exists(cache):
         raise Failed(f"{cache} is missing: configure and build the current tree first (build/py)")
     with open(cache) as f:
-        options = cmake_options(f.read())
+        text = f.read()
+    options, cmake = cmake_options(text), cmake_command(text)
     out = os.path.join(tree, os.path.relpath(build_dir, ROOT))  # the same layout: ccache hits across the two
     env = dict(os.environ)
     if env.get("CCACHE_DIR"):
         env.setdefault("CCACHE_BASEDIR", os.path.dirname(ROOT))
         env.setdefault("CCACHE_NOHASHDIR", "1")
     if not os.path.exists(os.path.join(out, "build.ninja")):
-        sh([*prefix, "cmake", "-S", tree, "-B", out, "-G", "Ninja", *options], "configuring the base",
+        sh([*prefix, cmake, "-S", tree, "-B", out, "-G", "Ninja", *options], "configuring the base",
            env=env)
-    sh([*prefix, "cmake", "--build", out, "--target", "ettkit_python"], "building the base's extension",
+    sh([*prefix, cmake, "--build", out, "--target", "ettkit_python"], "building the base's extension",
        env=env)
     return out
 

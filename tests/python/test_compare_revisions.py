@@ -157,3 +157,8 @@ def test_cmake_options_copy_the_build_relevant_entries():
         "-DCMAKE_CXX_COMPILER_LAUNCHER=ccache",
         "-DTorch_DIR=/venv/torch/share/cmake/Torch",
     ]
+
+
+def test_cmake_command_is_the_one_that_configured_the_build():
+    assert cr.cmake_command("X:STRING=1\nCMAKE_COMMAND:INTERNAL=/opt/cmake/bin/cmake\n") == "/opt/cmake/bin/cmake"
+    assert cr.cmake_command("X:STRING=1\n") == "cmake"
