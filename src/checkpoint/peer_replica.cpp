@@ -228,83 +228,15 @@ void PeerReplica::receive_loop() {
   ettkit::detail::mark_background_thread();
   const int src = held_for();
   const std::string shelf = tier_.replica_dir(src);
-  const std::string done_key = prefix_ + "done/" + std::to_string(src);
   // k advances only past announcements that were acted on: a malformed one is ignored, and the sender's
   // own k-th announcement is still awaited under the same key.
   for (int64_t k = 0;;) {
     const std::string who = std::to_string(src) + "/" + std::to_string(k);
     const std::string key = prefix_ + "announce/" + who;
-    // Idle: poll the Store (a TCPStore wait would hold its client connection, which the heartbeat and
-    // the commit votes share).
+    if (!await_announcement(src, k, key)) return;
+    std::optional<std::string> why;
     try {
-      std::optional<std::chrono::steady_clock::time_point> deadline;
-      auto nap = kPollMin;
-      for (;;) {
-        if (store_->check({key})) break;
-        bool stopping;
-        {
-          std::unique_lock<std::mutex> lk(mu_);
-          if (!stop_) cv_.wait_for(lk, nap, [&] { return stop_; });
-          stopping = stop_;
-        }
-        nap = std::min(nap * 2, kPollMax);
-        if (!stopping) continue;
-        // Closing: the snapshots the sender announced are still received; it publishes its count at its
-        // close. The short wait is the poll's nap and sees a sender that is gone (PeerLost).
-        auto now = std::chrono::steady_clock::now();
-        if (!deadline) deadline = now + std::chrono::milliseconds(static_cast<int64_t>(timeout_s_ * 1000));
-        try {
-          StoreExchange poll(*store_, peers_, std::chrono::duration<double>(kPollMin).count());
-          const std::string count =
-              poll.await_from(done_key, src, "peer replica: rank " + std::to_string(src) + "'s count of snapshots");
-          const std::optional<int64_t> announced = decode_count(count);
-          if (!announced) {
-            ++refused_;
-            ETTKIT_LOG_WARN("peer replica: the Store key '", done_key, "' holds no count of snapshots; the receiver "
-                            "for rank ", src, " stops");
-            return;
-          }
-          if (k >= *announced) return;
-        } catch (const Timeout&) {
-          if (now > *deadline) return;
-        }
-      }
-    } catch (const std::exception& e) {
-      ETTKIT_LOG_DEBUG("peer replica: receiver for rank ", src, " stops: ", first_line(e));
-      return;
-    }
-    std::string why;
-    try {
-      const std::string text = string_of(store_->get(key));
-      store_->deleteKey(key);
-      const std::string source = "rank " + std::to_string(src) + "'s snapshot announcement '" + key + "'";
-      std::optional<Manifest> announced;
-      try {
-        announced = decode_announcement(text, src, run_id_, source);
-      } catch (const Error& e) {
-        // Not what a rank of this run announces: nothing is received, written or removed for it, and no
-        // acknowledgement is given (the sender's would be answered with it).
-        ++refused_;
-        ETTKIT_LOG_WARN("peer replica: ignored a malformed snapshot announcement: ", e.message());
-        continue;
-      }
-      Manifest& m = *announced;
-      std::string tmp;
-      try {
-        tmp = tier_.begin_replica(src, m.step, manifest_run_id(m, source), bytes_in(m, source));
-      } catch (const Error& e) {
-        why = e.message();
-      }
-      std::string local = receive_files(src, kStreamTag, m, tmp);
-      if (why.empty() && local.empty()) {
-        tier_.commit_in(shelf, tmp, std::move(m));
-        ++received_;
-      } else {
-        if (why.empty()) why = local;
-        if (!tmp.empty()) tier_.abort(tmp);
-        ++failed_;
-        ETTKIT_LOG_WARN("peer replica: rank ", src, "'s snapshot is not kept: ", why);
-      }
+      why = receive_announced(src, key, shelf);
     } catch (const std::exception& e) {
       // The process group (or the Store) failed mid-snapshot: the stream is out of step for good.
       broken_ = true;
@@ -317,15 +249,94 @@ void PeerReplica::receive_loop() {
       }
       return;
     }
+    if (!why) continue;
     try {
       StoreExchange(*store_, peers_, timeout_s_)
-          .publish(prefix_ + "ack/" + who, why.empty() ? "" : "rank " + std::to_string(rank_) + ": " + why);
+          .publish(prefix_ + "ack/" + who, why->empty() ? "" : "rank " + std::to_string(rank_) + ": " + *why);
     } catch (const std::exception& e) {
       ETTKIT_LOG_DEBUG("peer replica: receiver for rank ", src, " stops: ", first_line(e));
       return;
     }
     ++k;
   }
+}
+
+bool PeerReplica::await_announcement(int src, int64_t k, const std::string& key) {
+  const std::string done_key = prefix_ + "done/" + std::to_string(src);
+  // Idle: poll the Store (a TCPStore wait would hold its client connection, which the heartbeat and
+  // the commit votes share).
+  try {
+    std::optional<std::chrono::steady_clock::time_point> deadline;
+    auto nap = kPollMin;
+    for (;;) {
+      if (store_->check({key})) return true;
+      bool stopping;
+      {
+        std::unique_lock<std::mutex> lk(mu_);
+        if (!stop_) cv_.wait_for(lk, nap, [&] { return stop_; });
+        stopping = stop_;
+      }
+      nap = std::min(nap * 2, kPollMax);
+      if (!stopping) continue;
+      // Closing: the snapshots the sender announced are still received; it publishes its count at its
+      // close. The short wait is the poll's nap and sees a sender that is gone (PeerLost).
+      auto now = std::chrono::steady_clock::now();
+      if (!deadline) deadline = now + std::chrono::milliseconds(static_cast<int64_t>(timeout_s_ * 1000));
+      try {
+        StoreExchange poll(*store_, peers_, std::chrono::duration<double>(kPollMin).count());
+        const std::string count =
+            poll.await_from(done_key, src, "peer replica: rank " + std::to_string(src) + "'s count of snapshots");
+        const std::optional<int64_t> announced = decode_count(count);
+        if (!announced) {
+          ++refused_;
+          ETTKIT_LOG_WARN("peer replica: the Store key '", done_key, "' holds no count of snapshots; the receiver "
+                          "for rank ", src, " stops");
+          return false;
+        }
+        if (k >= *announced) return false;
+      } catch (const Timeout&) {
+        if (now > *deadline) return false;
+      }
+    }
+  } catch (const std::exception& e) {
+    ETTKIT_LOG_DEBUG("peer replica: receiver for rank ", src, " stops: ", first_line(e));
+    return false;
+  }
+}
+
+std::optional<std::string> PeerReplica::receive_announced(int src, const std::string& key, const std::string& shelf) {
+  const std::string text = string_of(store_->get(key));
+  store_->deleteKey(key);
+  const std::string source = "rank " + std::to_string(src) + "'s snapshot announcement '" + key + "'";
+  std::optional<Manifest> announced;
+  try {
+    announced = decode_announcement(text, src, run_id_, source);
+  } catch (const Error& e) {
+    // Not what a rank of this run announces: nothing is received, written or removed for it, and no
+    // acknowledgement is given (the sender's would be answered with it).
+    ++refused_;
+    ETTKIT_LOG_WARN("peer replica: ignored a malformed snapshot announcement: ", e.message());
+    return std::nullopt;
+  }
+  Manifest& m = *announced;
+  std::string why;
+  std::string tmp;
+  try {
+    tmp = tier_.begin_replica(src, m.step, manifest_run_id(m, source), bytes_in(m, source));
+  } catch (const Error& e) {
+    why = e.message();
+  }
+  std::string local = receive_files(src, kStreamTag, m, tmp);
+  if (why.empty() && local.empty()) {
+    tier_.commit_in(shelf, tmp, std::move(m));
+    ++received_;
+    return why;
+  }
+  if (why.empty()) why = local;
+  if (!tmp.empty()) tier_.abort(tmp);
+  ++failed_;
+  ETTKIT_LOG_WARN("peer replica: rank ", src, "'s snapshot is not kept: ", why);
+  return why;
 }
 
 Manifest PeerReplica::decode_announcement(const std::string& text, int owner, const std::string& run,

@@ -30,6 +30,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -91,6 +92,14 @@ class PeerReplica {
 
  private:
   void receive_loop();
+  /// Waits, polling the Store, for the sender's k-th announcement `key` (true), or stops the receiver
+  /// (false): at close() once the sender's published count shows no k-th snapshot, or it is gone or silent
+  /// for timeout_s; at once when the Store fails.
+  bool await_announcement(int src, int64_t k, const std::string& key);
+  /// Receives the snapshot announced under `key` and commits it to `shelf`: "" when kept, else why not (the
+  /// acknowledgement's text); nullopt when the announcement is malformed and was ignored. Throws when the
+  /// process group or the Store fails (the stream is then out of step).
+  std::optional<std::string> receive_announced(int src, const std::string& key, const std::string& shelf);
   /// Receives the files of manifest `m` from `src` on `tag` into the directory `tmp` and checks them against
   /// the manifest's checksums. Every chunk is received, also when it cannot be kept (`tmp` empty, or a local
   /// write failed), so that the sender's sends complete and the stream stays in step. Returns "" or why the

@@ -1,0 +1,207 @@
+// The stager's copy engine (copy_engine.h).
+#include "checkpoint/copy_engine.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "common/background_thread.h"
+#include "ettkit/common/config.h"
+#include "ettkit/common/error.h"
+
+#if ETTKIT_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime_api.h>
+
+#include "common/cuda_check.h"
+#endif
+
+namespace ettkit::checkpoint::detail {
+
+CopyPool::CopyPool(int n) {
+  for (int i = 0; i < n; ++i) threads_.emplace_back([this] { run(); });
+}
+
+CopyPool::~CopyPool() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  for (auto& t : threads_) t.join();
+}
+
+void CopyPool::submit(std::function<void()> job) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    jobs_.push_back(std::move(job));
+  }
+  cv_.notify_one();
+}
+
+void CopyPool::run() {
+  ettkit::detail::mark_background_thread();
+  for (;;) {
+    std::function<void()> job;
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      cv_.wait(lk, [&] { return stop_ || !jobs_.empty(); });
+      if (jobs_.empty()) return;
+      job = std::move(jobs_.front());
+      jobs_.pop_front();
+    }
+    job();
+  }
+}
+
+namespace {
+
+/// Copies CPU tensor `t` into `dst` at once.
+void copy_now(const at::Tensor& t, const PlanEntry& e, uint8_t* dst) {
+  if (e.nbytes == 0) {
+    // An empty tensor's data pointer may be null, and memcpy's arguments must not be even for 0 bytes.
+  } else if (t.is_contiguous()) {
+    std::memcpy(dst, t.const_data_ptr(), static_cast<size_t>(e.nbytes));
+  } else {
+    at::from_blob(dst, e.shape, t.options()).copy_(t);
+  }
+}
+
+}  // namespace
+
+PendingCopies copy_small_now(const NamedTensors& tensors, const std::vector<PlanEntry>& plan, const CopyOrder& order,
+                             uint8_t* base, int64_t sync_max, SnapshotState& state) {
+  PendingCopies pending;
+  for (size_t i : order.order) {
+    const at::Tensor& t = tensors[i].second;
+    const PlanEntry& e = plan[i];
+    uint8_t* dst = base + e.offset;
+    state.storages[i] = storage_key(t);
+    state.remaining[i].store(0, std::memory_order_relaxed);
+    bool inference = t.is_inference();
+    if (!inference) {
+      state.versions[i] = t.unsafeGetTensorImpl()->version_counter();
+      state.version_at_save[i] = state.versions[i].current_version();
+    }
+    if (t.device().is_cuda()) {
+      ETTKIT_EXPECTS(!inference, "state dict entry '", tensors[i].first,
+                     "' is a CUDA inference tensor; clone it outside inference mode to checkpoint it");
+      pending.cuda.push_back(i);
+    } else if (inference || e.nbytes <= sync_max) {
+      copy_now(t, e, dst);
+      state.verdict[i] = kClean;  // copied before save() returns: nothing could overlap it
+    } else if (t.is_contiguous()) {
+      pending.contiguous.push_back(
+          {static_cast<const uint8_t*>(t.const_data_ptr()), dst, static_cast<size_t>(e.nbytes), i});
+      pending.contiguous_bytes += static_cast<size_t>(e.nbytes);
+    } else {
+      state.remaining[i].store(1, std::memory_order_relaxed);
+      pending.strided.push_back(i);
+    }
+  }
+  return pending;
+}
+
+#if ETTKIT_WITH_CUDA
+void issue_cuda_copies(const NamedTensors& tensors, const std::vector<PlanEntry>& plan, const CopyOrder& order,
+                       const std::vector<size_t>& cuda, uint8_t* base,
+                       std::optional<c10::cuda::CUDAStream>& copy_stream, SnapshotState& state) {
+  c10::Device dev = tensors[cuda[0]].second.device();
+  for (size_t i : cuda) {
+    ETTKIT_EXPECTS(tensors[i].second.device() == dev, "state dict entry '", tensors[i].first, "' is on ",
+                   tensors[i].second.device(), " but others are on ", dev, "; one CUDA device per rank");
+  }
+  c10::cuda::CUDAGuard guard(dev);
+  if (!copy_stream || copy_stream->device() != dev) copy_stream = c10::cuda::getStreamFromPool(false, dev.index());
+  c10::cuda::CUDAStream stream = *copy_stream;
+  // Stream order: the copies see everything already queued on the caller's stream (the optimizer step).
+  CudaEvent ready(dev.index());
+  ready.record(c10::cuda::getCurrentCUDAStream(dev.index()));
+  ready.block(stream);
+  c10::cuda::CUDAStreamGuard sg(stream);
+  for (size_t k = 0; k < cuda.size(); ++k) {
+    size_t i = cuda[k];
+    const at::Tensor& t = tensors[i].second;
+    const PlanEntry& e = plan[i];
+    uint8_t* dst = base + e.offset;
+    if (t.is_contiguous()) {
+      ETTKIT_CUDA_CHECK(cudaMemcpyAsync(dst, t.const_data_ptr(), static_cast<size_t>(e.nbytes),
+                                        cudaMemcpyDeviceToHost, stream.stream()));
+    } else {
+      at::from_blob(dst, e.shape, t.options().device(c10::kCPU)).copy_(t, /*non_blocking=*/true);
+    }
+    // The caching allocator must not hand this memory to another stream before the copy is done.
+    c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream);
+    state.cuda_class[i] = static_cast<int8_t>(state.cuda_events.size());
+    // One event per copy class, so a fence on the first class does not wait for the rest.
+    if (k + 1 == cuda.size() || order.class_of(cuda[k + 1]) != order.class_of(i)) {
+      state.cuda_events.push_back(std::make_unique<CudaEvent>(dev.index()));
+      state.cuda_events.back()->record(stream);
+    }
+  }
+}
+#endif
+
+std::vector<std::vector<Slice>> cut_into_jobs(const std::vector<Slice>& contiguous, size_t bytes, int workers,
+                                              SnapshotState& state) {
+  std::vector<std::vector<Slice>> groups;
+  if (contiguous.empty()) return groups;
+  const size_t w = static_cast<size_t>(workers);
+  size_t per = std::max<size_t>((bytes + w - 1) / w, 1 << 20);
+  groups.emplace_back();
+  size_t room = per;
+  for (Slice s : contiguous) {
+    while (s.n > 0) {
+      size_t take = std::min(s.n, room);
+      groups.back().push_back({s.src, s.dst, take, s.entry});
+      state.remaining[s.entry].fetch_add(1, std::memory_order_relaxed);
+      s.src += take;
+      s.dst += take;
+      s.n -= take;
+      room -= take;
+      if (room == 0) {
+        groups.emplace_back();
+        room = per;
+      }
+    }
+  }
+  if (groups.back().empty()) groups.pop_back();
+  return groups;
+}
+
+void submit_cpu_copies(CopyPool& pool, std::vector<std::vector<Slice>> groups, const std::vector<size_t>& strided,
+                       const std::vector<PlanEntry>& plan, uint8_t* base, const std::shared_ptr<SnapshotState>& state) {
+  {
+    std::lock_guard<std::mutex> slk(state->mu);
+    state->pending_jobs = static_cast<int>(groups.size() + strided.size());
+  }
+  for (auto& g : groups) {
+    pool.submit([state, g = std::move(g)] {
+      for (const Slice& s : g) {
+        std::memcpy(s.dst, s.src, s.n);
+        state->entry_copied(s.entry);
+      }
+      state->job_done(nullptr);
+    });
+  }
+  for (size_t i : strided) {
+    const PlanEntry& e = plan[i];
+    uint8_t* dst = base + e.offset;
+    pool.submit([state, i, dst, shape = e.shape] {
+      std::exception_ptr err;
+      try {
+        at::NoGradGuard no_grad;
+        const at::Tensor& src = state->sources[i];  // not touched by the owner while jobs are pending
+        at::from_blob(dst, shape, src.options()).copy_(src);
+      } catch (...) {
+        err = std::current_exception();
+      }
+      state->entry_copied(i);
+      state->job_done(err);
+    });
+  }
+}
+
+}  // namespace ettkit::checkpoint::detail

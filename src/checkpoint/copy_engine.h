@@ -1,0 +1,89 @@
+#pragma once
+// The stager's copy engine: how one save's bytes reach the arena. Small and inference CPU tensors are copied
+// at once on the caller's thread; big contiguous CPU tensors by a pool of threads in byte-balanced slices;
+// strided CPU tensors by one pool job each; CUDA tensors on a copy stream ordered after the caller's stream.
+// Every copy reports its progress to the save's SnapshotState (snapshot_state.h), which the fences read.
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#include "checkpoint/snapshot_state.h"
+#include "checkpoint/stage_plan.h"
+#include "ettkit/common/config.h"
+
+#if ETTKIT_WITH_CUDA
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+namespace ettkit::checkpoint::detail {
+
+/// Fixed pool of copy threads; jobs are closures. Owns its threads and joins them in its destructor,
+/// after the jobs already queued have run.
+class CopyPool {
+ public:
+  explicit CopyPool(int n);
+  ~CopyPool();
+  CopyPool(const CopyPool&) = delete;
+  CopyPool& operator=(const CopyPool&) = delete;
+  void submit(std::function<void()> job);
+  int size() const { return static_cast<int>(threads_.size()); }
+
+ private:
+  void run();
+  std::mutex mu_;  // guards jobs_, stop_
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> jobs_;
+  bool stop_ = false;
+  std::vector<std::thread> threads_;
+};
+
+/// A run of bytes one pool job copies; every slice counts towards its entry's `remaining`.
+struct Slice {
+  const uint8_t* src;
+  uint8_t* dst;
+  size_t n;
+  size_t entry;
+};
+
+/// The copies of one save left after copy_small_now().
+struct PendingCopies {
+  std::vector<Slice> contiguous;  // big contiguous CPU tensors, one slice each, in copy order
+  size_t contiguous_bytes = 0;
+  std::vector<size_t> strided;  // indices of non-contiguous CPU tensors
+  std::vector<size_t> cuda;     // in copy order
+  bool empty() const { return contiguous.empty() && strided.empty() && cuda.empty(); }
+};
+
+/// Records each entry's storage and version counter in `state` and copies, now, the CPU tensors of at most
+/// `sync_max` bytes and the inference tensors (which have no version counter to check). Returns the rest.
+/// InvalidArgument for a CUDA inference tensor.
+PendingCopies copy_small_now(const NamedTensors& tensors, const std::vector<PlanEntry>& plan, const CopyOrder& order,
+                             uint8_t* base, int64_t sync_max, SnapshotState& state);
+
+#if ETTKIT_WITH_CUDA
+/// Queues the copies of the CUDA entries `cuda` (in copy order) on `copy_stream` (taken from the pool on
+/// first use or when the device changes), after everything already queued on the caller's stream; records
+/// one event per copy class in `state`. InvalidArgument when the entries are on more than one device.
+void issue_cuda_copies(const NamedTensors& tensors, const std::vector<PlanEntry>& plan, const CopyOrder& order,
+                       const std::vector<size_t>& cuda, uint8_t* base,
+                       std::optional<c10::cuda::CUDAStream>& copy_stream, SnapshotState& state);
+#endif
+
+/// Cuts the byte stream of `contiguous` (in copy order) into `workers` equal ranges of at least 1 MiB (big
+/// tensors are split across threads), counting each slice in its entry's `remaining`.
+std::vector<std::vector<Slice>> cut_into_jobs(const std::vector<Slice>& contiguous, size_t bytes, int workers,
+                                              SnapshotState& state);
+
+/// Submits one pool job per group and per strided entry; `state` counts them as pending first. Jobs hold
+/// the state (not the tensors: a job's closure may die on the pool thread, and the last reference of a
+/// Python-owned tensor must not); a strided job reads its source from `state->sources`.
+void submit_cpu_copies(CopyPool& pool, std::vector<std::vector<Slice>> groups, const std::vector<size_t>& strided,
+                       const std::vector<PlanEntry>& plan, uint8_t* base, const std::shared_ptr<SnapshotState>& state);
+
+}  // namespace ettkit::checkpoint::detail

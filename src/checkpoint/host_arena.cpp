@@ -1,0 +1,59 @@
+// The stager's host arenas (host_arena.h).
+#include "checkpoint/host_arena.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "ettkit/common/config.h"
+#include "ettkit/common/error.h"
+
+#if ETTKIT_WITH_CUDA
+#include <cuda_runtime_api.h>
+
+#include "common/cuda_check.h"
+#endif
+
+namespace ettkit::checkpoint::detail {
+
+void Arena::allocate(size_t bytes, bool pin) {
+  size = std::max<size_t>(bytes, 1);
+  pinned = pin;
+#if ETTKIT_WITH_CUDA
+  if (pin) {
+    void* p = nullptr;
+    // cudaHostAlloc, not the CachingHostAllocator: exact size, no power-of-two rounding.
+    ETTKIT_CUDA_CHECK(cudaHostAlloc(&p, size, cudaHostAllocPortable), "allocating a ", size,
+                      "-byte pinned checkpoint arena (pin_memory=False stages into plain host memory)");
+    ptr = static_cast<uint8_t*>(p);
+    return;
+  }
+#else
+  ETTKIT_EXPECTS(!pin, "pin_memory=1 needs ettkit built with CUDA");
+#endif
+  // mmap: page-aligned, returned to the OS on munmap (malloc might keep it and inflate RSS).
+  void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ETTKIT_CHECK(p != MAP_FAILED, IoError, "mmap of a ", size, "-byte checkpoint arena failed: ", std::strerror(errno));
+#ifdef MADV_HUGEPAGE
+  ::madvise(p, size, MADV_HUGEPAGE);
+#endif
+  ptr = static_cast<uint8_t*>(p);
+}
+
+void Arena::free() noexcept {
+  if (!ptr) return;
+#if ETTKIT_WITH_CUDA
+  if (pinned) {
+    cudaFreeHost(ptr);
+    ptr = nullptr;
+    return;
+  }
+#endif
+  ::munmap(ptr, size);
+  ptr = nullptr;
+}
+
+}  // namespace ettkit::checkpoint::detail
