@@ -4,44 +4,27 @@
 #include "ettkit/checkpoint/checkpointer.h"
 #include "ettkit/checkpoint/safetensors_dtypes.h"
 
-#include <fcntl.h>
-#include <unistd.h>
-
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
-#include <torch/version.h>
 
 #include <atomic>
-#include <cerrno>
-#include <cstdio>
-#include <cstring>
 #include <deque>
-#include <filesystem>
-#include <nlohmann/json.hpp>
-#include <algorithm>
-#include <iterator>
-#include <set>
-#include <thread>
 
+#include "checkpoint/loader.h"
 #include "checkpoint/memory_tier.h"
 #include "checkpoint/peer_monitor.h"
 #include "checkpoint/peer_replica.h"
-#include "checkpoint/reshard.h"
-#include "checkpoint/loader.h"
 #include "checkpoint/save_handle.h"
 #include "checkpoint/session.h"
 #include "checkpoint/step_writer.h"
-#include "checkpoint/writer.h"
 #include "checkpoint/storage.h"
 #include "checkpoint/store_exchange.h"
+#include "checkpoint/writer.h"
 #include "common/describe.h"
 #include "common/logging.h"
 #include "ettkit/common/clock.h"
 #include "ettkit/ett/phases.h"
 #include "ettkit/ett/recorder.h"
-
-namespace fs = std::filesystem;
-using nlohmann::json;
 
 namespace ettkit::checkpoint {
 
@@ -97,32 +80,6 @@ const NamedTensors& with_views_resolved(const NamedTensors& tensors, NamedTensor
     resolved.emplace_back(name, shows_other_values(t) ? t.detach().resolve_conj().resolve_neg() : t);
   }
   return resolved;
-}
-
-/// What a rank's report of its memory-tier steps for load_latest's vote is.
-constexpr const char* kMemoryReportShape =
-    "{\"held\": [[step, run id], ...], \"replica\": [...] (optional), \"disk\": step or -1}";
-
-/// A rank's report of its memory-tier steps (StoreExchange decoded it from the Store key `source`), checked
-/// before any of it is used: kMemoryReportShape. CorruptData naming the key for anything else: no run id
-/// that is not one gets into the vote.
-void check_memory_report(const json& r, const std::string& source) {
-  ETTKIT_CHECK(r.is_object(), CorruptData, source, " is not a JSON object");
-  auto step_ok = [](const json& v, int64_t lo) {
-    return v.is_number_integer() && v.get<int64_t>() >= lo && v.get<int64_t>() <= kMaxStep;
-  };
-  for (const char* key : {"held", "replica"}) {
-    if (!r.contains(key)) continue;
-    ETTKIT_CHECK(r[key].is_array(), CorruptData, source, ": '", key, "' is not an array");
-    for (const json& e : r[key]) {
-      const bool ok = e.is_array() && e.size() == 2 && step_ok(e[0], 0) && e[1].is_string() &&
-                      is_run_id(e[1].get<std::string>());
-      ETTKIT_CHECK(ok, CorruptData, source, ": an entry of '", key, "' is not [step, run id] (a step in [0, ",
-                   kMaxStep, "], a run id of 16 lowercase hex digits)");
-    }
-  }
-  ETTKIT_CHECK(r.contains("disk") && step_ok(r["disk"], -1), CorruptData, source,
-               ": 'disk' is not a step number or -1");
 }
 
 }  // namespace
@@ -239,95 +196,6 @@ struct AsyncCheckpointer::Impl : detail::Session {
     }
     ledger.count_save(job.tier);
     writer->enqueue(std::move(job));
-  }
-
-  /// What the ranks agreed to restore from the memory tier.
-  struct MemoryChoice {
-    int64_t step = -1;
-    bool take = false;  ///< this rank lacks the step: its partner gives its replica back
-    bool give = false;  ///< the rank this one keeps replicas for lacks it: this rank gives it back
-  };
-
-  /// The memory step load_latest tries first: the newest that every rank holds from one and the same run
-  /// (a rank's snapshot of another run is another timeline), unless a step committed on disk has a larger
-  /// number. With a peer replica a rank also "holds" a step its partner keeps a replica of. nullopt:
-  /// restore from the disk tier. Every rank returns the same step.
-  std::optional<MemoryChoice> agree_on_memory_step(const std::vector<MemoryStep>& held, uint64_t seq) {
-    auto usable = [&](const std::vector<MemoryStep>& steps, const char* what) {
-      json out = json::array();
-      for (const MemoryStep& s : steps) {
-        if (s.world_size == world) {
-          out.push_back(json::array({s.step, s.run_id}));
-        } else {
-          ETTKIT_LOG_INFO("checkpoint memory tier: ", what, " step ", s.step, " in '", memory->dir(), "' was written by ",
-                          s.world_size, " ranks; this job has ", world, ": not used");
-        }
-      }
-      return out;
-    };
-    json report{{"held", usable(held, "")}};
-    if (replica) {
-      report["replica"] = usable(memory->committed_in(memory->replica_dir(replica->held_for()), /*warn=*/true),
-                                 "the replica's");
-    }
-    int64_t disk_newest = -1;
-    if (rank == 0) {
-      StepListing l = list_steps(opt.directory);
-      if (!l.committed.empty()) disk_newest = l.committed.front().step;
-    }
-    report["disk"] = disk_newest;
-    std::vector<json> reports{report};
-    if (world > 1) {
-      reports = exchange->all_gather(key_prefix + "load/" + std::to_string(seq) + "/memory/", rank, world, report,
-                                     "load_latest: the other ranks' memory-tier steps", kMemoryReportShape,
-                                     check_memory_report);
-    }
-    using Held = std::set<std::pair<int64_t, std::string>>;
-    auto steps_of = [](const json& report, const char* key) {
-      Held out;
-      if (!report.contains(key)) return out;
-      for (const json& e : report.at(key)) out.emplace(e.at(0).get<int64_t>(), e.at(1).get<std::string>());
-      return out;
-    };
-    // What rank r can restore: its own steps, and the replicas its partner keeps of them.
-    auto available = [&](int r) {
-      Held out = steps_of(reports[static_cast<size_t>(r)], "held");
-      if (replica) {
-        Held kept = steps_of(reports[static_cast<size_t>(replica->partner_of(r))], "replica");
-        out.insert(kept.begin(), kept.end());
-      }
-      return out;
-    };
-    Held common = available(0);
-    std::string missing;
-    for (int r = 1; r < static_cast<int>(reports.size()) && !common.empty(); ++r) {
-      Held theirs = available(r), both;
-      std::set_intersection(common.begin(), common.end(), theirs.begin(), theirs.end(), std::inserter(both, both.end()));
-      if (both.size() < common.size() && missing.empty()) missing = " (rank " + std::to_string(r) + " lacks it)";
-      common = std::move(both);
-    }
-    disk_newest = reports[0].at("disk").get<int64_t>();
-    if (common.empty()) {
-      if (!held.empty()) {
-        ETTKIT_LOG_WARN("checkpoint memory tier: this rank holds step ", held.front().step, " in memory, but not every "
-                        "rank holds it", missing, ": all ranks restore from the disk tier");
-      }
-      return std::nullopt;
-    }
-    auto best = *common.rbegin();
-    if (best.first < disk_newest) {
-      ETTKIT_LOG_INFO("checkpoint memory tier: step ", best.first, " is older than step ", disk_newest,
-                      " on disk: restoring from the disk tier");
-      return std::nullopt;
-    }
-    MemoryChoice choice;
-    choice.step = best.first;
-    if (replica) {
-      auto lacks = [&](int r) { return steps_of(reports[static_cast<size_t>(r)], "held").count(best) == 0; };
-      choice.take = lacks(rank);
-      choice.give = lacks(replica->held_for());
-    }
-    return choice;
   }
 
 };
