@@ -72,11 +72,17 @@ Held steps_of(const json& report, const char* key) {
   return out;
 }
 
+/// The two rules of which memory step a load tries, shared by the ranks' agreement and by prefetch()'s
+/// guess of it: a step is loadable only by as many ranks as wrote it, and it goes before the disk tier only
+/// when no disk step is newer.
+bool loadable_here(const Session& s, const MemoryStep& m) { return m.world_size == s.world; }
+bool memory_before_disk(int64_t memory_step, int64_t disk_newest) { return memory_step >= disk_newest; }
+
 /// This rank's memory-tier steps that the job's world size can load, as a report's list (the others logged).
 json usable_steps(const Session& s, const std::vector<MemoryStep>& steps, const char* what) {
   json out = json::array();
   for (const MemoryStep& m : steps) {
-    if (m.world_size == s.world) {
+    if (loadable_here(s, m)) {
       out.push_back(json::array({m.step, m.run_id}));
     } else {
       ETTKIT_LOG_INFO("checkpoint memory tier: ", what, " step ", m.step, " in '", s.memory->dir(), "' was written by ",
@@ -138,7 +144,7 @@ std::optional<Loader::MemoryChoice> Loader::agree_on_memory_step(const std::vect
     return std::nullopt;
   }
   auto best = *common.rbegin();
-  if (best.first < disk_newest) {
+  if (!memory_before_disk(best.first, disk_newest)) {
     ETTKIT_LOG_INFO("checkpoint memory tier: step ", best.first, " is older than step ", disk_newest,
                     " on disk: restoring from the disk tier");
     return std::nullopt;
@@ -162,9 +168,9 @@ std::vector<int64_t> Loader::prefetch() {
   if (s_.memory) {
     int64_t best = -1;
     for (const MemoryStep& m : s_.memory->committed(/*warn=*/false)) {
-      if (m.world_size == s_.world) best = std::max(best, m.step);
+      if (loadable_here(s_, m)) best = std::max(best, m.step);
     }
-    if (best >= 0 && best >= disk_newest) targets.push_back({s_.memory->dir(), best});
+    if (best >= 0 && memory_before_disk(best, disk_newest)) targets.push_back({s_.memory->dir(), best});
   }
   if (disk_newest >= 0) targets.push_back({s_.opt.directory, disk_newest});
   std::vector<int64_t> steps;
