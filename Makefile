@@ -113,12 +113,13 @@ bench: build
 # Stress and randomized tests run ETTKIT_TEST_SCALE times their trials: the same kinds of test, fewer rounds.
 # -O1 -g1 (line tables): what the sanitizers' own docs recommend for readable reports, and it compiles 2.4x
 # faster than RelWithDebInfo's -O2 -g (checkpointer.cpp under ASan: 81 s against 191 s on the 2-core VM).
-# The library keeps -O1 -g1; the test files are compiled -O0 -g0 and the Python module -g0 (their reports
-# still name the function; line tables for pybind11's and gtest's templates were most of the compile time),
-# and ctest runs each test binary once, not once per test (docs/sanitizers.md, "CI time").
+# The library keeps -O1 -g1, compiled as a unity build (8 sources per translation unit); the test files are
+# compiled -O0 -g0 and the Python module -g0 (their reports still name the function; line tables for
+# pybind11's and gtest's templates were most of the compile time), and ctest runs each test binary once,
+# not once per test (docs/sanitizers.md, "CI time").
 SAN_CMAKE := -G Ninja -DPython_EXECUTABLE=$(PY) -DETTKIT_BUILD_BENCHMARKS=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   '-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1 -DNDEBUG' '-DETTKIT_TEST_COMPILE_OPTIONS=-O0;-g0' \
-  -DETTKIT_CTEST_PER_TEST=OFF '-DETTKIT_PYTHON_COMPILE_OPTIONS=-g0'
+  -DETTKIT_CTEST_PER_TEST=OFF '-DETTKIT_PYTHON_COMPILE_OPTIONS=-g0' -DETTKIT_UNITY_LIBRARY=ON
 # `sanitize` and `asan-python` share one ASan + UBSan build (build/asan: the library, the C++ tests and the
 # Python module), so CI compiles the instrumented library once.
 ASAN_CMAKE := $(SAN_CMAKE) -DETTKIT_SANITIZE=address -DETTKIT_BUILD_PYTHON=ON -DETTKIT_BUILD_TESTS=ON
@@ -158,7 +159,7 @@ asan-python: bootstrap
 	PYTHONPATH=$(abspath build/pyasan/site) LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libstdc++.so)" PYTHONMALLOC=malloc \
 	ASAN_OPTIONS=detect_leaks=0:protect_shadow_gap=0:log_path=$(ASAN_PY_LOGS)/asan \
 	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:log_path=$(ASAN_PY_LOGS)/ubsan ETTKIT_TEST_SCALE=0.1 \
-	  $(PY) -m pytest $(ASAN_PY_TESTS) -q -p no:cacheprovider -x $(PYTEST_PARALLEL) || rc=1; \
+	  $(PY) -m pytest $(ASAN_PY_TESTS) -q -p no:cacheprovider -x || rc=1; \
 	if compgen -G "$(ASAN_PY_LOGS)/*" >/dev/null; then \
 	  echo "asan-python: sanitizer reports:"; cat $(ASAN_PY_LOGS)/*; rc=1; \
 	fi; exit $$rc

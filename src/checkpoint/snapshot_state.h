@@ -20,7 +20,7 @@
 namespace ettkit::checkpoint::detail {
 
 /// How an entry's copy is judged: its version counter compared with the one recorded at save().
-enum Verdict : uint8_t { kUndecided = 0, kClean = 1, kChanged = 2 };
+enum CopyVerdict : uint8_t { kUndecided = 0, kClean = 1, kChanged = 2 };
 
 /// One save's copies. Shared by the Snapshot, the copy jobs (CPU) and nobody else. Per-entry vectors are
 /// sized in Stager::stage() and not resized afterwards; `remaining` and `staged_us` are atomics; everything
