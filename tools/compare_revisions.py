@@ -1,7 +1,7 @@
 """Old against new: the checkpoint benchmarks of a base revision and of the current tree, in the same run.
 
     python tools/compare_revisions.py [--base 42f7757] [--rounds 3] [--tolerance 0.05]
-                                      [--benchmarks checkpoint,reshard] [--json FILE]
+                                      [--benchmarks checkpoint,reshard,isolated] [--json FILE]
 
 #43's criterion for a behaviour-preserving redesign: `benchmarks/checkpoint.py --quick` (the disk tier, the
 memory tier, restore_s) and the reshard benchmark within 5 % of the numbers before the change, measured old
@@ -43,10 +43,13 @@ BENCHMARKS = {
     "checkpoint": ["benchmarks/checkpoint.py", "--quick", "--cases", "1GB_large,256MB_small",
                    "--variants", "ettkit,ettkit_memory"],
     "reshard": ["benchmarks/reshard.py", "--quick"],
+    # One save at a time, no training thread beside it: ettkit's own cost without the scheduler's noise.
+    "isolated": ["benchmarks/checkpoint_isolated.py"],
 }
 DEFAULT_FIGURES = (r"^(blocking_ms|time_to_durable_s|persist_GBps|persist_idle_GBps|restore_s)"
                    r"\[.*\]:(ettkit|memory)"
-                   r"|^(reshard_load_s|save_s)\[.*\]:ettkit$")
+                   r"|^(reshard_load_s|save_s)\[.*\]:ettkit$"
+                   r"|^(save_call_ms|persist_ms|persist_cpu_ms)\[tensors=.*\]:(disk|memory)$")
 # The CMake cache entries that make the base's build the same as build/py's (the rest are found again).
 CACHE_KEYS = re.compile(r"^(ETTKIT_\w+|CMAKE_BUILD_TYPE|CMAKE_(C|CXX|CUDA)_COMPILER(_LAUNCHER)?"
                         r"|CMAKE_CUDA_ARCHITECTURES|CMAKE_MAKE_PROGRAM|CMAKE_PREFIX_PATH"

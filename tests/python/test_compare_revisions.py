@@ -23,7 +23,7 @@ def test_defaults():
     assert a.base == "42f7757"
     assert a.rounds == 3
     assert a.tolerance == 0.05
-    assert a.benchmarks == ["checkpoint", "reshard"]
+    assert a.benchmarks == ["checkpoint", "reshard", "isolated"]
     assert a.extra_args == {}
     assert a.build_prefix == []
     assert a.json is None
@@ -64,6 +64,8 @@ def test_figures_of_selects_named_numeric_figures():
         "reshard_load_s[from=4,to=2,mib=32]": {"ettkit": 0.7, "dcp": 1.4, "dcp_over_ettkit": 2.0},
         "torn_commits[in_backward_sparse]": {"ettkit": 0},
         "bool[x]": {"ettkit": True},
+        "save_call_ms[tensors=2001,mib=32]": {"disk": 2.3, "memory": 2.2},
+        "persist_cpu_ms[tensors=12,mib=128]": {"disk": 140.0, "other": 1.0},
     }}
     got = cr.figures_of(doc, re.compile(cr.DEFAULT_FIGURES))
     assert got == {
@@ -73,6 +75,9 @@ def test_figures_of_selects_named_numeric_figures():
         "blocking_ms[state=1GB_large]:ettkit_memory": 2.0,
         "persist_GBps[state=256MB_small]:ettkit": 1.5,
         "reshard_load_s[from=4,to=2,mib=32]:ettkit": 0.7,
+        "save_call_ms[tensors=2001,mib=32]:disk": 2.3,
+        "save_call_ms[tensors=2001,mib=32]:memory": 2.2,
+        "persist_cpu_ms[tensors=12,mib=128]:disk": 140.0,
     }
 
 

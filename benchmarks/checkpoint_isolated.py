@@ -1,0 +1,110 @@
+"""One save at a time, nothing beside it: the cost of ettkit's save() call and of a disk-tier persist.
+
+    python benchmarks/checkpoint_isolated.py [--quick] [--saves 25] [--json FILE]
+
+benchmarks/checkpoint.py measures a save beside a training loop (a thread of matmuls on the same cores), three
+saves per variant in --quick: the figure a user sees, but on a 2-core machine its blocking time is mostly
+which thread the scheduler ran, and a few milliseconds move from run to run. This benchmark takes the
+scheduler out, to tell a change in ettkit's own code from that noise (tools/compare_revisions.py runs it
+for old and new in one run):
+- `save_call_ms[tensors=N,mib=M]:disk|memory`: the wall time of `save()` (argument checks, staging copy into
+  the warmed arena, queueing), each save waited for before the next, median of --saves after 5 warm-up saves;
+- `persist_ms[...]:disk` and `persist_cpu_ms[...]:disk`: `save(...).wait()` on the disk tier (staging,
+  writing, hashing, fsync, commit) as wall time and as this process's CPU time (getrusage, every thread).
+Two shapes: 2,001 small tensors (32 MiB; per-tensor costs) and 12 large ones (128 MiB; per-byte costs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_common  # noqa: E402
+
+WARMUP = 5
+
+
+def _cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _state(total_bytes: int, tensors: int):
+    import torch
+
+    return {f"t{i}": torch.randn(total_bytes // 4 // tensors) for i in range(tensors)}
+
+
+def _touch(state) -> None:
+    for t in state.values():  # what a training step does to every tensor between saves
+        t.add_(1.0)
+
+
+def measure(total_bytes: int, tensors: int, saves: int, root: str) -> dict:
+    from ettkit.checkpoint import AsyncCheckpointer
+
+    state = _state(total_bytes, tensors)
+    out = {}
+    for tier in ("disk", "memory"):
+        kw = dict(keep_last=2, recorder=None, preempt_signals=(), overlap=True, unfenced_sync_max_bytes=0)
+        if tier == "memory":
+            kw.update(memory_tier="/dev/shm", job_id=f"bench-isolated-{os.getpid()}")
+        calls = []
+        with AsyncCheckpointer(os.path.join(root, f"call-{tier}"), **kw) as ck:
+            for step in range(1, WARMUP + saves + 1):
+                _touch(state)
+                t0 = time.perf_counter()
+                handle = ck.save(step, state, tier=tier)
+                calls.append(time.perf_counter() - t0)
+                handle.wait()
+        out[f"save_call_ms:{tier}"] = statistics.median(calls[WARMUP:]) * 1e3
+    walls, cpus = [], []
+    with AsyncCheckpointer(os.path.join(root, "persist"), keep_last=2, recorder=None, preempt_signals=()) as ck:
+        for step in range(1, WARMUP + saves + 1):
+            _touch(state)
+            c0, t0 = _cpu_s(), time.perf_counter()
+            ck.save(step, state).wait()
+            walls.append(time.perf_counter() - t0)
+            cpus.append(_cpu_s() - c0)
+    out["persist_ms:disk"] = statistics.median(walls[WARMUP:]) * 1e3
+    out["persist_cpu_ms:disk"] = statistics.median(cpus[WARMUP:]) * 1e3
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="10 measured saves per figure instead of --saves")
+    ap.add_argument("--saves", type=int, default=25, help="measured saves per figure (after 5 warm-up saves)")
+    ap.add_argument("--dir", help="scratch directory (default: a new temporary one)")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    if a.quick:
+        a.saves = 10
+    if a.saves < 1:
+        ap.error(f"--saves must be at least 1, got {a.saves}")
+    results: dict = {}
+    for mib, tensors in ((32, 2001), (128, 12)):
+        root = tempfile.mkdtemp(prefix="ettkit-isolated-", dir=a.dir)
+        try:
+            figures = measure(mib << 20, tensors, a.saves, root)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        for key, value in figures.items():
+            metric, variant = key.split(":")
+            results.setdefault(f"{metric}[tensors={tensors},mib={mib}]", {})[variant] = value
+    bench_common.print_table("one save at a time (medians, milliseconds)", results)
+    if a.json:
+        bench_common.write_json(a.json, "checkpoint_isolated", {k: v for k, v in vars(a).items() if k != "json"},
+                                results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
