@@ -21,7 +21,11 @@ Variants, each in a fresh process (compile caches are process-global) with an em
   Inductor), in a new, empty Inductor cache dir: the precompiled tier;
 * ``precompiled_warm_imported`` — the same, with torch's compile stack (Dynamo, Inductor's lowering, codegen
   and code caches) imported before the clock starts (``imports_s``): what the precompiled load costs beyond
-  the imports that any compile, and any load of compiled code, pays.
+  the imports that any compile, and any load of compiled code, pays;
+* ``precompiled_shared_first`` — the first start of *another* job of the same model: its own cache
+  directory and Inductor cache dir are empty, and ``CompileCache(shared_dir=...)`` finds the file the
+  ``precompiled_cold`` job left in the shared compile cache (docs/startup.md, "A warm first start"),
+  verifies its HMAC, copies it and loads it.
 
 ``--model`` picks the model: ``rec`` (the default: embedding + MLP with BatchNorm and Dropout),
 ``transformer`` (a 2-layer transformer encoder over the ids as tokens) or ``dlrm`` (one embedding table per
@@ -60,6 +64,7 @@ import argparse
 import json
 import os
 import platform
+import secrets
 import shutil
 import statistics
 import subprocess
@@ -100,8 +105,10 @@ VARIANTS = (
     "precompiled_cold",
     "precompiled_warm",
     "precompiled_warm_imported",
+    "precompiled_shared_first",
 )
 MODELS = ("rec", "transformer", "dlrm")
+SHARED_VARIANTS = ("precompiled_cold", "precompiled_shared_first")
 
 
 # ---- the child: one variant in a fresh process ------------------------------------------------------------
@@ -223,6 +230,9 @@ def _child(variant: str, cfg: dict, data_dir: str, cache_dir: str, out_file: str
             precompile=variant.startswith("precompiled"),
             store=store,
             rank=rank,
+            # The job that compiles cold fills the shared cache; another job's first start reads it.
+            shared_dir=os.environ.get("ETTKIT_BENCH_SHARED_DIR") if variant in SHARED_VARIANTS else None,
+            job=f"bench-{variant}",
         )
         compiled, first, report, it = startup.overlapped_start(
             model, loader, spec, loss_fn, cache, recorder=None
@@ -279,6 +289,8 @@ def _child(variant: str, cfg: dict, data_dir: str, cache_dir: str, out_file: str
 
 # ---- the driver ---------------------------------------------------------------------------------------------
 
+_BENCH_SECRET = secrets.token_hex(32)
+
 
 def _machine() -> dict:
     import importlib.metadata
@@ -325,6 +337,10 @@ def _run_variant(variant: str, cfg: dict, root: str, data_dir: str, cache_dir: s
     env["TRITON_CACHE_DIR"] = os.path.join(root, f"{tag}-{variant}-triton")  # GPU kernels: fresh too
     env.pop("TORCH_COMPILE_FORCE_DISABLE_CACHES", None)
     env.setdefault("ETTKIT_LOG_LEVEL", "error")
+    # The shared compile cache of this repeat, and its secret (one per benchmark run, unless one is set).
+    env["ETTKIT_BENCH_SHARED_DIR"] = os.path.join(root, f"{tag}-shared-cache")
+    os.makedirs(env["ETTKIT_BENCH_SHARED_DIR"], mode=0o750, exist_ok=True)
+    env.setdefault("ETTKIT_COMPILE_CACHE_SECRET", _BENCH_SECRET)
     cmd = [
         sys.executable,
         os.path.abspath(__file__),
@@ -508,6 +524,8 @@ def main() -> None:
                 # A cold variant writes the file its warm variant reads (a restart of that job).
                 tier = "precompile" if variant.startswith("precompiled") else "compile"
                 cache_dir = os.path.join(root, f"r{r}-{tier}-cache")
+                if variant == "precompiled_shared_first":  # another job: nothing of its own yet
+                    cache_dir = os.path.join(root, f"r{r}-another-job-cache")
                 res = _run_variant(variant, cfg, root, data_dir, cache_dir, f"r{r}")
                 runs[variant].append(res)
                 print(
@@ -532,6 +550,7 @@ def main() -> None:
             "cold_precompile": med("precompiled_cold", "compile_s"),
             "warm_precompiled": med("precompiled_warm", "compile_s"),
             "warm_precompiled_imported": med("precompiled_warm_imported", "compile_s"),
+            "first_start_shared": med("precompiled_shared_first", "compile_s"),
         },
         "imports_s": {"compile_stack": med("precompiled_warm_imported", "compile_stack_import_s")},
         "first_batch_s": {"ettkit": med("overlapped", "first_batch_s")},

@@ -142,6 +142,23 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BROKEN_PIPE
 
 
+def _precompile_arguments(p: argparse.ArgumentParser) -> None:
+    """`ettkit precompile`'s options (ettkit.startup.precompile_job runs it)."""
+    p.add_argument("--model", required=True, metavar="MODULE:NAME",
+                   help="the trainer's model factory (called without arguments) or module object")
+    p.add_argument("--spec", required=True, metavar="MODULE:NAME",
+                   help="the trainer's BatchSpec, or a function returning it")
+    p.add_argument("--shared-dir", required=True, help="the shared compile cache (CompileCache(shared_dir=...))")
+    p.add_argument("--cache-dir", help="this run's own cache directory (default: a temporary one)")
+    p.add_argument("--config", metavar="JSON", help="CompileCache(config=...) as the trainer passes it")
+    p.add_argument("--compile-kwargs", metavar="JSON", help="overlapped_start(compile_kwargs=...) as the trainer's")
+    p.add_argument("--forward", metavar="MODULE:NAME", help="overlapped_start(forward=...) as the trainer's")
+    p.add_argument("--seed", type=int, default=0, help="overlapped_start(seed=...) as the trainer's (default 0)")
+    p.add_argument("--device", help="move the model there first (default: where the factory left it)")
+    p.add_argument("--job", help="this run's name in the file (default $SLURM_JOB_ID or $TORCHELASTIC_RUN_ID)")
+    p.add_argument("--run-dir", help="write this run's ETT ledger there (its compile time then counts)")
+
+
 def _main(argv: list[str] | None) -> int:
     from . import __version__
 
@@ -194,7 +211,16 @@ def _main(argv: list[str] | None) -> int:
     srv.add_argument("--host", default="127.0.0.1",
                      help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
     srv.add_argument("--job", help="job label for every metric")
+    pre = sub.add_parser("precompile", help="fill a shared compile cache ahead of a job (docs/startup.md)",
+                         description="Precompiles the trainer's model for its batch spec into a shared compile "
+                         "cache (CompileCache(shared_dir=...)), so that the jobs of that model start without "
+                         "compiling. Needs $ETTKIT_COMPILE_CACHE_SECRET.")
+    _precompile_arguments(pre)
     args = parser.parse_args(argv)
+    if args.command == "precompile":
+        from .startup import precompile_job  # imports torch: only for this command
+
+        return precompile_job.command(args)
     if args.command == "serve":
         from .ett.live import serve_command
 

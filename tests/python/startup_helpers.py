@@ -110,3 +110,8 @@ class RecDataset(Dataset):
             "dense": torch.randn(DENSE, generator=g).to(self.dense_dtype),
             "label": torch.randint(0, 2, (), generator=g).float(),
         }
+
+
+def static_spec() -> BatchSpec:
+    """declared_spec's static form (batch 8) as a zero-argument factory: what `ettkit precompile --spec` calls."""
+    return declared_spec(dynamic=False)

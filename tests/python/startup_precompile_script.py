@@ -9,7 +9,8 @@ Point TORCHINDUCTOR_CACHE_DIR at a fresh directory so that only the ettkit file 
 ETTKIT_TEST_FAIL_ON_RECOMPILE=1 the 10 steps run under torch.compiler.set_stance("fail_on_recompile").
 With ETTKIT_TEST_STORE=<path> (and ETTKIT_TEST_RANK, ETTKIT_TEST_WORLD) the ranks share one precompile through
 a FileStore at that path (compile once per job), signed with $ETTKIT_COMPILE_SHARE_SECRET, which CompileCache
-reads itself.
+reads itself. With ETTKIT_TEST_SHARED_DIR=<dir> (and ETTKIT_TEST_JOB) the cache also uses that shared compile
+cache, its files signed with $ETTKIT_COMPILE_CACHE_SECRET.
 Prints one JSON line: the report, and every loss and gradient as exact hex floats.
 """
 
@@ -56,7 +57,8 @@ def main(mode: str, cache_dir: str, spec_kind: str) -> None:
             rank = int(os.environ["ETTKIT_TEST_RANK"])
             store = dist.FileStore(os.environ["ETTKIT_TEST_STORE"], int(os.environ["ETTKIT_TEST_WORLD"]))
         cache = CompileCache(
-            cache_dir, model=model, spec=spec, config={}, precompile=mode == "ettkit", store=store, rank=rank
+            cache_dir, model=model, spec=spec, config={}, precompile=mode == "ettkit", store=store, rank=rank,
+            shared_dir=os.environ.get("ETTKIT_TEST_SHARED_DIR"), job=os.environ.get("ETTKIT_TEST_JOB"),
         )
         compiled, first, report, rest = overlapped_start(
             model, Loader(batches), spec, loss_fn, cache, recorder=None
@@ -65,6 +67,7 @@ def main(mode: str, cache_dir: str, spec_kind: str) -> None:
         out["precompiled_reason"] = None if report.precompiled is None else report.precompiled.reason
         out["stages"] = {k: round(v.duration_s, 3) for k, v in report.stages.stages.items()}
         out["saved"] = None if report.precompiled_save is None else report.precompiled_save.written
+        out["shared_saved"] = None if report.shared_save is None else report.shared_save.written
         out["type"] = type(compiled).__name__
         out["origin"] = getattr(compiled, "origin", None)
         out["time_to_start_s"] = report.time_to_start_s

@@ -16,6 +16,7 @@ from ..errors import BatchMismatchError, StageError
 from .batch_spec import BatchSpec, Dim, TensorSpec
 from .cache import CacheLoadResult, CacheSaveResult, CompileCache, CompileCacheWarning, compile_fingerprint
 from .overlap import StartReport, StartResult, overlapped_start
+from .precompile_job import PrecompileResult, precompile
 from .precompiled import PrecompiledModel
 from .stages import StageGraph, StageRecord, StageReport
 from .warm import WarmCompileReport, compile_counters, compiled_graphs, warm_compile
@@ -28,6 +29,7 @@ __all__ = [
     "CompileCache",
     "CompileCacheWarning",
     "Dim",
+    "PrecompileResult",
     "PrecompiledModel",
     "StageError",
     "StageGraph",
@@ -41,5 +43,6 @@ __all__ = [
     "compile_fingerprint",
     "compiled_graphs",
     "overlapped_start",
+    "precompile",
     "warm_compile",
 ]

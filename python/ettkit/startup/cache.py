@@ -47,6 +47,7 @@ are :mod:`ettkit.startup.cache_format`'s, finding and restoring the compiled ker
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import hmac
 import importlib.metadata
@@ -54,6 +55,7 @@ import inspect
 import json
 import os
 import platform
+import stat
 import sys
 import time
 import warnings
@@ -102,6 +104,9 @@ class CacheLoadResult:
     #: A precompiled forward compiled with soft dims: which guard specialized a declared dynamic dim when it
     #: was compiled (the same text the cold start reported), so that a warm start reports it too.
     dynamic_dims_specialized: str | None = None
+    #: Where a precompiled artifact came from when it was not this node's own file: "from rank 0" (compile
+    #: once per job) or "shared, job <job> on <host>" (the shared compile cache). None otherwise.
+    source: str | None = None
 
     @property
     def hit(self) -> bool:
@@ -186,7 +191,13 @@ def compile_fingerprint(model: Any = None, spec: Any = None, config: Mapping | N
 # ---- compile once per job: the Store payload's HMAC ------------------------------------------------------
 
 _SHARE_SECRET_ENV = "ETTKIT_COMPILE_SHARE_SECRET"
+# The shared compile cache's secret: the fleet's (whoever may fill the cache holds it), not one job's.
+_CACHE_SECRET_ENV = "ETTKIT_COMPILE_CACHE_SECRET"
 _MIN_SECRET_BYTES = 32
+# What a MAC is for, under the MAC: a payload one job published through its Store cannot pass for a shared
+# cache file, nor the reverse.
+_JOB_CONTEXT = b"ettkit precompiled share v1"
+_SHARED_CONTEXT = b"ettkit shared compile cache v1"
 _SHARE_MAGIC = b"ETTKSHR1"
 _SHARE_FILE, _SHARE_FALLBACK = b"F", b"X"  # the payload's kind: rank 0's file, or why there is none
 _MAC_BYTES = hashlib.sha256().digest_size
@@ -199,53 +210,97 @@ _NO_SECRET = (
 )
 
 
-def _share_secret(explicit: bytes | str | None) -> tuple[bytes | None, str]:
-    """The job's share secret (``share_secret=``, else $ETTKIT_COMPILE_SHARE_SECRET) and where it came from.
-    Raises InvalidArgumentError for one shorter than 32 bytes: a short secret is a configuration mistake."""
-    source = "share_secret="
+def _secret(explicit: bytes | str | None, env: str = _SHARE_SECRET_ENV, argument: str = "share_secret=",
+            who: str = "set once by the launcher for every rank") -> tuple[bytes | None, str]:
+    """A secret (``explicit``, else ``$env``) and where it came from. Raises InvalidArgumentError for one
+    shorter than 32 bytes: a short secret is a configuration mistake."""
+    source = argument
     if explicit is None:
-        explicit, source = os.environ.get(_SHARE_SECRET_ENV) or None, f"${_SHARE_SECRET_ENV}"
+        explicit, source = os.environ.get(env) or None, f"${env}"
     if explicit is None:
         return None, ""
     secret = explicit.encode() if isinstance(explicit, str) else bytes(explicit)
     if len(secret) < _MIN_SECRET_BYTES:
         raise InvalidArgumentError(
-            f"the compile share secret from {source} is {len(secret)} bytes; it must be at least "
-            f"{_MIN_SECRET_BYTES} random bytes, e.g. {_SHARE_SECRET_ENV}=$(python -c 'import secrets; "
-            "print(secrets.token_hex(32))') set once by the launcher for every rank"
+            f"the compile cache secret from {source} is {len(secret)} bytes; it must be at least "
+            f"{_MIN_SECRET_BYTES} random bytes, e.g. {env}=$(python -c 'import secrets; "
+            f"print(secrets.token_hex(32))') {who}"
         )
     return secret, source
 
 
-def _share_mac(secret: bytes, share_key: str, kind: bytes, body: bytes) -> bytes:
-    # The Store key is under the MAC: a payload published for one model cannot be replayed under another.
-    context = b"ettkit precompiled share v1\0" + share_key.encode() + b"\0" + kind
-    mac = hmac.new(secret, context, hashlib.sha256)
+def _share_secret(explicit: bytes | str | None) -> tuple[bytes | None, str]:
+    """The job's share secret (``share_secret=``, else $ETTKIT_COMPILE_SHARE_SECRET) and where it came from."""
+    return _secret(explicit)
+
+
+def _share_mac(secret: bytes, share_key: str, kind: bytes, body: bytes, context: bytes = _JOB_CONTEXT) -> bytes:
+    # The key is under the MAC: a payload published for one model cannot be replayed under another.
+    mac = hmac.new(secret, context + b"\0" + share_key.encode() + b"\0" + kind, hashlib.sha256)
     mac.update(body)
     return mac.digest()
 
 
-def _seal(secret: bytes, share_key: str, kind: bytes, body: bytes) -> bytes:
-    return _SHARE_MAGIC + _share_mac(secret, share_key, kind, body) + kind + body
+def _seal(secret: bytes, share_key: str, kind: bytes, body: bytes, context: bytes = _JOB_CONTEXT) -> bytes:
+    return _SHARE_MAGIC + _share_mac(secret, share_key, kind, body, context) + kind + body
 
 
-def _unseal(secret: bytes, share_key: str, payload: bytes) -> tuple[bytes, memoryview]:
+def _unseal(secret: bytes, share_key: str, payload: bytes, context: bytes = _JOB_CONTEXT) -> tuple[bytes, memoryview]:
     """``(kind, body)`` of a sealed payload (the body a view into ``payload``: a precompiled file is not
-    copied to be verified); ValueError, before anything of it is used, when it is not one this job's secret
-    sealed under this key."""
+    copied to be verified); ValueError, before anything of it is used, when it is not one this secret sealed
+    under this key for this ``context`` (a job's Store, or the shared cache)."""
+    job = context == _JOB_CONTEXT
     head = len(_SHARE_MAGIC) + _MAC_BYTES + 1
     if len(payload) < head or not payload.startswith(_SHARE_MAGIC):
-        raise ValueError("carries no ettkit HMAC (not published by an ettkit rank with a share secret)")
+        raise ValueError(
+            "carries no ettkit HMAC ("
+            + ("not published by an ettkit rank with a share secret)" if job else "not written by ettkit with "
+               f"${_CACHE_SECRET_ENV} set)")
+        )
     mac = payload[len(_SHARE_MAGIC) : len(_SHARE_MAGIC) + _MAC_BYTES]
     kind, body = payload[head - 1 : head], memoryview(payload)[head:]
     if kind not in (_SHARE_FILE, _SHARE_FALLBACK) or not hmac.compare_digest(
-        mac, _share_mac(secret, share_key, kind, body)
+        mac, _share_mac(secret, share_key, kind, body, context)
     ):
+        if job:
+            raise ValueError(
+                f"has an HMAC-SHA256 that does not verify with this rank's share secret (${_SHARE_SECRET_ENV} or "
+                "share_secret=): it was not published by a rank of this job, or the ranks' secrets differ"
+            )
         raise ValueError(
-            f"has an HMAC-SHA256 that does not verify with this rank's share secret (${_SHARE_SECRET_ENV} or "
-            "share_secret=): it was not published by a rank of this job, or the ranks' secrets differ"
+            f"has an HMAC-SHA256 that does not verify with this job's cache secret (${_CACHE_SECRET_ENV} or "
+            "shared_secret=) for this key: it was written by someone without the secret, for another key, or "
+            "with another secret"
         )
     return kind, body
+
+
+def _producer(job: str | None) -> dict:
+    """Who wrote a precompiled file: kept in its header, shown in the ledger note of a start that loads it
+    from the shared cache (the fleet report then tells which job's compile served which start)."""
+    if not job:
+        job = os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID", "")
+        job = "" if job == "none" else job  # torchrun's default --rdzv-id
+    try:
+        import pwd
+
+        user = pwd.getpwuid(os.geteuid()).pw_name
+    except (ImportError, KeyError):
+        user = str(os.geteuid())
+    return {"job": job or f"pid {os.getpid()}", "host": platform.node(), "user": user, "written": time.time()}
+
+
+def _printable(value: Any, limit: int = 80) -> str:
+    """A header field for a log line or a ledger note: text, no control characters, bounded."""
+    text = value if isinstance(value, str) else "?"
+    return "".join(c if c.isprintable() else "?" for c in text[:limit])
+
+
+def _describe_producer(header: Mapping) -> str:
+    producer = header.get("producer")
+    if not isinstance(producer, dict):
+        return "shared"
+    return f"shared, job {_printable(producer.get('job'))} on {_printable(producer.get('host'))}"
 
 
 def _artifact_counts(info: Any) -> dict:
@@ -281,6 +336,20 @@ class CompileCache:
     shares on purpose). Off by default: a file there is "untrusted" (warned, a cold compile), because loading
     it runs code that whoever wrote it chose.
 
+    ``shared_dir``: a compile cache that jobs share (e.g. a team's directory on a shared file system), for the
+    precompiled tier: a start whose own directory has no file for its key loads the one there, copies it into
+    its own directory (so its restarts need nothing shared) and starts without compiling; a start that
+    compiled writes its file there for the next job (:meth:`publish_shared`). The key (torch and Triton
+    builds, Python, the machine and device, the model's classes and sources, its parameters, the batch spec,
+    the compile configuration) names the file, so jobs of one model meet and others never do. Another user
+    may own the directory and its files, so each file carries an HMAC-SHA256 keyed by ``shared_secret``
+    (bytes or text, 32 bytes at least; default ``$ETTKIT_COMPILE_CACHE_SECRET``), a secret everyone who may
+    fill the cache holds: a file that does not verify is never copied or unpickled ("untrusted", warned, a
+    cold compile), and a world-writable directory is refused. ``job``: this job's name in the files it
+    writes (default ``$SLURM_JOB_ID``, else torchrun's ``$TORCHELASTIC_RUN_ID``); a start served from the
+    shared cache records "precompiled (shared, job <job> on <host>)" in its ledger. ``python -m ettkit
+    precompile`` fills the cache ahead of a job (docs/startup.md, "A warm first start").
+
     Not thread-safe; call :meth:`load` before compiling and :meth:`save` when no compile is running."""
 
     def __init__(
@@ -299,6 +368,9 @@ class CompileCache:
         share_timeout_s: float = 1800.0,
         share_secret: bytes | str | None = None,
         trust_shared: bool = False,
+        shared_dir: str | os.PathLike | None = None,
+        shared_secret: bytes | str | None = None,
+        job: str | None = None,
     ):
         self.dir = Path(path)
         self.trust_shared = bool(trust_shared)
@@ -333,6 +405,21 @@ class CompileCache:
         self._share_key = "ettkit/precompiled/" + hashlib.sha256(
             json.dumps(shared, sort_keys=True).encode()
         ).hexdigest()[:24]
+        self.shared_dir = Path(shared_dir) if shared_dir is not None else None
+        self._shared_secret = None
+        if self.shared_dir is not None:
+            self._shared_secret, _ = _secret(
+                shared_secret, _CACHE_SECRET_ENV, "shared_secret=", "held by everyone who may fill the cache"
+            )
+            if self._shared_secret is None:
+                raise InvalidArgumentError(
+                    f"CompileCache(shared_dir={str(self.shared_dir)!r}) needs the shared cache's secret: every "
+                    "file there runs code when it loads and may have been written by another user, so each "
+                    f"carries an HMAC. Set ${_CACHE_SECRET_ENV} (32+ random bytes, the same for every job "
+                    "that uses the cache) or pass shared_secret="
+                )
+        self.shared_name = f"precompiled-{self.key[:24]}.shared"
+        self.job = job
         self.kernels = kernels
         self._loaded_keys: set | None = None
         self._loaded_kernels: set = set()
@@ -528,9 +615,16 @@ class CompileCache:
     def load_precompiled(self) -> tuple[CacheLoadResult, Any]:
         """Loads the precompiled forward for this key: ``(result, fn)`` with ``result.status ==
         "precompiled"`` and the loaded function, or ``(result, None)`` with "miss", "stale" (another key, or
-        a Python source Dynamo inlined has changed since: named in the reason), "corrupt" or "rejected"
-        (torch refused it: another torch build or device). Never raises for a bad file; warns except on a
-        plain miss."""
+        a Python source Dynamo inlined has changed since: named in the reason), "corrupt", "untrusted" or
+        "rejected" (torch refused it: another torch build or device). With ``shared_dir``, a plain miss here
+        tries the shared cache's file (``result.source`` then says whose compile it was). Never raises for a
+        bad file; warns except on a plain miss."""
+        result, fn = self._load_precompiled_here()
+        if fn is None and result.status == "miss" and self.shared_dir is not None:
+            return self._load_shared(result)
+        return result, fn
+
+    def _load_precompiled_here(self) -> tuple[CacheLoadResult, Any]:
         from . import precompiled
 
         t0 = time.perf_counter()
@@ -590,7 +684,7 @@ class CompileCache:
         counts = {"precompiled": 1}
         if blobs:
             counts["cpu_kernel_files"] = len(blobs)
-        extra = {"artifacts": counts, "sources": precompiled.source_fingerprint(fn)}
+        extra = {"artifacts": counts, "sources": precompiled.source_fingerprint(fn), "producer": _producer(self.job)}
         if dynamic_dims_specialized:
             extra["dynamic_dims_specialized"] = dynamic_dims_specialized
         data, body = self._encode(cache_format.PRECOMPILED, artifact, blobs, extra)
@@ -600,6 +694,90 @@ class CompileCache:
             warnings.warn(f"could not write compile cache {path}: {exc}", CompileCacheWarning, stacklevel=2)
             return CacheSaveResult(False, str(path), f"write failed: {exc}", counts, len(body))
         return CacheSaveResult(True, str(path), "written", counts, len(body))
+
+    # ---- the shared compile cache (shared_dir) ---------------------------------------------------------
+
+    def _shared_directory(self) -> CacheDirectory:
+        """The shared directory, opened: another user may own it (its files carry HMACs), but one that every
+        user of the machine can write is refused (UntrustedFileError): anyone could fill or empty it."""
+        directory = CacheDirectory(self.shared_dir, trust_shared=True)
+        mode = os.fstat(directory.fd).st_mode
+        if mode & stat.S_IWOTH:
+            directory.close()
+            raise UntrustedFileError(
+                f"the shared compile cache {self.shared_dir} is world-writable (mode {stat.S_IMODE(mode):04o}): "
+                "every user of this machine could replace its files. Give it to the group that shares it "
+                f"(chmod o-w {self.shared_dir}; the files' HMACs keep out whoever lacks the secret)"
+            )
+        return directory
+
+    def _load_shared(self, here: CacheLoadResult) -> tuple[CacheLoadResult, Any]:
+        """This key's file in the shared cache, verified (its HMAC, then its header: key and checksum), copied
+        into this node's directory and loaded from there; or why not (``here``'s miss extended by the shared
+        cache's, or the shared file's refusal, warned)."""
+        from . import precompiled
+
+        t0 = time.perf_counter()
+        where = self.shared_dir / self.shared_name
+        if precompiled.supported():
+            return here, None
+        try:
+            with self._shared_directory() as directory:
+                payload = directory.read(self.shared_name)
+        except FileNotFoundError:
+            reason = f"{here.reason}; none in the shared cache {self.shared_dir} either"
+            return dataclasses.replace(here, reason=reason, seconds=here.seconds + time.perf_counter() - t0), None
+        except UntrustedFileError as exc:
+            return self._ignored("untrusted", str(exc), t0, where), None
+        except OSError as exc:
+            return self._ignored("corrupt", f"cannot read it ({exc})", t0, where), None
+        try:
+            kind, body = _unseal(self._shared_secret, self.key, payload, _SHARED_CONTEXT)
+            if kind != _SHARE_FILE:
+                raise ValueError("is not a precompiled file")
+        except ValueError as exc:  # forged, foreign or for another key: nothing of it is written or unpickled
+            return self._ignored("untrusted", f"refused: it {exc}", t0, where), None
+        body = bytes(body)
+        file = self._checked(body, t0, where, cache_format.PRECOMPILED)
+        if isinstance(file, CacheLoadResult):
+            return file, None
+        try:
+            self._write_atomic(body, self.precompiled_path)
+        except OSError as exc:
+            why = f"the shared cache's file could not be copied to {self.precompiled_path}: {exc}"
+            warnings.warn(why, CompileCacheWarning, stacklevel=3)
+            return CacheLoadResult("miss", str(where), why, seconds=time.perf_counter() - t0), None
+        result, fn = self._load_precompiled_here()
+        if fn is None:
+            return result, None
+        source = _describe_producer(file.header)
+        result = dataclasses.replace(
+            result, path=str(where), reason=f"from the shared cache ({source})", source=source,
+            seconds=time.perf_counter() - t0,
+        )
+        return result, fn
+
+    def publish_shared(self) -> CacheSaveResult:
+        """Writes this key's precompiled file (this node's, which this process just wrote or loaded) into the
+        shared cache, sealed with the cache's HMAC, atomically, readable by the group (0640: the directory's
+        group is who shares it). A directory this job may not write (a read-only cache: jobs read, a
+        precompile service fills) returns ``written=False`` quietly; any other failure warns."""
+        where = self.shared_dir / self.shared_name if self.shared_dir is not None else Path(self.shared_name)
+        if self.shared_dir is None:
+            return CacheSaveResult(False, str(where), "no shared_dir")
+        try:
+            with CacheDirectory(self.dir, trust_shared=self.trust_shared) as own:
+                body = own.read(self.precompiled_path.name)
+            sealed = _seal(self._shared_secret, self.key, _SHARE_FILE, body, _SHARED_CONTEXT)
+            with self._shared_directory() as directory:
+                directory.write(self.shared_name, sealed, mode=0o640)
+                directory.remove_stale_temporaries(self.shared_name, _STALE_TEMPORARY_S)
+        except OSError as exc:
+            if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+                return CacheSaveResult(False, str(where), f"read-only for this job: {exc}")
+            warnings.warn(f"could not write the shared compile cache {where}: {exc}", CompileCacheWarning, stacklevel=2)
+            return CacheSaveResult(False, str(where), f"write failed: {exc}")
+        return CacheSaveResult(True, str(where), "written", {"precompiled": 1}, len(sealed))
 
     # ---- compile once per job: the precompiled file through the c10d Store -----------------------------
 
@@ -667,7 +845,8 @@ class CompileCache:
         if fn is None:
             return result, None, f"rank 0's precompiled file does not load here: {result.status}, {result.reason}"
         result = dataclasses.replace(
-            result, reason=f"from rank 0 (waited {waited:.2f} s)", seconds=time.perf_counter() - t0
+            result, reason=f"from rank 0 (waited {waited:.2f} s)", source="from rank 0",
+            seconds=time.perf_counter() - t0,
         )
         return result, fn, None
 

@@ -72,6 +72,9 @@ class StartReport:
     # The MegaCache file saved by the start itself after a torch.compile (None when nothing compiled that way:
     # no cache, or the precompiled tier served the start and wrote its own file).
     cache_save: CacheSaveResult | None = None
+    # With CompileCache(shared_dir=...): the write of this start's freshly precompiled file into the shared
+    # cache (None when this start compiled nothing, or has no shared cache).
+    shared_save: CacheSaveResult | None = None
 
     @property
     def cache_tier(self) -> str | None:
@@ -102,6 +105,7 @@ class StartReport:
             "overlap_saved_s": self.overlap_saved_s,
             "cache": self.cache_tier,
             "precompiled": None if self.precompiled is None else self.precompiled.status,
+            "precompiled_source": None if self.precompiled is None else self.precompiled.source,
             "precompile_fallback": self.precompile_fallback,
             "precompile_peer": self.precompile_peer,
             "cache_saved": None if self.cache_save is None else self.cache_save.written,
@@ -310,6 +314,10 @@ class _OverlappedStart:
         fallback["seconds"] = time.perf_counter() - t0
         with self.sub_phase("compile/precompiled_save"):
             fallback["save"] = self.cache.save_precompiled(fn, fallback.get("specialized"))
+        if fallback["save"].written and self.cache.shared_dir is not None:
+            # The next job of this model (on any node that shares the cache) starts from this compile.
+            with self.sub_phase("compile/precompiled_share"):
+                fallback["shared_save"] = self.cache.publish_shared()
         return fn
 
     def publish(self, reason: str | None) -> None:
@@ -393,6 +401,7 @@ class _OverlappedStart:
             precompile_fallback=reason,
             precompile_peer=fallback.get("peer"),
             cache_save=fallback.get("cache_save"),
+            shared_save=fallback.get("shared_save"),
         )
 
     def record_notes(self, report: StartReport) -> None:
@@ -404,7 +413,9 @@ class _OverlappedStart:
             return
         tier = report.cache_tier
         if tier is not None:
-            recorder.set_note("compile_cache", tier)
+            source = report.precompiled.source if tier == "precompiled" else None
+            # e.g. "precompiled (shared, job 4711 on node-17)": whose compile served this start.
+            recorder.set_note("compile_cache", f"{tier} ({source})" if source else tier)
         reason = report.precompile_fallback
         if reason:
             limit = recorder.MAX_NOTE_BYTES  # bytes of UTF-8, not characters

@@ -101,6 +101,13 @@ def _make_directories(path: Path) -> None:
             pass  # another rank made it meanwhile; it is checked like any other when opened
 
 
+def _io_error(what: str, exc: OSError) -> IoError:
+    """ettkit's IoError naming ``what`` failed, keeping the errno of ``exc`` (a caller tells EACCES apart)."""
+    error = IoError(f"{what}: {exc.strerror} (errno {exc.errno})")
+    error.errno = exc.errno
+    return error
+
+
 class CacheDirectory:
     """An opened compile-cache directory whose owner and mode were checked once, on the handle; every file
     operation after that goes through the handle (``dir_fd``). Promises: :meth:`read` returns the bytes of a
@@ -169,21 +176,22 @@ class CacheDirectory:
                 raise UntrustedFileError(problem)
             return f.read()
 
-    def write(self, name: str, data: bytes, *, durable: bool = True) -> None:
-        """Replaces file ``name`` with ``data``: a new temporary file (0600, ``O_EXCL|O_NOFOLLOW``), written,
-        fsynced (``durable``), renamed over ``name``, and the directory fsynced (``durable``). A reader sees
-        the old file or the new one, whole. On failure the temporary is removed and ``IoError`` names it."""
+    def write(self, name: str, data: bytes, *, durable: bool = True, mode: int = 0o600) -> None:
+        """Replaces file ``name`` with ``data``: a new temporary file (``mode``, default 0600; never wider,
+        ``O_EXCL|O_NOFOLLOW``), written, fsynced (``durable``), renamed over ``name``, and the directory fsynced
+        (``durable``). A reader sees the old file or the new one, whole. On failure the temporary is removed
+        and ``IoError`` names it (its ``errno`` is the failed call's)."""
         # The temporary's name is what remove_stale_temporaries recognises as a dead writer's.
         tmp = f".{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
         try:
             fd = os.open(tmp, _CREATE_FLAGS, 0o600, dir_fd=self.fd)
         except OSError as exc:
-            raise IoError(
-                f"creating '{self._where(tmp)}' failed: {exc.strerror} (errno {exc.errno})"
-            ) from None
+            raise _io_error(f"creating '{self._where(tmp)}' failed", exc) from None
         step = "writing"
         try:
             try:
+                if mode != 0o600:  # exactly what was asked (the umask could not widen the 0600 it was made with)
+                    os.fchmod(fd, mode & 0o644)
                 view = memoryview(data)
                 while view:
                     view = view[os.write(fd, view) :]
@@ -200,7 +208,7 @@ class CacheDirectory:
             except OSError:
                 pass
             where = self._where(name) if step == "renaming over" else self._where(tmp)
-            raise IoError(f"{step} '{where}' failed: {exc.strerror} (errno {exc.errno})") from None
+            raise _io_error(f"{step} '{where}' failed", exc) from None
         if durable:
             os.fsync(self.fd)  # the rename itself survives a crash
 
