@@ -26,7 +26,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_common  # noqa: E402
+import bench_common
 
 WARMUP = 5
 

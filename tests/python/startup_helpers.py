@@ -115,3 +115,24 @@ class RecDataset(Dataset):
 def static_spec() -> BatchSpec:
     """declared_spec's static form (batch 8) as a zero-argument factory: what `ettkit precompile --spec` calls."""
     return declared_spec(dynamic=False)
+
+
+def fake_precompiled_serialization(monkeypatch) -> list:
+    """torch's serialization of a precompiled forward replaced (the file-level tests need no compile): the
+    artifact is b"artifact-bytes", and what is deserialized is appended to the returned list, so that a test
+    can show that nothing was unpickled. No compiled CPU kernels are bundled."""
+    from ettkit.startup import cache as cache_module
+    from ettkit.startup import precompiled
+
+    loaded = []
+    monkeypatch.setattr(precompiled, "serialize", lambda fn: b"artifact-bytes")
+
+    def deserialize(data):
+        if data != b"artifact-bytes":
+            raise RuntimeError("unpickling failed")
+        loaded.append(data)
+        return "loaded-fn"
+
+    monkeypatch.setattr(precompiled, "deserialize", deserialize)
+    monkeypatch.setattr(cache_module, "_loaded_kernel_files", list)
+    return loaded

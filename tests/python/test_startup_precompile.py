@@ -18,8 +18,7 @@ import pytest
 import torch
 from ettkit import ett
 from ettkit.startup import CompileCache, CompileCacheWarning, overlapped_start, precompiled
-from ettkit.startup import cache as cache_module
-from startup_helpers import TinyRec, declared_spec, loss_fn, make_batch
+from startup_helpers import TinyRec, declared_spec, fake_precompiled_serialization, loss_fn, make_batch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Compile once per job signs what goes through the Store with a secret the ranks share outside it.
@@ -343,18 +342,7 @@ class FakeFn:
 
 @pytest.fixture
 def fake_torch(monkeypatch, tmp_path):
-    loaded = []
-    monkeypatch.setattr(precompiled, "serialize", lambda fn: b"artifact-bytes")
-
-    def deserialize(data):
-        if data != b"artifact-bytes":
-            raise RuntimeError("unpickling failed")
-        loaded.append(data)
-        return "loaded-fn"
-
-    monkeypatch.setattr(precompiled, "deserialize", deserialize)
-    monkeypatch.setattr(cache_module, "_loaded_kernel_files", list)
-    return loaded
+    return fake_precompiled_serialization(monkeypatch)
 
 
 def _src(module, first, last, checksum):

@@ -16,12 +16,9 @@ import sys
 import warnings
 
 import pytest
-
 from ettkit.errors import InvalidArgumentError, IoError
-from ettkit.startup import CompileCache, CompileCacheWarning
-from ettkit.startup import cache as cache_module
-from ettkit.startup import precompiled
-from ettkit.startup import trusted_files
+from ettkit.startup import CompileCache, CompileCacheWarning, precompiled, trusted_files
+from startup_helpers import fake_precompiled_serialization
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SECRET = "shared-cache-test-secret-" + "0123456789abcdef" * 2
@@ -38,19 +35,8 @@ class FakeFn:
 @pytest.fixture
 def fake_torch(monkeypatch):
     """torch's (de)serialization replaced: what was unpickled is recorded, so a test can show nothing was."""
-    loaded = []
-    monkeypatch.setattr(precompiled, "serialize", lambda fn: b"artifact-bytes")
-
-    def deserialize(data):
-        if data != b"artifact-bytes":
-            raise RuntimeError("unpickling failed")
-        loaded.append(data)
-        return "loaded-fn"
-
-    monkeypatch.setattr(precompiled, "deserialize", deserialize)
-    monkeypatch.setattr(cache_module, "_loaded_kernel_files", list)
     monkeypatch.setenv("ETTKIT_COMPILE_CACHE_SECRET", SECRET)
-    return loaded
+    return fake_precompiled_serialization(monkeypatch)
 
 
 @pytest.fixture

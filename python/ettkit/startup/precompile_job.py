@@ -28,7 +28,8 @@ import os
 import sys
 import tempfile
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..errors import InvalidArgumentError
 from .cache import CacheSaveResult, CompileCache
