@@ -86,6 +86,14 @@ def test_a_plain_miss_says_the_shared_cache_had_none_either(fake_torch, tmp_path
     assert f"none in the shared cache {shared} either" in result.reason
 
 
+def test_a_shared_dir_that_does_not_exist_warns_naming_it_and_the_start_compiles(fake_torch, tmp_path):
+    missing = tmp_path / "not-mounted"
+    b = CompileCache(tmp_path / "b", fingerprint="m1", precompile=True, shared_dir=missing)
+    with pytest.warns(CompileCacheWarning, match=f"the shared compile cache {missing} does not exist"):
+        result, fn = b.load_precompiled()
+    assert result.status == "miss" and fn is None
+
+
 def test_a_shared_dir_without_a_secret_or_with_a_short_one_is_refused_at_construction(tmp_path, monkeypatch):
     monkeypatch.delenv("ETTKIT_COMPILE_CACHE_SECRET", raising=False)
     with pytest.raises(InvalidArgumentError, match=r"needs the shared cache's secret.*ETTKIT_COMPILE_CACHE_SECRET"):

@@ -722,7 +722,15 @@ class CompileCache:
         if precompiled.supported():
             return here, None
         try:
-            with self._shared_directory() as directory:
+            directory = self._shared_directory()
+        except FileNotFoundError:  # a mount that is missing on this node, or a typo: say so, then compile
+            return self._ignored("miss", f"the shared compile cache {self.shared_dir} does not exist", t0, where), None
+        except UntrustedFileError as exc:
+            return self._ignored("untrusted", str(exc), t0, where), None
+        except OSError as exc:
+            return self._ignored("miss", f"the shared compile cache cannot be opened ({exc})", t0, where), None
+        try:
+            with directory:
                 payload = directory.read(self.shared_name)
         except FileNotFoundError:
             reason = f"{here.reason}; none in the shared cache {self.shared_dir} either"
