@@ -20,6 +20,8 @@ from ettkit.errors import InvalidArgumentError, IoError
 from ettkit.startup import CompileCache, CompileCacheWarning, precompiled, trusted_files
 from startup_helpers import fake_precompiled_serialization
 
+from ettkit.startup import cache as cache_module_for_bound  # its size bound, patched by one test
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SECRET = "shared-cache-test-secret-" + "0123456789abcdef" * 2
 OTHER_SECRET = "another-fleet-secret-" + "fedcba9876543210" * 2
@@ -158,6 +160,14 @@ def test_a_world_writable_shared_dir_is_refused_for_reading_and_writing(fake_tor
     os.chmod(shared, 0o770)  # group-writable: the team that shares it; the HMAC keeps out the rest
     result, fn = b.load_precompiled()
     assert result.status == "precompiled" and fn == "loaded-fn"
+
+
+def test_a_shared_file_over_the_size_bound_is_refused_before_it_is_read(fake_torch, tmp_path, shared, monkeypatch):
+    a = _publish(tmp_path, shared)
+    size = (shared / a.shared_name).stat().st_size
+    monkeypatch.setattr(cache_module_for_bound, "_MAX_SHARED_BYTES", size - 1)
+    b = CompileCache(tmp_path / "b", fingerprint="m1", precompile=True, shared_dir=shared)
+    assert _refused(b, fake_torch, rf"is {size} bytes, more than the {size - 1}").status == "untrusted"
 
 
 def test_a_symlink_in_the_shared_dir_is_refused(fake_torch, tmp_path, shared):

@@ -79,6 +79,8 @@ from .warm import compile_counters, counter_delta
 __all__ = ["CacheLoadResult", "CacheSaveResult", "CompileCache", "CompileCacheWarning", "compile_fingerprint"]
 
 
+#: The largest shared-cache file read (before its HMAC can be checked, it is someone else's bytes).
+_MAX_SHARED_BYTES = 4 << 30
 #: A temporary cache file older than this is a dead writer's (a write takes seconds) and is removed.
 _STALE_TEMPORARY_S = 3600.0
 
@@ -731,7 +733,7 @@ class CompileCache:
             return self._ignored("miss", f"the shared compile cache cannot be opened ({exc})", t0, where), None
         try:
             with directory:
-                payload = directory.read(self.shared_name)
+                payload = directory.read(self.shared_name, max_bytes=_MAX_SHARED_BYTES)
         except FileNotFoundError:
             reason = f"{here.reason}; none in the shared cache {self.shared_dir} either"
             return dataclasses.replace(here, reason=reason, seconds=here.seconds + time.perf_counter() - t0), None

@@ -158,9 +158,11 @@ class CacheDirectory:
     def _where(self, name: str) -> str:
         return str(self.path / name)
 
-    def read(self, name: str) -> bytes:
+    def read(self, name: str, max_bytes: int | None = None) -> bytes:
         """The bytes of file ``name`` in this directory. Raises FileNotFoundError when there is none,
-        :class:`UntrustedFileError` when it fails the rules, OSError when it cannot be read."""
+        :class:`UntrustedFileError` when it fails the rules or is larger than ``max_bytes`` (checked on the
+        descriptor before a byte is read: a file someone else planted cannot exhaust memory), OSError when it
+        cannot be read."""
         try:
             fd = os.open(name, _READ_FLAGS, dir_fd=self.fd)
         except OSError as exc:
@@ -171,10 +173,16 @@ class CacheDirectory:
                 ) from None
             raise
         with open(fd, "rb", closefd=True) as f:
-            problem = self._problem(os.fstat(fd), "file", self._where(name))
+            st = os.fstat(fd)
+            problem = self._problem(st, "file", self._where(name))
             if problem:
                 raise UntrustedFileError(problem)
-            return f.read()
+            if max_bytes is not None and st.st_size > max_bytes:
+                raise UntrustedFileError(
+                    f"{self._where(name)} is {st.st_size} bytes, more than the {max_bytes} a compile cache file "
+                    "may have here"
+                )
+            return f.read() if max_bytes is None else f.read(max_bytes + 1)[: max_bytes]
 
     def write(self, name: str, data: bytes, *, durable: bool = True, mode: int = 0o600) -> None:
         """Replaces file ``name`` with ``data``: a new temporary file (``mode``, default 0600; never wider,
