@@ -29,7 +29,7 @@ import pytest
 
 from ettkit import ett
 from ettkit.__main__ import main
-from ettkit.ett.fleet import find_run_dirs, split_phases, write_fleet_plot
+from ettkit.ett.fleet import find_run_dirs, format_fleet, split_phases, write_fleet_plot
 from ledger_script import LedgerWriter, us, worked_example
 
 SCRIPTED = 45          # job-00 .. job-44; job-44 also gets garbage lines
@@ -283,7 +283,8 @@ def test_json_round_trip_and_the_cli(fleet, fleet_dirs, tmp_path):
     assert set(fleet) == {"format_version", "jobs_total", "jobs_read", "jobs_running", "jobs_failed_to_read",
                           "accelerator_h", "buckets_accelerator_h", "ett_pct", "idle_pct", "failure_pct",
                           "unattributed_pct", "top_causes", "time_to_start_s", "time_to_recover_s", "failures",
-                          "failures_by_category", "corrupt_lines", "torn_lines", "badput", "jobs"}
+                          "failures_by_category", "corrupt_lines", "torn_lines", "badput", "precompile",
+                          "jobs"}
     png = tmp_path / "fleet.png"
     out = subprocess.run([sys.executable, "-m", "ettkit", "fleet", *dirs, "--json", "--plot", str(png)],
                          capture_output=True, text=True, timeout=300)
@@ -325,3 +326,35 @@ def test_a_newer_ledger_format_is_listed_not_fatal(tmp_path, fleet_dirs):
     assert "UnsupportedError" in f["jobs"][0]["reason"] and "format version 2" in f["jobs"][0]["reason"]
     with pytest.raises(ValueError, match="run_dirs is empty"):
         ett.fleet_report([])
+
+
+def test_a_precompile_runs_hours_count_in_the_fleet_by_its_device(tmp_path, fleet_dirs):
+    """`ettkit precompile --run-dir` writes a ledger with the job_kind and device notes: the fleet counts its
+    time (idle: compile) in every total, like any job's, and names it apart, by the device it compiled on."""
+    pre = tmp_path / "precompile-gpu"
+    w = LedgerWriter(pre, rank=0, world=1)
+    w.attempt(0, ts=0)
+    w.rec("note", key="job_kind", value="precompile")
+    w.rec("note", key="device", value="cuda")
+    w.phase("launcher_init", 0, 20)
+    t = w.phase("compile", 20, 920)
+    w.rec("end", ts=us(t), status="clean", detail="")
+    w.save()
+    train = fleet_dirs[1][0]
+    fleet = ett.fleet_report([train, str(pre)])
+    alone = ett.fleet_report([train])
+    rows = {row["run_dir"]: row for row in fleet["jobs"]}
+    assert rows[str(pre)]["kind"] == "precompile" and rows[str(pre)]["device"] == "cuda"
+    assert rows[train]["kind"] == "training" and rows[train]["device"] is None
+    assert fleet["precompile"] == {"jobs": 1, "accelerator_h": pytest.approx(920 / 3600),
+                                   "by_device_h": {"cuda": pytest.approx(920 / 3600)}}
+    assert alone["precompile"] is None
+    # Inside the totals: 920 accelerator-seconds more, all idle, and the compile cause grows by as much.
+    assert fleet["accelerator_h"] == pytest.approx(alone["accelerator_h"] + 920 / 3600)
+    assert fleet["buckets_accelerator_h"]["idle"] == pytest.approx(alone["buckets_accelerator_h"]["idle"] + 920 / 3600)
+    compile_h = {f["phase"]: f["accelerator_h"] for f in fleet["top_causes"]["idle"]}["compile"]
+    alone_h = {f["phase"]: f["accelerator_h"] for f in alone["top_causes"]["idle"]}["compile"]
+    assert compile_h == pytest.approx(alone_h + 900 / 3600)
+    text = format_fleet(fleet)
+    assert "Precompile runs (ettkit precompile): 1, 0.256 h (cuda 0.256), counted above as idle time" in text, text
+    assert f"{pre} (precompile)" in text

@@ -257,24 +257,18 @@ def _precompile_cli(tmp_path, shared, *extra):
     )
 
 
-def test_a_job_starts_from_another_jobs_compile_or_from_ettkit_precompile_without_compiling(tmp_path):
-    """Job 1 compiles cold and fills a shared cache; job 2, with its own (empty) cache and Inductor
-    directories as on another node, starts from it. `ettkit precompile` fills a second shared cache from the
-    model factory and batch spec alone; job 3 starts from that. Jobs 2 and 3 may not compile a graph, and
-    train bit for bit as the cold job 1."""
+def test_a_job_starts_from_ettkit_precompile_without_compiling_and_trains_as_a_cold_job(tmp_path):
+    """`ettkit precompile` fills a shared cache from the model factory and batch spec alone; a job with its own
+    (empty) cache and Inductor directories, as on another node, starts from it: it may not compile a graph,
+    and it trains bit for bit as a cold job, which compiles and publishes into a cache of its own. (A job
+    started from another job's file, under torchrun: test_demo.py's second ettkit job.)"""
     by_job, by_cli = tmp_path / "shared-by-job", tmp_path / "shared-by-cli"
     for d in (by_job, by_cli):
         d.mkdir(mode=0o750)
-    first = _run(tmp_path, "job1", tmp_path / "node1", by_job, "warmup-job")
-    assert first["summary"]["cache"] == "miss" and first["origin"] == "compiled"
-    assert first["saved"] is True and first["shared_saved"] is True
-    second = _run(tmp_path, "job2", tmp_path / "node2", by_job, "second-job", fail_on_recompile=True)
-    host = os.uname().nodename
-    assert second["summary"]["cache"] == "precompiled", second["precompiled_reason"]
-    assert second["summary"]["precompiled_source"] == f"shared, job warmup-job on {host}"
-    assert second["origin"] == "loaded" and second["summary"]["recompiles"] == 0
-    assert second["shared_saved"] is None  # it compiled nothing, so it wrote nothing shared
-    assert len(list((tmp_path / "node2").glob("precompiled-*.bin"))) == 1  # its own copy for its restarts
+    cold = _run(tmp_path, "cold", tmp_path / "node1", by_job, "cold-job")
+    assert cold["summary"]["cache"] == "miss" and cold["origin"] == "compiled"
+    assert cold["saved"] is True and cold["shared_saved"] is True
+    assert [p.suffix for p in by_job.iterdir()] == [".shared"]
 
     run_dir = tmp_path / "precompile-run"
     cli = _precompile_cli(tmp_path, by_cli, "--job", "nightly-precompile", "--run-dir", str(run_dir))
@@ -282,19 +276,24 @@ def test_a_job_starts_from_another_jobs_compile_or_from_ettkit_precompile_withou
     assert cli.stdout.startswith(f"ettkit precompile: compiled: {by_cli}/precompiled-"), cli.stdout
     again = _precompile_cli(tmp_path, by_cli)  # the cache has it now: nothing to compile
     assert again.returncode == 0 and "ettkit precompile: shared:" in again.stdout, again.stdout + again.stderr
-    third = _run(tmp_path, "job3", tmp_path / "node3", by_cli, "third-job", fail_on_recompile=True)
-    assert third["summary"]["cache"] == "precompiled", third["precompiled_reason"]
-    assert third["summary"]["precompiled_source"] == f"shared, job nightly-precompile on {host}"
-    assert third["summary"]["recompiles"] == 0
+    warm = _run(tmp_path, "warm", tmp_path / "node2", by_cli, "warm-job", fail_on_recompile=True)
+    host = os.uname().nodename
+    assert warm["summary"]["cache"] == "precompiled", warm["precompiled_reason"]
+    assert warm["summary"]["precompiled_source"] == f"shared, job nightly-precompile on {host}"
+    assert warm["origin"] == "loaded" and warm["summary"]["recompiles"] == 0
+    assert warm["shared_saved"] is None  # it compiled nothing, so it wrote nothing shared
+    assert len(list((tmp_path / "node2").glob("precompiled-*.bin"))) == 1  # its own copy for its restarts
     for name in ("losses", "grads", "bn_mean"):
-        assert second[name] == first[name], name  # the same graph: every bit
-        assert third[name] == first[name], name
+        assert warm[name] == cold[name], name  # the same graph: every bit
     # The precompile run's own ledger: its compile time counts in a fleet report instead of vanishing.
     from ettkit import ett
 
     report = ett.build_report(str(run_dir))
     assert len(report["attempts"]) == 1 and report["phases"]["compile"] > 0
-    assert report["attempts"][0]["notes"]["job_kind"] == "precompile"
+    notes = report["attempts"][0]["notes"]
+    assert notes["job_kind"] == "precompile" and notes["device"] == "cpu"
+    fleet = ett.fleet_report([str(run_dir)])
+    assert fleet["precompile"]["jobs"] == 1 and set(fleet["precompile"]["by_device_h"]) == {"cpu"}
 
 
 @pytest.mark.parametrize("argv, match", [

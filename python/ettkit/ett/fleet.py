@@ -32,6 +32,7 @@ from .table import MISSING, _grid, _num, _sec
 FORMAT_VERSION = 1
 
 FINISHED, RUNNING, FAILED_TO_READ = "finished", "running", "failed_to_read"
+TRAINING, PRECOMPILE = "training", "precompile"  # jobs[].kind
 BUCKETS = ("effective", "idle", "failure", "unattributed")
 PERCENTILES = (50, 90, 99)
 
@@ -137,7 +138,7 @@ def percentiles(values: Sequence[float]) -> dict[str, Any]:
 def _job_row(run_dir: str, report: dict | None, reason: str | None) -> dict[str, Any]:
     if report is None:
         row: dict[str, Any] = {"run_dir": run_dir, "status": FAILED_TO_READ, "reason": reason}
-        for key in ("world_size", "e2e_s", "accelerator_h", "ett_pct", "idle_pct", "failure_pct",
+        for key in ("kind", "device", "world_size", "e2e_s", "accelerator_h", "ett_pct", "idle_pct", "failure_pct",
                     "unattributed_pct", "failures", "failures_by_category", "attempts", "last_attempt_status",
                     "time_to_start_s", "time_to_recover_s", "unrecovered_failures", "corrupt_lines",
                     "torn_lines"):
@@ -148,10 +149,15 @@ def _job_row(run_dir: str, report: dict | None, reason: str | None) -> dict[str,
     ledger = report.get("ledger") or {}
     world = int(report.get("world_size") or 1)
     e2e = float(report.get("e2e_s") or 0.0)
+    notes = (attempts[0].get("notes") or {}) if attempts else {}
     return {
         "run_dir": run_dir,
         "status": RUNNING if any(a.get("status") == "running" for a in attempts) else FINISHED,
         "reason": None,
+        # "precompile" for a `python -m ettkit precompile --run-dir` run (its ledger's job_kind note), which
+        # trains nothing: its whole E2E is compile time spent for the jobs that start from the shared cache.
+        "kind": PRECOMPILE if notes.get("job_kind") == PRECOMPILE else TRAINING,
+        "device": notes.get("device"),
         "world_size": world,
         "e2e_s": e2e,
         "accelerator_h": world * e2e / 3600.0,
@@ -250,6 +256,11 @@ def fleet_report(run_dirs: Iterable[str | os.PathLike], *, include_initial_queue
 
     read = [j for j in jobs if j["status"] != FAILED_TO_READ]
     total_acc = sum(bucket_acc.values())
+    precompiles = [j for j in read if j["kind"] == PRECOMPILE]
+    by_device: dict[str, float] = {}
+    for j in precompiles:
+        device = j["device"] or "unknown"
+        by_device[device] = by_device.get(device, 0.0) + j["accelerator_h"]
 
     def pct(x: float) -> float | None:
         return 100.0 * x / total_acc if total_acc > 0 else None
@@ -287,6 +298,12 @@ def fleet_report(run_dirs: Iterable[str | os.PathLike], *, include_initial_queue
             "seconds": dict(sorted(badput_s.items())),
             "accelerator_h": {k: v / 3600.0 for k, v in sorted(badput_acc.items())},
             "pct": {k: pct(v) for k, v in sorted(badput_acc.items())},
+        },
+        # Precompile runs' hours, also inside every total above (as idle: compile), by the device they used.
+        "precompile": None if not precompiles else {
+            "jobs": len(precompiles),
+            "accelerator_h": sum(j["accelerator_h"] for j in precompiles),
+            "by_device_h": dict(sorted(by_device.items())),
         },
         "jobs": jobs,
     }
@@ -343,6 +360,11 @@ def format_fleet(fleet: dict, top: int = 5) -> str:
                      [False, True, True, True, True, True, True])]
     if ttr.get("unrecovered"):
         lines.append(f"  {ttr['unrecovered']} failure(s) not (yet) recovered are not in the time to recover")
+    pre = fleet.get("precompile")
+    if pre:
+        devices = ", ".join(f"{d} {_hours(h)}" for d, h in pre["by_device_h"].items())
+        lines += ["", (f"Precompile runs (ettkit precompile): {pre['jobs']}, {_hours(pre['accelerator_h'])} h "
+                       f"({devices}), counted above as idle time (compile)")]
     badput = fleet.get("badput")
     if badput:
         rows = [[k, _sec(v), _hours(badput["accelerator_h"].get(k)), _num(badput["pct"].get(k), 2, "%")]
@@ -355,7 +377,7 @@ def format_fleet(fleet: dict, top: int = 5) -> str:
             continue
         tts = j["time_to_start_s"]
         ttr_j = j["time_to_recover_s"]
-        rows.append([j["run_dir"], j["status"] + ("" if j["status"] == RUNNING else f" ({j['last_attempt_status']})"),
+        rows.append([j["run_dir"] + (" (precompile)" if j["kind"] == PRECOMPILE else ""), j["status"] + ("" if j["status"] == RUNNING else f" ({j['last_attempt_status']})"),
                      str(j["world_size"]), _sec(j["e2e_s"]), _num(j["ett_pct"], 2, "%"), str(j["failures"]),
                      _sec(tts[0]) if tts else MISSING, _sec(sum(ttr_j) / len(ttr_j)) if ttr_j else MISSING,
                      str(j["corrupt_lines"])])

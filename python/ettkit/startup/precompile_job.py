@@ -159,6 +159,9 @@ def command(args: argparse.Namespace) -> int:
 
                 rec = stack.enter_context(Recorder(args.run_dir))
                 rec.set_note("job_kind", "precompile")
+                # Which hours the fleet report counts this run's time in (fleet.py: precompile.by_device_h).
+                first = next(iter(model.parameters()), None)
+                rec.set_note("device", first.device.type if first is not None else "cpu")
             result = precompile(model, spec, cache, forward=forward, compile_kwargs=compile_kwargs,
                                 seed=args.seed, recorder=rec)
     except (InvalidArgumentError, RuntimeError, OSError) as exc:
