@@ -25,6 +25,7 @@ import argparse
 import copy
 import json
 import os
+import secrets
 import shutil
 import site
 import subprocess
@@ -38,6 +39,9 @@ sys.path.insert(0, DEMO)
 from clicklogs import write_click_logs
 
 ARMS = ("baseline", "ettkit")
+# The ettkit arm runs a second job of the same model after the first, in OUT/ettkit-job2: its first start
+# loads the graphs the first job compiled from the compile cache they share (OUT/compile-cache-shared).
+SECOND_JOB = "ettkit-job2"
 
 FULL = {
     "world_size": 2,
@@ -100,8 +104,13 @@ def check_config(cfg: dict) -> None:
     assert cfg["bottom_mlp"] and cfg["embedding_dim"] > 0
 
 
-def run_arm(arm: str, out: str, cfg_path: str, data_dir: str, cfg: dict, log) -> dict:
-    arm_dir = os.path.join(out, arm)
+def run_arm(
+    arm: str, out: str, cfg_path: str, data_dir: str, cfg: dict, log, job: str | None = None, shared_dir=None
+) -> dict:
+    """Runs one job of ``arm`` under torchrun into OUT/<job> (``job`` defaults to the arm's name) and returns
+    its report. ``shared_dir``: the ettkit arm's shared compile cache (its secret in the environment)."""
+    job = job or arm
+    arm_dir = os.path.join(out, job)
     t_prepare = time.time()
     shutil.rmtree(arm_dir, ignore_errors=True)
     run_dir = os.path.join(arm_dir, "run")
@@ -142,8 +151,10 @@ def run_arm(arm: str, out: str, cfg_path: str, data_dir: str, cfg: dict, log) ->
         "--data-dir",
         data_dir,
     ]
+    if shared_dir is not None:
+        cmd += ["--shared-dir", shared_dir, "--job", job]
     log(
-        f"demo: [{arm}] torchrun, {cfg['world_size']} ranks, {cfg['steps']} steps; rank {cfg['crash_rank']} is "
+        f"demo: [{job}] torchrun, {cfg['world_size']} ranks, {cfg['steps']} steps; rank {cfg['crash_rank']} is "
         f"killed at step {cfg['crash_at_step']}"
     )
     t0 = time.time()
@@ -159,11 +170,11 @@ def run_arm(arm: str, out: str, cfg_path: str, data_dir: str, cfg: dict, log) ->
                 log("  " + line.rstrip()[:160])
         rc = proc.wait()
     wall = time.time() - t0
-    log(f"demo: [{arm}] torchrun exited with {rc} after {wall:.1f} s (log: {log_path})")
+    log(f"demo: [{job}] torchrun exited with {rc} after {wall:.1f} s (log: {log_path})")
     if rc != 0:
         with open(log_path) as f:
             sys.stderr.write(f.read()[-6000:])
-        raise SystemExit(f"demo: the {arm} arm failed (exit code {rc})")
+        raise SystemExit(f"demo: the {job} job failed (exit code {rc})")
 
     report = [sys.executable, "-m", "ettkit", "report", run_dir]
     with open(os.path.join(arm_dir, "report.json"), "w") as f:
@@ -212,108 +223,152 @@ def _fmt(v, unit="", digits=1):
 
 
 def side_by_side(reps: dict) -> list:
+    """The reports as columns, one row per figure: the baseline, the first ettkit job and, when it ran, the
+    second ettkit job of the same model (its first start from the shared compile cache)."""
     from ettkit.ett import format_duration  # a sub-millisecond save reads 0.43 ms, not 0.000 s
 
-    b, e = reps["baseline"], reps["ettkit"]
+    def ph(name):
+        return lambda r: r["phases"].get(name, 0.0)
 
-    def ph(r, name):
-        return r["phases"].get(name, 0.0)
+    def tts(i):
+        return lambda r: r["attempts"][i]["time_to_start_s"] if len(r["attempts"]) > i else None
 
-    def tts(r, i):
-        v = r["attempts"][i]["time_to_start_s"] if len(r["attempts"]) > i else None
-        return v
+    def per_save(r):
+        return (
+            f"{r['_saves']} / {format_duration(r['checkpoint_blocking_s']['measured'] / max(r['_saves'], 1))}"
+        )
+
+    def ms(r):
+        return r["steps"]["median_step_s"] * 1e3 if r["steps"]["median_step_s"] else None
 
     rows = [
-        ("ETT %", b["ett_pct"], e["ett_pct"], "%", 2),
-        ("idle %", b["idle_pct"], e["idle_pct"], "%", 2),
-        ("failure %", b["failure_pct"], e["failure_pct"], "%", 2),
-        ("unattributed %", b["unattributed_pct"], e["unattributed_pct"], "%", 2),
-        ("E2E", b["e2e_s"], e["e2e_s"], " s", 1),
-        ("effective training", b["effective_s"], e["effective_s"], " s", 1),
-        (
-            "attempts / failures",
-            f"{len(b['attempts'])} / {b['failures']}",
-            f"{len(e['attempts'])} / {e['failures']}",
-            "",
-            0,
-        ),
-        ("Time to Start (attempt 0)", tts(b, 0), tts(e, 0), " s", 1),
-        ("Time to Start (restart)", tts(b, 1), tts(e, 1), " s", 1),
-        (
-            "Time to Recover",
-            (b["time_to_recover_s"] or [None])[0],
-            (e["time_to_recover_s"] or [None])[0],
-            " s",
-            1,
-        ),
-        ("  detect_and_teardown", ph(b, "detect_and_teardown"), ph(e, "detect_and_teardown"), " s", 2),
-        ("compile (job timeline)", ph(b, "compile"), ph(e, "compile"), " s", 1),
-        (
-            "checkpoint_restore (job timeline)",
-            ph(b, "checkpoint_restore"),
-            ph(e, "checkpoint_restore"),
-            " s",
-            2,
-        ),
-        (
-            "checkpoint blocking",
-            b["checkpoint_blocking_s"]["measured"],
-            e["checkpoint_blocking_s"]["measured"],
-            " s",
-            2,
-        ),
-        (
-            "  saves / blocking per save",
-            f"{b['_saves']} / {format_duration(b['checkpoint_blocking_s']['measured'] / max(b['_saves'], 1))}",
-            f"{e['_saves']} / {format_duration(e['checkpoint_blocking_s']['measured'] / max(e['_saves'], 1))}",
-            "",
-            0,
-        ),
-        (
-            "  median durable latency",
-            b["checkpoints"]["durable_latency_median_s"],
-            e["checkpoints"]["durable_latency_median_s"],
-            " s",
-            2,
-        ),
-        (
-            "unsaved training (re-done)",
-            b["unsaved_training_s"]["measured"],
-            e["unsaved_training_s"]["measured"],
-            " s",
-            1,
-        ),
+        ("ETT %", lambda r: r["ett_pct"], "%", 2),
+        ("idle %", lambda r: r["idle_pct"], "%", 2),
+        ("failure %", lambda r: r["failure_pct"], "%", 2),
+        ("unattributed %", lambda r: r["unattributed_pct"], "%", 2),
+        ("E2E", lambda r: r["e2e_s"], " s", 1),
+        ("effective training", lambda r: r["effective_s"], " s", 1),
+        ("attempts / failures", lambda r: f"{len(r['attempts'])} / {r['failures']}", "", 0),
+        ("Time to Start (attempt 0)", tts(0), " s", 1),
+        ("Time to Start (restart)", tts(1), " s", 1),
+        ("Time to Recover", lambda r: (r["time_to_recover_s"] or [None])[0], " s", 1),
+        ("  detect_and_teardown", ph("detect_and_teardown"), " s", 2),
+        ("compile (job timeline)", ph("compile"), " s", 1),
+        ("  graphs of attempt 0 from", lambda r: _graph_source(r), "", 0),
+        ("checkpoint_restore (job timeline)", ph("checkpoint_restore"), " s", 2),
+        ("checkpoint blocking", lambda r: r["checkpoint_blocking_s"]["measured"], " s", 2),
+        ("  saves / blocking per save", per_save, "", 0),
+        ("  median durable latency", lambda r: r["checkpoints"]["durable_latency_median_s"], " s", 2),
+        ("unsaved training (re-done)", lambda r: r["unsaved_training_s"]["measured"], " s", 1),
         (
             "steps effective / re-trained",
-            f"{b['steps']['effective']} / {b['steps']['retrained']}",
-            f"{e['steps']['effective']} / {e['steps']['retrained']}",
+            lambda r: f"{r['steps']['effective']} / {r['steps']['retrained']}",
             "",
             0,
         ),
-        (
-            "median step",
-            b["steps"]["median_step_s"] * 1e3 if b["steps"]["median_step_s"] else None,
-            e["steps"]["median_step_s"] * 1e3 if e["steps"]["median_step_s"] else None,
-            " ms",
-            1,
-        ),
-        ("recommended interval", b["recommended_interval_s"], e["recommended_interval_s"], " s", 1),
-        (
-            "  in steps",
-            (b["recommendation"] or {}).get("interval_steps"),
-            (e["recommendation"] or {}).get("interval_steps"),
-            "",
-            0,
-        ),
-        ("driver wall time (torchrun)", b["_wall_s"], e["_wall_s"], " s", 1),
+        ("median step", ms, " ms", 1),
+        ("recommended interval", lambda r: r["recommended_interval_s"], " s", 1),
+        ("  in steps", lambda r: (r["recommendation"] or {}).get("interval_steps"), "", 0),
+        ("driver wall time (torchrun)", lambda r: r["_wall_s"], " s", 1),
     ]
+    columns = [(COLUMN_TITLES.get(job, job), rep) for job, rep in reps.items()]
+    width = max(16, *(len(title) for title, _ in columns))
     out = []
     w0 = max(len(r[0]) for r in rows)
-    out.append(f"{'':{w0}}  {'baseline':>16}  {'ettkit':>16}")
-    out.append(f"{'-' * w0}  {'-' * 16}  {'-' * 16}")
-    for name, bv, ev, unit, digits in rows:
-        out.append(f"{name:{w0}}  {_fmt(bv, unit, digits):>16}  {_fmt(ev, unit, digits):>16}")
+    out.append(f"{'':{w0}}" + "".join(f"  {title:>{width}}" for title, _ in columns))
+    out.append("-" * w0 + "".join("  " + "-" * width for _ in columns))
+    for name, value, unit, digits in rows:
+        cells = "".join(f"  {_fmt(value(rep), unit, digits):>{width}}" for _, rep in columns)
+        out.append(f"{name:{w0}}{cells}")
     return out
+
+
+COLUMN_TITLES = {"ettkit": "ettkit (job 1)", SECOND_JOB: "ettkit (job 2)"}
+
+
+def _graph_source(rep: dict) -> str:
+    """Where attempt 0's compiled graphs came from (the start's ``compile_cache`` note), shortened to fit a
+    column: "compiled" for a miss, "precompiled (shared)" for the shared cache; "-" for the baseline."""
+    note = rep["attempts"][0].get("notes", {}).get("compile_cache")
+    if note is None:
+        return "-"
+    if note.startswith("precompiled (shared"):
+        return "precompiled (shared)"
+    return "compiled" if note == "miss" else note
+
+
+def first_batch_s(out: str, job: str, rep: dict) -> float | None:
+    """Attempt 0's time from its allocation to the moment every rank held its first real batch (the end of
+    the latest get_first_batch_data of attempt 0 in the ranks' ledgers), on the report's Time to Start axis:
+    the data pipeline's share of the start, which a start that compiles nothing cannot beat."""
+    a0 = rep["attempts"][0]
+    if a0["time_to_start_s"] is None or a0["first_training_us"] is None:
+        return None
+    ends = []
+    for rank in rep["ranks"]:
+        attempt = -1
+        with open(os.path.join(out, job, "run", "ett", f"rank-{rank}.jsonl")) as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue  # a line torn by the kill
+                if rec.get("t") == "attempt":
+                    attempt += 1
+                elif attempt == 0 and rec.get("t") == "phase" and rec.get("name") == "get_first_batch_data":
+                    ends.append(rec["e"])
+    if not ends:
+        return None
+    return a0["time_to_start_s"] - (a0["first_training_us"] - max(ends)) / 1e6
+
+
+def second_job_verdict(out: str, reps: dict, cfg: dict) -> str:
+    """The second ettkit job against the first: its ETT, its attempt-0 Time to Start against the arrival of
+    its first real batch, where its graphs came from, and whether it trained bit for bit as the first."""
+    first, second = reps["ettkit"], reps[SECOND_JOB]
+    tts = second["attempts"][0]["time_to_start_s"]
+    batch = first_batch_s(out, SECOND_JOB, second)
+    same, why = bitwise_equal_losses(out, "ettkit", SECOND_JOB, cfg)
+    ratio = f" = {tts / batch:.2f}x" if tts and batch else ""
+    return (
+        f"second ettkit job of the same model: ETT% {second['ett_pct']:.1f}% (the first job: "
+        f"{first['ett_pct']:.1f}%); Time to Start {_fmt(tts, ' s')} (the first job: "
+        f"{_fmt(first['attempts'][0]['time_to_start_s'], ' s')}) against its first real batch at "
+        f"{_fmt(batch, ' s')}{ratio}; graphs: {second['attempts'][0]['notes'].get('compile_cache', '-')}; "
+        f"losses {'bit-identical to' if same else 'DIFFER from'} the first job's ({why})"
+    )
+
+
+def bitwise_equal_losses(out: str, first: str, second: str, cfg: dict) -> tuple[bool, str]:
+    """Whether two jobs trained the same: every rank's loss of every step (the last attempt's, for the steps
+    a restart trained again) equal bit for bit, from the trainers' losses-rank-<r>.txt. Returns (equal, why)."""
+    for rank in range(cfg["world_size"]):
+        runs = [
+            read_losses(os.path.join(out, job, "run", f"losses-rank-{rank}.txt")) for job in (first, second)
+        ]
+        for job, losses in zip((first, second), runs):
+            missing = sorted(set(range(1, cfg["steps"] + 1)) - set(losses))
+            if missing:
+                return False, f"{job} rank {rank} has no loss for steps {missing[:5]}"
+        for step in range(1, cfg["steps"] + 1):
+            if runs[0][step] != runs[1][step]:
+                return (
+                    False,
+                    f"rank {rank} step {step}: {runs[0][step]} in {first}, {runs[1][step]} in {second}",
+                )
+    return True, f"{cfg['steps']} steps x {cfg['world_size']} ranks bit-identical"
+
+
+def read_losses(path: str) -> dict:
+    """step -> loss (float.hex) of one rank's losses file; a later attempt's line for a step replaces an
+    earlier one (the restart trained it again). A line torn by the kill is skipped."""
+    losses = {}
+    with open(path) as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) == 3 and line.endswith("\n"):
+                losses[int(parts[1])] = parts[2]
+    return losses
 
 
 def main(argv=None) -> int:
@@ -321,6 +376,11 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="build/demo")
     p.add_argument("--quick", action="store_true", help="the reduced size (CI): smaller tables, fewer steps")
     p.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of baseline,ettkit")
+    p.add_argument(
+        "--one-ettkit-job",
+        action="store_true",
+        help="run the ettkit arm once (no second job of the same model from the shared compile cache)",
+    )
     p.add_argument(
         "--same-host-restart",
         action="store_true",
@@ -345,32 +405,74 @@ def main(argv=None) -> int:
         log(f"demo: reusing the click logs in {data_dir}")
 
     arms = [a for a in args.arms.split(",") if a]
-    reps = {arm: run_arm(arm, out, cfg_path, data_dir, cfg, log) for arm in arms}
+    unknown = sorted(set(arms) - set(ARMS))
+    if unknown:
+        p.error(f"--arms: {', '.join(unknown)} is not an arm; valid: {', '.join(ARMS)}")
+    jobs = []  # (arm, job): the ettkit arm runs twice, its second job warm from the first one's compile
+    for arm in arms:
+        jobs += [(arm, arm)] + ([(arm, SECOND_JOB)] if arm == "ettkit" and not args.one_ettkit_job else [])
+    shared_dir = None
+    if "ettkit" in arms:
+        # The compile cache the ettkit jobs share, empty at the start so that the first job compiles. Its files
+        # carry an HMAC keyed by a secret every job that uses it holds: this run's own, unless one is set.
+        shared_dir = os.path.join(out, "compile-cache-shared")
+        shutil.rmtree(shared_dir, ignore_errors=True)
+        os.makedirs(shared_dir, mode=0o700)
+        os.environ.setdefault("ETTKIT_COMPILE_CACHE_SECRET", secrets.token_hex(32))
+    reps = {}
+    for arm, job in jobs:
+        reps[job] = run_arm(
+            arm,
+            out,
+            cfg_path,
+            data_dir,
+            cfg,
+            log,
+            job=job,
+            shared_dir=shared_dir if arm == "ettkit" else None,
+        )
     if set(arms) != set(ARMS):
         return 0
     lines = side_by_side(reps)
     b, e = reps["baseline"]["ett_pct"], reps["ettkit"]["ett_pct"]
     rb, re_ = reps["baseline"], reps["ettkit"]
-    verdict = (
-        f"verdict: ETT% {e:.1f}% with ettkit against {b:.1f}% the plain PyTorch way ({e - b:+.1f} points), "
-        f"E2E {re_['e2e_s']:.1f} s against {rb['e2e_s']:.1f} s for the same {cfg['steps']} steps; "
-        f"Time to Recover {re_['time_to_recover_s'][0]:.1f} s against {rb['time_to_recover_s'][0]:.1f} s, "
-        f"checkpoint blocking {re_['checkpoint_blocking_s']['measured']:.1f} s against "
-        f"{rb['checkpoint_blocking_s']['measured']:.1f} s"
-    )
+    verdict = [
+        (
+            f"verdict: ETT% {e:.1f}% with ettkit against {b:.1f}% the plain PyTorch way ({e - b:+.1f} points), "
+            f"E2E {re_['e2e_s']:.1f} s against {rb['e2e_s']:.1f} s for the same {cfg['steps']} steps; "
+            f"Time to Recover {re_['time_to_recover_s'][0]:.1f} s against {rb['time_to_recover_s'][0]:.1f} s, "
+            f"checkpoint blocking {re_['checkpoint_blocking_s']['measured']:.1f} s against "
+            f"{rb['checkpoint_blocking_s']['measured']:.1f} s"
+        ),
+    ]
+    if SECOND_JOB in reps:
+        verdict.append(second_job_verdict(out, reps, cfg))
     summary = "\n".join(
-        ["", "ETT reports, side by side (python -m ettkit report <arm>/run):", *lines, "", verdict]
+        ["", "ETT reports, side by side (python -m ettkit report <job>/run):", *lines, "", *verdict]
     )
     log(summary)
     with open(os.path.join(out, "summary.txt"), "w") as f:
         f.write(summary.lstrip("\n") + "\n")
     # Both arms in one picture, on one time axis: the shorter E2E and each phase's length compare by eye.
-    subprocess.run([sys.executable, "-m", "ettkit", "report", os.path.join(out, "baseline", "run"), "--plot",
-                    os.path.join(out, "compare.png"), "--plot-with", os.path.join(out, "ettkit", "run")],
-                   stdout=subprocess.DEVNULL, check=True, env=reps["ettkit"]["_env"])
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ettkit",
+            "report",
+            os.path.join(out, "baseline", "run"),
+            "--plot",
+            os.path.join(out, "compare.png"),
+            "--plot-with",
+            os.path.join(out, "ettkit", "run"),
+        ],
+        stdout=subprocess.DEVNULL,
+        check=True,
+        env=reps["ettkit"]["_env"],
+    )
     log(
-        f"\ndemo: wrote {out}/<arm>/report.json, report.txt, trace.json (open in https://ui.perfetto.dev) and "
-        f"ett.png for {', '.join(ARMS)}, and {out}/compare.png (both arms on one time axis); "
+        f"\ndemo: wrote {out}/<job>/report.json, report.txt, trace.json (open in https://ui.perfetto.dev) and "
+        f"ett.png for {', '.join(reps)}, and {out}/compare.png (both arms on one time axis); "
         f"total {time.time() - t_start:.1f} s"
     )
     return 0

@@ -1,9 +1,10 @@
 """`make demo` in its reduced size: both arms run under torchrun (2 gloo ranks), lose rank 1 to a SIGKILL,
 restart once and finish; their ETT reports are consistent, and the ettkit arm blocks less per save and
-restarts with a warm compile.
+restarts with a warm compile. The ettkit arm then runs a second job of the same model, whose first start
+loads the first job's graphs from the compile cache the two jobs share and trains bit for bit as it.
 
-About 2.5 minutes on the 2-core CI machine: each arm compiles its dense part in two attempts (the
-baseline cold twice, ettkit cold then warm from its compile cache)."""
+About 3 minutes on the 2-core CI machine: the baseline compiles its dense part cold in both attempts, the
+first ettkit job cold then warm from its own cache, the second ettkit job warm in both attempts."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ARMS = ("baseline", "ettkit")
+JOBS = ("baseline", "ettkit", "ettkit-job2")  # OUT/<job>: the second ettkit job starts from the shared cache
 
 
 @pytest.fixture(scope="module")
@@ -39,13 +41,13 @@ def demo(tmp_path_factory):
     with open(out / "config.json") as f:
         cfg = json.load(f)
     reports = {}
-    for arm in ARMS:
-        with open(out / arm / "report.json") as f:
-            reports[arm] = json.load(f)
+    for job in JOBS:
+        with open(out / job / "report.json") as f:
+            reports[job] = json.load(f)
     return out, cfg, reports, proc.stdout
 
 
-@pytest.mark.parametrize("arm", ARMS)
+@pytest.mark.parametrize("arm", JOBS)
 def test_report_is_consistent(demo, arm):
     out, cfg, reports, _ = demo
     r = reports[arm]
@@ -163,3 +165,43 @@ def test_ettkit_arm_loses_less_time_where_the_runtime_acts(demo):
     assert tiers == ["miss", "precompiled"], log[-3000:]
     assert "precompiled tier is not used" not in log, log[-3000:]
     assert "ETT %" in stdout and "verdict:" in stdout
+
+
+def _losses(path) -> dict:
+    """step -> loss (float.hex) of one rank's losses file, the last attempt's line winning for the steps a
+    restart trained again; a line cut short by the kill is skipped."""
+    losses = {}
+    for line in path.read_text().splitlines(keepends=True):
+        parts = line.split()
+        if line.endswith("\n") and len(parts) == 3:
+            losses[int(parts[1])] = parts[2]
+    return losses
+
+
+def test_a_second_job_of_the_model_starts_from_the_first_jobs_compile_and_trains_the_same(demo):
+    """The second ettkit job runs with its own (empty) compile cache and Inductor directories, as on other
+    nodes: its first start loads the graphs the first job compiled from the cache they share, compiles
+    nothing, and trains every step of every rank bit for bit as the first job, which compiled cold. Facts of
+    the runs, not durations: load cannot flip them."""
+    out, cfg, reports, stdout = demo
+    first, second = reports["ettkit"], reports["ettkit-job2"]
+    host = os.uname().nodename
+    assert first["attempts"][0]["notes"]["compile_cache"] == "miss"
+    assert second["attempts"][0]["notes"]["compile_cache"] == f"precompiled (shared, job ettkit on {host})"
+    assert second["attempts"][1]["notes"]["compile_cache"] == "precompiled"  # its restart: its own copy
+    log = (out / "ettkit-job2" / "torchrun.log").read_text()
+    assert re.findall(r"start-up done: .*\bcache (\w+);", log) == ["precompiled", "precompiled"], log[-3000:]
+    assert re.findall(r"recompiles after the first real steps: (\d+)", log) == ["0", "0"], log[-3000:]
+    assert "compile/precompile" not in second["substages"], second["substages"]  # nothing compiled
+    assert first["substages"].get("compile/precompile", 0) > 0
+    for rank in range(cfg["world_size"]):  # each rank's own copy, which its restart loaded
+        own = list((out / "ettkit-job2" / "run" / "compile-cache" / f"rank-{rank}").glob("precompiled-*.bin"))
+        assert len(own) == 1, own
+    shared = list((out / "compile-cache-shared").iterdir())
+    assert [p.suffix for p in shared] == [".shared"], shared  # the first job's file, and nothing else
+    for rank in range(cfg["world_size"]):
+        runs = [_losses(out / job / "run" / f"losses-rank-{rank}.txt") for job in ("ettkit", "ettkit-job2")]
+        for losses in runs:
+            assert sorted(losses) == list(range(1, cfg["steps"] + 1)), rank
+        assert runs[0] == runs[1], rank  # every bit of every step
+    assert "second ettkit job of the same model: ETT% " in stdout and "bit-identical" in stdout, stdout[-3000:]

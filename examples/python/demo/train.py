@@ -46,6 +46,12 @@ def parse_args(argv=None):
     p.add_argument("--config", required=True, help="the JSON config the driver wrote")
     p.add_argument("--run-dir", required=True)
     p.add_argument("--data-dir", required=True)
+    p.add_argument(
+        "--shared-dir",
+        help="ettkit arm: the compile cache that jobs share (its HMAC secret in $ETTKIT_COMPILE_CACHE_SECRET); "
+        "a first start without a file of its own loads the precompiled graphs from there",
+    )
+    p.add_argument("--job", help="this job's name in the shared cache's files (default: torchrun's run id)")
     return p.parse_args(argv)
 
 
@@ -285,6 +291,11 @@ class Trainer:
         self.compiled = None
         self.losses: list[float] = []
         self.t_train = None
+        # Every step's loss, bit-exact (float.hex), one line per step, flushed at once: a second job of the same
+        # model must reproduce the first job's losses bit for bit (test_demo), a killed attempt's lines included.
+        self.loss_log = open(  # noqa: SIM115 - open for the trainer's life; line-buffered
+            os.path.join(ARGS.run_dir, f"losses-rank-{RANK}.txt"), "a", buffering=1
+        )
 
     def forward_backward(self, batch: dict) -> torch.Tensor:
         self.opt.zero_grad(set_to_none=True)
@@ -294,10 +305,11 @@ class Trainer:
         self.sharded.backward_embeddings(partial, pooled)
         return loss
 
-    def finish_step(self, loss: torch.Tensor) -> None:
+    def finish_step(self, step: int, loss: torch.Tensor) -> None:
         self.sharded.allreduce_dense_grads()
         self.opt.step()
         self.losses.append(loss.item())
+        self.loss_log.write(f"{RESTART} {step} {self.losses[-1].hex()}\n")
 
     def progress(self, step: int, first_step: int) -> None:
         if self.t_train is None:
@@ -346,7 +358,7 @@ def run_baseline(rec) -> None:
     for step, batch in zip(range(start, STEPS + 1), itertools.chain([None], batches)):
         if batch is not None:
             loss = tr.forward_backward(batch)
-        tr.finish_step(loss)
+        tr.finish_step(step, loss)
         tr.maybe_crash(step)
         if step % EVERY == 0:
             with rec.phase("checkpoint_blocking", step=step):
@@ -423,13 +435,20 @@ def run_ettkit(rec) -> None:
 
     # precompile=True: the cold start precompiles the dense part's forward and backward and saves them; the
     # restart loads them and compiles nothing (the MegaCache file, saved after the first step, is the
-    # fallback for a model that cannot be precompiled).
+    # fallback for a model that cannot be precompiled). With --shared-dir, a first start whose own cache is
+    # empty loads the file an earlier job of the same model wrote there, and a start that compiled writes its
+    # file there (the driver's second ettkit job; docs/startup.md, "A warm first start").
+    # One directory per rank: each rank compiles (or loads) on its own, and a rank's start never finds a file
+    # another rank of the same attempt just wrote (the ledger's compile_cache note says where each start's
+    # graphs came from, and would otherwise depend on which rank got there first).
     cache = startup.CompileCache(
-        os.path.join(ARGS.run_dir, "compile-cache"),
+        os.path.join(ARGS.run_dir, "compile-cache", f"rank-{RANK}"),
         model=dense,
         spec=spec,
         config={"backend": "inductor"},
         precompile=True,
+        shared_dir=ARGS.shared_dir,
+        job=ARGS.job,
     )
     loader = make_loader(start)
     # The stages record their own phases (compile, preproc_creation, ...) with their real intervals; this
@@ -460,7 +479,7 @@ def run_ettkit(rec) -> None:
     tr = Trainer(rec, embeddings, dense, opt)
     tr.compiled = compiled
     for step, batch in zip(range(start, STEPS + 1), itertools.chain([first], batches)):
-        tr.finish_step(tr.forward_backward(batch))
+        tr.finish_step(step, tr.forward_backward(batch))
         tr.maybe_crash(step)
         if ck.should_save(step):
             # records checkpoint_blocking; persists and commits in the background, to disk every EVERY steps
