@@ -28,6 +28,7 @@ import os
 import secrets
 import shutil
 import site
+import statistics
 import subprocess
 import sys
 import time
@@ -192,15 +193,17 @@ def run_arm(
         rep = json.load(f)
     rep["_wall_s"] = wall
     rep["_env"] = env  # the environment `python -m ettkit` ran in (the comparison plot runs it again)
-    rep["_saves"] = count_saves(os.path.join(run_dir, "ett", "rank-0.jsonl"))
+    rep["_save_blocking"] = save_blocking(os.path.join(run_dir, "ett", "rank-0.jsonl"))
+    rep["_saves"] = len(rep["_save_blocking"])
     return rep
 
 
-def count_saves(ledger: str) -> int:
-    """Checkpoints taken by rank 0: distinct (attempt, step) of its checkpoint_blocking records. (The report's
-    checkpoints.count counts records, and the AsyncCheckpointer writes a second one for the optimizer's
-    pre-hook wait when a save's copies are still running.)"""
-    saves, attempt = set(), -1
+def save_blocking(ledger: str) -> dict:
+    """(attempt, step) -> seconds the save of that step blocked training, from rank 0's checkpoint_blocking
+    records: the save() call and, when its copies were still running, the optimizer's pre-hook wait (a second
+    record of the same step). The report's checkpoints.count counts records, not saves."""
+    saves: dict = {}
+    attempt = -1
     with open(ledger) as f:
         for line in f:
             try:
@@ -210,8 +213,27 @@ def count_saves(ledger: str) -> int:
             if r.get("t") == "attempt":
                 attempt += 1
             elif r.get("t") == "phase" and r.get("name") == "checkpoint_blocking":
-                saves.add((attempt, r.get("step")))
-    return len(saves)
+                key = (attempt, r.get("step"))
+                saves[key] = saves.get(key, 0.0) + (r["e"] - r["b"]) / 1e6
+    return saves
+
+
+def first_saves_against_the_rest(saves: dict) -> str:
+    """The first save of each attempt, and the median of the others, in ms: whether the first save of an
+    attempt pays for its arena's page faults (without AsyncCheckpointer.prepare) or blocks like the rest."""
+    firsts, rest = {}, []
+    for (attempt, _), seconds in sorted(saves.items()):
+        if attempt in firsts:
+            rest.append(seconds)
+        else:
+            firsts[attempt] = seconds
+
+    def ms(seconds: float) -> str:
+        return f"{seconds * 1e3:.3g}"
+
+    if not rest:
+        return "-"
+    return f"{', '.join(ms(s) for s in firsts.values())} / {ms(statistics.median(rest))} ms"
 
 
 def _fmt(v, unit="", digits=1):
@@ -258,6 +280,12 @@ def side_by_side(reps: dict) -> list:
         ("checkpoint_restore (job timeline)", ph("checkpoint_restore"), " s", 2),
         ("checkpoint blocking", lambda r: r["checkpoint_blocking_s"]["measured"], " s", 2),
         ("  saves / blocking per save", per_save, "", 0),
+        (
+            "  first save per attempt / median",
+            lambda r: first_saves_against_the_rest(r["_save_blocking"]),
+            "",
+            0,
+        ),
         ("  median durable latency", lambda r: r["checkpoints"]["durable_latency_median_s"], " s", 2),
         ("unsaved training (re-done)", lambda r: r["unsaved_training_s"]["measured"], " s", 1),
         (
@@ -272,14 +300,14 @@ def side_by_side(reps: dict) -> list:
         ("driver wall time (torchrun)", lambda r: r["_wall_s"], " s", 1),
     ]
     columns = [(COLUMN_TITLES.get(job, job), rep) for job, rep in reps.items()]
-    width = max(16, *(len(title) for title, _ in columns))
+    cells = [[_fmt(value(rep), unit, digits) for _, rep in columns] for _, value, unit, digits in rows]
+    width = max(16, *(len(title) for title, _ in columns), *(len(c) for row in cells for c in row))
     out = []
     w0 = max(len(r[0]) for r in rows)
     out.append(f"{'':{w0}}" + "".join(f"  {title:>{width}}" for title, _ in columns))
     out.append("-" * w0 + "".join("  " + "-" * width for _ in columns))
-    for name, value, unit, digits in rows:
-        cells = "".join(f"  {_fmt(value(rep), unit, digits):>{width}}" for _, rep in columns)
-        out.append(f"{name:{w0}}{cells}")
+    for (name, *_), row in zip(rows, cells):
+        out.append(f"{name:{w0}}" + "".join(f"  {c:>{width}}" for c in row))
     return out
 
 

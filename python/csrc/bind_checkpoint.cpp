@@ -287,6 +287,14 @@ void bind_checkpoint(py::module_& m) {
             return snapshot_keeping_alive(std::move(snap), self);
           },
           py::arg("tensors"), py::arg("on_busy") = "wait")
+      .def(
+          "prepare",
+          [](Stager& s, const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors) {
+            NamedTensors nt = zip(names, tensors);
+            py::gil_scoped_release nogil;
+            return s.prepare(nt);
+          },
+          py::arg("names"), py::arg("tensors"))
       .def_property_readonly("arena_bytes", &Stager::arena_bytes)
       .def_property_readonly("num_arenas", &Stager::num_arenas)
       .def_property_readonly("pinned", &Stager::pinned)
@@ -339,6 +347,11 @@ void bind_checkpoint(py::module_& m) {
             return *h;
           },
           py::arg("step"), py::arg("tensors"), py::arg("extra") = py::bytes(), py::arg("tier") = "disk")
+      .def("prepare", [](AsyncCheckpointer& c, const TensorList& list) {
+             py::gil_scoped_release nogil;
+             return c.prepare(list.items);
+           },
+           py::arg("tensors"), "sizes, allocates and backs the arenas for this structure (GIL released)")
       .def("wait_staged_on_current_stream", &AsyncCheckpointer::wait_staged_on_current_stream,
            py::call_guard<py::gil_scoped_release>())
       .def("wait_for", &AsyncCheckpointer::wait_for, py::arg("tensors"), py::call_guard<py::gil_scoped_release>())

@@ -51,6 +51,8 @@ const char* tier_name(Tier t) { return t == Tier::kMemory ? "memory" : "disk"; }
 
 namespace {
 
+void check_save_names_and_dtypes(const NamedTensors& tensors);
+
 /// save()'s argument checks that need no stager: the step's range (step-<N> names have at most 18
 /// digits), the name safetensors reserves for its metadata, and dtypes. The only place they are made: the
 /// Python layer relies on them.
@@ -58,6 +60,10 @@ void check_save_arguments(int64_t step, const NamedTensors& tensors, bool read_o
   ETTKIT_EXPECTS(!read_only, "save(step=", step, ") on a read_only checkpointer: it only loads");
   ETTKIT_EXPECTS(step >= 0 && step <= kMaxStep, "step=", step,
                  " must be >= 0 and < 10^18 (step-<N> names have at most 18 digits)");
+  check_save_names_and_dtypes(tensors);
+}
+
+void check_save_names_and_dtypes(const NamedTensors& tensors) {
   for (const auto& [name, t] : tensors) {
     ETTKIT_EXPECTS(name != "__metadata__", "state dict key '__metadata__' is reserved: safetensors keeps the "
                    "file's metadata under that name, so a tensor saved as it could never be read back; rename it");
@@ -251,6 +257,14 @@ SaveHandle AsyncCheckpointer::save(int64_t step, const NamedTensors& tensors, co
   hs->blocking_s = static_cast<double>(e - b) * 1e-6;
   im.ledger.record_blocking(b, e, step);
   return SaveHandle(hs);
+}
+
+int64_t AsyncCheckpointer::prepare(const NamedTensors& tensors) {
+  ETTKIT_EXPECTS(!impl_->opt.read_only, "prepare() on a read_only checkpointer: it only loads");
+  // What save() would refuse is refused now, before arenas are sized for it. A conjugate or negative-bit view
+  // is staged as a resolved copy of the same dtype and shape, so the plan is the same without resolving it.
+  check_save_names_and_dtypes(tensors);
+  return impl_->stager->prepare(tensors);
 }
 
 void AsyncCheckpointer::wait_staged_on_current_stream() {

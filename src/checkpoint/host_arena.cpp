@@ -29,6 +29,7 @@ void Arena::allocate(size_t bytes, bool pin) {
     ETTKIT_CUDA_CHECK(cudaHostAlloc(&p, size, cudaHostAllocPortable), "allocating a ", size,
                       "-byte pinned checkpoint arena (pin_memory=False stages into plain host memory)");
     ptr = static_cast<uint8_t*>(p);
+    populated = true;  // page-locked: resident from the allocation on
     return;
   }
 #else
@@ -41,6 +42,23 @@ void Arena::allocate(size_t bytes, bool pin) {
   ::madvise(p, size, MADV_HUGEPAGE);
 #endif
   ptr = static_cast<uint8_t*>(p);
+}
+
+void Arena::populate() {
+  if (!ptr || populated) return;
+  if (!pinned) {
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23  // Linux 5.14; older kernels answer EINVAL and take the loop below
+#endif
+    if (::madvise(ptr, size, MADV_POPULATE_WRITE) != 0) {
+      ETTKIT_CHECK(errno == EINVAL || errno == ENOSYS, IoError, "backing the pages of a ", size,
+                   "-byte checkpoint arena failed: ", std::strerror(errno));
+      const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+      volatile uint8_t* bytes = ptr;  // volatile: the writes are the point, the compiler may not drop them
+      for (size_t off = 0; off < size; off += page) bytes[off] = 0;
+    }
+  }
+  populated = true;
 }
 
 void Arena::free() noexcept {

@@ -186,7 +186,9 @@ int Stager::Impl::take_free_arena(OnBusy on_busy, std::unique_lock<std::mutex>& 
                  "use on_busy='wait' or 'skip', or a memory budget that allows two arenas");
     wait_busy(lk, [&] { return (arena = free_arena()) >= 0; });
   }
-  arenas[static_cast<size_t>(arena)].busy = true;
+  Arena& taken = arenas[static_cast<size_t>(arena)];
+  taken.busy = true;
+  taken.populated = true;  // the copies write every planned byte
   return arena;
 }
 
@@ -222,6 +224,22 @@ void Stager::Impl::copy(const NamedTensors& tensors, const std::vector<PlanEntry
   state->undecided =
       static_cast<size_t>(std::count(state->verdict.begin(), state->verdict.end(), detail::kUndecided));
   if (!cpu_jobs && pending.cuda.empty()) state->staged_us = epoch_us();
+}
+
+int64_t Stager::prepare(const NamedTensors& tensors) {
+  Impl& im = *impl_;
+  detail::check_stageable(tensors);
+  // mu is held throughout: a stage() that comes meanwhile waits for arenas that are backed, rather than
+  // taking one half faulted in.
+  std::unique_lock<std::mutex> lk(im.mu);
+  if (!im.plan || !detail::same_structure(*im.plan, tensors)) im.replan(tensors, OnBusy::kWait, lk);
+  int64_t backed = 0;
+  for (Arena& a : im.arenas) {
+    if (a.busy || a.populated) continue;  // a busy one is being written by a save: its copies back it
+    a.populate();
+    backed += static_cast<int64_t>(a.size);
+  }
+  return backed;
 }
 
 std::shared_ptr<Snapshot> Stager::stage(const NamedTensors& tensors, OnBusy on_busy, const CopyPriority& priority,

@@ -471,6 +471,9 @@ def run_ettkit(rec) -> None:
     # writes), so save() returns before its copies are done and still never commits a torn snapshot.
     ck.attach(model=[embeddings, dense], optimizer=opt)
     state = state_of(embeddings, dense, opt)
+    # The first save of the attempt blocks like the later ones: its arena is sized, allocated and faulted in
+    # now, on a background thread, instead of inside that save.
+    ck.prepare(state)
     s = report.summary()
     say(
         f"start-up done: {time.time() - T_PROCESS:.1f} s since exec; overlapped_start {s['time_to_start_s']:.1f} s "

@@ -229,6 +229,14 @@ class ETTKIT_API Stager {
   /// `sync_copy_max_bytes` raises StagerOptions::sync_copy_max_bytes for this save.
   std::shared_ptr<Snapshot> stage(const NamedTensors& tensors, OnBusy on_busy,
                                   const CopyPriority& priority = {}, int64_t sync_copy_max_bytes = 0);
+  /// Does now what the first stage() of `tensors`' structure (names, dtypes, shapes) would: builds the plan,
+  /// allocates the arenas and backs every page of them, so that the first save blocks like the later ones
+  /// (faulting in a fresh arena costs about as much as the copy itself). For a thread other than the
+  /// training thread, as soon as the state exists; stage() waits for a prepare() in progress. Only the
+  /// structure is read, never the tensors' data. When the structure changed since the plan, the arenas are
+  /// reallocated as stage() would (waiting for busy ones). Returns the bytes backed now (0: nothing was left
+  /// to do). InvalidArgument as stage() for a state beyond the memory budget.
+  int64_t prepare(const NamedTensors& tensors);
 
   int64_t arena_bytes() const;
   int num_arenas() const;
@@ -358,6 +366,13 @@ class ETTKIT_API AsyncCheckpointer {
   /// Tier::kMemory commits this rank's snapshot into the memory tier only (no Store traffic); a later
   /// committed disk save of a step >= it retires it.
   SaveHandle save(int64_t step, const NamedTensors& tensors, const std::string& extra = {}, Tier tier = Tier::kDisk);
+  /// Sizes, allocates and backs the host arenas for `tensors` now (Stager::prepare): the first save() of
+  /// that structure then blocks like the later ones instead of paying for the arena's page faults. Call it
+  /// from a thread other than the training thread once the state exists (e.g. beside the compile); a
+  /// save() that comes meanwhile waits for it. Thread-safe against save(). Returns the bytes backed now.
+  /// InvalidArgument as save() for a reserved name, a dtype safetensors cannot store, a state beyond the
+  /// memory budget, or a read_only checkpointer.
+  int64_t prepare(const NamedTensors& tensors);
   /// Makes the caller's current stream (GPU) or the host (CPU) wait until the latest save is staged, and
   /// records the wait as checkpoint_blocking. Call before mutating saved tensors.
   void wait_staged_on_current_stream();

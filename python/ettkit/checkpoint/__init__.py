@@ -372,6 +372,8 @@ class AsyncCheckpointer:
         self._handles: deque = deque(maxlen=4)
         self._tensor_list = _C.checkpoint.TensorList()
         self._names: Optional[list] = None
+        self._prepare_thread: Optional[threading.Thread] = None
+        self._prepare_outcome: Any = None  # the bytes the last prepare() backed, or the exception it raised
         self._allow_pickle = allow_pickle
         self._adopted: dict = {}  # id -> optimizer state dict passed by value that load_latest filled
         self._skeleton: Any = None
@@ -479,6 +481,54 @@ class AsyncCheckpointer:
         if self._preempt_signal is not None:
             self._finish_preemption(handle)
         return handle
+
+    def prepare(self, state_dict: Any, *, wait: bool = False) -> None:
+        """Sizes, allocates and backs (faults in) the host arenas for ``state_dict`` on a background thread,
+        so that the first ``save()`` of this state blocks like the later ones: without it, the first save of
+        every attempt pays for the arena's page faults, which cost about as much as the copy itself. Call it
+        once the state exists (after the model and optimizer are built or restored), before the first save;
+        a ``save()`` that comes while it runs waits for it. Only the structure is read (names, dtypes,
+        shapes), never the values, so the state may change meanwhile. ``wait=True``: runs on the calling
+        thread and raises what it raises. In the background, an error (the state beyond
+        ``memory_budget_bytes``, a dtype safetensors cannot store) is raised by :meth:`wait_prepared`, and
+        the first ``save()`` raises it too. A state whose structure changes later (an optimizer's lazy
+        state) is planned again at its save, as without ``prepare``."""
+        if self._closed:
+            raise InvalidArgumentError("prepare() on a closed checkpointer")
+        names, tensors, _, _, _ = flatten_state(state_dict, self._find_optimizer())
+        check_unique(names)
+        tensor_list = _C.checkpoint.TensorList()  # its own: save() reuses self._tensor_list meanwhile
+        tensor_list.set(names, tensors)
+        self.wait_prepared()  # one at a time
+        if wait:
+            self._prepare_outcome = self._c.prepare(tensor_list)
+            return
+        self._prepare_outcome = None
+        self._prepare_thread = threading.Thread(target=self._run_prepare, args=(tensor_list,),
+                                                name="ettkit-checkpoint-prepare", daemon=True)
+        self._prepare_thread.start()
+
+    def _run_prepare(self, tensor_list: Any) -> None:
+        try:
+            self._prepare_outcome = self._c.prepare(tensor_list)
+        except Exception as exc:  # noqa: BLE001 - handed to wait_prepared(); the first save() raises it too
+            self._prepare_outcome = exc
+
+    def wait_prepared(self, timeout: Optional[float] = None) -> Optional[int]:
+        """Waits for :meth:`prepare`'s background work (for ever when ``timeout`` is None) and returns the
+        bytes it backed (0: the arenas were ready already; None: still running at the timeout, or no
+        prepare ran); raises the error it met."""
+        thread = self._prepare_thread
+        if thread is not None:
+            thread.join(timeout)
+            if thread.is_alive():
+                return None
+            self._prepare_thread = None
+        outcome = self._prepare_outcome
+        if isinstance(outcome, BaseException):
+            self._prepare_outcome = None
+            raise outcome
+        return outcome
 
     def attach(self, *objects: Any, model: Any = None, optimizer: Any = None,
                in_backward: Any = "auto") -> Attachment:
@@ -730,6 +780,9 @@ class AsyncCheckpointer:
         if self._closed:
             return
         self._closed = True
+        if self._prepare_thread is not None:
+            self._prepare_thread.join()  # it uses the C++ checkpointer, which close() stops
+            self._prepare_thread = None
         for att in self._fences.attachments:
             att.remove()
         self._finalizer.detach()

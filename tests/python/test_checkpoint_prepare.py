@@ -1,0 +1,115 @@
+"""AsyncCheckpointer.prepare(): the arenas of the first save are sized, allocated and backed before it, off the
+training thread, so that the first save of an attempt takes no page fault for them (#45). Page faults are
+counted (getrusage), not timed, and the plan and arena counters are exact: no verdict here depends on load."""
+
+import resource
+
+import ettkit
+import pytest
+import torch
+from ettkit.checkpoint import AsyncCheckpointer
+
+
+def big_state():
+    """64 MiB in the model and a small optimizer state: a cold arena faults at least 32 times (huge pages),
+    16,384 times with small ones."""
+    g = torch.Generator().manual_seed(0)
+    return {"model": {"w": torch.randn(16 << 20, generator=g), "b": torch.randn(1000, generator=g)},
+            "optim": {"state": {0: {"step": torch.tensor(3.0)}}, "param_groups": [{"lr": 0.1, "params": [0]}]}}
+
+
+def faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt  # every thread's: the copies run on a pool
+
+
+def first_save_faults(directory, prepare: bool) -> tuple[int, AsyncCheckpointer]:
+    """The page faults of the first save() call (no attach: it returns once the copies are done)."""
+    ck = AsyncCheckpointer(directory, recorder=None, preempt_signals=())
+    state = big_state()
+    if prepare:
+        ck.prepare(state)
+        assert ck.wait_prepared() == ck.arena_bytes * ck.num_arenas
+    before = faults()
+    ck.save(1, state)
+    return faults() - before, ck
+
+
+def test_the_first_save_after_prepare_uses_its_arena_and_takes_no_page_fault_for_it(tmp_path):
+    cold, ck_cold = first_save_faults(tmp_path / "cold", prepare=False)
+    prepared, ck = first_save_faults(tmp_path / "prepared", prepare=True)
+    try:
+        assert ck.plan_builds == 1 and ck.arena_allocations == 1  # the save reused what prepare() built
+        assert cold >= 32, cold
+        assert prepared * 4 <= cold, (prepared, cold)
+        ck.wait()
+        restored = {"model": {k: torch.zeros_like(v) for k, v in big_state()["model"].items()},
+                    "optim": {"state": {0: {"step": torch.tensor(0.0)}}, "param_groups": [{"lr": 0.0, "params": [0]}]}}
+        assert ck.load_latest(restored)[0] == 1
+        for k, v in big_state()["model"].items():
+            assert torch.equal(restored["model"][k], v), k  # the prepared arena held the right bytes
+    finally:
+        ck.close()
+        ck_cold.close()
+
+
+def test_double_buffered_arenas_are_both_backed_and_prepare_again_is_free(tmp_path):
+    with AsyncCheckpointer(tmp_path, recorder=None, preempt_signals=(), double_buffer=True) as ck:
+        state = big_state()
+        ck.prepare(state, wait=True)
+        assert ck.num_arenas == 2 and ck.arena_allocations == 2
+        assert ck.wait_prepared() == 2 * ck.arena_bytes
+        ck.prepare(state)
+        assert ck.wait_prepared() == 0  # the same structure: nothing left to do
+        for step in (1, 2):
+            ck.save(step, state)
+        assert ck.plan_builds == 1 and ck.arena_allocations == 2
+
+
+def test_a_save_that_comes_while_prepare_runs_waits_for_it(tmp_path):
+    """Whichever gets the stager first, one plan and one arena serve both: the save either waits for the
+    prepared arena or builds it itself, and the prepare then finds nothing left to do."""
+    with AsyncCheckpointer(tmp_path, recorder=None, preempt_signals=()) as ck:
+        state = big_state()
+        ck.prepare(state)
+        ck.save(1, state).wait()
+        assert ck.wait_prepared() in (0, ck.arena_bytes)
+        assert ck.plan_builds == 1 and ck.arena_allocations == 1
+
+
+def test_a_state_that_grows_after_prepare_is_planned_again_at_its_save(tmp_path):
+    with AsyncCheckpointer(tmp_path, recorder=None, preempt_signals=()) as ck:
+        state = big_state()
+        ck.prepare(state, wait=True)
+        state["optim"]["state"][0]["exp_avg"] = torch.zeros(16 << 20)  # an optimizer's lazy state appeared
+        ck.save(1, state).wait()
+        assert ck.plan_builds == 2 and ck.arena_allocations == 2
+
+
+def test_what_save_refuses_prepare_refuses_in_the_background_and_the_save_again(tmp_path):
+    with AsyncCheckpointer(tmp_path, recorder=None, preempt_signals=(), memory_budget_bytes=1 << 20) as ck:
+        ck.prepare(big_state())
+        with pytest.raises(ettkit.InvalidArgumentError, match="memory_budget_bytes=1048576"):
+            ck.wait_prepared()
+        assert ck.wait_prepared() is None  # raised once; nothing is left to report
+        assert ck.arena_allocations == 0
+        with pytest.raises(ettkit.InvalidArgumentError, match="memory_budget_bytes=1048576"):
+            ck.save(1, big_state())
+    with AsyncCheckpointer(tmp_path / "dtype", recorder=None, preempt_signals=()) as ck:
+        with pytest.raises(ettkit.InvalidArgumentError, match="'model.z' has dtype .*safetensors cannot store"):
+            ck.prepare({"model": {"z": torch.zeros(4, dtype=torch.complex128)}}, wait=True)
+        assert ck.arena_allocations == 0
+
+
+def test_prepare_on_a_read_only_or_closed_checkpointer_is_refused_and_close_waits_for_it(tmp_path):
+    with AsyncCheckpointer(tmp_path, recorder=None, preempt_signals=()) as ck:
+        ck.save(1, big_state()).wait()
+    reader = AsyncCheckpointer(tmp_path, recorder=None, read_only=True)
+    with pytest.raises(ettkit.InvalidArgumentError, match="prepare\\(\\) on a read_only checkpointer"):
+        reader.prepare(big_state(), wait=True)
+    reader.close()
+    ck = AsyncCheckpointer(tmp_path / "closing", recorder=None, preempt_signals=())
+    ck.prepare(big_state())
+    ck.close()  # joins the background prepare before stopping the checkpointer under it
+    assert ck.wait_prepared(timeout=0) >= 64 << 20  # it had ended, with the arena backed
+    with pytest.raises(ettkit.InvalidArgumentError, match="closed checkpointer"):
+        ck.prepare(big_state())
