@@ -306,6 +306,7 @@ void bind_checkpoint(py::module_& m) {
       .def(py::init<>())
       .def("set", &TensorList::set, py::arg("names"), py::arg("tensors"),
            "names: a list, or None to keep the previous names; tensors: a list of tensors")
+      .def("clear_tensors", &TensorList::clear_tensors, "drops the tensor references; the names stay")
       .def("__len__", [](const TensorList& l) { return l.items.size(); });
 
   py::class_<SaveHandle>(m, "SaveHandle", py::release_gil_before_calling_cpp_dtor())

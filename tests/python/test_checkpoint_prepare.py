@@ -2,7 +2,9 @@
 training thread, so that the first save of an attempt takes no page fault for them (#45). Page faults are
 counted (getrusage), not timed, and the plan and arena counters are exact: no verdict here depends on load."""
 
+import gc
 import resource
+import weakref
 
 import ettkit
 import pytest
@@ -50,6 +52,26 @@ def test_the_first_save_after_prepare_uses_its_arena_and_takes_no_page_fault_for
     finally:
         ck.close()
         ck_cold.close()
+
+
+def test_prepare_also_does_the_python_side_of_the_first_save(tmp_path):
+    """The skeleton encoded and the names converted for C++ at prepare() time, on the caller's thread, are
+    what the first save() reuses (for 10^4 tensors each costs milliseconds of that save's blocking); and
+    prepare() keeps no reference to a tensor of the state."""
+    with AsyncCheckpointer(tmp_path, recorder=None, preempt_signals=()) as ck:
+        state = {"model": {f"t{i}": torch.full((8,), float(i)) for i in range(2000)}}
+        ck.prepare(state)
+        code, names = ck._skeleton_code, ck._names
+        assert code is not None and len(names) == 2000
+        ck.wait_prepared()
+        probe = torch.zeros(8)
+        ref = weakref.ref(probe)
+        ck.prepare({"model": {**state["model"], "t0": probe}}, wait=True)  # same structure, another tensor
+        del probe
+        gc.collect()  # flatten_state's walk is a closure cycle: its lists go at the next collection
+        assert ref() is None  # prepare() let go of it
+        ck.save(1, state).wait()
+        assert ck._skeleton_code is code and ck._names is names  # the first save re-encoded nothing
 
 
 def test_double_buffered_arenas_are_both_backed_and_prepare_again_is_free(tmp_path):

@@ -495,22 +495,38 @@ class AsyncCheckpointer:
         state) is planned again at its save, as without ``prepare``."""
         if self._closed:
             raise InvalidArgumentError("prepare() on a closed checkpointer")
-        names, tensors, _, _, _ = flatten_state(state_dict, self._find_optimizer())
+        names, tensors, skeleton, comparable, _ = flatten_state(state_dict, self._find_optimizer())
         check_unique(names)
-        tensor_list = _C.checkpoint.TensorList()  # its own: save() reuses self._tensor_list meanwhile
-        tensor_list.set(names, tensors)
+        # What the first save() would do on this thread for the Python side, done now: the skeleton encoded
+        # and the names converted for C++ (for 10^4 tensors, milliseconds each), kept for the saves of the same
+        # structure. The tensor references are dropped at once: prepare() keeps no tensor alive.
+        if not (comparable and self._skeleton_comparable and skeleton == self._skeleton):
+            code = encode_skeleton(skeleton, allow_pickle=self._allow_pickle)
+            self._skeleton, self._skeleton_code, self._skeleton_comparable = skeleton, code, comparable
+        if names != self._names:
+            self._tensor_list.set(names, tensors)
+            self._tensor_list.clear_tensors()
+            self._names = names
         self.wait_prepared()  # one at a time
         if wait:
-            self._prepare_outcome = self._c.prepare(tensor_list)
+            self._prepare_outcome = self._c.prepare(self._prepare_list(names, tensors))
             return
         self._prepare_outcome = None
-        self._prepare_thread = threading.Thread(target=self._run_prepare, args=(tensor_list,),
+        self._prepare_thread = threading.Thread(target=self._run_prepare, args=(names, tensors),
                                                 name="ettkit-checkpoint-prepare", daemon=True)
         self._prepare_thread.start()
 
-    def _run_prepare(self, tensor_list: Any) -> None:
+    @staticmethod
+    def _prepare_list(names: list, tensors: list) -> Any:
+        tensor_list = _C.checkpoint.TensorList()  # its own: save() uses self._tensor_list meanwhile
+        tensor_list.set(names, tensors)
+        return tensor_list
+
+    def _run_prepare(self, names: list, tensors: list) -> None:
         try:
-            self._prepare_outcome = self._c.prepare(tensor_list)
+            # The names' conversion needs the GIL, here and not on the caller's thread; the C++ prepare
+            # releases it.
+            self._prepare_outcome = self._c.prepare(self._prepare_list(names, tensors))
         except Exception as exc:  # noqa: BLE001 - handed to wait_prepared(); the first save() raises it too
             self._prepare_outcome = exc
 
