@@ -11,6 +11,10 @@ for old and new in one run):
   the warmed arena, queueing), each save waited for before the next, median of --saves after 5 warm-up saves;
 - `persist_ms[...]:disk` and `persist_cpu_ms[...]:disk`: `save(...).wait()` on the disk tier (staging,
   writing, hashing, fsync, commit) as wall time and as this process's CPU time (getrusage, every thread).
+- `first_save_ms[...]:prepared|unprepared` and `first_over_later[...]`: the first save of a fresh
+  checkpointer (the save() call and the wait until its copies are done: a training loop's blocking) against
+  the median of its next 4, with `prepare(state)` before it (waited for: it runs beside other start-up
+  work in a trainer) or without; the median over --rounds fresh checkpointers.
 Two shapes: 2,001 small tensors (32 MiB; per-tensor costs) and 12 large ones (128 MiB; per-byte costs).
 """
 
@@ -78,15 +82,48 @@ def measure(total_bytes: int, tensors: int, saves: int, root: str) -> dict:
     return out
 
 
+def first_saves(total_bytes: int, tensors: int, rounds: int, root: str) -> dict:
+    """The first save of a fresh checkpointer against its next four, with and without prepare(), rounds
+    interleaved so that a change of the machine's load falls on both."""
+    from ettkit.checkpoint import AsyncCheckpointer
+
+    state = _state(total_bytes, tensors)
+    firsts: dict = {"prepared": [], "unprepared": []}
+    ratios: dict = {"prepared": [], "unprepared": []}
+    for r in range(rounds):
+        for variant in ("unprepared", "prepared") if r % 2 else ("prepared", "unprepared"):
+            with AsyncCheckpointer(os.path.join(root, f"first-{variant}-{r}"), keep_last=2, recorder=None,
+                                   preempt_signals=(), overlap=True, unfenced_sync_max_bytes=0) as ck:
+                if variant == "prepared":
+                    ck.prepare(state)
+                    ck.wait_prepared()
+                blocking = []
+                for step in range(1, 6):
+                    _touch(state)
+                    t0 = time.perf_counter()
+                    handle = ck.save(step, state)
+                    ck.wait_staged()  # the optimizer's pre-step wait for the copies
+                    blocking.append(time.perf_counter() - t0)
+                    handle.wait()
+            firsts[variant].append(blocking[0])
+            ratios[variant].append(blocking[0] / statistics.median(blocking[1:]))
+    out = {}
+    for variant, seconds in firsts.items():
+        out[f"first_save_ms:{variant}"] = statistics.median(seconds) * 1e3
+        out[f"first_over_later:{variant}"] = statistics.median(ratios[variant])
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="10 measured saves per figure instead of --saves")
     ap.add_argument("--saves", type=int, default=25, help="measured saves per figure (after 5 warm-up saves)")
+    ap.add_argument("--rounds", type=int, default=7, help="fresh checkpointers per first-save figure (3 in --quick)")
     ap.add_argument("--dir", help="scratch directory (default: a new temporary one)")
     ap.add_argument("--json")
     a = ap.parse_args()
     if a.quick:
-        a.saves = 10
+        a.saves, a.rounds = 10, 3
     if a.saves < 1:
         ap.error(f"--saves must be at least 1, got {a.saves}")
     results: dict = {}
@@ -94,6 +131,7 @@ def main() -> int:
         root = tempfile.mkdtemp(prefix="ettkit-isolated-", dir=a.dir)
         try:
             figures = measure(mib << 20, tensors, a.saves, root)
+            figures.update(first_saves(mib << 20, tensors, a.rounds, root))
         finally:
             shutil.rmtree(root, ignore_errors=True)
         for key, value in figures.items():
