@@ -17,6 +17,10 @@
 #include "common/cuda_check.h"
 #endif
 
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23  // Linux 5.14 (older headers lack it; older kernels answer EINVAL)
+#endif
+
 namespace ettkit::checkpoint::detail {
 
 void Arena::allocate(size_t bytes, bool pin) {
@@ -47,9 +51,6 @@ void Arena::allocate(size_t bytes, bool pin) {
 void Arena::populate() {
   if (!ptr || populated) return;
   if (!pinned) {
-#ifndef MADV_POPULATE_WRITE
-#define MADV_POPULATE_WRITE 23  // Linux 5.14; older kernels answer EINVAL and take the loop below
-#endif
     if (::madvise(ptr, size, MADV_POPULATE_WRITE) != 0) {
       ETTKIT_CHECK(errno == EINVAL || errno == ENOSYS, IoError, "backing the pages of a ", size,
                    "-byte checkpoint arena failed: ", std::strerror(errno));

@@ -377,7 +377,8 @@ def format_fleet(fleet: dict, top: int = 5) -> str:
             continue
         tts = j["time_to_start_s"]
         ttr_j = j["time_to_recover_s"]
-        rows.append([j["run_dir"] + (" (precompile)" if j["kind"] == PRECOMPILE else ""), j["status"] + ("" if j["status"] == RUNNING else f" ({j['last_attempt_status']})"),
+        name = j["run_dir"] + (" (precompile)" if j["kind"] == PRECOMPILE else "")
+        rows.append([name, j["status"] + ("" if j["status"] == RUNNING else f" ({j['last_attempt_status']})"),
                      str(j["world_size"]), _sec(j["e2e_s"]), _num(j["ett_pct"], 2, "%"), str(j["failures"]),
                      _sec(tts[0]) if tts else MISSING, _sec(sum(ttr_j) / len(ttr_j)) if ttr_j else MISSING,
                      str(j["corrupt_lines"])])
