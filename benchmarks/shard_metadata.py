@@ -21,6 +21,10 @@ Metrics (JSON keys ``<metric>[<case>]``, variants ``ettkit`` and the baselines):
   ``build_global_metadata``, ``to_sharded_tensor_metadata`` per table) and ``ettkit_plan`` (the same
   without the conversion: a job whose plan is an ettkit plan in the first place). Median over repeats;
   also the broadcast bytes (``torchrec_plan_bytes``).
+* ``torchrec_local_ms[world=1024,tables=1000]`` (``world=256,tables=200`` with ``--quick``): the same two
+  paths in one process at a simulated world size, without the communication: TorchRec's ``pickle.dumps`` +
+  ``pickle.loads`` + ``build_metadata`` against ettkit's ``encode`` + ``decode`` + build +
+  ``all_sharded_tensor_metadata`` (``ettkit_plan``; ``ettkit`` adds ``from_torchrec``). Median.
 
 Usage::
 
@@ -189,8 +193,7 @@ def _torchrec_worker(rank: int, world: int, init_file: str, tables: int, repeats
             compact = S.from_torchrec(plan0, world_size=world, ranks_per_host=per_host, tables=configs,
                                       qualify=False)
         md = S.build_global_metadata(S.broadcast_plan(compact))
-        return {name: md.to_sharded_tensor_metadata(name) for name in md.tables
-                if md.tables[name].sharding_type != "data_parallel"}
+        return md.all_sharded_tensor_metadata()
 
     # A job that builds its plan with ettkit in the first place skips the conversion from TorchRec's plan.
     native = (S.from_torchrec(plan0, world_size=world, ranks_per_host=per_host, tables=configs, qualify=False)
@@ -234,6 +237,62 @@ def measure_torchrec_init(world: int, tables: int, repeats: int) -> dict | None:
                  join=True)
         with open(out) as f:
             return json.load(f)
+
+
+def measure_torchrec_local(world: int, tables: int, per_host: int, repeats: int) -> dict | None:
+    """TorchRec's path against ettkit's in one process at a simulated world size: no communication, only what
+    every rank does besides it (the sender's serialisation, the receiver's decoding and metadata objects).
+
+    ``torchrec``: ``pickle.dumps`` + ``pickle.loads`` of TorchRec's plan (what ``broadcast_object_list``
+    does on both ends), then ``build_metadata`` per sharded table. ``ettkit_plan``: ``encode`` + ``decode``
+    + ``build_global_metadata`` + ``all_sharded_tensor_metadata``; ``ettkit``: the same after
+    ``from_torchrec``. Both paths' results are asserted equal first; the variants are interleaved and a
+    ``gc.collect()`` outside the timing gives each repeat the same heap. None without TorchRec.
+    """
+    import gc
+
+    try:
+        from torch.distributed._shard.sharded_tensor import TensorProperties
+        from torchrec.modules.embedding_configs import data_type_to_dtype
+    except Exception as e:  # noqa: BLE001 - fbgemm ops that do not load count as "not installed"
+        print(f"torchrec_local_ms: skipped, TorchRec does not import here ({e!r})")
+        return None
+    from ettkit import sharding as S
+
+    plan0, configs = _torchrec_plan(tables, world, per_host)
+    sizes = {c.name: torch.Size([c.num_embeddings, c.embedding_dim]) for c in configs}
+    dtypes = {c.name: data_type_to_dtype(c.data_type) for c in configs}
+    native = S.from_torchrec(plan0, world_size=world, ranks_per_host=per_host, tables=configs, qualify=False)
+
+    def torchrec():
+        plan = pickle.loads(pickle.dumps(plan0))
+        return {name: ps.sharding_spec.build_metadata(sizes[name], TensorProperties(dtype=dtypes[name]))
+                for name, ps in plan.plan["sparse.ebc"].items() if ps.sharding_spec is not None}
+
+    def ettkit_plan(plan=None):
+        return S.build_global_metadata(S.decode(S.encode(plan or native))).all_sharded_tensor_metadata()
+
+    def ettkit():
+        return ettkit_plan(S.from_torchrec(plan0, world_size=world, ranks_per_host=per_host, tables=configs,
+                                           qualify=False))
+
+    expected = torchrec()
+    for got in (ettkit_plan(), ettkit()):
+        assert list(got) == list(expected)
+        for name, m in expected.items():
+            assert got[name] == m, name
+    out = {"ettkit": [], "ettkit_plan": [], "torchrec": []}
+    out["shards"] = sum(len(m.shards_metadata) for m in expected.values())
+    out["sharded_tables"] = len(expected)
+    out["plan_bytes"] = {"torchrec": len(pickle.dumps(plan0)), "ettkit": len(S.encode(native))}
+    del expected, got
+    for _ in range(repeats):
+        for name, fn in (("torchrec", torchrec), ("ettkit_plan", ettkit_plan), ("ettkit", ettkit)):
+            gc.collect()
+            t0 = time.perf_counter()
+            fn()
+            out[name].append(time.perf_counter() - t0)
+    return out
 
 
 def measure_init(
@@ -453,6 +512,20 @@ def main(argv=None) -> int:
         pb = tr["plan_bytes"]
         rows.append(("torchrec_plan_bytes", case, f"{pb['ettkit']:,} B", f"{pb['torchrec']:,} B", "torchrec",
                      f"{pb['torchrec'] / pb['ettkit']:.0f}x smaller"))
+
+    lw, lt = (256, 200) if args.quick else (1024, 1000)
+    loc = measure_torchrec_local(lw, lt, 8, 3 if args.quick else 7)
+    if loc is not None:
+        case = f"world={lw},tables={lt}"
+        results[f"torchrec_local_ms[{case}]"] = {k: statistics.median(loc[k]) * 1e3
+                                                 for k in ("ettkit", "ettkit_plan", "torchrec")}
+        results[f"torchrec_local_shards[{case}]"] = loc["shards"]
+        results[f"torchrec_plan_bytes[{case}]"] = loc["plan_bytes"]
+        b = statistics.median(loc["torchrec"])
+        for label, key in ((f"{case} ({loc['shards']:,} shards)", "ettkit"), (f"{case}, ettkit plan", "ettkit_plan")):
+            mine = statistics.median(loc[key])
+            ratio = f"{b / mine:.1f}x faster" if b >= mine else f"{mine / b:.1f}x slower"
+            rows.append(("torchrec_local_ms", label, f"{mine * 1e3:.1f} ms", f"{b * 1e3:.1f} ms", "torchrec", ratio))
 
     header = ("metric", "case", "ettkit", "baseline", "baseline is", "ettkit vs baseline")
     widths = [max(len(str(x[i])) for x in rows + [header]) for i in range(len(header))]

@@ -5,7 +5,9 @@
 #include <pybind11/stl.h>
 
 #include <memory>
+#include <span>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <vector>
 
@@ -48,6 +50,43 @@ std::span<const uint8_t> as_bytes(const py::buffer& b, py::buffer_info& info) {
   info = b.request();
   ETTKIT_EXPECTS(info.ndim <= 1, "plan bytes must be a 1-D bytes-like object, got ", info.ndim, " dimensions");
   return {static_cast<const uint8_t*>(info.ptr), static_cast<size_t>(info.size * info.itemsize)};
+}
+
+// Python objects of torch.distributed._shard.ShardMetadata for the shards of `table`, made without running
+// the class's __init__: the C++ build has validated every shard (non-negative offsets and sizes, two
+// dimensions), which is all that __init__ checks, and the Python constructor was 60% of the cost of a
+// rank's metadata (docs/benchmarks.md, "Against TorchRec's own path"). The caller (metadata.py) checks that
+// the class still has exactly the three slots set here and falls back to the constructor otherwise.
+// `placements[r]` is the _remote_device of rank r, shared by all of its shards (never modified).
+py::list torch_shard_metadata(const GlobalMetadata& md, size_t table, const py::handle& cls,
+                              const std::vector<py::handle>& placements, const py::handle& set_offsets,
+                              const py::handle& set_sizes, const py::handle& set_placement) {
+  auto* type = reinterpret_cast<PyTypeObject*>(cls.ptr());
+  ETTKIT_EXPECTS(PyType_Check(cls.ptr()) && type->tp_new != nullptr, "shard class must be a type");
+  auto set = [](const py::handle& descr, PyObject* obj, PyObject* value) {
+    if (Py_TYPE(descr.ptr())->tp_descr_set(descr.ptr(), obj, value) != 0) throw py::error_already_set();
+  };
+  auto pair = [](int64_t a, int64_t b) {
+    py::list l(2);
+    l[0] = py::int_(a);
+    l[1] = py::int_(b);
+    return l;
+  };
+  const py::tuple no_args;
+  std::span<const Shard> shards = md.shards(table);
+  py::list out(shards.size());
+  for (size_t i = 0; i < shards.size(); ++i) {
+    const Shard& s = shards[i];
+    ETTKIT_EXPECTS(s.rank >= 0 && static_cast<size_t>(s.rank) < placements.size(), "shard rank ", s.rank,
+                   " has no placement (", placements.size(), " given)");
+    auto obj = py::reinterpret_steal<py::object>(type->tp_new(type, no_args.ptr(), nullptr));
+    if (!obj) throw py::error_already_set();
+    set(set_offsets, obj.ptr(), pair(s.row_offset, s.col_offset).ptr());
+    set(set_sizes, obj.ptr(), pair(s.rows, s.cols).ptr());
+    set(set_placement, obj.ptr(), placements[static_cast<size_t>(s.rank)].ptr());
+    out[i] = std::move(obj);
+  }
+  return out;
 }
 
 }  // namespace
@@ -124,6 +163,19 @@ void bind_sharding(py::module_& m) {
            py::arg("rank"),
            "(table index, shard index, row_offset, col_offset, rows, cols) of every shard on `rank`, ordered by "
            "table then shard.")
+      .def("torch_shard_metadata", &torch_shard_metadata, py::arg("table"), py::arg("cls"), py::arg("placements"),
+           py::arg("set_offsets"), py::arg("set_sizes"), py::arg("set_placement"),
+           "torch ShardMetadata objects of table `table`'s shards (see ettkit/sharding/metadata.py).")
+      .def("table_info",
+           [](const GlobalMetadata& md) {
+             // (name, rows, cols, dtype, sharding type) of every table, in plan order: one call instead of a
+             // TableSpec copy (with its shard vector) per table.
+             std::vector<std::tuple<std::string, int64_t, int64_t, std::string_view, std::string_view>> out;
+             out.reserve(md.num_tables());
+             for (const TableSpec& t : md.plan().tables())
+               out.emplace_back(t.name, t.rows, t.cols, to_string(t.dtype), to_string(t.type));
+             return out;
+           })
       .def("hash", &GlobalMetadata::hash)
       .def_property_readonly("warnings", &GlobalMetadata::warnings);
 

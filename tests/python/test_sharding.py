@@ -391,6 +391,109 @@ def test_sharded_tensor_metadata_passes_torch_validation():
         md.to_sharded_tensor_metadata("table_0")
 
 
+
+def _constructed(md, name, requires_grad=False):
+    """The ShardedTensorMetadata of ``name`` made with torch's own constructors: what the fast path must equal."""
+    from torch.distributed import _remote_device
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import ShardedTensorMetadata, TensorProperties
+
+    t = md.tables[name]
+    return ShardedTensorMetadata(
+        [ShardMetadata(list(s.offsets), list(s.sizes), _remote_device(s.placement)) for s in t.shards],
+        t.size, TensorProperties(dtype=t.dtype, requires_grad=requires_grad))
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_all_sharded_tensor_metadata_equals_torchs_constructors_table_by_table(device):
+    plan = torchrec_32_rank_plan("float16")
+    plan = S.ShardingPlan([*plan.tables, S.Table("explicit", 7, 4, "bfloat16", "row_wise",
+                                                   shards=[(0, 0, 5, 4, 3), (5, 0, 2, 4, 31)])],
+                          plan.world_size, plan.ranks_per_host, device)
+    md = S.build_global_metadata(plan)
+    every = md.all_sharded_tensor_metadata(requires_grad=True)
+    sharded = [t.name for t in plan.tables if t.sharding_type != "data_parallel"]
+    assert list(every) == sharded  # plan order, data_parallel left out
+    for name in sharded:
+        expected = _constructed(md, name, requires_grad=True)
+        assert every[name] == expected, name
+        assert md.to_sharded_tensor_metadata(name, requires_grad=True) == expected
+        assert md.to_shard_metadata(name) == expected.shards_metadata
+        assert [str(m.placement) for m in every[name].shards_metadata] == [s.placement for s in md.tables[name].shards]
+    assert every["explicit"].tensor_properties.dtype == torch.bfloat16
+    assert [m.shard_offsets for m in every["explicit"].shards_metadata] == [[0, 0], [5, 0]]
+    assert str(every["explicit"].shards_metadata[1].placement) == (
+        "rank:31/cuda:7" if device == "cuda" else "rank:31/cpu")
+    # torch's own checks accept what the fast path made without running ShardMetadata.__init__.
+    for stm in every.values():
+        EnumerableShardingSpec(stm.shards_metadata)
+        check_tensor(stm.shards_metadata, stm.size)
+
+
+def test_sharded_tensor_metadata_objects_belong_to_the_caller():
+    md = S.build_global_metadata(torchrec_32_rank_plan())
+    first = md.to_sharded_tensor_metadata("table_3")
+    first.shards_metadata[0].shard_offsets[0] = 999  # a caller that edits its copy
+    first.shards_metadata[0].shard_sizes.append(1)
+    again = md.all_sharded_tensor_metadata()["table_3"]
+    assert again == _constructed(md, "table_3")
+    assert again.shards_metadata[0] is not first.shards_metadata[0]
+
+
+def test_sharded_tensor_metadata_without_the_fast_path_is_the_same(monkeypatch):
+    from ettkit.sharding import metadata as M
+
+    md = S.build_global_metadata(torchrec_32_rank_plan())
+    fast = md.all_sharded_tensor_metadata()
+    slow = M._torch_types()._replace(fast=False, setters=())  # a torch whose ShardMetadata has other fields
+    monkeypatch.setattr(M, "_torch_types", lambda: slow)
+    assert S.build_global_metadata(torchrec_32_rank_plan()).all_sharded_tensor_metadata() == fast
+
+
+def test_sharded_tensor_metadata_leaves_the_garbage_collector_as_it_was(monkeypatch):
+    import gc
+
+    from ettkit.sharding import metadata as M
+
+    md = S.build_global_metadata(torchrec_32_rank_plan())
+    seen = []
+    real = md._c.torch_shard_metadata
+
+    class Probe:  # records whether collection was paused while the objects were made
+        def torch_shard_metadata(self, *args):
+            seen.append(gc.isenabled())
+            return real(*args)
+
+        def __getattr__(self, name):
+            return getattr(real.__self__, name)
+
+    object.__setattr__(md, "_c", Probe())
+    was = gc.isenabled()
+    try:
+        gc.enable()
+        md.all_sharded_tensor_metadata()
+        assert seen and not any(seen) and gc.isenabled()
+        gc.disable()
+        md.to_sharded_tensor_metadata("table_2")
+        assert not gc.isenabled()  # a caller that had it off keeps it off
+        gc.enable()
+        monkeypatch.setattr(M.GlobalMetadata, "_torch_shards", lambda self, i: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            md.all_sharded_tensor_metadata()
+        assert gc.isenabled()  # restored on an error too
+    finally:
+        (gc.enable if was else gc.disable)()
+
+
+def test_torch_shard_metadata_refuses_a_rank_without_placement():
+    from ettkit.sharding import metadata as M
+
+    md = S.build_global_metadata(torchrec_32_rank_plan())
+    types = M._torch_types()
+    index = md.plan.names.index("table_2")  # row_wise over all 32 ranks
+    with pytest.raises(ValueError, match="shard rank 31 has no placement \\(31 given\\)"):
+        md._c.torch_shard_metadata(index, types.shard, md._placements()[:31], *types.setters)
+
 def test_dcp_chunks():
     md = build_one(S.Table("t", 5, 8, torch.bfloat16, "row_wise"), 8)
     chunks = md.to_dcp_chunks("t")

@@ -243,6 +243,13 @@ def compare_whole_plan(built: list[tuple], world: int, per_host: int, device: st
             compact = table.shards is None and table.num_buckets is None
             if compact and ps.sharding_type != "data_parallel":
                 assert converted.table(name).shards is None, (name, converted.table(name))
+        # Every rank's one call for all sharded tables equals TorchRec's build_metadata table by table.
+        every = md.all_sharded_tensor_metadata()
+        assert set(every) == {f"sparse.ebc.{c.name}" for c, ps, _ in built if ps.sharding_spec is not None}
+        for c, ps, _ in built:
+            if ps.sharding_spec is not None:
+                assert every[f"sparse.ebc.{c.name}"] == ps.sharding_spec.build_metadata(
+                    torch.Size([c.num_embeddings, c.embedding_dim]), TensorProperties(dtype=DTYPES[c.data_type]))
         back = S.to_torchrec_dict(md)["plan"]["sparse.ebc"]
         for param, entry in source["plan"]["sparse.ebc"].items():
             assert {**back[param], "compute_kernel": entry["compute_kernel"]} == entry, param

@@ -8,6 +8,9 @@ tables you look at. Views: ``torch.distributed._shard`` :class:`ShardedTensorMet
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import gc
 from collections.abc import Iterator, Mapping, Sequence
 from typing import NamedTuple
 
@@ -32,6 +35,46 @@ DEFAULT_MAX_SHARDS: int = _C.sharding.DEFAULT_MAX_SHARDS
 
 #: The ETT phase the sharding work is recorded under (a launcher_init sub-stage).
 ETT_PHASE = "launcher_init/sharding"
+
+
+class _TorchTypes(NamedTuple):
+    shard: type  # torch.distributed._shard.metadata.ShardMetadata
+    sharded: type  # ShardedTensorMetadata
+    properties: type  # sharded_tensor's TensorProperties
+    setters: tuple  # its three slot descriptors: shard_offsets, shard_sizes, placement
+    fast: bool  # the class has exactly those slots, so objects can be made without its __init__
+
+
+@functools.cache
+def _torch_types() -> _TorchTypes:
+    # Once per process (torch's classes do not change while it runs); imported lazily because
+    # torch.distributed is not needed to build metadata.
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import ShardedTensorMetadata, TensorProperties
+
+    names = ("shard_offsets", "shard_sizes", "placement")
+    slots = tuple(getattr(ShardMetadata, "__slots__", ()))
+    fast = slots == names and all(
+        type(ShardMetadata.__dict__.get(n)).__name__ == "member_descriptor" for n in names)
+    setters = tuple(ShardMetadata.__dict__[n] for n in names) if fast else ()
+    return _TorchTypes(ShardMetadata, ShardedTensorMetadata, TensorProperties, setters, fast)
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """No cyclic garbage collection while a block makes many objects that cannot form cycles.
+
+    Every 700 new container objects start a collection, and the full ones walk every object of the process
+    (torch, TorchRec): making the ShardMetadata of 148,786 shards took 1.08 s with collections and 0.06 s
+    without (docs/benchmarks.md). The objects made here hold ints, torch.Size and shared placements only.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class Shard(NamedTuple):
@@ -132,13 +175,14 @@ class GlobalMetadata:
     owns its C++ arrays and shares the plan.
     """
 
-    __slots__ = ("_c", "_devices", "_names", "plan", "tables")
+    __slots__ = ("_c", "_devices", "_names", "_table_info", "plan", "tables")
 
     def __init__(self, plan: ShardingPlan, c_metadata: _C.sharding.Metadata):
         self.plan = plan
         self._c = c_metadata
         self._names: list[str] | None = None
-        self._devices: dict[str, object] = {}  # placement string -> torch _remote_device (parsed once)
+        self._devices: list | None = None  # rank -> torch _remote_device (parsed once)
+        self._table_info: list | None = None
         self.tables: Mapping[str, TableMetadata] = _Tables(self)
 
     @property
@@ -186,21 +230,67 @@ class GlobalMetadata:
             )
         return md
 
-    def to_shard_metadata(self, name: str) -> list:
-        """``torch.distributed._shard.metadata.ShardMetadata`` of every shard of ``name``, in plan order."""
-        from torch.distributed import _remote_device
-        from torch.distributed._shard.metadata import ShardMetadata
+    def _placements(self) -> list:
+        """torch ``_remote_device`` of every rank (index = rank), parsed once per metadata: there are at most
+        ``world_size`` distinct placements, and a ``_remote_device`` is never modified, so every shard of a
+        rank shares one."""
+        if self._devices is None:
+            from torch.distributed import _remote_device
 
-        # Parsing "rank:r/cuda:i" into a _remote_device was two thirds of the cost; there are at most
-        # world_size distinct placements and a _remote_device is never modified, so each is parsed once.
-        devices = self._devices
-        out = []
-        for s in self._sharded(name).shards:
-            device = devices.get(s.placement)
-            if device is None:
-                device = devices[s.placement] = _remote_device(s.placement)
-            out.append(ShardMetadata(list(s.offsets), list(s.sizes), device))
-        return out
+            plan = self.plan
+            self._devices = [_remote_device(_placement(r, plan.device, plan.ranks_per_host))
+                             for r in range(plan.world_size)]
+        return self._devices
+
+    def _torch_shards(self, index: int) -> list:
+        types = _torch_types()
+        if types.fast:
+            return self._c.torch_shard_metadata(index, types.shard, self._placements(), *types.setters)
+        # A torch whose ShardMetadata has other fields than the three the fast path sets: its constructor.
+        placements = self._placements()
+        return [types.shard([ro, co], [r, c], placements[rank]) for ro, co, r, c, rank in self._c.shards(index)]
+
+    def _sharded_index(self, name: str) -> int:
+        index = self.plan._c.find(name)
+        if index is None:
+            raise KeyError(name)
+        if self._info()[index][4] == "data_parallel":
+            raise InvalidArgumentError(
+                f"table '{name}' is data_parallel: it is replicated, not sharded, so it has no sharded-tensor "
+                "metadata (TorchRec keeps such tables as plain tensors under DDP)"
+            )
+        return index
+
+    def _info(self) -> list:
+        # (name, rows, cols, dtype name, sharding type) per table, fetched from C++ in one call.
+        if self._table_info is None:
+            self._table_info = self._c.table_info()
+        return self._table_info
+
+    def to_shard_metadata(self, name: str) -> list:
+        """``torch.distributed._shard.metadata.ShardMetadata`` of every shard of ``name``, in plan order.
+
+        Each call returns new objects (their offset and size lists are the caller's); shards of one rank
+        share that rank's ``placement`` object.
+        """
+        index = self._sharded_index(name)
+        with _gc_paused():
+            return self._torch_shards(index)
+
+    def _sharded_tensor_metadata(self, index: int, requires_grad: bool):
+        types = _torch_types()
+        _, rows, cols, dtype, _ = self._info()[index]
+        return types.sharded(
+            shards_metadata=self._torch_shards(index),
+            size=torch.Size([rows, cols]),
+            tensor_properties=types.properties(
+                dtype=getattr(torch, dtype),
+                layout=torch.strided,
+                requires_grad=requires_grad,
+                memory_format=torch.contiguous_format,
+                pin_memory=False,
+            ),
+        )
 
     def to_sharded_tensor_metadata(self, name: str, requires_grad: bool = False):
         """``ShardedTensorMetadata`` of table ``name`` for ``ShardedTensor._init_from_local_shards_and_global_metadata``.
@@ -208,20 +298,22 @@ class GlobalMetadata:
         dtype comes from the plan (the table config), never from a local shard. Empty shards are kept, as
         TorchRec keeps them.
         """
-        from torch.distributed._shard.sharded_tensor import ShardedTensorMetadata, TensorProperties
+        index = self._sharded_index(name)
+        with _gc_paused():
+            return self._sharded_tensor_metadata(index, requires_grad)
 
-        md = self._sharded(name)
-        return ShardedTensorMetadata(
-            shards_metadata=self.to_shard_metadata(name),
-            size=md.size,
-            tensor_properties=TensorProperties(
-                dtype=md.dtype,
-                layout=torch.strided,
-                requires_grad=requires_grad,
-                memory_format=torch.contiguous_format,
-                pin_memory=False,
-            ),
-        )
+    def all_sharded_tensor_metadata(self, requires_grad: bool = False) -> dict:
+        """``{name: ShardedTensorMetadata}`` of every sharded table (all but data_parallel), in plan order.
+
+        What a rank needs to create every sharded table without a collective; the same objects as
+        :meth:`to_sharded_tensor_metadata` table by table, made in one pass.
+        """
+        with _gc_paused():
+            return {
+                name: self._sharded_tensor_metadata(i, requires_grad)
+                for i, (name, _, _, _, kind) in enumerate(self._info())
+                if kind != "data_parallel"
+            }
 
     def to_sharded_tensor(self, name: str, rank: int, local: Sequence[torch.Tensor]):
         """A ``ShardedTensor`` of table ``name`` over ``rank``'s own shards, built from this metadata alone (no

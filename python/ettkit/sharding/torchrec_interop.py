@@ -127,13 +127,35 @@ def _config(tables: Any, qualified: str, param: str) -> tuple[int | None, int | 
     )
 
 
-def _rule_shards(table: Table, world_size: int, ranks_per_host: int, device: str) -> list[tuple] | None:
-    """The shards ettkit's rule gives ``table``, or None when the compact form is not a valid plan."""
+def _rule_shards(tables: list[Table], world_size: int, ranks_per_host: int, device: str) -> list[list[tuple] | None]:
+    """The shards ettkit's rule gives each of ``tables``, or None for one whose compact form is not a valid plan.
+
+    One C++ build for all of them (a build per table was a third of ``from_torchrec``); only when that build
+    refuses one does each table get its own, to find which.
+    """
+    def build(batch: list[Table]) -> list[list[tuple]]:
+        md = _C.sharding.build(_C.sharding.Plan([t._spec() for t in batch], world_size, ranks_per_host, device), False)
+        return [[tuple(s) for s in md.shards(i)] for i in range(len(batch))]
+
+    if not tables:
+        return []
     try:
-        c_plan = _C.sharding.Plan([table._spec()], world_size, ranks_per_host, device)
-        return [tuple(s) for s in _C.sharding.build(c_plan, False).shards(0)]
-    except ValueError:  # InvalidArgumentError: the compact guess does not fit; use explicit shards
-        return None
+        return build(tables)
+    except ValueError:  # InvalidArgumentError: some compact guess does not fit; find which, one by one
+        out: list[list[tuple] | None] = []
+        for t in tables:
+            try:
+                out.append(build([t])[0])
+            except ValueError:
+                out.append(None)
+        return out
+
+
+def _is_cuda(placement: Any) -> bool:
+    device = getattr(placement, "device", None)  # torch _remote_device: no string formatting needed
+    if callable(device):
+        return device().type == "cuda"
+    return "cuda" in str(placement)
 
 
 def _compact_candidate(name, kind, rows, cols, dtype, ranks, shards, world_size) -> Table:
@@ -179,8 +201,9 @@ def from_torchrec(
             kind, ranks, shards = _entry(name, ps)
             if not isinstance(ps, Mapping):
                 spec = getattr(ps, "sharding_spec", None)
-                for s in getattr(spec, "shards", None) or ():
-                    saw_cuda = saw_cuda or "cuda" in str(s.placement)
+                # A table's shards share one device type (TorchRec's placement() per compute device).
+                first = (getattr(spec, "shards", None) or (None,))[0]
+                saw_cuda = saw_cuda or (first is not None and _is_cuda(first.placement))
             else:
                 saw_cuda = saw_cuda or any("cuda" in str(s.get("placement")) for s in ps.get("shards") or ())
             saw_placement = saw_placement or any(p is not None for _, _, p in shards or ())
@@ -241,10 +264,15 @@ def from_torchrec(
             )
         except ValueError:
             candidate = None
-        if candidate is not None and _rule_shards(candidate, world_size, ranks_per_host, device) == flat:
-            out.append(candidate)
-        else:
-            out.append(Table(name, rows, cols, dtype_name, kind, shards=flat))
+        explicit = Table(name, rows, cols, dtype_name, kind, shards=flat) if candidate is None else None
+        out.append((candidate, explicit, flat))
+    # A table keeps its compact form only where ettkit's rule gives exactly TorchRec's shards.
+    pending = [i for i, t in enumerate(out) if isinstance(t, tuple) and t[0] is not None]
+    for i, shards in zip(pending, _rule_shards([out[i][0] for i in pending], world_size, ranks_per_host, device)):
+        candidate, _, flat = out[i]
+        out[i] = candidate if shards == flat else Table(candidate.name, candidate.rows, candidate.cols,
+                                                         candidate.dtype, candidate.sharding_type, shards=flat)
+    out = [t[1] if isinstance(t, tuple) else t for t in out]
     return ShardingPlan(out, world_size, ranks_per_host, device)
 
 
