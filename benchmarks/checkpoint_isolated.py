@@ -9,8 +9,11 @@ scheduler out, to tell a change in ettkit's own code from that noise (tools/comp
 for old and new in one run):
 - `save_call_ms[tensors=N,mib=M]:disk|memory`: the wall time of `save()` (argument checks, staging copy into
   the warmed arena, queueing), each save waited for before the next, median of --saves after 5 warm-up saves;
-- `persist_ms[...]:disk` and `persist_cpu_ms[...]:disk`: `save(...).wait()` on the disk tier (staging,
-  writing, hashing, fsync, commit) as wall time and as this process's CPU time (getrusage, every thread).
+- `persist_ms[...]:disk|memory|memcpy` and `persist_cpu_ms[...]`: `save(...).wait()` on each tier (staging,
+  writing, hashing, fsync, commit) as wall time and as this process's CPU time (getrusage, every thread),
+  the tiers' saves alternating in one checkpointer, beside `memcpy`: a copy of the same tensors into one
+  preallocated buffer after each pair; `persist_cpu_over_memcpy[...]:disk|memory` and
+  `memory_over_disk[...]:persist_ms` are the ratios issue #45 sets targets for.
 - `first_save_ms[...]:prepared|unprepared` and `first_over_later[...]`: the first save of a fresh
   checkpointer (the save() call and the wait until its copies are done: a training loop's blocking) against
   the median of its next 4, with `prepare(state)` before it (waited for: it runs beside other start-up
@@ -69,16 +72,38 @@ def measure(total_bytes: int, tensors: int, saves: int, root: str) -> dict:
                 calls.append(time.perf_counter() - t0)
                 handle.wait()
         out[f"save_call_ms:{tier}"] = statistics.median(calls[WARMUP:]) * 1e3
-    walls, cpus = [], []
-    with AsyncCheckpointer(os.path.join(root, "persist"), keep_last=2, recorder=None, preempt_signals=()) as ck:
+    # Both tiers in one checkpointer, saves alternating, and a memcpy of the same bytes after each pair, so
+    # that a change of the machine's load falls on all three (issue #45's baseline for its targets).
+    import torch
+
+    dst = torch.empty(sum(t.numel() for t in state.values()))
+    views, at = [], 0
+    for t in state.values():
+        views.append(dst[at: at + t.numel()])
+        at += t.numel()
+    walls: dict = {"disk": [], "memory": [], "memcpy": []}
+    cpus: dict = {"disk": [], "memory": [], "memcpy": []}
+    with AsyncCheckpointer(os.path.join(root, "persist"), keep_last=2, recorder=None, preempt_signals=(),
+                           memory_tier="/dev/shm", job_id=f"bench-isolated-{os.getpid()}") as ck:
         for step in range(1, WARMUP + saves + 1):
-            _touch(state)
+            for tier in ("disk", "memory") if step % 2 else ("memory", "disk"):
+                _touch(state)
+                c0, t0 = _cpu_s(), time.perf_counter()
+                ck.save(2 * step + (tier == "memory"), state, tier=tier).wait()
+                walls[tier].append(time.perf_counter() - t0)
+                cpus[tier].append(_cpu_s() - c0)
             c0, t0 = _cpu_s(), time.perf_counter()
-            ck.save(step, state).wait()
-            walls.append(time.perf_counter() - t0)
-            cpus.append(_cpu_s() - c0)
-    out["persist_ms:disk"] = statistics.median(walls[WARMUP:]) * 1e3
-    out["persist_cpu_ms:disk"] = statistics.median(cpus[WARMUP:]) * 1e3
+            for v, t in zip(views, state.values()):
+                v.copy_(t)
+            walls["memcpy"].append(time.perf_counter() - t0)
+            cpus["memcpy"].append(_cpu_s() - c0)
+        ck.close(discard_memory_tier=True)
+    for k in walls:
+        out[f"persist_ms:{k}"] = statistics.median(walls[k][WARMUP:]) * 1e3
+        out[f"persist_cpu_ms:{k}"] = statistics.median(cpus[k][WARMUP:]) * 1e3
+    for k in ("disk", "memory"):
+        out[f"persist_cpu_over_memcpy:{k}"] = out[f"persist_cpu_ms:{k}"] / out["persist_cpu_ms:memcpy"]
+    out["memory_over_disk:persist_ms"] = out["persist_ms:memory"] / out["persist_ms:disk"]
     return out
 
 

@@ -426,3 +426,26 @@ def test_binding_beyond_loopback_warns_that_there_is_no_authentication(tmp_path,
             assert scrape(f"http://127.0.0.1:{handle.port}/metrics")[0] == 200
     warned = [r.getMessage() for r in caplog.records if "no authentication" in r.getMessage()]
     assert len(warned) == 1 and f"0.0.0.0:{handle.port}" in warned[0]
+
+
+# ---- names read from a ledger reach a terminal as text, never as control sequences ---------------------------
+def test_escape_sequences_and_newlines_in_a_ledger_are_printed_escaped_by_report_and_fleet(tmp_path):
+    from ettkit.ett.fleet import format_fleet
+    from ettkit.ett.table import format_report
+
+    hostile = "\x1b]0;owned\x07cuda\x1b[2J\nETT%           99.00%\u202e"
+    note = json.dumps({"v": 1, "t": "note", "key": "device\r", "value": hostile}) + "\n"
+    note += json.dumps({"v": 1, "t": "note", "key": "job_kind", "value": "precompile"}) + "\n"
+    run = str(tmp_path / "run\x1b[31m")
+    make_run(run, inject=note.encode())
+    report = ett.build_report(run)
+    assert report["attempts"][0]["notes"]["device\r"] == hostile  # the report's data keeps the bytes as read
+    fleet = fleet_report([run])
+    for text in (format_report(report), format_fleet(fleet)):
+        assert "\x1b" not in text and "\x07" not in text and "\r" not in text and "\u202e" not in text, text
+        assert not any(line.startswith("ETT%") for line in text.splitlines())  # no line of the report forged
+    assert r"\x1b]0;owned\x07cuda\x1b[2J\nETT%           99.00%\u202e" in format_report(report)
+    assert r"run\x1b[31m" in format_fleet(fleet)
+    fleet["jobs"][0]["device"] = hostile  # the precompile line names the device a precompile run used
+    fleet["precompile"] = {"jobs": 1, "accelerator_h": 0.0, "by_device_h": {hostile: 0.0}}
+    assert r"\x1b]0;owned" in format_fleet(fleet) and "\x1b" not in format_fleet(fleet)

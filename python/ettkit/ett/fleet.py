@@ -26,7 +26,7 @@ from typing import Any
 
 from .. import errors
 from .report import build_report
-from .table import MISSING, _grid, _num, _sec
+from .table import MISSING, _grid, _num, _sec, shown
 
 #: Version of the fleet JSON's schema: within a version the keys and their meaning are stable.
 FORMAT_VERSION = 1
@@ -331,7 +331,7 @@ def _dist(name: str, d: dict) -> list[str]:
 
 def format_fleet(fleet: dict, top: int = 5) -> str:
     """The fleet report as aligned plain text (what ``python -m ettkit fleet`` prints); ``top`` causes each."""
-    cats = ", ".join(f"{k} {v}" for k, v in (fleet.get("failures_by_category") or {}).items())
+    cats = ", ".join(f"{shown(k)} {v}" for k, v in (fleet.get("failures_by_category") or {}).items())
     corrupt_jobs = sum(1 for j in fleet["jobs"] if j.get("corrupt_lines"))
     lines = [
         f"ETT fleet report: {fleet['jobs_total']} run directories "
@@ -362,7 +362,7 @@ def format_fleet(fleet: dict, top: int = 5) -> str:
         lines.append(f"  {ttr['unrecovered']} failure(s) not (yet) recovered are not in the time to recover")
     pre = fleet.get("precompile")
     if pre:
-        devices = ", ".join(f"{d} {_hours(h)}" for d, h in pre["by_device_h"].items())
+        devices = ", ".join(f"{shown(d)} {_hours(h)}" for d, h in pre["by_device_h"].items())
         lines += ["", (f"Precompile runs (ettkit precompile): {pre['jobs']}, {_hours(pre['accelerator_h'])} h "
                        f"({devices}), counted above as idle time (compile)")]
     badput = fleet.get("badput")
@@ -387,7 +387,7 @@ def format_fleet(fleet: dict, top: int = 5) -> str:
                                   [False, False, True, True, True, True, True, True, True])]
     bad = [j for j in fleet["jobs"] if j["status"] == FAILED_TO_READ]
     if bad:
-        lines += ["", "Failed to read"] + [f"  {j['run_dir']}: {j['reason']}" for j in bad]
+        lines += ["", "Failed to read"] + [f"  {shown(j['run_dir'])}: {shown(j['reason'])}" for j in bad]
     return "\n".join(lines) + "\n"
 
 

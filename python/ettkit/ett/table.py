@@ -52,8 +52,19 @@ def format_duration(seconds: float | None) -> str:
     return f"{_significant(seconds * 1e3)} ms"
 
 
+def shown(value: Any) -> str:
+    """``str(value)`` safe to print on a terminal: every character that is not printable (escape sequences,
+    newlines, bidirectional overrides) as its Python escape. Ledgers are files, possibly another job's or
+    another user's: a note, phase or exception name must not move the cursor, rewrite the screen or start
+    a line that looks like the report's own."""
+    text = str(value)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 def _text(value: Any) -> str:
-    return MISSING if value is None or value == "" else str(value)
+    return MISSING if value is None or value == "" else shown(value)
 
 
 def _hms(seconds: float | None) -> str:
@@ -71,7 +82,7 @@ def _utc(us: int | None) -> str:
 
 def _grid(headers: Sequence[str], rows: Iterable[Sequence[str]], right: Sequence[bool]) -> list[str]:
     """Aligns columns; `right` marks numeric columns, which read best right-aligned."""
-    rows = [list(r) for r in rows]
+    rows = [[shown(c) for c in r] for r in rows]  # cells may hold names read from a ledger
     if not rows:
         return ["  (none)"]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
@@ -131,7 +142,7 @@ def _attempts(report: dict) -> list[str]:
     # Notes (Recorder.set_note: the compile path a start took, why it fell back), one line each.
     for a in report.get("attempts") or []:
         for key, value in sorted((a.get("notes") or {}).items()):
-            lines.append(f"  attempt {_text(a.get('attempt'))} {key}: {value}")
+            lines.append(f"  attempt {_text(a.get('attempt'))} {shown(key)}: {shown(value)}")
     return lines
 
 
@@ -165,7 +176,7 @@ def _checkpointing(report: dict) -> list[str]:
         f"median durable latency {format_duration(ckpt.get('durable_latency_median_s'))}"
         + (f", {ckpt['refused']} refused (torn snapshot)" if ckpt.get("refused") else "")
         + (f", {ckpt['failed']} FAILED, nothing committed (see the log)" if ckpt.get("failed") else ""),
-        f"  interval in use   {format_duration(ckpt.get('interval_s'))}" + (f" ({source})" if source else ""),
+        f"  interval in use   {format_duration(ckpt.get('interval_s'))}" + (f" ({shown(source)})" if source else ""),
         *_memory_tier(ckpt),
     ]
 
@@ -182,7 +193,7 @@ def _memory_tier(ckpt: dict) -> list[str]:
         f"median time to committed {format_duration(mem.get('durable_latency_median_s'))}"
         + (f", {mem['refused']} refused (torn snapshot)" if mem.get("refused") else "")
         + (f", {mem['failed']} FAILED, nothing committed (see the log)" if mem.get("failed") else ""),
-        f"                    interval {format_duration(mem.get('interval_s'))}" + (f" ({source})" if source else "")
+        f"                    interval {format_duration(mem.get('interval_s'))}" + (f" ({shown(source)})" if source else "")
         + f", recommended {format_duration(mem.get('recommended_interval_s'))}; {restores} "
         + ("restore" if restores == 1 else "restores") + f", re-trained {format_duration(mem.get('retraining_s'))} after them",
         "  (the checkpoint lines above and the recommendation below are the disk tier's)",
@@ -211,7 +222,7 @@ def _recommendation(report: dict) -> list[str]:
         mtbf,
     ]
     if rec.get("note"):
-        lines.append(f"  note              {rec['note']}")
+        lines.append(f"  note              {shown(rec['note'])}")
     return lines
 
 
@@ -239,7 +250,7 @@ def _ledger(report: dict) -> list[str]:
     ]
     warnings = ledger.get("warnings") or []
     lines.append(f"  warnings: {len(warnings)}")
-    lines.extend(f"    - {w}" for w in warnings)
+    lines.extend(f"    - {shown(w)}" for w in warnings)  # they may quote a ledger's own bytes
     return lines
 
 
