@@ -34,3 +34,32 @@ def test_every_benchmark_takes_quick_and_json(path):
     out = subprocess.run([sys.executable, path, "--help"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "--quick" in out.stdout and "--json" in out.stdout, f"{path}: --help does not offer --quick and --json"
+
+
+@pytest.mark.parametrize("tier", ["memory", "disk"])
+def test_profile_save_saves_to_its_tier_and_switches_perf_around_the_measured_saves_only(tmp_path, tier):
+    """tools/profile_save.py (docs/benchmarks.md, "Where a save's CPU goes"): perf's control FIFO gets
+    "enable" before the measured saves and "disable" after them, nothing else."""
+    import threading
+
+    fifo = str(tmp_path / "perf.ctl")
+    os.mkfifo(fifo)
+    got: list[str] = []
+
+    def perf():  # what perf does with its control FIFO: read commands, one per line
+        for _ in range(2):
+            with open(fifo) as f:
+                got.extend(f.read().splitlines())
+
+    reader = threading.Thread(target=perf, daemon=True)
+    reader.start()
+    env = {**os.environ, "ETTKIT_LOG_LEVEL": "error"}
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "profile_save.py"), "--tier", tier,
+                          "--gib", "0.004", "--tensors", "3", "--saves", "2", "--dir", str(tmp_path),
+                          "--perf-control", fifo], capture_output=True, text=True, timeout=300, env=env)
+    reader.join(timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert f"{tier} tier, 0.004 GiB in 3 tensors: save -> committed" in out.stdout
+    assert "(medians of 2)" in out.stdout
+    assert got == ["enable", "disable"]
+    assert os.listdir(tmp_path) == ["perf.ctl"]  # the scratch checkpoint directory is gone

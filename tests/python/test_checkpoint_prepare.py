@@ -68,8 +68,7 @@ def test_prepare_also_does_the_python_side_of_the_first_save(tmp_path):
         ref = weakref.ref(probe)
         ck.prepare({"model": {**state["model"], "t0": probe}}, wait=True)  # same structure, another tensor
         del probe
-        gc.collect()  # flatten_state's walk is a closure cycle: its lists go at the next collection
-        assert ref() is None  # prepare() let go of it
+        assert ref() is None  # prepare() let go of it, with no cyclic collection needed
         ck.save(1, state).wait()
         assert ck._skeleton_code is code and ck._names is names  # the first save re-encoded nothing
 
@@ -135,3 +134,29 @@ def test_prepare_on_a_read_only_or_closed_checkpointer_is_refused_and_close_wait
     assert ck.wait_prepared(timeout=0) >= 64 << 20  # it had ended, with the arena backed
     with pytest.raises(ettkit.InvalidArgumentError, match="closed checkpointer"):
         ck.prepare(big_state())
+
+
+def test_a_statefuls_fresh_tensors_are_freed_when_the_flattened_state_is_dropped_without_a_collection():
+    """flatten_state's two walkers call each other; their closures must not keep the state's tensors (here a
+    Stateful's fresh state_dict() tensor, which nothing else holds) alive until the cyclic collector runs."""
+    from ettkit.checkpoint._flatten import flatten_state
+
+    class Fresh:
+        def state_dict(self):
+            return {"w": torch.ones(3), "inner": [torch.zeros(2)]}
+
+        def load_state_dict(self, d):
+            pass
+
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        for for_load in (False, True):
+            flat = flatten_state({"fresh": Fresh(), "plain": torch.ones(1)}, for_load=for_load)
+            refs = [weakref.ref(t) for t in flat[1]]
+            assert len(refs) == 3
+            del flat
+            assert [r() for r in refs[:2]] == [None, None]  # the Stateful's own tensors are gone at once
+    finally:
+        if was:
+            gc.enable()

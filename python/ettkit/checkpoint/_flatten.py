@@ -395,7 +395,13 @@ def _walk(state_dict: Any, strict: bool, find_optimizer: Any, slots: bool):
 
     # Leaves that are none of these (`opaque`) are the skeleton encoder's to refuse, or to pickle under
     # allow_pickle=True (_skeleton_codec.py); they make the skeleton one that `==` cannot compare.
-    skeleton = walk(state_dict, "")
+    try:
+        skeleton = walk(state_dict, "")
+    finally:
+        # walk and stateful call each other, so their closures form a reference cycle, and the cycle holds
+        # add_tensor, the list of every tensor of the state: a Stateful's fresh state_dict() tensors then
+        # lived until the cyclic collector ran. Emptying the cells frees them when the caller lets go.
+        del walk, stateful
     return names, tensors, skeleton, not opaque, found
 
 
