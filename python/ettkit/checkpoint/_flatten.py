@@ -63,8 +63,8 @@ def _reject(obj: Any, name: str, what: str = "is") -> None:
     raise InvalidArgumentError(
         f"state dict entry '{name}' {what} a {_type_name(obj)}; ettkit saves plain tensors (and subclasses "
         "whose storage holds their values), ShardedTensors (TorchRec's sharded tables: each rank its local "
-        "shards), DTensors with Shard(d) or Replicate() on a 1-D mesh (FSDP2's parameters, TorchRec's local "
-        "shards) and Parameters around those. Save the plain tensors it wraps instead, or save it with DCP's "
+        "shards), DTensors whose placements are Shard(d) or Replicate() (FSDP2's and HSDP's parameters, "
+        "TorchRec's local shards) and Parameters around those. Save the plain tensors it wraps instead, or save it with DCP's "
         "own stager (dcp.async_save without ettkit's DcpStager), which asks a subclass that implements DCP's "
         "protocol how to save it")
 
@@ -108,9 +108,11 @@ class ShardedSlot:
     @property
     def kind(self) -> str:
         """``"DTensor"`` or ``"ShardedTensor"``: what was saved, read from the placements the slot records (a
-        DTensor's are ``Shard(dim=d)`` or ``Replicate()``, a ShardedTensor's ``rank:r/device`` or None)."""
+        DTensor's are torch's ``str`` of its placements, which depends on the torch version: ``S(0)``, ``R``,
+        ``Shard(dim=0)``, ``Replicate()``, one per mesh dimension joined by ``", "``; a ShardedTensor's
+        ``rank:r/device`` or None)."""
         placements = [p for _, _, p in self.shards]
-        if placements and all(isinstance(p, str) and p.startswith(("Shard(", "Replicate(")) for p in placements):
+        if placements and all(isinstance(p, str) and not p.startswith("rank:") for p in placements):
             return "DTensor"
         return "ShardedTensor"
 
@@ -155,22 +157,33 @@ def _is_local_shards_wrapper(local: Any) -> bool:
 
 
 def _dtensor_slot(obj: Any, key: str, add_name: Any, add_tensor: Any) -> "ShardedSlot":
-    """A DTensor in the native checkpointer: on a 1-D mesh, ``Shard(d)`` saves this rank's local tensor as a
-    shard of the whole tensor (named like a ShardedTensor's, so a load at another world size reshards it)
-    and ``Replicate()`` as the whole tensor. Its :class:`ShardedSlot` holds the DTensor, loaded in place
-    through its local tensor. A ``Shard(d)`` DTensor whose local tensor is a ``LocalShardsWrapper`` (TorchRec)
-    saves each of its local shards at its own offsets. Other placements and meshes are refused, naming the
-    key."""
+    """A DTensor in the native checkpointer, on a mesh of any number of dimensions whose placements are each
+    ``Shard(d)`` or ``Replicate()``: this rank's local tensor is saved as a shard of the whole tensor at its
+    global offsets (named like a ShardedTensor's, so a load at another world size reshards it; ranks that
+    differ only along ``Replicate()`` dimensions save the same piece, and a resharding read takes one copy),
+    and a DTensor replicated along every dimension as the whole tensor. Its :class:`ShardedSlot` holds the
+    DTensor, loaded in place through its local tensor. A ``Shard(d)`` DTensor on a 1-D mesh whose local
+    tensor is a ``LocalShardsWrapper`` (TorchRec) saves each of its local shards at its own offsets. Other
+    placements (``Partial``, the ``_StridedShard`` that FSDP2 + tensor parallel produce on one dimension)
+    are refused, naming the key."""
     mesh, placements = obj.device_mesh, tuple(obj.placements)
     local = obj._local_tensor
-    if mesh.ndim != 1 or len(placements) != 1 or not (placements[0].is_shard() or placements[0].is_replicate()) \
-            or type(placements[0]).__name__ not in ("Shard", "Replicate"):
+    if not placements or any(type(p).__name__ not in ("Shard", "Replicate") for p in placements):
         raise InvalidArgumentError(
             f"state dict entry '{key}' is a DTensor with placements {list(placements)} on a {mesh.ndim}-D mesh; "
-            "ettkit's checkpointer saves DTensors with Shard(d) or Replicate() on a 1-D mesh. For others use "
-            "DCP: dcp.async_save(..., async_stager=ettkit.checkpoint.DcpStager())")
+            "ettkit's checkpointer saves DTensors whose placements are each Shard(d) or Replicate() (a "
+            "_StridedShard, as FSDP2 with tensor parallelism on the same dimension makes, and Partial are not "
+            "done). For others use DCP: dcp.async_save(..., async_stager=ettkit.checkpoint.DcpStager())")
     size = tuple(int(s) for s in obj.shape)
-    if placements[0].is_shard() and _is_local_shards_wrapper(local):
+    # What the slot records as the shard's placement: torch's str of each mesh dimension's, joined ("S(0)" on
+    # a 1-D mesh with torch 2.14, as before 2-D meshes were saved: a step saved then loads at the same layout;
+    # "R, S(0)" for HSDP).
+    text = ", ".join(str(p) for p in placements)
+    if _is_local_shards_wrapper(local):
+        if mesh.ndim != 1 or not placements[0].is_shard():
+            raise InvalidArgumentError(
+                f"state dict entry '{key}' is a DTensor of local shards (LocalShardsWrapper) with placements "
+                f"{list(placements)} on a {mesh.ndim}-D mesh; ettkit saves those with Shard(d) on a 1-D mesh")
         shards = []
         for t, off in zip(local.local_shards(), local.local_offsets()):
             if not owns_storage(t):
@@ -178,21 +191,21 @@ def _dtensor_slot(obj: Any, key: str, add_name: Any, add_tensor: Any) -> "Sharde
             offsets = tuple(int(o) for o in off)
             add_name(shard_name(key, offsets))
             add_tensor(t)
-            shards.append((offsets, tuple(int(s) for s in t.shape), str(placements[0])))
+            shards.append((offsets, tuple(int(s) for s in t.shape), text))
         return ShardedSlot(size, obj.dtype, tuple(shards), key, obj)
     if not owns_storage(local):
         _reject(local, key, "is a DTensor whose local tensor is")
-    if placements[0].is_replicate():
+    if all(p.is_replicate() for p in placements):
         add_name(key)
         add_tensor(local)
-        return ShardedSlot(size, obj.dtype, (((0,) * len(size), size, "Replicate()"),), key, obj)
+        return ShardedSlot(size, obj.dtype, (((0,) * len(size), size, text),), key, obj)
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     shape, offsets = compute_local_shape_and_global_offset(obj.shape, mesh, placements)
     offsets = tuple(int(o) for o in offsets)
     add_name(shard_name(key, offsets))
     add_tensor(local)
-    return ShardedSlot(size, obj.dtype, ((offsets, tuple(int(s) for s in shape), str(placements[0])),), key, obj)
+    return ShardedSlot(size, obj.dtype, ((offsets, tuple(int(s) for s in shape), text),), key, obj)
 
 
 def _special(obj: Any, key: str, strict: bool, add_name: Any, add_tensor: Any) -> Any:
@@ -401,7 +414,7 @@ def _walk(state_dict: Any, strict: bool, find_optimizer: Any, slots: bool):
         # walk and stateful call each other, so their closures form a reference cycle, and the cycle holds
         # add_tensor, the list of every tensor of the state: a Stateful's fresh state_dict() tensors then
         # lived until the cyclic collector ran. Emptying the cells frees them when the caller lets go.
-        del walk, stateful
+        walk = stateful = None  # the closures hold the cells; emptying them breaks the cycle
     return names, tensors, skeleton, not opaque, found
 
 
