@@ -1,14 +1,15 @@
 """One rank of a gloo job that saves DTensors laid out on a 1-D or 2-D mesh, or loads them into another
 layout, run by test_checkpoint_mesh2d.py.
 
-python mesh2d_worker.py RANK WORLD INIT CKPT_DIR save|load MESH OUT_DIR
+python mesh2d_worker.py RANK WORLD INIT CKPT_DIR save|load|dcp MESH OUT_DIR
 
 MESH is the mesh shape: "2x2", "2x1" (2-D) or "4", "2" (1-D). Five 10 x 6 tensors, each laid out as HSDP
 (Replicate(), Shard(0)), FSDP + TP (Shard(0), Shard(1)), (Shard(1), Replicate()), two Shard(0) on one
 dimension, and replicated on every dimension; on a 1-D mesh as Shard(0), Shard(1), Shard(1), Shard(0) and
 Replicate(). Every value is a function of its global position and the step, so a loading rank knows what
 its piece must hold. `save` saves step 5; `load` loads the newest step and writes OUT_DIR/load-<rank>.json:
-whether each local tensor holds its values, and the errors of two loads that must be refused.
+whether each local tensor holds its values, and the errors of two loads that must be refused. `dcp` loads
+the step with dcp.load through EttkitStorageReader and writes the same file (without the refusals).
 """
 
 import json
@@ -68,6 +69,15 @@ def main() -> int:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", tuple(int(d) for d in shape.split("x")))
     state = state_on(mesh, saving=mode == "save")
+    if mode == "dcp":
+        import torch.distributed.checkpoint as dcp
+        from ettkit.checkpoint import EttkitStorageReader
+
+        dcp.load(state, storage_reader=EttkitStorageReader(ckpt))
+        with open(os.path.join(out, f"load-{rank}.json"), "w") as f:
+            json.dump({"step": STEP, "ok": {n: holds(t, n, STEP) for n, t in state["dt"].items()}}, f)
+        dist.destroy_process_group()
+        return 0
     with AsyncCheckpointer(ckpt, recorder=None, preempt_signals=()) as ck:
         if mode == "save":
             ck.save(STEP, state).wait()

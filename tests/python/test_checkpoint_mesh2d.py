@@ -2,7 +2,7 @@
 their kin, saved by 4 gloo ranks on a 2 x 2 mesh, load in place at that layout and reshard to other world
 sizes and mesh shapes, 2-D and 1-D, and from 1-D to 2-D: every local tensor holds exactly its piece of the
 saved global tensor. Another global shape is refused naming the key; so is, for now, another layout at the
-saved world size (docs/checkpoint.md, "Elastic restore")."""
+saved world size (docs/checkpoint.md, "Elastic restore"), which dcp.load through EttkitStorageReader reads."""
 
 import json
 import os
@@ -26,7 +26,7 @@ def run(tmp_path, name, world, ckpt, mode, mesh):
     results = [p.communicate(timeout=300) for p in procs]
     codes = [p.returncode for p in procs]
     assert codes == [0] * world, [e[-3000:] for _, e in results]
-    return [json.loads((out / f"load-{r}.json").read_text()) for r in range(world)] if mode == "load" else None
+    return [json.loads((out / f"load-{r}.json").read_text()) for r in range(world)] if mode != "save" else None
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +57,15 @@ def test_2d_mesh_dtensors_load_in_place_and_reshard_to_other_meshes(tmp_path, sa
             assert "'dt.fsdp_tp'" in got["errors"]["layout"], got["errors"]
         elif world == 4:
             assert got["errors"]["layout"] == "loaded"  # from another world size, 4 x 1 reshards like 2 x 2
+
+
+@pytest.mark.parametrize("world,mesh", [(4, "4x1"), (3, "3")], ids=lambda v: str(v))
+def test_dcp_load_through_the_storage_reader_reads_2d_mesh_dtensors_into_another_layout(tmp_path, saved, world,
+                                                                                      mesh):
+    """dcp.load with EttkitStorageReader: the 2 x 2 step into a 4 x 1 mesh (the same world size, another
+    layout: what load_latest refuses today) and into a 1-D mesh of 3 ranks."""
+    for r, got in enumerate(run(tmp_path, "dcp", world, saved["2x2"], "dcp", mesh)):
+        assert got["ok"] == {n: True for n in NAMES}, (r, got)
 
 
 def test_a_strided_or_partial_dtensor_is_refused_naming_the_key_and_the_placement(tmp_path):
