@@ -57,9 +57,11 @@ std::span<const uint8_t> as_bytes(const py::buffer& b, py::buffer_info& info) {
 // dimensions), which is all that __init__ checks, and the Python constructor was 60% of the cost of a
 // rank's metadata (docs/benchmarks.md, "Against TorchRec's own path"). The caller (metadata.py) checks that
 // the class still has exactly the three slots set here and falls back to the constructor otherwise.
-// `placements[r]` is the _remote_device of rank r, shared by all of its shards (never modified).
-py::list torch_shard_metadata(const GlobalMetadata& md, size_t table, const py::handle& cls,
-                              const std::vector<py::handle>& placements, const py::handle& set_offsets,
+// `placements` maps a rank to its _remote_device, shared by all of that rank's shards (never modified);
+// a rank missing from it gets `make_placement(rank)`, stored there: only the ranks that hold a shard are
+// parsed, which matters for a plan over a large world (up to 2^20 ranks) with few sharded tables.
+py::list torch_shard_metadata(const GlobalMetadata& md, size_t table, const py::handle& cls, py::dict placements,
+                              const py::function& make_placement, const py::handle& set_offsets,
                               const py::handle& set_sizes, const py::handle& set_placement) {
   auto* type = reinterpret_cast<PyTypeObject*>(cls.ptr());
   ETTKIT_EXPECTS(PyType_Check(cls.ptr()) && type->tp_new != nullptr, "shard class must be a type");
@@ -77,13 +79,18 @@ py::list torch_shard_metadata(const GlobalMetadata& md, size_t table, const py::
   py::list out(shards.size());
   for (size_t i = 0; i < shards.size(); ++i) {
     const Shard& s = shards[i];
-    ETTKIT_EXPECTS(s.rank >= 0 && static_cast<size_t>(s.rank) < placements.size(), "shard rank ", s.rank,
-                   " has no placement (", placements.size(), " given)");
+    py::int_ rank(s.rank);
+    py::object placement = py::reinterpret_borrow<py::object>(PyDict_GetItemWithError(placements.ptr(), rank.ptr()));
+    if (!placement) {
+      if (PyErr_Occurred()) throw py::error_already_set();
+      placement = make_placement(rank);
+      placements[rank] = placement;
+    }
     auto obj = py::reinterpret_steal<py::object>(type->tp_new(type, no_args.ptr(), nullptr));
     if (!obj) throw py::error_already_set();
     set(set_offsets, obj.ptr(), pair(s.row_offset, s.col_offset).ptr());
     set(set_sizes, obj.ptr(), pair(s.rows, s.cols).ptr());
-    set(set_placement, obj.ptr(), placements[static_cast<size_t>(s.rank)].ptr());
+    set(set_placement, obj.ptr(), placement.ptr());
     out[i] = std::move(obj);
   }
   return out;
@@ -164,7 +171,7 @@ void bind_sharding(py::module_& m) {
            "(table index, shard index, row_offset, col_offset, rows, cols) of every shard on `rank`, ordered by "
            "table then shard.")
       .def("torch_shard_metadata", &torch_shard_metadata, py::arg("table"), py::arg("cls"), py::arg("placements"),
-           py::arg("set_offsets"), py::arg("set_sizes"), py::arg("set_placement"),
+           py::arg("make_placement"), py::arg("set_offsets"), py::arg("set_sizes"), py::arg("set_placement"),
            "torch ShardMetadata objects of table `table`'s shards (see ettkit/sharding/metadata.py).")
       .def("table_info",
            [](const GlobalMetadata& md) {

@@ -485,14 +485,32 @@ def test_sharded_tensor_metadata_leaves_the_garbage_collector_as_it_was(monkeypa
         (gc.enable if was else gc.disable)()
 
 
-def test_torch_shard_metadata_refuses_a_rank_without_placement():
-    from ettkit.sharding import metadata as M
+def test_placements_are_parsed_once_and_only_for_the_ranks_that_hold_a_shard(monkeypatch):
+    """A plan over 2^20 ranks whose tables sit on three of them: three placements parsed, not a million, each
+    shared by every shard of its rank and by later calls."""
+    import torch.distributed as dist
 
-    md = S.build_global_metadata(torchrec_32_rank_plan())
-    types = M._torch_types()
-    index = md.plan.names.index("table_2")  # row_wise over all 32 ranks
-    with pytest.raises(ValueError, match="shard rank 31 has no placement \\(31 given\\)"):
-        md._c.torch_shard_metadata(index, types.shard, md._placements()[:31], *types.setters)
+    made = []
+    real = dist._remote_device
+
+    def counting(text):
+        made.append(text)
+        return real(text)
+
+    monkeypatch.setattr(dist, "_remote_device", counting)
+    plan = S.ShardingPlan([S.Table("t", 8, 4, "float32", "table_wise", [777_777]),
+                           S.Table("c", 8, 64, "float32", "column_wise", [3, 5, 3, 5], 16)], 1 << 20, 8, "cuda")
+    md = S.build_global_metadata(plan)
+    stm = md.to_sharded_tensor_metadata("t")
+    assert made == ["rank:777777/cuda:1"] and str(stm.shards_metadata[0].placement) == "rank:777777/cuda:1"
+    first = md.all_sharded_tensor_metadata()
+    assert sorted(made) == ["rank:3/cuda:3", "rank:5/cuda:5", "rank:777777/cuda:1"]
+    cols = first["c"].shards_metadata
+    assert [str(m.placement) for m in cols] == ["rank:3/cuda:3", "rank:5/cuda:5"] * 2
+    assert cols[0].placement is cols[2].placement  # one object per rank
+    assert md.all_sharded_tensor_metadata()["c"].shards_metadata[1].placement is cols[1].placement
+    assert len(made) == 3
+
 
 def test_dcp_chunks():
     md = build_one(S.Table("t", 5, 8, torch.bfloat16, "row_wise"), 8)

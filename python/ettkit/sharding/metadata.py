@@ -181,7 +181,7 @@ class GlobalMetadata:
         self.plan = plan
         self._c = c_metadata
         self._names: list[str] | None = None
-        self._devices: list | None = None  # rank -> torch _remote_device (parsed once)
+        self._devices: dict[int, object] = {}  # rank -> torch _remote_device (parsed once, on first use)
         self._table_info: list | None = None
         self.tables: Mapping[str, TableMetadata] = _Tables(self)
 
@@ -230,25 +230,24 @@ class GlobalMetadata:
             )
         return md
 
-    def _placements(self) -> list:
-        """torch ``_remote_device`` of every rank (index = rank), parsed once per metadata: there are at most
-        ``world_size`` distinct placements, and a ``_remote_device`` is never modified, so every shard of a
-        rank shares one."""
-        if self._devices is None:
+    def _placement_of(self, rank: int):
+        """torch ``_remote_device`` of ``rank``. Parsed once per rank and metadata, and only for ranks that hold
+        a shard (a plan's world may have 2^20 ranks): a ``_remote_device`` is never modified, so every shard
+        of a rank shares one (``_devices``, filled here and by the C++ path)."""
+        device = self._devices.get(rank)
+        if device is None:
             from torch.distributed import _remote_device
 
             plan = self.plan
-            self._devices = [_remote_device(_placement(r, plan.device, plan.ranks_per_host))
-                             for r in range(plan.world_size)]
-        return self._devices
+            device = self._devices[rank] = _remote_device(_placement(rank, plan.device, plan.ranks_per_host))
+        return device
 
     def _torch_shards(self, index: int) -> list:
         types = _torch_types()
         if types.fast:
-            return self._c.torch_shard_metadata(index, types.shard, self._placements(), *types.setters)
+            return self._c.torch_shard_metadata(index, types.shard, self._devices, self._placement_of, *types.setters)
         # A torch whose ShardMetadata has other fields than the three the fast path sets: its constructor.
-        placements = self._placements()
-        return [types.shard([ro, co], [r, c], placements[rank]) for ro, co, r, c, rank in self._c.shards(index)]
+        return [types.shard([ro, co], [r, c], self._placement_of(rank)) for ro, co, r, c, rank in self._c.shards(index)]
 
     def _sharded_index(self, name: str) -> int:
         index = self.plan._c.find(name)
