@@ -206,6 +206,8 @@ void bind_load_result(py::module_& m) {
       .def_readonly("memory_from_rank", &LoadResult::memory_from_rank,
                     "the rank that gave the memory step back, or -1")
       .def_readonly("saved_world_size", &LoadResult::saved_world_size, "the world size that wrote the step")
+      .def_readonly("resharded", &LoadResult::resharded,
+                    "this rank read the step by resharding (another world size, or its shards in another layout)")
       .def_readonly("reshard_bytes_read", &LoadResult::reshard_bytes_read)
       .def_readonly("reshard_bytes_verified", &LoadResult::reshard_bytes_verified)
       .def_readonly("prefetched", &LoadResult::prefetched, "whether prefetch() had verified the step")

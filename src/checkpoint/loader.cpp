@@ -201,6 +201,7 @@ void Loader::run(ReadPlan& plan, const LoadRequest& req, int64_t step, LoadResul
   out.step = step;
   out.extra = std::move(plan.extra);
   out.saved_world_size = plan.reshard ? plan.saved_world : s_.world;
+  out.resharded = plan.reshard;
   out.prefetched = plan.prefetched;
   out.prefetch_reverified_bytes = plan.reverified;
   if (plan.reshard) {
@@ -222,7 +223,7 @@ bool Loader::load_memory(const LoadRequest& disk_request, LoadResult& out, std::
   const LoadRequest req{disk_request.tensors, disk_request.validate_extra, disk_request.read_prefixes,
                         im.rank, im.world,
                         im.opt.verify_on_load && im.opt.memory_tier.verify,
-                        disk_request.threads, /*whole_from_rank0=*/false};
+                        disk_request.threads, /*whole_from_rank0=*/false, /*reads_other_ranks=*/false};
   ReadPlan plan;
   if (!taken.empty()) {
     plan.reason = "its replica did not come back from rank " + std::to_string(im.replica->partner()) + ": " + taken;
@@ -298,9 +299,9 @@ bool Loader::load_disk(const LoadRequest& req, LoadResult& out, std::string& rea
       }
       run(plan, req, step, out);
       if (plan.reshard) {
-        ETTKIT_LOG_INFO("checkpoint: step ", step, " was written by ", plan.saved_world, " ranks; rank ", s_.rank,
-                        " of ", s_.world, " resharded it, reading ", plan.planned, " bytes (", plan.verified,
-                        " verified)");
+        ETTKIT_LOG_INFO("checkpoint: step ", step, " was written by ", plan.saved_world, " ranks",
+                        plan.saved_world == s_.world ? " under another layout" : "", "; rank ", s_.rank, " of ",
+                        s_.world, " resharded it, reading ", plan.planned, " bytes (", plan.verified, " verified)");
       }
       // The memory tier holds no step this one does not supersede: it is another timeline, or older.
       if (s_.memory) {

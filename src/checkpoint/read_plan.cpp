@@ -7,6 +7,7 @@
 #include <set>
 
 #include "checkpoint/file_checksums.h"
+#include "common/logging.h"
 #include "ettkit/checkpoint/safetensors_dtypes.h"
 
 namespace ettkit::checkpoint::detail {
@@ -197,7 +198,29 @@ ReadPlan judge_same_world(ReadPlan p, int64_t step, const LoadRequest& req) {
   return p;
 }
 
-/// The plan of a step of the job's own world size: this rank's files, checked (or taken from the prefetch).
+/// The first shard (a "key@offsets" name, reshard.h) in which this rank's file and the state differ: one the
+/// state wants that the file lacks or holds at another size, or one the file holds that the state does not
+/// want. Either means the step was saved under another layout (another plan, mesh shape or placements), since
+/// a shard's name is its box's offsets and its shape the box's size: the same name and shape are the same
+/// elements. "" when every shard is where the state wants it (whole tensors are judged by match_names).
+std::string first_moved_shard(const SafetensorsIndex& index, const LoadRequest& req) {
+  std::set<std::string> wanted;
+  for (const auto& [name, t] : req.tensors) {
+    if (!split_shard_name(name).second) continue;
+    wanted.insert(name);
+    auto it = index.tensors.find(name);
+    if (it == index.tensors.end()) return name;
+    const std::vector<int64_t>& shape = it->second.shape;
+    if (!std::equal(shape.begin(), shape.end(), t.sizes().begin(), t.sizes().end())) return name;
+  }
+  for (const auto& [name, entry] : index.tensors) {
+    if (split_shard_name(name).second && !wanted.count(name)) return name;
+  }
+  return {};
+}
+
+/// The plan of a step of the job's own world size: this rank's files, checked (or taken from the prefetch),
+/// unless they hold this rank's shards of another layout: then every rank's files, by resharding.
 ReadPlan plan_same_world(const StepDirectory& step_dir, int64_t step, const LoadRequest& req,
                          std::optional<PrefetchedStep>& pre) {
   ReadPlan p;
@@ -214,6 +237,18 @@ ReadPlan plan_same_world(const StepDirectory& step_dir, int64_t step, const Load
   } catch (const Error& e) {
     return refused(std::move(p), Verdict::kBad, e.message());
   }
+  if (std::string moved = first_moved_shard(p.indexes.front(), req); !moved.empty()) {
+    if (!req.reads_other_ranks) {
+      return refused(std::move(p), Verdict::kBad,
+                     ettkit::detail::concat("this rank's snapshot of step ", step, " holds its shards of another layout "
+                                            "than the state's (first: '", moved, "'; another sharding plan, mesh shape "
+                                            "or placements), and this tier holds no other rank's shards to reshard "
+                                            "from"));
+    }
+    ETTKIT_LOG_INFO("checkpoint: step ", step, " holds rank ", req.rank, "'s shards of another layout than the state's "
+                    "(first: '", moved, "'): resharding from every rank's files");
+    return plan_reshard_read(step_dir, step, req);
+  }
   return judge_same_world(std::move(p), step, req);
 }
 
@@ -227,7 +262,8 @@ ReadPlan plan_read(const std::string& dir, int64_t step, const LoadRequest& req,
     return refused(ReadPlan{}, Verdict::kBad, e.message());
   }
   if (!step_dir) return refused(ReadPlan{}, Verdict::kVanished, vanished_reason(step));
-  // A step of another world size is loaded by resharding (its own rank's files may not even exist).
+  // A step of another world size is loaded by resharding (its own rank's files may not even exist); one of
+  // this world size too when this rank's shards in it are of another layout (plan_same_world).
   if (step_dir->manifest().world_size != req.world) return plan_reshard_read(*step_dir, step, req);
   if (pre && !(pre->verified && pre->files && same_commit(*pre, step_dir->manifest()))) pre.reset();
   return plan_same_world(*step_dir, step, req, pre);
@@ -281,11 +317,12 @@ NamedTensors run_read_plan(const ReadPlan& p, const NamedTensors& tensors, int t
   }
   NamedTensors read;
   read.reserve(p.to_read.size());
-  const ReadFile& first = p.sources.front().data;
+  const ReadFile& home = p.sources.at(static_cast<size_t>(p.home)).data;
+  const uint64_t data_offset = p.indexes.at(static_cast<size_t>(p.home)).data_offset;
   for (const SafetensorsEntry* e : p.to_read) {
     // read_safetensors_index() checked that the byte range matches dtype and shape.
     at::Tensor t = at::empty(e->shape, at::TensorOptions().dtype(*scalar_type_of(e->dtype)));
-    read_exact(first.fd(), t.data_ptr(), e->end - e->begin, p.indexes.front().data_offset + e->begin, first.path());
+    read_exact(home.fd(), t.data_ptr(), e->end - e->begin, data_offset + e->begin, home.path());
     read.emplace_back(e->name, std::move(t));
   }
   return read;

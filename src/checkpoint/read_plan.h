@@ -37,6 +37,10 @@ struct LoadRequest {
   bool verify = true;             ///< check the chunk checksums of what is read
   int threads = 1;                ///< threads that verify and read
   bool whole_from_rank0 = false;  ///< resharding: old rank 0's copy of a whole tensor that differs between ranks
+  /// Every old rank's files can be opened (the disk tier): a step of this world size whose shards on this rank
+  /// are of another layout than the state's is read by resharding. false for the memory tier, which holds this
+  /// rank's files only: such a step is not loadable there (kBad), and the disk tier reshards it.
+  bool reads_other_ranks = true;
 };
 
 /// What a candidate check found, and, when it is loadable, how to load it. Owns the open files (a step that
@@ -55,6 +59,11 @@ struct ReadPlan {
   std::vector<const SafetensorsEntry*> to_read;
   bool reshard = false;
   int saved_world = 0;
+  /// The source whose non-tensor state, whole tensors and `to_read` entries are read: this rank's file, or
+  /// when resharding from another world size old rank 0's (no rank is this one's there; such tensors are taken
+  /// as replicas, proven by their digests). At the same world size a resharded step's home is still this rank:
+  /// its per-rank state (RNG, data position, buffers) is its own.
+  int home = 0;
   uint64_t planned = 0, verified = 0;  ///< resharding: bytes read, and bytes of the chunks checked for them
   bool prefetched = false;             ///< verified ahead by RestorePrefetch
   uint64_t reverified = 0;             ///< of a prefetched step: the bytes hashed again at load time
@@ -73,8 +82,9 @@ NamedTensors run_read_plan(const ReadPlan& plan, const NamedTensors& tensors, in
 
 // ---- the parts of a plan (read_plan.cpp, reshard_plan.cpp) ----------------------------------------------
 
-/// The plan of a step written by another number of ranks than `req.world` (docs/checkpoint.md, "Elastic
-/// restore"), from its directory opened once.
+/// The plan of a step written by another number of ranks than `req.world`, or by as many ranks with shards of
+/// another layout (another sharding plan, mesh shape or placements; docs/checkpoint.md, "Elastic restore"),
+/// from its directory opened once.
 ReadPlan plan_reshard_read(const StepDirectory& step_dir, int64_t step, const LoadRequest& req);
 /// Whether `name` is one of `prefixes` or starts with one followed by '.' ("" covers every name).
 bool under_prefix(const std::string& name, const std::vector<std::string>& prefixes);

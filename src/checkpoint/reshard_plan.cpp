@@ -1,8 +1,9 @@
 // The read plan of a step written at another world size (read_plan.h, plan_reshard_read): every old rank's
 // files are opened and indexed (their headers only), each destination tensor gets the reads that fill it
-// (reshard.h), and, with `verify`, the checksum chunks those reads touch are checked. The non-tensor state
-// is old rank 0's (at another world size there is no rank it belongs to: it is taken as the same on every
-// rank, like a whole tensor).
+// (reshard.h), and, with `verify`, the checksum chunks those reads touch are checked. At another world size
+// the non-tensor state is old rank 0's (there is no rank it belongs to: it is taken as the same on every rank,
+// like a whole tensor). At the same world size (this rank's shards were saved under another layout) it is this
+// rank's own, and so are its whole tensors: only the shards move.
 #include <ATen/ATen.h>
 
 #include <algorithm>
@@ -26,7 +27,7 @@ bool open_old_ranks(ReadPlan& p, const StepDirectory& step_dir, const LoadReques
     p.indexes.push_back(read_safetensors_index(f->data));
     p.sources.push_back(std::move(*f));
   }
-  p.extra = read_checked_extra(p.sources.front(), req.verify);
+  p.extra = read_checked_extra(p.sources.at(static_cast<size_t>(p.home)), req.verify);
   return true;
 }
 
@@ -73,10 +74,19 @@ void check_replicated(const ReadPlan& p, const std::string& name, bool whole_fro
 void plan_fills(ReadPlan& p, const LoadRequest& req, std::set<std::string>& wanted_keys, ReshardFindings& out) {
   std::vector<const SafetensorsIndex*> indexes;
   for (const SafetensorsIndex& i : p.indexes) indexes.push_back(&i);
+  const bool same_world = p.saved_world == req.world;
   for (const auto& [name, t] : req.tensors) {
-    wanted_keys.insert(split_shard_name(name).first);
+    auto [key, offsets] = split_shard_name(name);
+    wanted_keys.insert(key);
     try {
-      p.fills.push_back(plan_destination(name, t.sizes().vec(), safetensors_dtype(t.scalar_type(), name), indexes));
+      if (same_world && !offsets) {
+        // This rank's own copy (its per-rank state), not the first rank's that has one.
+        p.fills.push_back(plan_destination(name, t.sizes().vec(), safetensors_dtype(t.scalar_type(), name),
+                                           {indexes[static_cast<size_t>(p.home)]}));
+        for (CopyRange& c : p.fills.back()) c.source = p.home;
+      } else {
+        p.fills.push_back(plan_destination(name, t.sizes().vec(), safetensors_dtype(t.scalar_type(), name), indexes));
+      }
       p.planned += planned_bytes(p.fills.back());
     } catch (const InvalidArgument& e) {
       out.problems.push_back(e.message());
@@ -84,13 +94,13 @@ void plan_fills(ReadPlan& p, const LoadRequest& req, std::set<std::string>& want
     }
   }
   for (const auto& [name, t] : req.tensors) {
-    if (!split_shard_name(name).second) check_replicated(p, name, req.whole_from_rank0, out);
+    if (!same_world && !split_shard_name(name).second) check_replicated(p, name, req.whole_from_rank0, out);
   }
 }
 
 /// What no destination asks for. A piece of a sharded tensor: another rank's now (a rank may hold no shard
 /// of a table; the caller checks that the state has the sharded tensor). A whole tensor under a read prefix
-/// (lazily created state): old rank 0's copy. Any other whole tensor: a mismatch, as at the same world size.
+/// (lazily created state): the home rank's copy. Any other whole tensor: a mismatch, as at the same world size.
 void plan_unplaced(ReadPlan& p, const LoadRequest& req, const std::set<std::string>& wanted_keys,
                    ReshardFindings& out) {
   std::vector<std::string> unexpected;
@@ -99,10 +109,10 @@ void plan_unplaced(ReadPlan& p, const LoadRequest& req, const std::set<std::stri
       auto [key, offsets] = split_shard_name(name);
       if (wanted_keys.count(key) || offsets) continue;
       if (under_prefix(name, req.read_prefixes) && scalar_type_of(entry.dtype)) {
-        if (r == 0) {
+        if (r == static_cast<size_t>(p.home)) {
           p.to_read.push_back(&entry);
           p.planned += entry.end - entry.begin;
-          check_replicated(p, name, req.whole_from_rank0, out);
+          if (p.saved_world != req.world) check_replicated(p, name, req.whole_from_rank0, out);
         }
       } else if (std::find(unexpected.begin(), unexpected.end(), key) == unexpected.end()) {
         unexpected.push_back(key);
@@ -130,8 +140,8 @@ void verify_touched_chunks(ReadPlan& p, int threads) {
         if (x.source == static_cast<int>(r)) touch(x.src_offset, x.length);
       }
     }
-    if (r == 0) {
-      for (const SafetensorsEntry* e : p.to_read) touch(p.indexes[0].data_offset + e->begin, e->end - e->begin);
+    if (r == static_cast<size_t>(p.home)) {
+      for (const SafetensorsEntry* e : p.to_read) touch(p.indexes[r].data_offset + e->begin, e->end - e->begin);
     }
     if (chunks[r].empty()) continue;
     const ReadFile& data = p.sources[r].data;
@@ -167,6 +177,7 @@ ReadPlan plan_reshard_read(const StepDirectory& step_dir, int64_t step, const Lo
   ReadPlan p;
   p.reshard = true;
   p.saved_world = step_dir.manifest().world_size;
+  p.home = p.saved_world == req.world ? req.rank : 0;
   try {
     if (!open_old_ranks(p, step_dir, req)) {
       return refused(std::move(p), Verdict::kVanished,
@@ -181,7 +192,8 @@ ReadPlan plan_reshard_read(const StepDirectory& step_dir, int64_t step, const Lo
   plan_unplaced(p, req, wanted_keys, found);
   // The names are checked: the non-tensor state may be decoded now.
   std::string extra_mismatch;
-  if (std::string why = undecodable_extra(req.validate_extra, p.extra, p.sources.front().extra.path(), extra_mismatch);
+  if (std::string why = undecodable_extra(req.validate_extra, p.extra,
+                                          p.sources.at(static_cast<size_t>(p.home)).extra.path(), extra_mismatch);
       !why.empty()) {
     return refused(std::move(p), Verdict::kBad, std::move(why));
   }

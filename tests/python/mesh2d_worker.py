@@ -3,13 +3,16 @@ layout, run by test_checkpoint_mesh2d.py.
 
 python mesh2d_worker.py RANK WORLD INIT CKPT_DIR save|load|dcp MESH OUT_DIR
 
-MESH is the mesh shape: "2x2", "2x1" (2-D) or "4", "2" (1-D). Five 10 x 6 tensors, each laid out as HSDP
+MESH is the mesh shape: "2x2", "4x1", "1x4", "2x1" (2-D) or "4", "2" (1-D). Five 10 x 6 tensors, each laid out as HSDP
 (Replicate(), Shard(0)), FSDP + TP (Shard(0), Shard(1)), (Shard(1), Replicate()), two Shard(0) on one
 dimension, and replicated on every dimension; on a 1-D mesh as Shard(0), Shard(1), Shard(1), Shard(0) and
 Replicate(). Every value is a function of its global position and the step, so a loading rank knows what
-its piece must hold. `save` saves step 5; `load` loads the newest step and writes OUT_DIR/load-<rank>.json:
-whether each local tensor holds its values, and the errors of two loads that must be refused. `dcp` loads
-the step with dcp.load through EttkitStorageReader and writes the same file (without the refusals).
+its piece must hold. With MESH2D_PER_RANK=1 the state also holds per-rank state: a plain tensor and a
+non-tensor leaf whose values are the rank's own (set when saving at 4 ranks and loading at 4 ranks in any
+layout: each rank must get its own back). `save` saves step 5; `load` loads the newest step and writes
+OUT_DIR/load-<rank>.json: whether each local tensor holds its values, and the error of a load that must be
+refused. `dcp` loads the step with dcp.load through EttkitStorageReader and writes the same file (without the
+refusal).
 """
 
 import json
@@ -51,8 +54,12 @@ def holds(t: DTensor, name: str, step: int) -> bool:
 
 def state_on(mesh, saving: bool, rows: int = ROWS) -> dict:
     layouts = LAYOUTS_2D if mesh.ndim == 2 else LAYOUTS_1D
-    return {"dt": {name: dtensor(full(name, STEP, rows) if saving else torch.zeros(rows, COLS), mesh, p)
-                   for name, p in layouts.items()}}
+    state = {"dt": {name: dtensor(full(name, STEP, rows) if saving else torch.zeros(rows, COLS), mesh, p)
+                    for name, p in layouts.items()}}
+    if os.environ.get("MESH2D_PER_RANK") == "1":
+        rank = dist.get_rank()
+        state["mine"] = {"t": torch.full((3,), float(rank) if saving else -1.0), "who": rank if saving else -1}
+    return state
 
 
 def refusal(ck: AsyncCheckpointer, state: dict) -> str:
@@ -82,13 +89,12 @@ def main() -> int:
         if mode == "save":
             ck.save(STEP, state).wait()
         else:
-            # Refused before anything is copied: another global shape (names the key), and, at the saved world
-            # size, another layout of the same tensors.
+            # Refused before anything is copied: another global shape (names the key).
             errors = {"shape": refusal(ck, state_on(mesh, saving=False, rows=ROWS + 2))}
-            if world == 4:
-                errors["layout"] = refusal(ck, state_on(init_device_mesh("cpu", (4, 1)), saving=False))
             step, _ = ck.load_latest(state)
             result = {"step": step, "ok": {n: holds(t, n, step) for n, t in state["dt"].items()},
+                      "mine": ({"t": state["mine"]["t"].tolist(), "who": state["mine"]["who"]}
+                               if "mine" in state else None),
                       "resharded_from": ck.resharded_from, "errors": errors,
                       "placements": {n: [repr(p) for p in t.placements] for n, t in state["dt"].items()}}
             with open(os.path.join(out, f"load-{rank}.json"), "w") as f:

@@ -82,15 +82,21 @@ def main() -> None:
         # The saved values are the whole tensor's parts: the file names each by its offsets.
         assert len(col.local_shards()) == (2 if rank == 1 else 1)
 
-    # Another layout (rows split 5/5), another dtype, a plain tensor where a ShardedTensor was: refused
-    # before anything is copied, naming the key.
+    # Another layout at the same world size (rows split 5/5 instead of 6/4): each rank reads its new rows from
+    # both ranks' files (resharding), the untouched col from its own.
     with AsyncCheckpointer(ckdir, read_only=True) as ck:
         other, _ = sharded((10, 5), torch.float32, [((0, 0), (5, 5), 0), ((5, 0), (5, 5), 1)], seed=3)
-        before = local_values(other)
-        msg = expect_raises(lambda: ck.load_latest({**state, "emb": other}), "'emb'", "another sharding plan",
-                            "[6, 5] at [0, 0]" if rank == 0 else "[4, 5] at [6, 0]")
+        assert ck.load_latest({**state, "emb": other})[0] == 1
+        assert ck.resharded_from == 2
+        assert torch.equal(other.local_shards()[0].tensor, emb_whole[5 * rank:5 * rank + 5])
+        # Another dtype, another global size, a plain tensor where a ShardedTensor was: refused before anything
+        # is copied, naming the key.
+        wide, _ = sharded((10, 6), torch.float32, [((0, 0), (5, 6), 0), ((5, 0), (5, 6), 1)], seed=3)
+        before = local_values(wide)
+        msg = expect_raises(lambda: ck.load_latest({**state, "emb": wide}), "'emb'", "another global size",
+                            "[10, 5]", "[10, 6]")
         assert "'nested.col'" not in msg, msg
-        assert all(torch.equal(a, b) for a, b in zip(before, local_values(other)))
+        assert all(torch.equal(a, b) for a, b in zip(before, local_values(wide)))
         half, _ = sharded((3, 10), torch.float16, cols, seed=2)
         expect_raises(lambda: ck.load_latest({**state, "nested": {"col": half}}), "'nested.col'", "torch.float16")
         expect_raises(lambda: ck.load_latest({**state, "emb": torch.zeros(10, 5)}), "'emb'",

@@ -9,8 +9,11 @@ copies are done (the model is attached) and the next step runs at once. A forwar
 ``attach`` records whether the copies were done by the time the forward ran. Writes what step 6 held
 (cloned when ``save`` returned, before the next forward) and the losses of steps 7 and 8, then kills itself
 with SIGKILL. ``restore``: a fresh model (another seed), ``load_latest``, the checks below, steps 7 and 8.
-Usage: ``torchrec_dmp_trainer.py train|restore|other-plan CKPT_DIR OUT_DIR`` under RANK, WORLD_SIZE and
-INIT_METHOD (``other-plan``: t1 table-wise instead of row-wise; records the load's error).
+``replan``: the same under another sharding plan (``PLANS``: B at 2 ranks, every table's sharding type
+changed; C at 3 ranks): each rank's new shards of every table and of its Adagrad state are compared with the
+same box of the saved global tensors (assembled from every saving rank's ``expected-<rank>.pt``), then steps 7
+and 8 run. Usage: ``torchrec_dmp_trainer.py train|restore|replan CKPT_DIR OUT_DIR`` under RANK, WORLD_SIZE and
+INIT_METHOD.
 """
 
 from __future__ import annotations
@@ -29,15 +32,25 @@ TABLES = [("t0", 37, 8), ("t1", 47, 16), ("t2", 57, 24), ("t3", 67, 32)]
 STEPS, SAVES = 8, (3, 6)
 
 
-def build(seed: int, world: int, t1_row_wise: bool = True):
+def plan_generators(world: int, replan: bool) -> dict:
+    """Plan A (train, restore): t0 table-wise on rank 0, t1 row-wise, t2 column-wise, t3 table-wise on the last
+    rank. Re-planned at 2 ranks (B): every table's sharding type changed; at 3 ranks (C): another mix."""
+    from torchrec.distributed.sharding_plan import column_wise, row_wise, table_row_wise, table_wise
+
+    if not replan:
+        return {"t0": table_wise(rank=0), "t1": row_wise(), "t2": column_wise(ranks=list(range(world))),
+                "t3": table_wise(rank=world - 1)}
+    if world == 2:
+        return {"t0": row_wise(), "t1": column_wise(ranks=[1, 0]), "t2": table_wise(rank=1),
+                "t3": table_row_wise(host_index=0)}
+    return {"t0": table_wise(rank=2), "t1": row_wise(), "t2": column_wise(ranks=[2, 0, 1]),
+            "t3": column_wise(ranks=[0, 2])}
+
+
+def build(seed: int, world: int, replan: bool = False):
     import torchrec
     from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.sharding_plan import (
-        column_wise,
-        construct_module_sharding_plan,
-        row_wise,
-        table_wise,
-    )
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan
     from torchrec.distributed.types import ShardingPlan
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
@@ -47,8 +60,7 @@ def build(seed: int, world: int, t1_row_wise: bool = True):
                for n, r, d in TABLES]
     ebc = torchrec.EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
     apply_optimizer_in_backward(torch.optim.Adagrad, ebc.parameters(), {"lr": 0.05})
-    generators = {"t0": table_wise(rank=0), "t1": row_wise() if t1_row_wise else table_wise(rank=0), "t2": column_wise(ranks=list(range(world))),
-                  "t3": table_wise(rank=world - 1)}
+    generators = plan_generators(world, replan)
     module_plan = construct_module_sharding_plan(ebc, generators, local_size=world, world_size=world,
                                                  device_type="cpu")
     plan = ShardingPlan({"": module_plan})
@@ -94,11 +106,31 @@ def live_state(model) -> dict:
     return {"model": model.state_dict(), "optim": model.fused_optimizer.state_dict()}
 
 
+def saved_globals(out_dir: str) -> dict:
+    """Every saved ShardedTensor whole: each saving rank's shards (``expected-<rank>.pt``, cloned when save()
+    returned) put at their offsets. Overlapping pieces must agree."""
+    pieces = {}
+    r = 0
+    while os.path.exists(path := os.path.join(out_dir, f"expected-{r}.pt")):
+        for name, t in torch.load(path).items():
+            key, offsets = name.rsplit("@", 1)
+            pieces.setdefault(key, []).append(([int(o) for o in offsets.split(",")], t))
+        r += 1
+    out = {}
+    for key, parts in pieces.items():
+        size = [max(o[d] + t.shape[d] for o, t in parts) for d in range(parts[0][1].dim())]
+        whole = torch.full(size, float("nan"), dtype=parts[0][1].dtype)
+        for o, t in parts:
+            whole[tuple(slice(a, a + n) for a, n in zip(o, t.shape))] = t
+        out[key] = whole
+    return out
+
+
 def main() -> None:
     mode, ckpt_dir, out_dir = sys.argv[1:4]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", init_method=os.environ["INIT_METHOD"], rank=rank, world_size=world)
-    model, plan, configs = build(seed=0 if mode == "train" else 99, world=world, t1_row_wise=mode != "other-plan")
+    model, plan, configs = build(seed=0 if mode == "train" else 99, world=world, replan=mode == "replan")
     ck = AsyncCheckpointer(ckpt_dir, keep_last=2)
     state = {"model": model, "optim": model.fused_optimizer}
     report = {"rank": rank}
@@ -132,16 +164,20 @@ def main() -> None:
 
     # ---- restore --------------------------------------------------------------------------------------
     before = shard_tensors(live_state(model))
-    if mode == "other-plan":
-        try:
-            ck.load_latest(state)
-            report["error"] = None
-        except Exception as e:  # noqa: BLE001 - the test reads the type and message
-            report["error"] = f"{type(e).__name__}: {e}"
-        after = shard_tensors(live_state(model))
-        report["unchanged"] = sorted(before) == sorted(after) and all(torch.equal(before[k], after[k])
-                                                                       for k in before)
-        with open(os.path.join(out_dir, f"other-plan-{rank}.json"), "w") as f:
+    if mode == "replan":
+        step, _ = ck.load_latest(state)
+        saved = saved_globals(out_dir)
+        restored = shard_tensors(live_state(model))
+        # Every new shard equals the same box of the saved global tensor, bit for bit.
+        report.update(step=step, resharded_from=ck.resharded_from, keys=sorted(restored), equal=sorted(
+            name for name, t in restored.items()
+            if torch.equal(t.view(torch.uint8), saved[name.rsplit("@", 1)[0]][tuple(
+                slice(int(o), int(o) + n) for o, n in zip(name.rsplit("@", 1)[1].split(","), t.shape))].contiguous()
+                .view(torch.uint8))))
+        report["changed_by_load"] = sorted(k for k in restored if not torch.equal(before[k], restored[k]))
+        report["saved_keys"] = sorted(saved)
+        report["losses"] = {s: train_step(model, s, rank) for s in range(step + 1, STEPS + 1)}
+        with open(os.path.join(out_dir, f"replan-{rank}-{world}.json"), "w") as f:
             json.dump(report, f)
         ck.close()
         dist.destroy_process_group()

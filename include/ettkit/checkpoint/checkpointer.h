@@ -338,6 +338,10 @@ struct LoadResult {
   /// resharded load the bytes of the old files this rank read into its tensors and the bytes it verified
   /// (the checksum chunks those reads touch).
   int saved_world_size = 0;
+  /// This rank read the step by resharding: it was written by another number of ranks, or by as many with
+  /// this rank's shards in another layout (another sharding plan, mesh shape or placements). Per rank: at the
+  /// same world size a rank whose shards did not move reads its own file.
+  bool resharded = false;
   uint64_t reshard_bytes_read = 0;
   uint64_t reshard_bytes_verified = 0;
   /// The step's checksums were verified ahead by prefetch(); the bytes load_latest hashed again because

@@ -49,6 +49,7 @@ from ._flatten import (
     flatten_state,
     live_sharded,
     rebuild_named,
+    reconcile_moved,
     restore_by_value,
 )
 from ._skeleton_codec import ExtraRecord, decode_extra, encode_extra, encode_skeleton
@@ -215,7 +216,7 @@ def _saved_states(slots: list, live: Any, value: Optional[ExtraRecord]) -> dict:
 def _restore_stateful(slot, saved: Any, loaded: dict) -> None:
     """Hands a Stateful its saved state dict (built from the saved skeleton: the tensors loaded in place
     into its current state dict's, and the new ones) through its own ``load_state_dict``."""
-    state = rebuild_named(saved, slot.prefix, loaded)
+    state = rebuild_named(reconcile_moved(saved, slot.skeleton, slot.prefix, loaded), slot.prefix, loaded)
     metadata = getattr(slot.state, "_metadata", None)
     if metadata is not None:
         # nn.Module versions its state dict layout (BatchNorm, ...): the live module's versions apply.
@@ -350,8 +351,9 @@ class AsyncCheckpointer:
         self.restored_from: Optional[str] = None
         # With a peer replica: the rank that gave this rank's memory step back at the last load_latest.
         self.restored_from_rank: Optional[int] = None
-        # The world size of the step the last load_latest resharded (None: it was written by this many ranks),
-        # and the bytes of the old files this rank read and verified for it.
+        # The world size that wrote the step the last load_latest resharded on this rank (None: this rank read
+        # its own file; the same world size when its shards were saved under another layout), and the bytes of
+        # the old files this rank read and verified for it.
         self.resharded_from: Optional[int] = None
         self.reshard_bytes: Optional[dict] = None
         # Whether the last load_latest used prefetch()'s verification ({"reverified_bytes": n}) or not (None).
@@ -702,9 +704,8 @@ class AsyncCheckpointer:
             # no fallback to an older step, which would silently lose the newer one).
             value = decode(blob)
             if value is not None:
-                saved_world = value.world_size
                 check_sharded(live, value.skeleton,
-                              reshard=saved_world is not None and saved_world != self._c.world_size)
+                              world_changed=value.world_size is not None and value.world_size != self._c.world_size)
                 # Every saved value either has a place in the state or the load is refused, before any copy.
                 check_by_value(live, value.skeleton)
             saved = _saved_states(slots, live, value)
@@ -724,7 +725,7 @@ class AsyncCheckpointer:
         self.restored_from = tier
         self.restore_prefetched = {"reverified_bytes": int(res.prefetch_reverified_bytes)} if res.prefetched else None
         self.restored_from_rank = res.memory_from_rank if res.memory_from_rank >= 0 else None
-        self.resharded_from = res.saved_world_size if res.saved_world_size != self._c.world_size else None
+        self.resharded_from = res.saved_world_size if res.resharded else None
         self.reshard_bytes = ({"read": res.reshard_bytes_read, "verified": res.reshard_bytes_verified}
                               if self.resharded_from else None)
         if res.skipped_steps or res.memory_fallback:

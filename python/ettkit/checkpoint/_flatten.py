@@ -10,7 +10,7 @@ objects in the skeleton; the C++ stager reads the tensors' storage without autog
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -86,8 +86,8 @@ class ShardedSlot:
     """Where a ``ShardedTensor`` was in the skeleton (TorchRec's sharded embedding tables and their fused
     optimizer state). This rank's local shards are saved as plain tensors named :func:`shard_name`; the
     slot records the whole tensor's ``size`` and ``dtype`` and this rank's ``shards`` as ``(offsets, sizes,
-    placement)``, which a load compares with the live ShardedTensor's before anything is copied (a
-    different plan or world size is refused, not mixed). ``key`` and ``live`` (the ShardedTensor itself)
+    placement)``; a load compares the size and dtype with the live ShardedTensor's before anything is copied
+    (another layout is resharded; another size or dtype is refused). ``key`` and ``live`` (the ShardedTensor itself)
     belong to this process: they are neither compared nor pickled."""
 
     __slots__ = ("size", "dtype", "shards", "key", "live")
@@ -631,7 +631,10 @@ def restore_by_value(target: Any, saved: Any, tensors: dict, skip: Any = frozens
                 optimizer_dicts.append(cur)
             for k, v in s.items():
                 key = _child(name, k)
-                cur[k] = merge(cur[k], v, key) if k in cur else rebuild_named(v, key, tensors)
+                if k in cur:
+                    cur[k] = merge(cur[k], v, key)
+                elif not held_elsewhere(v, key, tensors):
+                    cur[k] = rebuild_named(v, key, tensors)
             return cur
         if isinstance(s, (list, tuple)) and type(s) is not _Size and isinstance(cur, (list, tuple)) \
                 and type(cur) is not _Size:
@@ -644,6 +647,43 @@ def restore_by_value(target: Any, saved: Any, tensors: dict, skip: Any = frozens
         return rebuild_named(s, name, tensors)
 
     return merge(target, saved, "")
+
+
+def held_elsewhere(saved: Any, name: str, loaded: dict) -> bool:
+    """Whether a saved skeleton node holds only sharded tensors that this rank did not load: per-rank sharded
+    state (TorchRec's fused optimizer state of a table) that its old self kept and, after a re-plan, another
+    rank holds (:func:`check_sharded` allowed it)."""
+    if isinstance(saved, ShardedSlot):
+        return name not in loaded
+    if isinstance(saved, dict):
+        return bool(saved) and all(held_elsewhere(v, _child(name, k), loaded) for k, v in saved.items())
+    return False
+
+
+def _only_sharded(live: Any) -> bool:
+    if isinstance(live, ShardedSlot):
+        return True
+    return isinstance(live, dict) and bool(live) and all(_only_sharded(v) for v in live.values())
+
+
+def reconcile_moved(saved: Any, live: Any, name: str, loaded: dict) -> Any:
+    """A Stateful's saved skeleton with its per-rank sharded state where this rank holds it now: entries whose
+    sharded tensors this rank did not load (:func:`held_elsewhere`) are left out, and entries of the live
+    skeleton made only of sharded tensors that the saved one lacks (state this rank holds since a re-plan,
+    loaded from another old rank's file) are put in. Unchanged when nothing moved."""
+    if not (isinstance(saved, dict) and isinstance(live, dict)):
+        return saved
+    out = {}
+    for k, v in saved.items():
+        key = _child(name, k)
+        if k in live:
+            out[k] = reconcile_moved(v, live[k], key, loaded)
+        elif not held_elsewhere(v, key, loaded):
+            out[k] = v
+    for k, v in live.items():
+        if k not in saved and _only_sharded(v):
+            out[k] = v
+    return out
 
 
 def find_saved(live: Any, saved: Any, out: dict) -> None:
@@ -687,57 +727,93 @@ def bounded(items: list, sep: str = "; ") -> str:
     return shown if len(items) <= MAX_NAMED else f"{shown}{sep}... and {len(items) - MAX_NAMED} more"
 
 
-def check_sharded(live: Any, saved: Any, reshard: bool = False) -> None:
-    """Compares every ShardedTensor of the live skeleton (from ``flatten_state(for_load=True)``) with what
-    the checkpoint holds at the same place, and every ShardedTensor of the checkpoint with the live state,
-    before any tensor is copied. Raises :class:`InvalidArgumentError` naming each one whose size, dtype or
-    this rank's shards differ, or that only one side has: loading shards into another plan or world size
-    would put rows where they do not belong. ``reshard``: the step was written at another world size and is
-    loaded by resharding; only the whole tensor's size and dtype must match (each rank reads its new shards
-    from the old ones)."""
+def _sharded_slots(skeleton: Any, name: str, out: dict) -> dict:
+    """``name`` -> :class:`ShardedSlot` for every sharded tensor of a skeleton, named as :func:`flatten` names."""
+    if isinstance(skeleton, StatefulSlot):
+        _sharded_slots(skeleton.skeleton, name, out)
+    elif isinstance(skeleton, ShardedSlot):
+        out[name] = skeleton
+    elif isinstance(skeleton, dict):
+        for k, v in skeleton.items():
+            _sharded_slots(v, f"{name}.{k}" if name else str(k), out)
+    elif isinstance(skeleton, (list, tuple)) and type(skeleton) is not _Size:
+        for i, v in enumerate(skeleton):
+            _sharded_slots(v, f"{name}.{i}" if name else str(i), out)
+    return out
+
+
+def check_sharded(live: Any, saved: Any, world_changed: bool = False) -> None:
+    """Compares every ShardedTensor and DTensor of the live skeleton (from ``flatten_state(for_load=True)``)
+    with what the checkpoint holds at the same place on this rank, and every one of the checkpoint with the
+    live state, before any tensor is copied. Raises :class:`InvalidArgumentError` naming each one whose global
+    size or dtype differs, or that one side has where the other holds something else.
+
+    Another layout (sharding plan, world size, mesh shape, placements) is not a mismatch: the C++ loader reads
+    it by resharding whenever this rank's shards are not in its own file. So is, when the layout changed, a
+    sharded tensor only one side has on this rank, where the sharded state itself is per rank: TorchRec's fused
+    optimizer keeps a table's state only on the ranks that hold a shard of the table, so after a re-plan a rank
+    may have state the checkpoint kept on another rank (read from that rank's file; the loader refuses a key no
+    old rank saved) or lack state its old self kept (tolerated only when this rank holds no shard of the
+    parameter it belongs to: another rank reads it). A saved sharded tensor without a place in the state is
+    refused otherwise, as at the saved layout (a model without that table; optimizer state the first step
+    would create, with a hint)."""
     wrong: list[str] = []
     lazy: list[str] = []  # keys of optimizer state the state lacks (created by an optimizer's first step)
+    live_slots = _sharded_slots(live, "", {})
+    saved_slots = _sharded_slots(saved, "", {})
+    # Whether this rank's shards moved: then each side may hold per-rank sharded state the other lacks.
+    moved = world_changed or live_slots.keys() != saved_slots.keys() or any(
+        saved_slots[k].shards != x.shards for k, x in live_slots.items())
+    shardless = [k for k, x in live_slots.items() if not x.shards]  # no shard of these on this rank now
+
+    def no_shard_here(param: Optional[str]) -> bool:
+        return param is not None and any(k == param or k.endswith("." + param) for k in shardless)
 
     def what(s: Any) -> str:
         if isinstance(s, ShardedSlot):
             return s.describe()
         return "nothing" if s is None else ("a plain tensor" if s is TENSOR else f"a {type(s).__name__}")
 
-    def saved_only(s: Any, name: str, live: Any = None) -> None:
-        # `live`: what the state holds where the checkpoint has `s` (None: nothing).
+    def saved_only(s: Any, name: str, live: Any = None, param: Optional[str] = None) -> None:
+        # `live`: what the state holds where the checkpoint has `s` (None: nothing). `param`: the parameter
+        # (an optimizer state's key) that `s` is the state of.
         if isinstance(s, ShardedSlot):
+            if live is None and moved and no_shard_here(param):
+                return
             holds = "" if live is None else f": it holds {what(live)}"
             wrong.append(f"'{name}': the checkpoint holds {s.describe()}; the state has no {s.kind} there{holds}")
             if live is None and ".state." in name:
                 lazy.append(name)
         elif isinstance(s, dict):
             for k, v in s.items():
-                saved_only(v, f"{name}.{k}" if name else str(k))
+                saved_only(v, f"{name}.{k}" if name else str(k), param=param)
         elif isinstance(s, (list, tuple)):
             for i, v in enumerate(s):
-                saved_only(v, f"{name}.{i}" if name else str(i))
+                saved_only(v, f"{name}.{i}" if name else str(i), param=param)
 
-    def walk(x: Any, s: Any, name: str) -> None:
+    def walk(x: Any, s: Any, name: str, param: Optional[str] = None) -> None:
         if isinstance(x, StatefulSlot):
             walk(x.skeleton, s, name)
         elif isinstance(x, ShardedSlot):
-            if reshard and isinstance(s, ShardedSlot) and (s.size, s.dtype) == (x.size, x.dtype):
-                return
-            if not isinstance(s, ShardedSlot) or s != x:
+            if s is None and moved:
+                return  # per-rank state this rank now holds: read from the old rank that saved it
+            if not isinstance(s, ShardedSlot) or (s.size, s.dtype) != (x.size, x.dtype):
                 wrong.append(f"'{name}': the checkpoint holds {what(s)}; the state holds {x.describe()}")
         elif isinstance(x, dict):
             sd = s if isinstance(s, dict) else {}
+            # An optimizer's "state" is keyed by parameter: what lies below is that parameter's state.
+            keyed_by_param = name == "state" or name.endswith(".state")
             for k, v in x.items():
-                walk(v, sd.get(k), f"{name}.{k}" if name else str(k))
+                walk(v, sd.get(k), f"{name}.{k}" if name else str(k), str(k) if keyed_by_param else param)
             for k, v in sd.items():
                 if k not in x:
-                    saved_only(v, f"{name}.{k}" if name else str(k))
+                    saved_only(v, f"{name}.{k}" if name else str(k), param=str(k) if keyed_by_param else param)
         elif isinstance(x, (list, tuple)):
             ss = list(s) if isinstance(s, (list, tuple)) else []
             for i, v in enumerate(x):
-                walk(v, ss[i] if i < len(ss) else None, f"{name}.{i}" if name else str(i))
+                walk(v, ss[i] if i < len(ss) else None, f"{name}.{i}" if name else str(i), param)
         else:
-            saved_only(s, name, x)
+            saved_only(s, name, x, param)
 
     walk(live, saved, "")
     if wrong:
@@ -747,9 +823,9 @@ def check_sharded(live: Any, saved: Any, reshard: bool = False) -> None:
                     "creates it before a load for Adam, AdamW, RMSprop and SGD with dampening=0, "
                     "docs/checkpoint.md, 'FSDP2')")
         raise InvalidArgumentError(
-            "sharded tensors do not match the checkpoint on this rank (it was saved with another sharding "
-            "plan or world size; at the same world size ettkit loads shards only into the layout they were "
-            "saved from): " + bounded(wrong) + hint)
+            "sharded tensors do not match the checkpoint (another global size or dtype, or a sharded tensor "
+            "only one side has; a layout alone, such as another sharding plan, mesh or world size, is "
+            "resharded): " + bounded(wrong) + hint)
 
 
 def rebuild_named(skeleton: Any, prefix: str, tensors: dict) -> Any:

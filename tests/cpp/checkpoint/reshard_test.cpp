@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <filesystem>
 #include <random>
 #include <thread>
 
@@ -332,5 +333,81 @@ TEST(Reshard, PerRankStateSavedWholeIsRefusedNotReplacedByOldRankZerosCopy) {
     ck::NamedTensors t{{name, at::zeros_like(want)}, {"bias", at::zeros({3})}, {"noise", at::zeros({2})}};
     ASSERT_TRUE(c.load_latest(t));
     EXPECT_TRUE(at::equal(t[2].second, at::full({2}, 1.0 + r)));
+  });
+}
+
+namespace {
+
+/// Like ranks() above, with a memory tier under `shm` for each rank when it is not empty.
+template <class F>
+void ranks_with_tier(const std::string& dir, const std::string& shm, int world, F fn) {
+  c10::intrusive_ptr<c10d::Store> store = c10::make_intrusive<c10d::HashStore>();
+  std::vector<std::thread> t;
+  for (int r = 0; r < world; ++r) {
+    t.emplace_back([&, r] {
+      ck::CheckpointerOptions o;
+      o.directory = dir;
+      o.use_current_recorder = false;
+      o.rank = r;
+      o.world_size = world;
+      o.commit_timeout_s = 30;
+      o.memory_tier.root = shm;
+      o.memory_tier.job_id = "same-world-relayout";
+      ck::AsyncCheckpointer c(o, store);
+      fn(r, c);
+      c.close(/*discard_memory_tier=*/false);
+    });
+  }
+  for (auto& x : t) x.join();
+}
+
+}  // namespace
+
+TEST(Reshard, AnotherLayoutAtTheSameWorldSizeReshardsAndKeepsEachRanksOwnState) {
+  ettkit::testing::TempDir d;
+  const std::string dir = d.str() + "/ck", shm = d.str() + "/shm";
+  std::filesystem::create_directories(shm);
+  // Saved by 2 ranks with rows 0-4 and 5-9, per-rank "noise" and extra; step 3 on disk, step 4 (the newer,
+  // rows + 100) in the memory tier.
+  ranks_with_tier(dir, shm, 2, [](int r, ck::AsyncCheckpointer& c) {
+    ck::NamedTensors t{rows(5 * r, 5 * r + 5), {"noise", at::full({2}, 1.0 + r)}};
+    ASSERT_TRUE(c.save(3, t, "extra-of-" + std::to_string(r)).wait());
+    t[0].second.add_(100);
+    ASSERT_TRUE(c.save(4, t, "extra-of-" + std::to_string(r), ck::Tier::kMemory).wait());
+  });
+  // Loaded by 2 ranks cut elsewhere: rows 0-7 and 8-9 (a re-plan). Neither rank's rows are in its own file:
+  // the memory tier, which holds only this rank's files, is passed over for the disk tier, which reshards;
+  // "noise" and the extra are each rank's own, not old rank 0's.
+  const int64_t cut[3] = {0, 8, 10};
+  ranks_with_tier(dir, shm, 2, [&](int r, ck::AsyncCheckpointer& c) {
+    auto [name, want] = rows(cut[r], cut[r + 1]);
+    ck::NamedTensors t{{name, at::zeros_like(want)}, {"noise", at::zeros({2})}};
+    auto got = c.load_latest(t);
+    ASSERT_TRUE(got);
+    EXPECT_EQ(got->step, 3);
+    EXPECT_EQ(got->tier, ck::Tier::kDisk);
+    EXPECT_NE(got->memory_fallback.find("holds its shards of another layout than the state's (first: 'table@"),
+              std::string::npos) << got->memory_fallback;
+    EXPECT_TRUE(got->resharded);
+    EXPECT_EQ(got->saved_world_size, 2);
+    EXPECT_EQ(got->extra, "extra-of-" + std::to_string(r));
+    EXPECT_TRUE(at::equal(t[0].second, want)) << r;
+    EXPECT_TRUE(at::equal(t[1].second, at::full({2}, 1.0 + r))) << r;
+    EXPECT_EQ(got->reshard_bytes_read, static_cast<uint64_t>(want.numel() * 4 + 2 * 4));
+  });
+  // Rows of another table size are still a mismatch naming the table, nothing copied.
+  ranks(dir, 2, [&](int r, ck::AsyncCheckpointer& c) {
+    ck::NamedTensors t{{"table@" + std::to_string(6 * r) + ",0", at::full({6, 4}, -1.0)}, {"noise", at::zeros({2})}};
+    EXPECT_THROW(c.load_latest(t), InvalidArgument);
+    EXPECT_TRUE(at::equal(t[0].second, at::full({6, 4}, -1.0)));
+  });
+  // In the saved layout every rank reads its own file only.
+  ranks(dir, 2, [&](int r, ck::AsyncCheckpointer& c) {
+    auto [name, want] = rows(5 * r, 5 * r + 5);
+    ck::NamedTensors t{{name, at::zeros_like(want)}, {"noise", at::zeros({2})}};
+    auto got = c.load_latest(t);
+    ASSERT_TRUE(got);
+    EXPECT_FALSE(got->resharded);
+    EXPECT_TRUE(at::equal(t[0].second, want));
   });
 }
