@@ -84,7 +84,8 @@ def test_dmp_with_fused_optimizer_saved_while_training_killed_and_restored(tmp_p
             assert r["step"] == 6 and r["resharded_from"] == 2, r
             assert r["keys"] and r["equal"] == r["keys"], r
             assert r["changed_by_load"] == r["keys"], r
-        held = sorted({k.rsplit("@", 1)[0] for rank in range(world) for k in read(out, f"replan-{rank}", world)["keys"]})
+        held = sorted({k.rsplit("@", 1)[0] for rank in range(world)
+                       for k in read(out, f"replan-{rank}", world)["keys"]})
         # Together the ranks hold every table and every momentum tensor that was saved.
         assert held == read(out, "replan-0", world)["saved_keys"], held
         assert len(held) == 8, held

@@ -401,6 +401,20 @@ TEST(Reshard, AnotherLayoutAtTheSameWorldSizeReshardsAndKeepsEachRanksOwnState) 
     EXPECT_THROW(c.load_latest(t), InvalidArgument);
     EXPECT_TRUE(at::equal(t[0].second, at::full({6, 4}, -1.0)));
   });
+  // Shards of a tensor that no old rank saved (state this rank would hold after a re-plan, but nobody saved)
+  // are a mismatch naming it.
+  ranks(dir, 2, [&](int r, ck::AsyncCheckpointer& c) {
+    auto [name, want] = rows(5 * r, 5 * r + 5);
+    ck::NamedTensors t{{name, at::zeros_like(want)}, {"noise", at::zeros({2})}, {"momentum@0,0", at::zeros({3, 4})}};
+    try {
+      c.load_latest(t);
+      ADD_FAILURE() << "a shard nobody saved was loaded";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("'momentum@0,0': no rank of the checkpoint saved a piece of 'momentum'"),
+                std::string::npos) << e.what();
+    }
+    EXPECT_TRUE(at::equal(t[0].second, at::zeros_like(want)));
+  });
   // In the saved layout every rank reads its own file only.
   ranks(dir, 2, [&](int r, ck::AsyncCheckpointer& c) {
     auto [name, want] = rows(5 * r, 5 * r + 5);
