@@ -76,6 +76,26 @@ def main() -> int:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", tuple(int(d) for d in shape.split("x")))
     state = state_on(mesh, saving=mode == "save")
+    if mode == "dcpstage":
+        # DCP's async save with ettkit's stager, on this 2-D mesh; the local tensors are written right after
+        # async_save returns: what DCP writes is the staged copy. Then dcp.load into a 4 x 1 and a 1-D mesh.
+        import torch.distributed.checkpoint as dcp
+        from ettkit.checkpoint import DcpStager
+
+        saving = state_on(mesh, saving=True)
+        fut = dcp.async_save(saving, checkpoint_id=ckpt, async_stager=DcpStager())
+        for t in saving["dt"].values():
+            t._local_tensor.add_(100)
+        fut.result()
+        ok = {}
+        for other in ("4x1", "4"):
+            target = state_on(init_device_mesh("cpu", tuple(int(d) for d in other.split("x"))), saving=False)
+            dcp.load(target, checkpoint_id=ckpt)
+            ok[other] = {n: holds(t, n, STEP) for n, t in target["dt"].items()}
+        with open(os.path.join(out, f"load-{rank}.json"), "w") as f:
+            json.dump({"step": STEP, "ok": ok}, f)
+        dist.destroy_process_group()
+        return 0
     if mode == "dcp":
         import torch.distributed.checkpoint as dcp
         from ettkit.checkpoint import EttkitStorageReader

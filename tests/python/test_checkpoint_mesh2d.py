@@ -79,6 +79,13 @@ def test_dcp_load_through_the_storage_reader_reads_2d_mesh_dtensors_into_another
         assert got["ok"] == {n: True for n in NAMES}, (r, got)
 
 
+def test_dcp_stager_stages_2d_mesh_dtensors_that_dcp_loads_into_other_meshes(tmp_path):
+    """DcpStager under dcp.async_save on a 2 x 2 mesh: the staged copies are what DCP writes (the local tensors
+    are changed right after async_save returns), and dcp.load reads them into a 4 x 1 and a 1-D mesh."""
+    for r, got in enumerate(run(tmp_path, "dcpstage", 4, tmp_path / "dcp-ckpt", "dcpstage", "2x2")):
+        assert got["ok"] == {m: {n: True for n in NAMES} for m in ("4x1", "4")}, (r, got)
+
+
 def test_a_strided_or_partial_dtensor_is_refused_naming_the_key_and_the_placement(tmp_path):
     import ettkit
     import torch
