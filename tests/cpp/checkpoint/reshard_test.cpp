@@ -202,9 +202,10 @@ namespace {
 
 namespace ck = ettkit::checkpoint;
 
-/// `world` ranks of one job in threads (HashStore), each running `fn(rank, checkpointer)`.
+/// `world` ranks of one job in threads (HashStore), each running `fn(rank, checkpointer)`; with a memory tier
+/// under `shm` when it is not empty (kept at close, as a crash would leave it).
 template <class F>
-void ranks(const std::string& dir, int world, F fn) {
+void ranks(const std::string& dir, int world, F fn, const std::string& shm = {}) {
   c10::intrusive_ptr<c10d::Store> store = c10::make_intrusive<c10d::HashStore>();
   std::vector<std::thread> t;
   for (int r = 0; r < world; ++r) {
@@ -215,9 +216,11 @@ void ranks(const std::string& dir, int world, F fn) {
       o.rank = r;
       o.world_size = world;
       o.commit_timeout_s = 30;
+      o.memory_tier.root = shm;
+      o.memory_tier.job_id = "reshard-test";
       ck::AsyncCheckpointer c(o, world > 1 ? store : c10::intrusive_ptr<c10d::Store>());
       fn(r, c);
-      c.close();
+      c.close(/*discard_memory_tier=*/shm.empty());
     });
   }
   for (auto& x : t) x.join();
@@ -336,50 +339,24 @@ TEST(Reshard, PerRankStateSavedWholeIsRefusedNotReplacedByOldRankZerosCopy) {
   });
 }
 
-namespace {
-
-/// Like ranks() above, with a memory tier under `shm` for each rank when it is not empty.
-template <class F>
-void ranks_with_tier(const std::string& dir, const std::string& shm, int world, F fn) {
-  c10::intrusive_ptr<c10d::Store> store = c10::make_intrusive<c10d::HashStore>();
-  std::vector<std::thread> t;
-  for (int r = 0; r < world; ++r) {
-    t.emplace_back([&, r] {
-      ck::CheckpointerOptions o;
-      o.directory = dir;
-      o.use_current_recorder = false;
-      o.rank = r;
-      o.world_size = world;
-      o.commit_timeout_s = 30;
-      o.memory_tier.root = shm;
-      o.memory_tier.job_id = "same-world-relayout";
-      ck::AsyncCheckpointer c(o, store);
-      fn(r, c);
-      c.close(/*discard_memory_tier=*/false);
-    });
-  }
-  for (auto& x : t) x.join();
-}
-
-}  // namespace
-
 TEST(Reshard, AnotherLayoutAtTheSameWorldSizeReshardsAndKeepsEachRanksOwnState) {
   ettkit::testing::TempDir d;
   const std::string dir = d.str() + "/ck", shm = d.str() + "/shm";
   std::filesystem::create_directories(shm);
   // Saved by 2 ranks with rows 0-4 and 5-9, per-rank "noise" and extra; step 3 on disk, step 4 (the newer,
   // rows + 100) in the memory tier.
-  ranks_with_tier(dir, shm, 2, [](int r, ck::AsyncCheckpointer& c) {
+  auto save = [](int r, ck::AsyncCheckpointer& c) {
     ck::NamedTensors t{rows(5 * r, 5 * r + 5), {"noise", at::full({2}, 1.0 + r)}};
     ASSERT_TRUE(c.save(3, t, "extra-of-" + std::to_string(r)).wait());
     t[0].second.add_(100);
     ASSERT_TRUE(c.save(4, t, "extra-of-" + std::to_string(r), ck::Tier::kMemory).wait());
-  });
+  };
+  ranks(dir, 2, save, shm);
   // Loaded by 2 ranks cut elsewhere: rows 0-7 and 8-9 (a re-plan). Neither rank's rows are in its own file:
   // the memory tier, which holds only this rank's files, is passed over for the disk tier, which reshards;
   // "noise" and the extra are each rank's own, not old rank 0's.
   const int64_t cut[3] = {0, 8, 10};
-  ranks_with_tier(dir, shm, 2, [&](int r, ck::AsyncCheckpointer& c) {
+  auto load_replanned = [&](int r, ck::AsyncCheckpointer& c) {
     auto [name, want] = rows(cut[r], cut[r + 1]);
     ck::NamedTensors t{{name, at::zeros_like(want)}, {"noise", at::zeros({2})}};
     auto got = c.load_latest(t);
@@ -394,7 +371,8 @@ TEST(Reshard, AnotherLayoutAtTheSameWorldSizeReshardsAndKeepsEachRanksOwnState) 
     EXPECT_TRUE(at::equal(t[0].second, want)) << r;
     EXPECT_TRUE(at::equal(t[1].second, at::full({2}, 1.0 + r))) << r;
     EXPECT_EQ(got->reshard_bytes_read, static_cast<uint64_t>(want.numel() * 4 + 2 * 4));
-  });
+  };
+  ranks(dir, 2, load_replanned, shm);
   // Rows of another table size are still a mismatch naming the table, nothing copied.
   ranks(dir, 2, [&](int r, ck::AsyncCheckpointer& c) {
     ck::NamedTensors t{{"table@" + std::to_string(6 * r) + ",0", at::full({6, 4}, -1.0)}, {"noise", at::zeros({2})}};
