@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <random>
 #include <thread>
 
@@ -402,4 +403,29 @@ TEST(Reshard, AnotherLayoutAtTheSameWorldSizeReshardsAndKeepsEachRanksOwnState) 
     EXPECT_FALSE(got->resharded);
     EXPECT_TRUE(at::equal(t[0].second, want));
   });
+  // A byte of old rank 1's file that rank 0 needs only for the re-cut rows is flipped: rank 0's check of the
+  // chunk it reads from that file fails, every rank refuses the step together, and with no other valid step
+  // (the memory step is of another layout) the load is an error naming the file; nothing is copied.
+  {
+    const std::string victim = dir + "/step-3/rank-1.safetensors";
+    std::fstream f(victim, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(-1, std::ios::end);
+    char b = 0;
+    f.read(&b, 1);
+    b = static_cast<char>(b ^ 0x5a);
+    f.seekp(-1, std::ios::end);
+    f.write(&b, 1);
+  }
+  auto load_corrupt = [&](int r, ck::AsyncCheckpointer& c) {
+    auto [name, want] = rows(cut[r], cut[r + 1]);
+    ck::NamedTensors t{{name, at::full_like(want, -1)}, {"noise", at::zeros({2})}};
+    try {
+      c.load_latest(t);
+      ADD_FAILURE() << "a re-cut load read a corrupt chunk";
+    } catch (const ck::CorruptCheckpoint& e) {
+      EXPECT_NE(std::string(e.what()).find("rank-1.safetensors"), std::string::npos) << e.what();
+    }
+    EXPECT_TRUE(at::equal(t[0].second, at::full_like(want, -1))) << r;
+  };
+  ranks(dir, 2, load_corrupt, shm);
 }
