@@ -61,7 +61,9 @@ def timed(fn) -> float:
     dist.barrier()
     t0 = time.perf_counter()
     fn()
-    elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    # NCCL reduces CUDA tensors only ("No backend type associated with device type cpu", the first GPU run).
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # ready on every rank = the slowest rank
     return float(elapsed)
 

@@ -1,9 +1,10 @@
 # Warning and sanitizer flags, applied per target (never through global CMAKE_CXX_FLAGS, so a parent
 # project's flags are left alone).
 function(ettkit_target_warnings target)
-  target_compile_options(${target} PRIVATE -Wall -Wextra -Wpedantic -Wno-unused-parameter)
+  # C++ only: nvcc (the one .cu file, checkpoint/cuda_gather.cu) takes other flags.
+  target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wpedantic -Wno-unused-parameter>)
   if(ETTKIT_WARNINGS_AS_ERRORS)
-    target_compile_options(${target} PRIVATE -Werror)
+    target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-Werror>)
   endif()
 endfunction()
 
@@ -14,11 +15,11 @@ endfunction()
 #   thread:       TSan (make tsan).
 function(ettkit_target_sanitizers target)
   if(ETTKIT_SANITIZER_KIND STREQUAL "thread")
-    target_compile_options(${target} PRIVATE -fsanitize=thread -fno-omit-frame-pointer)
+    target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-fsanitize=thread -fno-omit-frame-pointer>)
     target_link_options(${target} PRIVATE -fsanitize=thread)
   elseif(ETTKIT_SANITIZER_KIND STREQUAL "address")
-    target_compile_options(${target} PRIVATE -fsanitize=address,undefined -fno-omit-frame-pointer
-                                             -fno-sanitize-recover=undefined)
+    target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-fsanitize=address,undefined
+                                             -fno-omit-frame-pointer -fno-sanitize-recover=undefined>)
     target_link_options(${target} PRIVATE -fsanitize=address,undefined)
   endif()
 endfunction()

@@ -26,5 +26,8 @@ else()
 endif()
 if(ETTKIT_WITH_CUDA)
   find_package(CUDAToolkit REQUIRED)
+  # nvcc compiles one file, the checkpoint stager's gather kernel (src/checkpoint/cuda_gather.cu); its
+  # architectures are set on ettkit_core (src/CMakeLists.txt).
+  enable_language(CUDA)
 endif()
 message(STATUS "ettkit: Torch ${Torch_VERSION} at ${Torch_DIR}; CUDA code paths: ${ETTKIT_WITH_CUDA}")

@@ -150,8 +150,25 @@ step_ctest() {
   # ctest beside cmake, or from the cmake Python package when only that is installed.
   local ctest
   ctest=$(command -v ctest || "$PY" -c "import cmake, os; print(os.path.join(cmake.CMAKE_BIN_DIR, 'ctest'))")
+  local rc=0
   ETTKIT_REQUIRE_CUDA=1 "$ctest" --test-dir "$BUILD" -j "$JOBS" --output-on-failure --timeout 180 \
-    --output-junit "$WORK/ctest-junit.xml"
+    --output-junit "$WORK/ctest-junit.xml" ${ETTKIT_GPU_CTEST_REGEX:+-R "$ETTKIT_GPU_CTEST_REGEX"} || rc=$?
+  # A test that crashed leaves no trace in its output: run each again, alone, under a debugger for the stack
+  # (the image has cuda-gdb, which debugs host code too, and no gdb).
+  local dbg name
+  dbg=$(command -v cuda-gdb || command -v gdb || true)
+  if ((rc != 0)) && [[ -n $dbg ]]; then
+    for name in $(grep -hoE 'Test +#[0-9]+: [A-Za-z0-9_./]+ \.+\*\*\*Exception' "$LOGS"/*-ctest.log | awk '{print $3}' | sort -u | head -3); do
+      echo "==== $name under $(basename "$dbg")"
+      "$ctest" --test-dir "$BUILD" -R "^${name}\$" --show-only=json-v1 | "$PY" -c '
+import json, shlex, sys
+t = json.load(sys.stdin)["tests"][0]
+print(shlex.join(t["command"]))' >"$WORK/crash-cmd" || continue
+      ETTKIT_REQUIRE_CUDA=1 timeout 45 "$dbg" -q -batch -ex run -ex 'thread apply all bt 30' --args $(cat "$WORK/crash-cmd") 2>&1 \
+        | grep -vE '^\[(New|Thread .* exited)' | tail -150
+    done
+  fi
+  return $rc
 }
 
 step_pytest_cuda() {
@@ -167,7 +184,8 @@ step_bench_checkpoint() {
 }
 
 step_bench_ett() {
-  "$PY" benchmarks/ett_overhead.py --device cuda $(bench_flags) --json "$WORK/bench/ett_overhead.json"
+  # The C++ half (ett_event_bench) is in this script's build tree, not in build/py where `make build` puts it.
+  ETTKIT_BUILD_DIR="$BUILD" "$PY" benchmarks/ett_overhead.py --device cuda $(bench_flags) --json "$WORK/bench/ett_overhead.json"
 }
 
 step_bench_sharding() {
@@ -232,7 +250,7 @@ run_step pytest_cuda 150 build
 run_step bench_checkpoint 150 build
 run_step bench_ett 60 build
 run_step bench_sharding 60 build
-run_step bench_startup 150 build
+run_step bench_startup 210 build
 
 # ---- the report ---------------------------------------------------------------------------------------------------
 "$PY" "$(dirname "${BASH_SOURCE[0]}")/gpu_report.py" --work "$WORK" --out "$OUT_DIR" --wall-s $(($(date +%s) - START)) \

@@ -15,6 +15,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime_api.h>
 
+#include "checkpoint/cuda_gather.h"
 #include "common/cuda_check.h"
 #endif
 
@@ -105,8 +106,54 @@ PendingCopies copy_small_now(const NamedTensors& tensors, const std::vector<Plan
 }
 
 #if ETTKIT_WITH_CUDA
+namespace {
+
+/// The address at which the GPU writes `base`, a stager arena: page-locked arenas are mapped into the
+/// device's address space (the same address under unified addressing); nullptr for plain host memory,
+/// which only a cudaMemcpyAsync can fill.
+uint8_t* device_address_of_arena(uint8_t* base) {
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, base) != cudaSuccess) {
+    (void)cudaGetLastError();  // not an error of this save: the arena is plain memory
+    return nullptr;
+  }
+  return attr.type == cudaMemoryTypeHost ? static_cast<uint8_t*>(attr.devicePointer) : nullptr;
+}
+
+/// Upper bound of the gather table's int64 count for `plan`'s CUDA entries (gather_table_size below).
+int64_t gather_table_bound(const std::vector<PlanEntry>& plan, int64_t gather_max) {
+  int64_t n = 0;
+  for (const PlanEntry& e : plan) {
+    if (e.device.is_cuda() && e.nbytes > 0 && e.nbytes <= gather_max)
+      n += 3 * ((e.nbytes + kGatherPieceBytes - 1) / kGatherPieceBytes);
+  }
+  return n;
+}
+
+/// Queues the gather of `table` (source, destination, bytes per piece) on the current stream, which is
+/// the copy stream. The table travels through a page-locked buffer of torch's host caching allocator: the
+/// non-blocking copy records its event there, so the buffer is reused only after the copy read it; the
+/// device copy is freed in the copy stream's order, after the kernel.
+void queue_gather(const std::vector<int64_t>& table, c10::Device dev, c10::cuda::CUDAStream stream) {
+  const auto n = static_cast<int64_t>(table.size());
+  at::Tensor host = at::empty({n}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  std::memcpy(host.data_ptr<int64_t>(), table.data(), table.size() * sizeof(int64_t));
+  at::Tensor device = at::empty({n}, at::TensorOptions().dtype(at::kLong).device(dev));
+  device.copy_(host, /*non_blocking=*/true);
+  launch_gather(device.const_data_ptr<int64_t>(), n / 3, stream.stream());
+}
+
+}  // namespace
+
+void warm_gather_table(const std::vector<PlanEntry>& plan, int64_t gather_max) {
+  const int64_t n = gather_table_bound(plan, gather_max);
+  // A page-locked allocation waits for the device to go idle (CUDA's implicit synchronisation): taken here,
+  // in prepare(), it is in torch's host cache when the first save needs it.
+  if (n > 0) at::empty({n}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+}
+
 void issue_cuda_copies(const NamedTensors& tensors, const std::vector<PlanEntry>& plan, const CopyOrder& order,
-                       const std::vector<size_t>& cuda, uint8_t* base,
+                       const std::vector<size_t>& cuda, uint8_t* base, int64_t gather_max,
                        std::optional<c10::cuda::CUDAStream>& copy_stream, SnapshotState& state) {
   c10::Device dev = tensors[cuda[0]].second.device();
   for (size_t i : cuda) {
@@ -121,25 +168,42 @@ void issue_cuda_copies(const NamedTensors& tensors, const std::vector<PlanEntry>
   ready.record(c10::cuda::getCurrentCUDAStream(dev.index()));
   ready.block(stream);
   c10::cuda::CUDAStreamGuard sg(stream);
-  for (size_t k = 0; k < cuda.size(); ++k) {
-    size_t i = cuda[k];
-    const at::Tensor& t = tensors[i].second;
-    const PlanEntry& e = plan[i];
-    uint8_t* dst = base + e.offset;
-    if (t.is_contiguous()) {
-      ETTKIT_CUDA_CHECK(cudaMemcpyAsync(dst, t.const_data_ptr(), static_cast<size_t>(e.nbytes),
-                                        cudaMemcpyDeviceToHost, stream.stream()));
-    } else {
-      at::from_blob(dst, e.shape, t.options().device(c10::kCPU)).copy_(t, /*non_blocking=*/true);
+  uint8_t* mapped = gather_max > 0 ? device_address_of_arena(base) : nullptr;
+  std::vector<int64_t> table;
+  // One copy class at a time (consecutive in `cuda`): its small contiguous tensors by one gather launch
+  // (cuda_gather.h says why), the others by a cudaMemcpyAsync each, then the class's event.
+  for (size_t k = 0; k < cuda.size();) {
+    size_t end = k + 1;
+    while (end < cuda.size() && order.class_of(cuda[end]) == order.class_of(cuda[k])) ++end;
+    table.clear();
+    for (size_t j = k; j < end; ++j) {
+      const size_t i = cuda[j];
+      const at::Tensor& t = tensors[i].second;
+      const PlanEntry& e = plan[i];
+      uint8_t* dst = base + e.offset;
+      if (e.nbytes == 0) {
+        // nothing to copy
+      } else if (t.is_contiguous() && mapped && e.nbytes <= gather_max) {
+        const auto src = reinterpret_cast<intptr_t>(t.const_data_ptr());
+        const auto to = reinterpret_cast<intptr_t>(mapped + e.offset);
+        for (int64_t off = 0; off < e.nbytes; off += kGatherPieceBytes) {
+          table.insert(table.end(), {src + off, to + off, std::min(kGatherPieceBytes, e.nbytes - off)});
+        }
+      } else if (t.is_contiguous()) {
+        ETTKIT_CUDA_CHECK(cudaMemcpyAsync(dst, t.const_data_ptr(), static_cast<size_t>(e.nbytes),
+                                          cudaMemcpyDeviceToHost, stream.stream()));
+      } else {
+        at::from_blob(dst, e.shape, t.options().device(c10::kCPU)).copy_(t, /*non_blocking=*/true);
+      }
+      // The caching allocator must not hand this memory to another stream before the copy is done.
+      c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream);
+      state.cuda_class[i] = static_cast<int8_t>(state.cuda_events.size());
     }
-    // The caching allocator must not hand this memory to another stream before the copy is done.
-    c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream);
-    state.cuda_class[i] = static_cast<int8_t>(state.cuda_events.size());
+    if (!table.empty()) queue_gather(table, dev, stream);
     // One event per copy class, so a fence on the first class does not wait for the rest.
-    if (k + 1 == cuda.size() || order.class_of(cuda[k + 1]) != order.class_of(i)) {
-      state.cuda_events.push_back(std::make_unique<CudaEvent>(dev.index()));
-      state.cuda_events.back()->record(stream);
-    }
+    state.cuda_events.push_back(std::make_unique<CudaEvent>(dev.index()));
+    state.cuda_events.back()->record(stream);
+    k = end;
   }
 }
 #endif

@@ -69,10 +69,15 @@ PendingCopies copy_small_now(const NamedTensors& tensors, const std::vector<Plan
 #if ETTKIT_WITH_CUDA
 /// Queues the copies of the CUDA entries `cuda` (in copy order) on `copy_stream` (taken from the pool on
 /// first use or when the device changes), after everything already queued on the caller's stream; records
-/// one event per copy class in `state`. InvalidArgument when the entries are on more than one device.
+/// one event per copy class in `state`. Into a page-locked arena, contiguous tensors of at most
+/// `gather_max` bytes go by one gather kernel per class (cuda_gather.h), the others by a cudaMemcpyAsync each.
+/// InvalidArgument when the entries are on more than one device.
 void issue_cuda_copies(const NamedTensors& tensors, const std::vector<PlanEntry>& plan, const CopyOrder& order,
-                       const std::vector<size_t>& cuda, uint8_t* base,
+                       const std::vector<size_t>& cuda, uint8_t* base, int64_t gather_max,
                        std::optional<c10::cuda::CUDAStream>& copy_stream, SnapshotState& state);
+/// Takes now, into torch's host cache, the page-locked buffer the first save of `plan` passes its gather
+/// table through (Stager::prepare): that allocation would otherwise wait for the GPU inside save().
+void warm_gather_table(const std::vector<PlanEntry>& plan, int64_t gather_max);
 #endif
 
 /// Cuts the byte stream of `contiguous` (in copy order) into `workers` equal ranges of at least 1 MiB (big

@@ -29,8 +29,9 @@ void Arena::allocate(size_t bytes, bool pin) {
 #if ETTKIT_WITH_CUDA
   if (pin) {
     void* p = nullptr;
-    // cudaHostAlloc, not the CachingHostAllocator: exact size, no power-of-two rounding.
-    ETTKIT_CUDA_CHECK(cudaHostAlloc(&p, size, cudaHostAllocPortable), "allocating a ", size,
+    // cudaHostAlloc, not the CachingHostAllocator: exact size, no power-of-two rounding. Mapped: the gather
+    // kernel writes small tensors into it directly (cuda_gather.h).
+    ETTKIT_CUDA_CHECK(cudaHostAlloc(&p, size, cudaHostAllocPortable | cudaHostAllocMapped), "allocating a ", size,
                       "-byte pinned checkpoint arena (pin_memory=False stages into plain host memory)");
     ptr = static_cast<uint8_t*>(p);
     populated = true;  // page-locked: resident from the allocation on

@@ -75,6 +75,8 @@ Stager::Stager(StagerOptions options) : impl_(std::make_unique<Impl>()) {
                  " must be 1 or 2 (2 = double-buffering)");
   ETTKIT_EXPECTS(options.copy_threads >= 0 && options.copy_threads <= 64, "copy_threads=", options.copy_threads,
                  " must be in [0, 64]");
+  ETTKIT_EXPECTS(options.cuda_gather_max_bytes >= 0 && options.cuda_gather_max_bytes <= (int64_t{1} << 20),
+                 "cuda_gather_max_bytes=", options.cuda_gather_max_bytes, " must be in [0, 1048576] (0: no gather kernel)");
   ETTKIT_EXPECTS(options.pin_memory >= -1 && options.pin_memory <= 1, "pin_memory=", options.pin_memory,
                  " must be -1 (auto), 0 or 1");
   impl_->opt = options;
@@ -211,7 +213,7 @@ void Stager::Impl::copy(const NamedTensors& tensors, const std::vector<PlanEntry
   }
   if (!pending.cuda.empty()) {
 #if ETTKIT_WITH_CUDA
-    detail::issue_cuda_copies(tensors, plan, order, pending.cuda, base, copy_stream, *state);
+    detail::issue_cuda_copies(tensors, plan, order, pending.cuda, base, opt.cuda_gather_max_bytes, copy_stream, *state);
 #else
     snap.release();
     ETTKIT_THROW(InvalidArgument, "state dict entry '", tensors[pending.cuda[0]].first,
@@ -232,10 +234,22 @@ int64_t Stager::prepare(const NamedTensors& tensors) {
   // mu is held throughout: a stage() that comes meanwhile waits for arenas that are backed, rather than
   // taking one half faulted in.
   std::unique_lock<std::mutex> lk(im.mu);
+  // Pinned arenas are resident from their allocation on: when replan() allocates them in this call, this
+  // call backed them (the first GPU run found prepare() answering 0 there). fit_arenas() reallocates all
+  // arenas or none.
+  const int64_t allocations_before = im.arena_allocations;
   if (!im.plan || !detail::same_structure(*im.plan, tensors)) im.replan(tensors, OnBusy::kWait, lk);
+  const bool allocated_now = im.arena_allocations != allocations_before;
+#if ETTKIT_WITH_CUDA
+  if (im.pin && im.plan) detail::warm_gather_table(*im.plan, im.opt.cuda_gather_max_bytes);
+#endif
   int64_t backed = 0;
   for (Arena& a : im.arenas) {
-    if (a.busy || a.populated) continue;  // a busy one is being written by a save: its copies back it
+    if (a.busy) continue;  // being written by a save: its copies back it
+    if (a.populated) {
+      if (a.pinned && allocated_now) backed += static_cast<int64_t>(a.size);
+      continue;
+    }
     a.populate();
     backed += static_cast<int64_t>(a.size);
   }

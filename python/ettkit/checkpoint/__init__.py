@@ -279,6 +279,10 @@ class AsyncCheckpointer:
     former, pickled format) through an allow-list like ``torch.load(weights_only=True)``'s; a class of your own
     loads once registered with ``torch.serialization.add_safe_globals``. Without it such a step is refused
     with :class:`ettkit.InvalidArgumentError` naming ``allow_pickle=True`` (docs/security.md).
+
+    ``cuda_gather_max_bytes`` (default 1 MiB, at most that): contiguous CUDA tensors up to this size reach
+    the pinned arena by one kernel per save instead of a ``cudaMemcpyAsync`` each (many small tensors: an
+    optimizer's state, a model of many layers); 0 keeps every copy on the copy engine, off the SMs.
     """
 
     def __init__(self, directory: str | os.PathLike, *, keep_last: int = 3, memory_budget_bytes: Optional[int] = None,
@@ -291,7 +295,8 @@ class AsyncCheckpointer:
                  memory_tier: Any = None, job_id: Optional[str] = None,
                  memory_tier_budget_bytes: Optional[int] = None, every_memory: Any = None,
                  verify_memory_tier: bool = True, peer_replica: bool = False, ranks_per_host: Optional[int] = None,
-                 reshard_whole_from_rank0: bool = False, allow_pickle: bool = False):
+                 reshard_whole_from_rank0: bool = False, allow_pickle: bool = False,
+                 cuda_gather_max_bytes: int = 1 << 20):
         if allow_pickle is not True and allow_pickle is not False:
             raise InvalidArgumentError(f"allow_pickle={allow_pickle!r} must be True or False")
         if memory_budget_bytes is not None and memory_budget_bytes <= 0:
@@ -330,6 +335,7 @@ class AsyncCheckpointer:
         options.stager.num_arenas = 2 if double_buffer else 1
         options.stager.copy_threads = int(copy_threads)
         options.stager.pin_memory = -1 if pin_memory is None else int(bool(pin_memory))
+        options.stager.cuda_gather_max_bytes = int(cuda_gather_max_bytes)
         options.rank = rank
         options.world_size = world
         options.commit_timeout_s = float(commit_timeout_s)
