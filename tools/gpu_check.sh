@@ -148,26 +148,35 @@ step_build() {
 
 step_ctest() {
   # ctest beside cmake, or from the cmake Python package when only that is installed.
-  local ctest
+  local ctest rc=0
   ctest=$(command -v ctest || "$PY" -c "import cmake, os; print(os.path.join(cmake.CMAKE_BIN_DIR, 'ctest'))")
-  local rc=0
+  # A test that crashes leaves no trace in its output: keep its core (as root; the machine is ours for the
+  # lease), to read its stack below with the image's debugger (cuda-gdb, which debugs host code too; there is
+  # no gdb). %E: the executable's path, '/' written '!'.
+  local cores="$WORK/cores"
+  rm -rf "$cores" && mkdir -p "$cores"
+  ulimit -c unlimited 2>/dev/null || true
+  echo "$cores/core.%E.%p" >/proc/sys/kernel/core_pattern 2>/dev/null || echo "ctest: core_pattern not writable"
   ETTKIT_REQUIRE_CUDA=1 "$ctest" --test-dir "$BUILD" -j "$JOBS" --output-on-failure --timeout 180 \
     --output-junit "$WORK/ctest-junit.xml" ${ETTKIT_GPU_CTEST_REGEX:+-R "$ETTKIT_GPU_CTEST_REGEX"} || rc=$?
-  # A test that crashed leaves no trace in its output: run each again, alone, under a debugger for the stack
-  # (the image has cuda-gdb, which debugs host code too, and no gdb).
-  local dbg name
+  local dbg core name cmd
   dbg=$(command -v cuda-gdb || command -v gdb || true)
-  if ((rc != 0)) && [[ -n $dbg ]]; then
-    for name in $(grep -hoE 'Test +#[0-9]+: [A-Za-z0-9_./]+ \.+\*\*\*Exception' "$LOGS"/*-ctest.log | awk '{print $3}' | sort -u | head -3); do
-      echo "==== $name under $(basename "$dbg")"
-      "$ctest" --test-dir "$BUILD" -R "^${name}\$" --show-only=json-v1 | "$PY" -c '
+  ((rc != 0)) && [[ -n $dbg ]] || return $rc
+  echo "ctest: $(ls "$cores" | wc -l) core file(s) (death tests leave some too)"
+  for name in $(grep -hoE 'Test +#[0-9]+: [A-Za-z0-9_./]+ \.+\*\*\*Exception' "$LOGS"/*-ctest.log | awk '{print $3}' | sort -u | head -3); do
+    cmd=$("$ctest" --test-dir "$BUILD" -R "^${name}\$" --show-only=json-v1 | "$PY" -c '
 import json, shlex, sys
-t = json.load(sys.stdin)["tests"][0]
-print(shlex.join(t["command"]))' >"$WORK/crash-cmd" || continue
-      ETTKIT_REQUIRE_CUDA=1 timeout 45 "$dbg" -q -batch -ex run -ex 'thread apply all bt 30' --args $(cat "$WORK/crash-cmd") 2>&1 \
-        | grep -vE '^\[(New|Thread .* exited)' | tail -150
-    done
-  fi
+print(shlex.join(json.load(sys.stdin)["tests"][0]["command"]))') || continue
+    core=$(ls "$cores" | grep -F "core.$(echo "${cmd%% *}" | tr / !)." | head -1 || true)
+    if [[ -n $core ]]; then
+      echo "==== $name: the stack from its core ($core)"
+      timeout 60 "$dbg" -q -batch -ex 'thread apply all bt 25' "${cmd%% *}" "$cores/$core" 2>&1 | tail -120
+    else  # no core (the pattern could not be set): again, alone, under the debugger
+      echo "==== $name: again under $(basename "$dbg")"
+      ETTKIT_REQUIRE_CUDA=1 timeout 45 "$dbg" -q -batch -ex run -ex 'thread apply all bt 25' --args $cmd 2>&1 \
+        | grep -vE '^\[(New|Thread .* exited)' | tail -120
+    fi
+  done
   return $rc
 }
 
