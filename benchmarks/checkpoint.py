@@ -704,12 +704,12 @@ def staging_throughput(variant: str, state, directory: str, repeats: int, dcp_op
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
         size = sum(t.nbytes for t in gpu)
-    elif variant in ("ettkit", "ettkit_memcpy"):
+    elif variant in ("ettkit", "ettkit_gather"):
         from ettkit.checkpoint import AsyncCheckpointer
 
         shutil.rmtree(directory, ignore_errors=True)
-        # ettkit_memcpy: the gather kernel off, a cudaMemcpyAsync per tensor (what ettkit did before it).
-        gather = 0 if variant == "ettkit_memcpy" else 1 << 20
+        # ettkit_gather: the opt-in gather kernel for tensors up to 1 MiB (cuda_gather_max_bytes).
+        gather = 1 << 20 if variant == "ettkit_gather" else 0
         with AsyncCheckpointer(directory, keep_last=1, recorder=None, preempt_signals=(),
                                cuda_gather_max_bytes=gather) as ck:
             for i in range(repeats + 1):
@@ -753,12 +753,12 @@ def run_gpu_variant(variant: str, state, directory: str, saves: int, base_step_s
     shutil.rmtree(directory, ignore_errors=True)
     os.makedirs(directory, exist_ok=True)
     ck = stager = None
-    if variant in ("ettkit", "ettkit_memcpy"):
+    if variant in ("ettkit", "ettkit_gather"):
         from ettkit.checkpoint import AsyncCheckpointer
 
         ck = AsyncCheckpointer(directory, keep_last=2, recorder=None, preempt_signals=(), overlap=True,
                                unfenced_sync_max_bytes=0,
-                               cuda_gather_max_bytes=0 if variant == "ettkit_memcpy" else 1 << 20)
+                               cuda_gather_max_bytes=1 << 20 if variant == "ettkit_gather" else 0)
     else:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
@@ -865,7 +865,7 @@ def gpu_main(args) -> None:
             results.setdefault(f"staging_GBps[{key}]", {})["dcp_async_best"] = r
             break
         best[case] = {"options": dict(zip(DCP_OPTION_NAMES, dcp_opts)) if dcp_opts else None, "rejected": rejected}
-        for v in ("ettkit", "ettkit_memcpy", "pinned_memcpy", "pinned_memcpy_per_tensor"):
+        for v in ("ettkit", "ettkit_gather", "pinned_memcpy", "pinned_memcpy_per_tensor"):
             results.setdefault(f"staging_GBps[{key}]", {})[v] = staging_throughput(
                 v, state, os.path.join(args.dir, "stage"), repeats)
         st = results[f"staging_GBps[{key}]"]
@@ -873,7 +873,7 @@ def gpu_main(args) -> None:
             "ettkit": 100 * st["ettkit"] / st["pinned_memcpy"],
             "dcp_async_best": 100 * st["dcp_async_best"] / st["pinned_memcpy"] if "dcp_async_best" in st else None}
         print(f"{case} staging GB/s: " + ", ".join(f"{k}={x:.3g}" for k, x in st.items()), flush=True)
-        variants = ["ettkit", "ettkit_memcpy"] + (["dcp_async_best"] if dcp_opts else [])
+        variants = ["ettkit", "ettkit_gather"] + (["dcp_async_best"] if dcp_opts else [])
         for v in variants:
             d = os.path.join(args.dir, v)
             r = run_gpu_variant(v, state, d, saves, base, tr.matmuls, dcp_opts)

@@ -144,12 +144,13 @@ struct ETTKIT_API StagerOptions {
   int64_t sync_copy_max_bytes = 4096;
   /// -1: pinned when torch::cuda::is_available(); 0: never; 1: always (fails without CUDA).
   int pin_memory = -1;
-  /// Contiguous CUDA tensors up to this size are copied into a pinned arena by one kernel per save (per copy
-  /// class) rather than a cudaMemcpyAsync each, which costs ~5 us of host time and as much of the copy
-  /// engine's per copy: 20,001 tensors of 13 KB staged 10x faster so (docs/benchmarks.md, "GPU"). The
-  /// kernel runs on the SMs beside the training step; 0 copies every tensor with cudaMemcpyAsync (the copy
-  /// engine only). At most 1 MiB, above which the copy engine is as fast and leaves the SMs alone.
-  int64_t cuda_gather_max_bytes = int64_t{1} << 20;
+  /// Opt-in, off by default (0): contiguous CUDA tensors up to this many bytes (at most 1 MiB) are copied
+  /// into a pinned arena by one kernel per save and copy class instead of a cudaMemcpyAsync each. Measured on
+  /// an H200 with 20,001 tensors of 13 KB (docs/benchmarks.md, "GPU"): staging alone 1.8x faster (5.67
+  /// against 3.17 GB/s), but save() beside a training step blocked the host twice as long (200 against
+  /// 100 ms), for a reason not yet found; hence off. The kernel runs on the SMs; cudaMemcpyAsync uses the
+  /// copy engine only.
+  int64_t cuda_gather_max_bytes = 0;
 };
 
 /// The order in which the copies run: class 0 first (e.g. buffers a forward pass writes), then 1 (e.g.

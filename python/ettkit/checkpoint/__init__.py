@@ -280,9 +280,10 @@ class AsyncCheckpointer:
     loads once registered with ``torch.serialization.add_safe_globals``. Without it such a step is refused
     with :class:`ettkit.InvalidArgumentError` naming ``allow_pickle=True`` (docs/security.md).
 
-    ``cuda_gather_max_bytes`` (default 1 MiB, at most that): contiguous CUDA tensors up to this size reach
-    the pinned arena by one kernel per save instead of a ``cudaMemcpyAsync`` each (many small tensors: an
-    optimizer's state, a model of many layers); 0 keeps every copy on the copy engine, off the SMs.
+    ``cuda_gather_max_bytes`` (opt-in, default 0 = off; at most 1 MiB): contiguous CUDA tensors up to this
+    size reach the pinned arena by one kernel per save instead of a ``cudaMemcpyAsync`` each. On an H200 it
+    staged 20,001 small tensors 1.8x faster but made ``save()`` block longer beside a training step
+    (docs/benchmarks.md, "GPU"), so it stays off until that is understood.
     """
 
     def __init__(self, directory: str | os.PathLike, *, keep_last: int = 3, memory_budget_bytes: Optional[int] = None,
@@ -296,7 +297,7 @@ class AsyncCheckpointer:
                  memory_tier_budget_bytes: Optional[int] = None, every_memory: Any = None,
                  verify_memory_tier: bool = True, peer_replica: bool = False, ranks_per_host: Optional[int] = None,
                  reshard_whole_from_rank0: bool = False, allow_pickle: bool = False,
-                 cuda_gather_max_bytes: int = 1 << 20):
+                 cuda_gather_max_bytes: int = 0):
         if allow_pickle is not True and allow_pickle is not False:
             raise InvalidArgumentError(f"allow_pickle={allow_pickle!r} must be True or False")
         if memory_budget_bytes is not None and memory_budget_bytes <= 0:

@@ -417,7 +417,7 @@ TEST(IntegrityManyChunks, PeerReplicaGiveBackRefusesALateCorruptChunk) {
   const std::string replica = p.rank_dir(0) + "/replica-of-rank-1/step-4";
   EXPECT_GE(rechunk(replica), 12u);
   EXPECT_GE(corrupt_late_chunk(replica + "/rank-1.safetensors"), 2u * kThreads);
-  fs::remove_all(p.root(1));  // rank 1's node is lost
+  ettkit::detail::remove_tree(p.root(1));  // rank 1's node is lost (not remove_all: common/remove_tree.h)
   fs::create_directories(p.root(1));
   p.open();
   std::optional<LoadResult> got[2];

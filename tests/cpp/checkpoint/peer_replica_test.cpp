@@ -119,7 +119,7 @@ TEST(PeerReplica, ARankWhoseTierIsGoneGetsItsStepBackFromItsPartner) {
     EXPECT_EQ(ckd::list_step_dirs(p.rank_dir(r) + "/replica-of-rank-" + std::to_string(1 - r)), std::vector<int64_t>{4});
   }
   p.close(/*discard=*/false);
-  fs::remove_all(p.root(1));  // rank 1's node is lost
+  ettkit::detail::remove_tree(p.root(1));  // rank 1's node is lost (not remove_all: common/remove_tree.h)
   fs::create_directories(p.root(1));
   p.open();
   std::optional<LoadResult> got[2];
@@ -151,7 +151,7 @@ TEST(PeerReplica, ACorruptReplicaSendsBothRanksToTheDiskTier) {
   p.close(false);
   std::string data = p.rank_dir(0) + "/replica-of-rank-1/step-4/rank-1.safetensors";
   flip_byte(data, *ckd::file_size(data) - 9);
-  fs::remove_all(p.root(1));
+  ettkit::detail::remove_tree(p.root(1));
   fs::create_directories(p.root(1));
   p.open();
   std::optional<LoadResult> got[2];

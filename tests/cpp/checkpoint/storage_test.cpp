@@ -253,7 +253,7 @@ TEST(Storage, CheckStepFilesRefusesEachFaultByNameAndStopsBetweenChunkGroups) {
   for (auto& b : data) b = static_cast<uint8_t>(rng());
   const std::string extra = "the trainer's non-tensor state";
   auto write_step = [&](bool legacy, bool list_extra) {
-    std::filesystem::remove_all(step_dir);
+    ettkit::detail::remove_tree(step_dir);  // not remove_all: common/remove_tree.h
     ckd::make_directories(step_dir);
     ckd::Manifest m;
     m.step = 1;
