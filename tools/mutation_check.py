@@ -101,6 +101,20 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a resharding load verifies only the chunk each read starts in",
         (Test(MANY, "IntegrityManyChunks.Resharding*"),)),
     Mutation(
+        "reshard-source-offset", "src/checkpoint/reshard.cpp",
+        "src += (g - piece.box.offsets[d]) * ps[d];",
+        "src += (g - want.offsets[d]) * ps[d];",
+        "a resharding read takes its bytes relative to the wanted box instead of the saved piece (#46)",
+        (Test("reshard_test", "Reshard.RandomLayoutsFillEveryWantedBoxExactlyOnce"),
+         Test("reshard_test", "Reshard.ACppTrainersShardsLoadAtAnotherWorldSize"),
+         Test("reshard_test", "Reshard.AnotherLayoutAtTheSameWorldSizeReshardsAndKeepsEachRanksOwnState"))),
+    Mutation(
+        "reshard-run-length", "src/checkpoint/reshard.cpp",
+        "if (part.sizes[d] != piece.box.sizes[d] || part.sizes[d] != want.sizes[d]) break;",
+        "if (part.sizes[d] != piece.box.sizes[d]) break;",
+        "a contiguous run is grown across a dimension the wanted box cuts (a column-wise shard read as rows)",
+        (Test("reshard_test", "Reshard.RandomLayoutsFillEveryWantedBoxExactlyOnce"),)),
+    Mutation(
         "memory-tier-verify", "src/checkpoint/loader.cpp",
         "im.opt.verify_on_load && im.opt.memory_tier.verify,",
         "im.opt.verify_on_load && !im.opt.memory_tier.verify,",
