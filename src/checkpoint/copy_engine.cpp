@@ -152,6 +152,17 @@ void warm_gather_table(const std::vector<PlanEntry>& plan, int64_t gather_max) {
   if (n > 0) at::empty({n}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
 }
 
+void warm_copy_stream(const std::vector<PlanEntry>& plan, std::optional<c10::cuda::CUDAStream>& copy_stream) {
+  const auto cuda = std::find_if(plan.begin(), plan.end(), [](const PlanEntry& e) { return e.device.is_cuda(); });
+  if (cuda == plan.end()) return;
+  const c10::Device dev = cuda->device;
+  c10::cuda::CUDAGuard guard(dev);
+  if (!copy_stream || copy_stream->device() != dev) copy_stream = c10::cuda::getStreamFromPool(false, dev.index());
+  CudaEvent first(dev.index());
+  first.record(*copy_stream);
+  first.synchronize();
+}
+
 void issue_cuda_copies(const NamedTensors& tensors, const std::vector<PlanEntry>& plan, const CopyOrder& order,
                        const std::vector<size_t>& cuda, uint8_t* base, int64_t gather_max,
                        std::optional<c10::cuda::CUDAStream>& copy_stream, SnapshotState& state) {

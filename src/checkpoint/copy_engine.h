@@ -78,6 +78,11 @@ void issue_cuda_copies(const NamedTensors& tensors, const std::vector<PlanEntry>
 /// Takes now, into torch's host cache, the page-locked buffer the first save of `plan` passes its gather
 /// table through (Stager::prepare): that allocation would otherwise wait for the GPU inside save().
 void warm_gather_table(const std::vector<PlanEntry>& plan, int64_t gather_max);
+/// Takes the copy stream for `plan`'s CUDA device (none: nothing) and puts a first piece of work on it,
+/// waiting for it, so that the first save's copies find the stream ready (Stager::prepare). Why: on an H200
+/// the first stage() of a structure blocked the host 536 ms even with its arena allocated in advance, and a
+/// stream's first use is the one first-time cost left in that path (not yet measured on a GPU).
+void warm_copy_stream(const std::vector<PlanEntry>& plan, std::optional<c10::cuda::CUDAStream>& copy_stream);
 #endif
 
 /// Cuts the byte stream of `contiguous` (in copy order) into `workers` equal ranges of at least 1 MiB (big

@@ -46,6 +46,7 @@ struct Stager::Impl {
   int64_t arena_allocations = 0;
   double busy_wait_s = 0;
 #if ETTKIT_WITH_CUDA
+  std::mutex stream_mu;  // guards copy_stream: stage() uses it outside mu, prepare() warms it under mu
   std::optional<c10::cuda::CUDAStream> copy_stream;
 #endif
 
@@ -213,6 +214,7 @@ void Stager::Impl::copy(const NamedTensors& tensors, const std::vector<PlanEntry
   }
   if (!pending.cuda.empty()) {
 #if ETTKIT_WITH_CUDA
+    std::lock_guard<std::mutex> g(stream_mu);
     detail::issue_cuda_copies(tensors, plan, order, pending.cuda, base, opt.cuda_gather_max_bytes, copy_stream, *state);
 #else
     snap.release();
@@ -242,6 +244,10 @@ int64_t Stager::prepare(const NamedTensors& tensors) {
   const bool allocated_now = im.arena_allocations != allocations_before;
 #if ETTKIT_WITH_CUDA
   if (im.pin && im.plan) detail::warm_gather_table(*im.plan, im.opt.cuda_gather_max_bytes);
+  if (im.plan) {
+    std::lock_guard<std::mutex> g(im.stream_mu);
+    detail::warm_copy_stream(*im.plan, im.copy_stream);
+  }
 #endif
   int64_t backed = 0;
   for (Arena& a : im.arenas) {
