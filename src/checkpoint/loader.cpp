@@ -220,10 +220,11 @@ bool Loader::load_memory(const LoadRequest& disk_request, LoadResult& out, std::
     // Every rank takes part (the vote's sequence numbers must stay in step), most with nothing to do.
     taken = im.replica->restore_exchange(seq_++, choice->give ? step : -1, choice->take ? step : -1);
   }
-  const LoadRequest req{disk_request.tensors, disk_request.validate_extra, disk_request.read_prefixes,
-                        im.rank, im.world,
-                        im.opt.verify_on_load && im.opt.memory_tier.verify,
-                        disk_request.threads, /*whole_from_rank0=*/false, /*reads_other_ranks=*/false};
+  LoadRequest req{disk_request.tensors, disk_request.validate_extra, disk_request.read_prefixes,
+                  im.rank, im.world,
+                  im.opt.verify_on_load && im.opt.memory_tier.verify,
+                  disk_request.threads, /*whole_from_rank0=*/false, /*reads_other_ranks=*/false};
+  req.partial = disk_request.partial;
   ReadPlan plan;
   if (!taken.empty()) {
     plan.reason = "its replica did not come back from rank " + std::to_string(im.replica->partner()) + ": " + taken;
@@ -318,15 +319,16 @@ bool Loader::load_disk(const LoadRequest& req, LoadResult& out, std::string& rea
 
 std::optional<LoadResult> Loader::load_latest(const NamedTensors& tensors,
                                               const std::function<void(const std::string&)>& validate_extra,
-                                              const std::vector<std::string>& read_prefixes) {
+                                              const std::vector<std::string>& read_prefixes, bool partial) {
   begin_us_ = epoch_us();
   // The prefetch's open files and verdicts serve this load only: released on every way out.
   struct ReleasePrefetch {
     RestorePrefetch& p;
     ~ReleasePrefetch() { p.cancel(); }
   } release_prefetch{prefetch_};
-  const LoadRequest req{tensors, validate_extra, read_prefixes, s_.rank, s_.world, s_.opt.verify_on_load,
-                        load_threads(s_.opt), s_.opt.reshard_whole_from_rank0};
+  LoadRequest req{tensors, validate_extra, read_prefixes, s_.rank, s_.world, s_.opt.verify_on_load,
+                  load_threads(s_.opt), s_.opt.reshard_whole_from_rank0};
+  req.partial = partial;
   LoadResult out;
   std::string reasons;
   bool listed_any = false;

@@ -158,7 +158,7 @@ NameCheck match_names(ReadPlan& p, const LoadRequest& req) {
   for (const auto& [name, entry] : index.tensors) {
     if (have.count(name)) continue;
     if (!under_prefix(name, req.read_prefixes)) {
-      out.unexpected.push_back(name);
+      if (!req.partial) out.unexpected.push_back(name);
     } else if (!scalar_type_of(entry.dtype)) {
       out.different.push_back(ettkit::detail::concat("'", name, "' has dtype ", entry.dtype,
                                                      " in the checkpoint, which ettkit cannot read"));
@@ -204,17 +204,21 @@ ReadPlan judge_same_world(ReadPlan p, int64_t step, const LoadRequest& req) {
 /// a shard's name is its box's offsets and its shape the box's size: the same name and shape are the same
 /// elements. "" when every shard is where the state wants it (whole tensors are judged by match_names).
 std::string first_moved_shard(const SafetensorsIndex& index, const LoadRequest& req) {
-  std::set<std::string> wanted;
+  std::set<std::string> wanted, wanted_keys;
   for (const auto& [name, t] : req.tensors) {
-    if (!split_shard_name(name).second) continue;
+    auto [key, offsets] = split_shard_name(name);
+    if (!offsets) continue;
     wanted.insert(name);
+    wanted_keys.insert(key);
     auto it = index.tensors.find(name);
     if (it == index.tensors.end()) return name;
     const std::vector<int64_t>& shape = it->second.shape;
     if (!std::equal(shape.begin(), shape.end(), t.sizes().begin(), t.sizes().end())) return name;
   }
   for (const auto& [name, entry] : index.tensors) {
-    if (split_shard_name(name).second && !wanted.count(name)) return name;
+    auto [key, offsets] = split_shard_name(name);
+    // A partial load leaves a sharded tensor that the state does not hold where it is.
+    if (offsets && !wanted.count(name) && !(req.partial && !wanted_keys.count(key))) return name;
   }
   return {};
 }

@@ -41,6 +41,9 @@ struct LoadRequest {
   /// are of another layout than the state's is read by resharding. false for the memory tier, which holds this
   /// rank's files only: such a step is not loadable there (kBad), and the disk tier reshards it.
   bool reads_other_ranks = true;
+  /// The state is a part of the step (AsyncCheckpointer::load_latest's `partial`): what no destination asks
+  /// for and no read prefix covers is left unread instead of being a mismatch.
+  bool partial = false;
 };
 
 /// What a candidate check found, and, when it is loadable, how to load it. Owns the open files (a step that

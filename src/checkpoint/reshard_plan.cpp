@@ -114,7 +114,7 @@ void plan_unplaced(ReadPlan& p, const LoadRequest& req, const std::set<std::stri
           p.planned += entry.end - entry.begin;
           if (p.saved_world != req.world) check_replicated(p, name, req.whole_from_rank0, out);
         }
-      } else if (std::find(unexpected.begin(), unexpected.end(), key) == unexpected.end()) {
+      } else if (!req.partial && std::find(unexpected.begin(), unexpected.end(), key) == unexpected.end()) {
         unexpected.push_back(key);
       }
     }

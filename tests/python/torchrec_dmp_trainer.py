@@ -12,8 +12,9 @@ with SIGKILL. ``restore``: a fresh model (another seed), ``load_latest``, the ch
 ``replan``: the same under another sharding plan (``PLANS``: B at 2 ranks, every table's sharding type
 changed; C at 3 ranks): each rank's new shards of every table and of its Adagrad state are compared with the
 same box of the saved global tensors (assembled from every saving rank's ``expected-<rank>.pt``), then steps 7
-and 8 run. Usage: ``torchrec_dmp_trainer.py train|restore|replan CKPT_DIR OUT_DIR`` under RANK, WORLD_SIZE and
-INIT_METHOD.
+and 8 run. ``partial``: plan C, the model alone loaded with ``partial=True`` (evaluation): its shards as in
+``replan``, the fused optimizer's state not read. Usage: ``torchrec_dmp_trainer.py train|restore|replan|partial
+CKPT_DIR OUT_DIR`` under RANK, WORLD_SIZE and INIT_METHOD.
 """
 
 from __future__ import annotations
@@ -130,7 +131,7 @@ def main() -> None:
     mode, ckpt_dir, out_dir = sys.argv[1:4]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", init_method=os.environ["INIT_METHOD"], rank=rank, world_size=world)
-    model, plan, configs = build(seed=0 if mode == "train" else 99, world=world, replan=mode == "replan")
+    model, plan, configs = build(seed=0 if mode == "train" else 99, world=world, replan=mode in ("replan", "partial"))
     ck = AsyncCheckpointer(ckpt_dir, keep_last=2)
     state = {"model": model, "optim": model.fused_optimizer}
     report = {"rank": rank}
@@ -164,8 +165,11 @@ def main() -> None:
 
     # ---- restore --------------------------------------------------------------------------------------
     before = shard_tensors(live_state(model))
-    if mode == "replan":
-        step, _ = ck.load_latest(state)
+    if mode in ("replan", "partial"):
+        if mode == "partial":
+            step, _ = ck.load_latest({"model": model}, partial=True)
+        else:
+            step, _ = ck.load_latest(state)
         saved = saved_globals(out_dir)
         restored = shard_tensors(live_state(model))
         # Every new shard equals the same box of the saved global tensor, bit for bit.
@@ -176,8 +180,9 @@ def main() -> None:
                 .view(torch.uint8))))
         report["changed_by_load"] = sorted(k for k in restored if not torch.equal(before[k], restored[k]))
         report["saved_keys"] = sorted(saved)
-        report["losses"] = {s: train_step(model, s, rank) for s in range(step + 1, STEPS + 1)}
-        with open(os.path.join(out_dir, f"replan-{rank}-{world}.json"), "w") as f:
+        if mode == "replan":
+            report["losses"] = {s: train_step(model, s, rank) for s in range(step + 1, STEPS + 1)}
+        with open(os.path.join(out_dir, f"{mode}-{rank}-{world}.json"), "w") as f:
             json.dump(report, f)
         ck.close()
         dist.destroy_process_group()

@@ -419,6 +419,11 @@ class ETTKIT_API AsyncCheckpointer {
   /// (checksums included) and only once the step is chosen. For state that does not exist before it is
   /// loaded: an optimizer whose lazy state its first step() would create.
   ///
+  /// `partial`: `tensors` may be a part of the step (a model without its optimizer, for evaluation or
+  /// export): a tensor of the checkpoint that no destination asks for and no read prefix covers is not read,
+  /// not a mismatch (nor are a sharded tensor's pieces that no destination wants). Every destination must
+  /// still be in the step. The checksums are those of the whole files, as for a full load.
+  ///
   /// With a memory tier: the ranks agree through the Store on the newest step that every one of them holds
   /// in memory from the same run; it is loaded (same checks) when no newer step is committed on disk. All
   /// ranks load from the same tier. Afterwards every memory step but the loaded one is retired.
@@ -442,7 +447,7 @@ class ETTKIT_API AsyncCheckpointer {
   std::pair<double, uint64_t> prefetch_figures() const;
   std::optional<LoadResult> load_latest(const NamedTensors& tensors,
                                         const std::function<void(const std::string&)>& validate_extra = {},
-                                        const std::vector<std::string>& read_prefixes = {});
+                                        const std::vector<std::string>& read_prefixes = {}, bool partial = false);
   /// Turns on the peer replica (collective: every rank, before its first save and load_latest; needs a
   /// memory tier). `group` is a process group of exactly this checkpointer's ranks, kept for the
   /// checkpointer's life, that carries the snapshots' bytes as CPU tensors (a c10d ProcessGroupGloo on its

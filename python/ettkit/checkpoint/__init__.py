@@ -47,10 +47,13 @@ from ._flatten import (
     find_captured_optimizer,
     find_saved,
     flatten_state,
+    bounded,
     live_sharded,
+    prune_to_live,
     rebuild_named,
     reconcile_moved,
     restore_by_value,
+    unplaced_tensors,
 )
 from ._skeleton_codec import ExtraRecord, decode_extra, encode_extra, encode_skeleton
 from .data_position import DataPosition
@@ -688,20 +691,39 @@ class AsyncCheckpointer:
         seconds, nbytes = self._c.prefetch_figures
         return {"seconds": float(seconds), "bytes": int(nbytes)}
 
-    def load_latest(self, state_dict: Any) -> Optional[tuple[int, Any]]:
+    def load_latest(self, state_dict: Any, *, partial: bool = False) -> Optional[tuple[int, Any]]:
         """Copies the newest committed, valid step into ``state_dict``'s tensors in place (non-tensor leaves
         of its dicts/lists are replaced) and restores its Statefuls through ``load_state_dict()`` (an
         optimizer gets back the state its first step would create). Returns ``(step, extra)``, or ``None``
         when nothing is committed. Falls back to older steps with a warning; raises
         ``ettkit.CorruptCheckpointError`` when no step is valid and ``ettkit.InvalidArgumentError`` (a
         ``ValueError``) naming every key that differs when ``state_dict`` does not match. A checkpoint
-        written by the C++ ``AsyncCheckpointer`` loads too; its ``extra`` comes back as the raw bytes."""
+        written by the C++ ``AsyncCheckpointer`` loads too; its ``extra`` comes back as the raw bytes.
+
+        ``partial=True``: ``state_dict`` may hold a part of the step, whole entries of its dicts left out (a
+        model without its optimizer, for evaluation or export): what it has no place for is not read. What it
+        holds must be in the step as in a full load; a Stateful, list or tuple it holds is loaded whole."""
+        if partial is not True and partial is not False:
+            raise InvalidArgumentError(f"partial={partial!r} must be True or False")
         names, tensors, live, _, slots = flatten_state(state_dict, self._find_optimizer(), for_load=True)
         check_unique(names)
         decoded: dict = {}
+        # Names a partial load may leave unread: none inside what the state holds (a Stateful, list or tuple
+        # is loaded whole), only whole dict entries it lacks.
+        by_value_optim = by_value_optimizer_prefixes(live)
+        read_prefixes = [s.prefix for s in slots if not isinstance(s.obj, torch.nn.Module)] + by_value_optim
 
         def decode(blob: bytes) -> Optional[ExtraRecord]:
-            return decode_extra(blob, "the step's .extra file", allow_pickle=self._allow_pickle)
+            value = decode_extra(blob, "the step's .extra file", allow_pickle=self._allow_pickle)
+            if partial and value is not None:
+                value = value._replace(skeleton=prune_to_live(value.skeleton, live))
+                left = unplaced_tensors(value.skeleton, live, names, read_prefixes)
+                if left:
+                    raise InvalidArgumentError(
+                        f"partial=True leaves out whole entries of the state's dicts only, not tensors inside what "
+                        f"the state holds: it lacks {bounded([repr(n) for n in left], ', ')}, which the step holds "
+                        f"there")
+            return value
 
         def validate(blob: bytes) -> None:
             # The C++ loader calls this for each candidate once its manifest, files, checksums and tensor names
@@ -720,11 +742,10 @@ class AsyncCheckpointer:
 
         # Tensors under a Stateful that are not in its state_dict() yet (an optimizer before its first step)
         # come back as new CPU tensors for its load_state_dict(); a module's must all be there already. So do
-        # those under the `state` of an optimizer's state dict passed by value, which the dict is given.
-        by_value_optim = by_value_optimizer_prefixes(live)
-        read_prefixes = [s.prefix for s in slots if not isinstance(s.obj, torch.nn.Module)] + by_value_optim
+        # those under the `state` of an optimizer's state dict passed by value, which the dict is given
+        # (read_prefixes, above).
         self.restore_prefetched = None
-        res = self._c.load_latest(names, tensors, validate, read_prefixes)
+        res = self._c.load_latest(names, tensors, validate, read_prefixes, partial)
         if res is None:
             self._nothing_to_restore()
             return None

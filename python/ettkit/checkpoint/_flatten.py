@@ -903,3 +903,39 @@ def _dtensor_like(live: Any, local: torch.Tensor) -> Any:
     from torch.distributed.tensor import DTensor
 
     return DTensor(local, live._spec, requires_grad=False)
+
+
+def prune_to_live(saved: Any, live: Any, name: str = "") -> Any:
+    """The saved skeleton without the dict entries the live state has no place for (a partial load:
+    ``load_latest(state, partial=True)``, e.g. a model without its optimizer). Only whole dict entries are
+    left out; below a Stateful, a list or a tuple the saved skeleton is kept as it is (and checked as in a
+    full load)."""
+    if isinstance(saved, dict) and isinstance(live, dict):
+        return {k: prune_to_live(v, live[k], _child(name, k)) for k, v in saved.items() if k in live}
+    return saved
+
+
+def unplaced_tensors(saved: Any, live: Any, names: list, read_prefixes: list) -> list:
+    """The tensors of a (pruned) saved skeleton that a load would leave unread: neither a live tensor's name
+    (``names``), nor a live sharded tensor's key, nor under a read prefix. A partial load refuses them."""
+    have = set(names) | set(_sharded_slots(live, "", {}))
+
+    def covered(n: str) -> bool:
+        return n in have or any(not p or n == p or n.startswith(p + ".") for p in read_prefixes)
+
+    return [n for n in tensor_names(saved) if not covered(n)]
+
+
+def tensor_names(skeleton: Any, name: str = "", out: Optional[list] = None) -> list:
+    """The names of the tensors a skeleton holds (a sharded tensor by its key)."""
+    out = [] if out is None else out
+    if skeleton is TENSOR or isinstance(skeleton, ShardedSlot):
+        out.append(name)
+    elif isinstance(skeleton, dict):
+        for k, v in skeleton.items():
+            tensor_names(v, _child(name, k), out)
+    elif isinstance(skeleton, (list, tuple)) and type(skeleton) is not torch.Size:
+        for i, v in enumerate(skeleton):
+            tensor_names(v, _child(name, i), out)
+    return out
+

@@ -133,6 +133,34 @@ TEST(Checkpointer, MismatchNamesEveryKeyThatDiffersAndCopiesNothing) {
   ettkit::detail::remove_tree(std::string(dir));
 }
 
+// partial=true: what the state lacks is left unread, not a mismatch; what it holds must still be in the
+// step with its dtype and shape, and a refusal copies nothing.
+TEST(Checkpointer, APartialLoadLeavesOutWhatTheStateLacksAndStillNeedsWhatItHolds) {
+  std::string dir = temp_dir();
+  CheckpointerOptions o;
+  o.directory = dir;
+  AsyncCheckpointer ck(o);
+  ck.save(1, {{"model.w", at::full({4}, 1.5)}, {"optim.m", at::full({4}, 2.5)}, {"optim.v", at::ones({9})}}).wait();
+  NamedTensors model = {{"model.w", at::zeros({4})}};
+  EXPECT_THROW(ck.load_latest(model), InvalidArgument);  // a full load names 'optim.m', 'optim.v'
+  auto got = ck.load_latest(model, {}, {}, /*partial=*/true);
+  ASSERT_TRUE(got);
+  EXPECT_EQ(got->step, 1);
+  EXPECT_TRUE(model[0].second.equal(at::full({4}, 1.5)));
+  EXPECT_TRUE(got->read.empty());  // nothing of the optimizer came back
+  NamedTensors wrong = {{"model.w", at::zeros({4})}, {"optim.m", at::zeros({5})}, {"extra", at::zeros({1})}};
+  try {
+    ck.load_latest(wrong, {}, {}, /*partial=*/true);
+    FAIL() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(e.message().find("missing in the checkpoint: 'extra'"), std::string::npos) << e.message();
+    EXPECT_NE(e.message().find("'optim.m' is F32 [5] in the state dict"), std::string::npos) << e.message();
+    EXPECT_EQ(e.message().find("unexpected"), std::string::npos) << e.message();
+  }
+  EXPECT_TRUE(wrong[0].second.equal(at::zeros({4})));
+  ettkit::detail::remove_tree(std::string(dir));
+}
+
 TEST(Checkpointer, TensorsWithoutDestinationUnderAReadPrefixComeBackFromTheChosenStep) {
   std::string dir = temp_dir();
   CheckpointerOptions o;
