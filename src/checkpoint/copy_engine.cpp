@@ -120,7 +120,7 @@ uint8_t* device_address_of_arena(uint8_t* base) {
   return attr.type == cudaMemoryTypeHost ? static_cast<uint8_t*>(attr.devicePointer) : nullptr;
 }
 
-/// Upper bound of the gather table's int64 count for `plan`'s CUDA entries (gather_table_size below).
+/// An upper bound of the gather table's int64 count for `plan`'s CUDA entries (for warm_gather_table).
 int64_t gather_table_bound(const std::vector<PlanEntry>& plan, int64_t gather_max) {
   int64_t n = 0;
   for (const PlanEntry& e : plan) {
