@@ -385,7 +385,7 @@ void bind_checkpoint(py::module_& m) {
           "load_latest",
           [](AsyncCheckpointer& c, const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
              const py::object& validate_extra, const std::vector<std::string>& read_prefixes,
-             bool partial) -> py::object {
+             bool partial, const std::map<std::string, std::vector<int64_t>>& global_shapes) -> py::object {
             NamedTensors nt = zip(names, tensors);
             std::function<void(const std::string&)> validate;
             if (!validate_extra.is_none()) {
@@ -407,13 +407,14 @@ void bind_checkpoint(py::module_& m) {
             std::optional<LoadResult> r;
             {
               py::gil_scoped_release nogil;
-              r = c.load_latest(nt, validate, read_prefixes, partial);
+              r = c.load_latest(nt, validate, read_prefixes, partial, global_shapes);
             }
             if (!r) return py::none();
             return py::cast(std::move(*r));
           },
           py::arg("names"), py::arg("tensors"), py::arg("validate_extra") = py::none(),
           py::arg("read_prefixes") = std::vector<std::string>{}, py::arg("partial") = false,
+          py::arg("global_shapes") = std::map<std::string, std::vector<int64_t>>{},
           "Returns a LoadResult, or None.")
       .def("prefetch", &AsyncCheckpointer::prefetch, py::call_guard<py::gil_scoped_release>(),
            "Starts verifying the step load_latest will most likely restore on a background thread; returns the "

@@ -403,9 +403,10 @@ std::pair<double, uint64_t> AsyncCheckpointer::prefetch_figures() const { return
 
 std::optional<LoadResult> AsyncCheckpointer::load_latest(const NamedTensors& tensors,
                                                         const std::function<void(const std::string&)>& validate_extra,
-                                                        const std::vector<std::string>& read_prefixes, bool partial) {
+                                                        const std::vector<std::string>& read_prefixes, bool partial,
+                                                        const std::map<std::string, std::vector<int64_t>>& global_shapes) {
   wait_all();  // the writer is drained: the load reads the Session's memory tier and replica alone
-  return impl_->loader.load_latest(tensors, validate_extra, read_prefixes, partial);
+  return impl_->loader.load_latest(tensors, validate_extra, read_prefixes, partial, global_shapes);
 }
 
 }  // namespace ettkit::checkpoint

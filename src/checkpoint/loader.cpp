@@ -225,6 +225,7 @@ bool Loader::load_memory(const LoadRequest& disk_request, LoadResult& out, std::
                   im.opt.verify_on_load && im.opt.memory_tier.verify,
                   disk_request.threads, /*whole_from_rank0=*/false, /*reads_other_ranks=*/false};
   req.partial = disk_request.partial;
+  req.global_shapes = disk_request.global_shapes;
   ReadPlan plan;
   if (!taken.empty()) {
     plan.reason = "its replica did not come back from rank " + std::to_string(im.replica->partner()) + ": " + taken;
@@ -319,7 +320,8 @@ bool Loader::load_disk(const LoadRequest& req, LoadResult& out, std::string& rea
 
 std::optional<LoadResult> Loader::load_latest(const NamedTensors& tensors,
                                               const std::function<void(const std::string&)>& validate_extra,
-                                              const std::vector<std::string>& read_prefixes, bool partial) {
+                                              const std::vector<std::string>& read_prefixes, bool partial,
+                                              const std::map<std::string, std::vector<int64_t>>& global_shapes) {
   begin_us_ = epoch_us();
   // The prefetch's open files and verdicts serve this load only: released on every way out.
   struct ReleasePrefetch {
@@ -329,6 +331,7 @@ std::optional<LoadResult> Loader::load_latest(const NamedTensors& tensors,
   LoadRequest req{tensors, validate_extra, read_prefixes, s_.rank, s_.world, s_.opt.verify_on_load,
                   load_threads(s_.opt), s_.opt.reshard_whole_from_rank0};
   req.partial = partial;
+  req.global_shapes = &global_shapes;
   LoadResult out;
   std::string reasons;
   bool listed_any = false;

@@ -30,7 +30,8 @@ class Loader {
   /// AsyncCheckpointer::load_latest (checkpointer.h), once the writer is drained.
   std::optional<LoadResult> load_latest(const NamedTensors& tensors,
                                         const std::function<void(const std::string&)>& validate_extra,
-                                        const std::vector<std::string>& read_prefixes, bool partial);
+                                        const std::vector<std::string>& read_prefixes, bool partial,
+                                        const std::map<std::string, std::vector<int64_t>>& global_shapes);
   /// Starts verifying the steps load_latest will most likely take, in the order it considers them; returns them.
   std::vector<int64_t> prefetch();
   bool wait_prefetch(double timeout_s) { return prefetch_.wait(timeout_s); }

@@ -200,13 +200,20 @@ ReadPlan judge_same_world(ReadPlan p, int64_t step, const LoadRequest& req) {
 
 /// The first shard (a "key@offsets" name, reshard.h) in which this rank's file and the state differ: one the
 /// state wants that the file lacks or holds at another size, or one the file holds that the state does not
-/// want. Either means the step was saved under another layout (another plan, mesh shape or placements), since
-/// a shard's name is its box's offsets and its shape the box's size: the same name and shape are the same
-/// elements. "" when every shard is where the state wants it (whole tensors are judged by match_names).
+/// want; or a tensor the state wants whole that the file holds in pieces. Each means the step was saved under
+/// another layout (another plan, mesh shape or placements), since a shard's name is its box's offsets and its
+/// shape the box's size: the same name and shape are the same elements. "" when every shard is where the
+/// state wants it (whole tensors are judged by match_names).
 std::string first_moved_shard(const SafetensorsIndex& index, const LoadRequest& req) {
-  std::set<std::string> wanted, wanted_keys;
+  std::set<std::string> wanted, wanted_keys, piece_keys;
+  for (const auto& [name, entry] : index.tensors) {
+    auto [key, offsets] = split_shard_name(name);
+    if (offsets) piece_keys.insert(key);
+  }
   for (const auto& [name, t] : req.tensors) {
     auto [key, offsets] = split_shard_name(name);
+    // A whole tensor the file holds in pieces: saved sharded, wanted whole (a layout change).
+    if (!offsets && !index.tensors.count(name) && piece_keys.count(name)) return name;
     if (!offsets) continue;
     wanted.insert(name);
     wanted_keys.insert(key);
@@ -221,6 +228,15 @@ std::string first_moved_shard(const SafetensorsIndex& index, const LoadRequest& 
     if (offsets && !wanted.count(name) && !(req.partial && !wanted_keys.count(key))) return name;
   }
   return {};
+}
+
+/// Whether the state wants whole a tensor that this rank's file of a judged plan holds no copy of.
+bool wants_whole_tensor_it_lacks(const ReadPlan& p, const LoadRequest& req) {
+  if (p.indexes.empty()) return false;
+  for (const auto& [name, t] : req.tensors) {
+    if (!split_shard_name(name).second && !p.indexes.front().tensors.count(name)) return true;
+  }
+  return false;
 }
 
 /// The plan of a step of the job's own world size: this rank's files, checked (or taken from the prefetch),
@@ -253,7 +269,15 @@ ReadPlan plan_same_world(const StepDirectory& step_dir, int64_t step, const Load
                     "(first: '", moved, "'): resharding from every rank's files");
     return plan_reshard_read(step_dir, step, req);
   }
-  return judge_same_world(std::move(p), step, req);
+  ReadPlan judged = judge_same_world(std::move(p), step, req);
+  if (judged.verdict == Verdict::kMismatch && req.reads_other_ranks && wants_whole_tensor_it_lacks(judged, req)) {
+    // This rank's file lacks a tensor the state wants whole: other ranks' files may hold it in pieces (a
+    // table that was sharded onto other ranks, wanted whole here). Resharding reads it if they do; the
+    // mismatch stands as it was found if they do not.
+    ReadPlan again = plan_reshard_read(step_dir, step, req);
+    if (again.verdict == Verdict::kOk) return again;
+  }
+  return judged;
 }
 
 }  // namespace

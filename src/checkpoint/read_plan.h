@@ -7,6 +7,7 @@
 // on each plan's verdict before it runs one.
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -44,6 +45,9 @@ struct LoadRequest {
   /// The state is a part of the step (AsyncCheckpointer::load_latest's `partial`): what no destination asks
   /// for and no read prefix covers is left unread instead of being a mismatch.
   bool partial = false;
+  /// The global shape of each sharded tensor (key) the state holds shards of (may be null or lack keys): a
+  /// shard read from a tensor the step saved whole needs it (reshard.h, plan_destination).
+  const std::map<std::string, std::vector<int64_t>>* global_shapes = nullptr;
 };
 
 /// What a candidate check found, and, when it is loadable, how to load it. Owns the open files (a step that

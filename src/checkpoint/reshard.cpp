@@ -170,16 +170,21 @@ std::pair<std::string, std::optional<std::vector<int64_t>>> split_shard_name(con
 }
 
 std::vector<CopyRange> plan_destination(const std::string& name, const std::vector<int64_t>& shape,
-                                        const std::string& dtype, const std::vector<const SafetensorsIndex*>& indexes) {
+                                        const std::string& dtype, const std::vector<const SafetensorsIndex*>& indexes,
+                                        const std::vector<int64_t>* global_shape) {
   auto [key, offsets] = split_shard_name(name);
   const uint64_t elem = static_cast<uint64_t>(safetensors_dtype_size(dtype));
   ETTKIT_EXPECTS(elem > 0, "'", name, "': dtype ", dtype, " cannot be resharded");
+  // What the step holds of `key`: its saved pieces ("key@offsets"), and the first old rank's copy of it
+  // saved whole. A destination of the same kind reads what is of its kind; one of the other kind reads the
+  // other (a layout change: a sharded tensor read whole, or a tensor saved whole read as a shard).
   std::vector<SavedPiece> pieces;
-  std::vector<int64_t> global = shape;
+  std::optional<SavedPiece> whole;
+  std::vector<int64_t> extent(shape.size(), 0);  // of the pieces: the global shape they make up
   for (size_t r = 0; r < indexes.size(); ++r) {
     for (const auto& [saved_name, e] : indexes[r]->tensors) {
       auto [saved_key, saved_offsets] = split_shard_name(saved_name);
-      if (saved_key != key || saved_offsets.has_value() != offsets.has_value()) continue;
+      if (saved_key != key || (!saved_offsets && whole)) continue;
       ETTKIT_EXPECTS(e.dtype == dtype, "'", saved_name, "' is ", e.dtype, " in old rank ", r, "'s file; the state's '",
                      name, "' is ", dtype);
       SavedPiece p;
@@ -195,27 +200,53 @@ std::vector<CopyRange> plan_destination(const std::string& name, const std::vect
         ETTKIT_CHECK(!__builtin_add_overflow(p.box.offsets[d], p.box.sizes[d], &end), CorruptData, "'", saved_name,
                      "' in old rank ", r, "'s file ends beyond 2^63 in dimension ", d, " (offset ", p.box.offsets[d],
                      ", size ", p.box.sizes[d], ")");
+        if (saved_offsets) extent[d] = std::max(extent[d], end);
       }
       p.byte_offset = indexes[r]->data_offset + e.begin;
-      if (!offsets) {
-        // A whole tensor: one copy is enough, and every copy must be the whole tensor.
-        ETTKIT_EXPECTS(e.shape == shape, "'", name, "' is ", show(e.shape), " in old rank ", r, "'s file; the state's is ",
-                       show(shape));
-        pieces.push_back(p);
-        break;
+      if (saved_offsets) {
+        pieces.push_back(std::move(p));
+      } else {
+        whole = std::move(p);  // one copy is enough
       }
-      for (size_t d = 0; d < shape.size(); ++d) global[d] = std::max(global[d], p.box.offsets[d] + p.box.sizes[d]);
-      pieces.push_back(std::move(p));
     }
-    if (!offsets && !pieces.empty()) break;
   }
-  ETTKIT_EXPECTS(!pieces.empty(), "'", name, "': no rank of the checkpoint saved ", offsets ? "a piece of '" : "'",
-                 key, "'");
   Box want;
   want.sizes = shape;
   want.offsets = offsets.value_or(std::vector<int64_t>(shape.size(), 0));
   ETTKIT_EXPECTS(want.offsets.size() == shape.size(), "'", name, "': ", want.offsets.size(),
                  " offsets for a tensor of ", shape.size(), " dimensions");
+  if (!offsets && whole) {
+    // A whole tensor: every copy must be the whole tensor.
+    ETTKIT_EXPECTS(whole->box.sizes == shape, "'", name, "' is ", show(whole->box.sizes), " in old rank ",
+                   whole->source, "'s file; the state's is ", show(shape));
+    return plan_reshard(key, shape, {*whole}, want, elem);
+  }
+  if (!offsets && !pieces.empty()) {
+    // Saved sharded, wanted whole (one rank's plain model, a data-parallel table): the pieces must make up
+    // exactly this tensor, not a larger one of which it would be a corner.
+    ETTKIT_EXPECTS(extent == shape, "'", name, "' is ", show(shape), " in the state; the checkpoint saved it sharded, "
+                   "its pieces making up ", show(extent), " (another global shape)");
+    return plan_reshard(key, shape, pieces, want, elem);
+  }
+  if (offsets && pieces.empty() && whole) {
+    // Saved whole, wanted as a shard: the whole copy must be the state's global tensor, which the shard's
+    // box alone does not tell.
+    ETTKIT_EXPECTS(global_shape != nullptr, "'", key, "' was saved whole and the state holds it sharded ('", name,
+                   "'): its global shape is needed to check it is the same tensor (load_latest's global_shapes)");
+    ETTKIT_EXPECTS(whole->box.sizes == *global_shape, "'", key, "' is ", show(*global_shape),
+                   " in the state (sharded); the checkpoint saved it whole as ", show(whole->box.sizes),
+                   " in old rank ", whole->source, "'s file (another global shape)");
+    return plan_reshard(key, *global_shape, {*whole}, want, elem);
+  }
+  ETTKIT_EXPECTS(!pieces.empty(), "'", name, "': no rank of the checkpoint saved ", offsets ? "a piece of '" : "'",
+                 key, "'");
+  std::vector<int64_t> global = extent;
+  if (global_shape) {
+    ETTKIT_EXPECTS(global_shape->size() == shape.size(), "'", key, "': its global shape ", show(*global_shape),
+                   " has ", global_shape->size(), " dimensions; the state's shard '", name, "' has ", shape.size());
+    ETTKIT_EXPECTS(extent == *global_shape, "'", key, "' is ", show(*global_shape),
+                   " in the state; the checkpoint's pieces of it make up ", show(extent), " (another global shape)");
+  }
   for (size_t d = 0; d < shape.size(); ++d) global[d] = std::max(global[d], want.offsets[d] + want.sizes[d]);
   return plan_reshard(key, global, pieces, want, elem);
 }

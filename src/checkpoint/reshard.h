@@ -60,14 +60,19 @@ uint64_t planned_bytes(const std::vector<CopyRange>& plan);
 std::pair<std::string, std::optional<std::vector<int64_t>>> split_shard_name(const std::string& name);
 
 /// The reads that fill the destination tensor `name` (shape `shape`, safetensors dtype `dtype`) from the
-/// files of a step written at another world size, `indexes[r]` being old rank r's safetensors index (the
-/// CopyRange sources are old ranks; src_offset is from the start of that file). A shard name reads the
+/// files of a step written at another world size or layout, `indexes[r]` being old rank r's safetensors index
+/// (the CopyRange sources are old ranks; src_offset is from the start of that file). A shard name reads the
 /// pieces of the same tensor that overlap it; the global shape is the extent of the saved pieces (which
 /// must cover the wanted box). A whole-tensor name reads the first old rank's copy that has it (a tensor
-/// saved without shards is taken as replicated: the same on every rank). InvalidArgument naming the tensor
-/// when no old rank saved it, a dtype differs, or the pieces do not cover it.
+/// saved without shards is taken as replicated: the same on every rank). Across kinds (a layout change):
+/// a whole-tensor name of a tensor saved only in pieces reads them all, and they must make up exactly
+/// `shape`; a shard name of a tensor saved only whole reads its box of the first copy, which must be
+/// `*global_shape` (required then: the box alone does not say which tensor it is a part of). `global_shape`,
+/// when given for a shard name, must also equal the extent of the saved pieces. InvalidArgument naming the
+/// tensor when no old rank saved it, a dtype or global shape differs, or the pieces do not cover it.
 std::vector<CopyRange> plan_destination(const std::string& name, const std::vector<int64_t>& shape,
-                                        const std::string& dtype, const std::vector<const SafetensorsIndex*>& indexes);
+                                        const std::string& dtype, const std::vector<const SafetensorsIndex*>& indexes,
+                                        const std::vector<int64_t>* global_shape = nullptr);
 
 }  // namespace ettkit::checkpoint::detail
 

@@ -44,14 +44,17 @@ def test_a_layout_alone_is_not_a_mismatch_but_a_size_or_dtype_is():
     assert "'model.emb.weight'" in msg and "[12, 4]" in msg and "[10, 4]" in msg and "'optim" not in msg, msg
     msg = refused(state(slot(ROWS_0_5), {"emb.weight": {"m": slot(ROWS_0_5, dtype="torch.float16")}}), saved)
     assert "'optim.state.emb.weight.m'" in msg and "torch.float16" in msg, msg
-    # A plain tensor where the checkpoint has a sharded one, and the other way round.
+    # A plain tensor where the checkpoint has a sharded one (read whole from its pieces), and the other way round
+    # (a replica read as shards): layouts too, whose global shape and dtype the C++ loader checks against the
+    # files (test_checkpoint_layout_kinds.py). Something else where a sharded tensor was saved stays refused.
     from ettkit.checkpoint._flatten import TENSOR
 
-    assert "the state has no ShardedTensor there: it holds a plain tensor" in refused(
-        state(TENSOR, {"emb.weight": {"m": slot(ROWS_0_5)}}), saved)
-    assert "'model.emb.weight': the checkpoint holds a plain tensor" in refused(
+    check_sharded(state(TENSOR, {"emb.weight": {"m": slot(ROWS_0_5)}}), saved)
+    check_sharded(state(slot(ROWS_0_5), {"emb.weight": {"m": slot(ROWS_0_5)}}),
+                  saved_state(TENSOR, {"emb.weight": {"m": slot(ROWS_0_5)}}))
+    assert "'model.emb.weight': the checkpoint holds a dict" in refused(
         state(slot(ROWS_0_5), {"emb.weight": {"m": slot(ROWS_0_5)}}),
-        saved_state(TENSOR, {"emb.weight": {"m": slot(ROWS_0_5)}}))
+        saved_state({"a": TENSOR}, {"emb.weight": {"m": slot(ROWS_0_5)}}))
 
 
 def test_per_rank_state_that_moved_is_allowed_only_where_this_rank_holds_no_shard_of_its_parameter():

@@ -424,6 +424,14 @@ class ETTKIT_API AsyncCheckpointer {
   /// not a mismatch (nor are a sharded tensor's pieces that no destination wants). Every destination must
   /// still be in the step. The checksums are those of the whole files, as for a full load.
   ///
+  /// Layouts: a destination named "key@offsets" is a shard (a box) of the tensor `key`; one without is a
+  /// whole tensor. A step that holds a tensor in another layout than the state is read by resharding: shards
+  /// of another plan, mesh or world size; a tensor saved in pieces (a sharded table) wanted whole (a plain
+  /// model on one rank, a data-parallel table), its pieces having to make up exactly the destination's shape;
+  /// a tensor saved whole (proven the same on every old rank by its digests) wanted as shards, which needs its
+  /// global shape in `global_shapes` (key -> shape; it must equal the saved tensor's) and is refused naming
+  /// the key without it. A `global_shapes` entry is also checked against the extent of the saved pieces.
+  ///
   /// With a memory tier: the ranks agree through the Store on the newest step that every one of them holds
   /// in memory from the same run; it is loaded (same checks) when no newer step is committed on disk. All
   /// ranks load from the same tier. Afterwards every memory step but the loaded one is retired.
@@ -447,7 +455,8 @@ class ETTKIT_API AsyncCheckpointer {
   std::pair<double, uint64_t> prefetch_figures() const;
   std::optional<LoadResult> load_latest(const NamedTensors& tensors,
                                         const std::function<void(const std::string&)>& validate_extra = {},
-                                        const std::vector<std::string>& read_prefixes = {}, bool partial = false);
+                                        const std::vector<std::string>& read_prefixes = {}, bool partial = false,
+                                        const std::map<std::string, std::vector<int64_t>>& global_shapes = {});
   /// Turns on the peer replica (collective: every rank, before its first save and load_latest; needs a
   /// memory tier). `group` is a process group of exactly this checkpointer's ranks, kept for the
   /// checkpointer's life, that carries the snapshots' bytes as CPU tensors (a c10d ProcessGroupGloo on its

@@ -47,6 +47,7 @@ from ._flatten import (
     find_captured_optimizer,
     find_saved,
     flatten_state,
+    global_shapes,
     bounded,
     live_sharded,
     prune_to_live,
@@ -745,7 +746,7 @@ class AsyncCheckpointer:
         # those under the `state` of an optimizer's state dict passed by value, which the dict is given
         # (read_prefixes, above).
         self.restore_prefetched = None
-        res = self._c.load_latest(names, tensors, validate, read_prefixes, partial)
+        res = self._c.load_latest(names, tensors, validate, read_prefixes, partial, global_shapes(live))
         if res is None:
             self._nothing_to_restore()
             return None

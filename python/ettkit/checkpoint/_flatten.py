@@ -749,7 +749,10 @@ def check_sharded(live: Any, saved: Any, world_changed: bool = False) -> None:
     size or dtype differs, or that one side has where the other holds something else.
 
     Another layout (sharding plan, world size, mesh shape, placements) is not a mismatch: the C++ loader reads
-    it by resharding whenever this rank's shards are not in its own file. So is, when the layout changed, a
+    it by resharding whenever this rank's shards are not in its own file. Nor is a sharded tensor saved where
+    the state holds a plain tensor (one rank's plain model, a data-parallel table: its pieces are read whole),
+    or a plain tensor saved where the state holds a sharded one (a replica read as shards): the loader checks
+    the global shape and dtype of those from the files (:func:`global_shapes`). So is, when the layout changed, a
     sharded tensor only one side has on this rank, where the sharded state itself is per rank: TorchRec's fused
     optimizer keeps a table's state only on the ranks that hold a shard of the table, so after a re-plan a rank
     may have state the checkpoint kept on another rank (read from that rank's file; the loader refuses a key no
@@ -778,6 +781,8 @@ def check_sharded(live: Any, saved: Any, world_changed: bool = False) -> None:
         # `live`: what the state holds where the checkpoint has `s` (None: nothing). `param`: the parameter
         # (an optimizer state's key) that `s` is the state of.
         if isinstance(s, ShardedSlot):
+            if live is TENSOR:
+                return  # saved sharded, wanted whole: read from every piece
             if live is None and moved and no_shard_here(param):
                 return
             holds = "" if live is None else f": it holds {what(live)}"
@@ -797,6 +802,8 @@ def check_sharded(live: Any, saved: Any, world_changed: bool = False) -> None:
         elif isinstance(x, ShardedSlot):
             if s is None and moved:
                 return  # per-rank state this rank now holds: read from the old rank that saved it
+            if s is TENSOR:
+                return  # saved whole, wanted sharded: a replica's box, its global shape checked by the loader
             if not isinstance(s, ShardedSlot) or (s.size, s.dtype) != (x.size, x.dtype):
                 wrong.append(f"'{name}': the checkpoint holds {what(s)}; the state holds {x.describe()}")
         elif isinstance(x, dict):
@@ -826,6 +833,12 @@ def check_sharded(live: Any, saved: Any, world_changed: bool = False) -> None:
             "sharded tensors do not match the checkpoint (another global size or dtype, or a sharded tensor "
             "only one side has; a layout alone, such as another sharding plan, mesh or world size, is "
             "resharded): " + bounded(wrong) + hint)
+
+
+def global_shapes(live: Any) -> dict:
+    """``key`` -> the global size of every sharded tensor of a live skeleton (from ``flatten_state``): what the
+    loader checks a tensor saved whole against before reading this rank's shards of it from that copy."""
+    return {slot.key: list(slot.size) for slot in _sharded_slots(live, "", {}).values()}
 
 
 def rebuild_named(skeleton: Any, prefix: str, tensors: dict) -> Any:

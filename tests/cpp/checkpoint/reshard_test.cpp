@@ -429,3 +429,86 @@ TEST(Reshard, AnotherLayoutAtTheSameWorldSizeReshardsAndKeepsEachRanksOwnState) 
   };
   ranks(dir, 2, load_corrupt, shm);
 }
+
+TEST(Reshard, ATensorSavedInPiecesLoadsWholeAndOneSavedWholeLoadsAsShards) {
+  ettkit::testing::TempDir d;
+  const std::string dir = d.str() + "/ck", shm = d.str() + "/shm";
+  std::filesystem::create_directories(shm);
+  // Saved by 2 ranks: rows 0-4 and 5-9 of the table (step 3 on disk, step 4 in the memory tier) and a replica.
+  ranks(dir, 2, [](int r, ck::AsyncCheckpointer& c) {
+    ck::NamedTensors t{rows(5 * r, 5 * r + 5), {"bias", at::full({3}, 7.0)}};
+    ASSERT_TRUE(c.save(3, t, "").wait());
+    ASSERT_TRUE(c.save(4, t, "", ck::Tier::kMemory).wait());
+  }, shm);
+  const at::Tensor table = rows(0, 10).second;
+  // Wanted whole on both ranks (a data-parallel table): every piece is read, from both files. The memory tier
+  // holds each rank's own file only, so the disk tier reshards.
+  ranks(dir, 2, [&](int r, ck::AsyncCheckpointer& c) {
+    ck::NamedTensors t{{"table", at::zeros({10, 4})}, {"bias", at::zeros({3})}};
+    auto got = c.load_latest(t);
+    ASSERT_TRUE(got);
+    EXPECT_EQ(got->step, 3);
+    EXPECT_EQ(got->tier, ck::Tier::kDisk);
+    EXPECT_NE(got->memory_fallback.find("(first: 'table'"), std::string::npos) << got->memory_fallback;
+    EXPECT_TRUE(got->resharded);
+    EXPECT_TRUE(at::equal(t[0].second, table)) << r;
+    EXPECT_TRUE(at::equal(t[1].second, at::full({3}, 7.0)));
+    EXPECT_EQ(got->reshard_bytes_read, static_cast<uint64_t>(40 * 4 + 3 * 4));
+  }, shm);
+  // And on one rank (a plain model, for evaluation).
+  ranks(dir, 1, [&](int, ck::AsyncCheckpointer& c) {
+    ck::NamedTensors t{{"table", at::zeros({10, 4})}, {"bias", at::zeros({3})}};
+    auto got = c.load_latest(t);
+    ASSERT_TRUE(got);
+    EXPECT_EQ(got->saved_world_size, 2);
+    EXPECT_TRUE(at::equal(t[0].second, table));
+  });
+  // Wanted whole at another size: not a corner of the saved table, a mismatch naming both shapes.
+  ranks(dir, 2, [&](int, ck::AsyncCheckpointer& c) {
+    ck::NamedTensors t{{"table", at::full({8, 4}, -1.0)}, {"bias", at::zeros({3})}};
+    try {
+      c.load_latest(t);
+      ADD_FAILURE() << "an 8-row table was loaded from a 10-row one";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("'table' is [8, 4] in the state; the checkpoint saved it sharded, its "
+                                           "pieces making up [10, 4]"), std::string::npos) << e.what();
+    }
+    EXPECT_TRUE(at::equal(t[0].second, at::full({8, 4}, -1.0)));
+  });
+
+  // Saved whole by one process: the table and the bias.
+  const std::string one = d.str() + "/one";
+  ranks(one, 1, [&](int, ck::AsyncCheckpointer& c) {
+    ck::NamedTensors t{{"table", table.clone()}, {"bias", at::full({3}, 7.0)}};
+    ASSERT_TRUE(c.save(5, t, "").wait());
+  });
+  // Wanted as rows 0-5 and 6-9 at 2 ranks, the global shape given: each rank reads its box of the one copy.
+  const std::map<std::string, std::vector<int64_t>> global{{"table", {10, 4}}};
+  const int64_t cut[3] = {0, 6, 10};
+  ranks(one, 2, [&](int r, ck::AsyncCheckpointer& c) {
+    auto [name, want] = rows(cut[r], cut[r + 1]);
+    ck::NamedTensors t{{name, at::zeros_like(want)}, {"bias", at::zeros({3})}};
+    auto got = c.load_latest(t, {}, {}, false, global);
+    ASSERT_TRUE(got);
+    EXPECT_TRUE(at::equal(t[0].second, want)) << r;
+    EXPECT_EQ(got->reshard_bytes_read, static_cast<uint64_t>(want.numel() * 4 + 3 * 4));
+  });
+  // Without the global shape the box alone cannot say which tensor it belongs to; with another one it is not
+  // this tensor. Both refused naming the table, nothing copied.
+  const std::map<std::string, std::vector<int64_t>> larger{{"table", {12, 4}}};
+  for (const auto* g : {static_cast<const std::map<std::string, std::vector<int64_t>>*>(nullptr), &larger}) {
+    ranks(one, 2, [&](int r, ck::AsyncCheckpointer& c) {
+      ck::NamedTensors t{{"table@" + std::to_string(6 * r) + ",0", at::full({6, 4}, -1.0)}, {"bias", at::zeros({3})}};
+      try {
+        c.load_latest(t, {}, {}, false, g ? *g : std::map<std::string, std::vector<int64_t>>{});
+        ADD_FAILURE() << "rows of a tensor saved whole were read without checking its global shape";
+      } catch (const InvalidArgument& e) {
+        const std::string want = g ? "'table' is [12, 4] in the state (sharded); the checkpoint saved it whole as "
+                                     "[10, 4]"
+                                   : "'table' was saved whole and the state holds it sharded";
+        EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+      }
+      EXPECT_TRUE(at::equal(t[0].second, at::full({6, 4}, -1.0)));
+    });
+  }
+}
