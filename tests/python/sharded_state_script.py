@@ -89,8 +89,8 @@ def main() -> None:
         assert ck.load_latest({**state, "emb": other})[0] == 1
         assert ck.resharded_from == 2
         assert torch.equal(other.local_shards()[0].tensor, emb_whole[5 * rank:5 * rank + 5])
-        # Another dtype, another global size, a plain tensor where a ShardedTensor was: refused before anything
-        # is copied, naming the key.
+        # Another dtype, another global size (also of a plain tensor where a ShardedTensor was): refused before
+        # anything is copied, naming the key.
         wide, _ = sharded((10, 6), torch.float32, [((0, 0), (5, 6), 0), ((5, 0), (5, 6), 1)], seed=3)
         before = local_values(wide)
         msg = expect_raises(lambda: ck.load_latest({**state, "emb": wide}), "'emb'", "another global size",
@@ -99,8 +99,14 @@ def main() -> None:
         assert all(torch.equal(a, b) for a, b in zip(before, local_values(wide)))
         half, _ = sharded((3, 10), torch.float16, cols, seed=2)
         expect_raises(lambda: ck.load_latest({**state, "nested": {"col": half}}), "'nested.col'", "torch.float16")
-        expect_raises(lambda: ck.load_latest({**state, "emb": torch.zeros(10, 5)}), "'emb'",
-                      "the state has no ShardedTensor there")
+        wide_plain = torch.full((10, 6), -1.0)
+        expect_raises(lambda: ck.load_latest({**state, "emb": wide_plain}), "'emb' is [10, 6] in the state",
+                      "saved it sharded, its pieces making up [10, 5]")
+        assert (wide_plain == -1).all()
+        # A plain tensor of the global size reads the whole table from both ranks' pieces (one process's model).
+        whole = torch.zeros(10, 5)
+        assert ck.load_latest({**state, "emb": whole})[0] == 1
+        assert torch.equal(whole, emb_whole)
 
     # ---- DTensor: Shard(d) on a 1-D mesh saves and loads in place; a Partial one is refused, naming the key
     # and the DCP path --------------------------------------------------------------------------------------

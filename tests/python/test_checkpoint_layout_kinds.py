@@ -82,3 +82,17 @@ def test_per_rank_state_saved_whole_is_not_read_as_shards(tmp_path, steps):
     for got in run(tmp_path, 2, steps / "whole-2", "load_sharded"):
         assert got.get("refused") is None and got["w_dt"] is True and got["w_st"] is True, got
         assert got["resharded_from"] == 2  # read by resharding at the same world size (a layout change)
+
+
+def test_dcp_load_through_the_ettkit_reader_reads_a_sharded_step_whole_too(steps):
+    # The same step through dcp.load (EttkitStorageReader) in this process, without a process group: DCP plans
+    # the reads from the chunks the reader lists, the same pieces the native loader reads.
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import layout_kind_worker as W
+    from ettkit.checkpoint import EttkitStorageReader
+
+    state = {group: {k: torch.zeros(W.ROWS, W.COLS) for k in kinds} for group, kinds in W.KINDS.items()}
+    dcp.load(state, storage_reader=EttkitStorageReader(str(steps / "sharded-3")))
+    assert all(torch.equal(state[g][k], W.values(k)) for g, kinds in W.KINDS.items() for k in kinds)

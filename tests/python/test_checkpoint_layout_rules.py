@@ -52,6 +52,11 @@ def test_a_layout_alone_is_not_a_mismatch_but_a_size_or_dtype_is():
     check_sharded(state(TENSOR, {"emb.weight": {"m": slot(ROWS_0_5)}}), saved)
     check_sharded(state(slot(ROWS_0_5), {"emb.weight": {"m": slot(ROWS_0_5)}}),
                   saved_state(TENSOR, {"emb.weight": {"m": slot(ROWS_0_5)}}))
+    # The table became a plain tensor (data-parallel after a re-plan): the fused optimizer has no place for its
+    # saved state, and the refusal says why and what to do instead of hinting at a first step().
+    msg = refused(state(TENSOR, {}), saved)
+    assert "'optim.state.emb.weight.m': the checkpoint holds a ShardedTensor" in msg, msg
+    assert "its parameter 'model.emb.weight' is a plain tensor in the state" in msg and "first step()" not in msg, msg
     assert "'model.emb.weight': the checkpoint holds a dict" in refused(
         state(slot(ROWS_0_5), {"emb.weight": {"m": slot(ROWS_0_5)}}),
         saved_state({"a": TENSOR}, {"emb.weight": {"m": slot(ROWS_0_5)}}))

@@ -1,4 +1,5 @@
-"""A real TorchRec model checkpointed by ettkit's AsyncCheckpointer (#24 item 3).
+"""A real TorchRec model checkpointed by ettkit's AsyncCheckpointer (#24 item 3), restored under other plans,
+at other world sizes, with a data-parallel table, and into a plain EmbeddingBagCollection on one process (#46).
 
 Two gloo ranks on CPU run ``DistributedModelParallel`` over an ``EmbeddingBagCollection`` (table-wise on
 each rank, row-wise, column-wise) with TorchRec's fused Adagrad, which updates the tables and their momentum
@@ -109,3 +110,37 @@ def test_dmp_with_fused_optimizer_saved_while_training_killed_and_restored(tmp_p
         assert r["step"] == 6 and r["resharded_from"] == 2 and weights, r
         assert r["equal"] == weights and r["changed_by_load"] == weights, r
         assert any("momentum1" in k for k in r["keys"]), r  # the optimizer was there, and left alone
+
+    # Plan D at 2 ranks: t0 data-parallel (a plain tensor on every rank, trained by the dense optimizer). The
+    # fused optimizer has no place for t0's saved momentum: the full state is refused naming it and saying why
+    # (every rank, nothing copied); the model alone loads, t0 whole on both ranks from the shard old rank 0 saved.
+    for p in run_ranks("dp", ckpt, out, 2):
+        assert p.returncode == 0, p.stdout[-3000:]
+    for rank in range(2):
+        r = read(out, f"dp-{rank}", 2)
+        assert "'optim.state.embedding_bags.t0.weight.t0.momentum1'" in r["refused"], r
+        assert "'model.embedding_bags.t0.weight' is a plain tensor in the state" in r["refused"], r
+        assert r["step"] == 6 and r["resharded_from"] == 2, r
+        assert r["t0_plain"] and r["t0_equal"] and r["t0_changed"], r
+        assert r["weights"] and r["equal"] == r["weights"], r
+
+    # One process without DMP or a process group (evaluation, export, debugging on one machine): a plain
+    # EmbeddingBagCollection reads every table whole from the shards the 2 ranks saved, and torch.optim.Adagrad's
+    # `sum` reads the fused Adagrad's momentum1 (the same quantity) by value. Every table and every momentum
+    # element equals the saved global tensors bit for bit, and the next steps, fed both ranks' batches, give each
+    # rank's losses of the uninterrupted run, up to floating-point reassociation: the dense backward sums a row's
+    # gradient over both batches in another order than TorchRec's sparse kernel, and divides by the world size
+    # in another place. (They were equal to the last bit on the 2-vCPU VM.)
+    p = subprocess.run([sys.executable, os.path.join(HERE, "torchrec_dmp_trainer.py"), "plain", ckpt, out],
+                       env=dict(os.environ, PYTHONWARNINGS="ignore"), stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:]
+    r = read(out, "plain-0", 1)
+    assert r["step"] == 6 and r["resharded_from"] == 2, r
+    assert r["keys"] == r["saved_keys"] and len(r["keys"]) == 8, r
+    assert r["equal"] == r["keys"], r
+    assert len(r["changed_by_load"]) == 4, r  # the fresh tables really were replaced
+    for s in ("7", "8"):
+        for rank in range(WORLD):
+            got, want = r["losses"][s][rank], trained[rank]["losses"][s]
+            assert abs(got - want) <= 1e-6 * abs(want), (rank, s, got, want)

@@ -13,8 +13,9 @@ with SIGKILL. ``restore``: a fresh model (another seed), ``load_latest``, the ch
 changed; C at 3 ranks): each rank's new shards of every table and of its Adagrad state are compared with the
 same box of the saved global tensors (assembled from every saving rank's ``expected-<rank>.pt``), then steps 7
 and 8 run. ``partial``: plan C, the model alone loaded with ``partial=True`` (evaluation): its shards as in
-``replan``, the fused optimizer's state not read. Usage: ``torchrec_dmp_trainer.py train|restore|replan|partial
-CKPT_DIR OUT_DIR`` under RANK, WORLD_SIZE and INIT_METHOD.
+``replan``, the fused optimizer's state not read. ``plain``: one process without DMP (:func:`plain`). ``dp``:
+plan D, t0 data-parallel (:func:`data_parallel_load`). Usage: ``torchrec_dmp_trainer.py
+train|restore|replan|partial|plain|dp CKPT_DIR OUT_DIR`` under RANK, WORLD_SIZE and INIT_METHOD (``plain``: none).
 """
 
 from __future__ import annotations
@@ -33,11 +34,15 @@ TABLES = [("t0", 37, 8), ("t1", 47, 16), ("t2", 57, 24), ("t3", 67, 32)]
 STEPS, SAVES = 8, (3, 6)
 
 
-def plan_generators(world: int, replan: bool) -> dict:
+def plan_generators(world: int, replan: bool, data_parallel_t0: bool = False) -> dict:
     """Plan A (train, restore): t0 table-wise on rank 0, t1 row-wise, t2 column-wise, t3 table-wise on the last
-    rank. Re-planned at 2 ranks (B): every table's sharding type changed; at 3 ranks (C): another mix."""
-    from torchrec.distributed.sharding_plan import column_wise, row_wise, table_row_wise, table_wise
+    rank. Re-planned at 2 ranks (B): every table's sharding type changed; at 3 ranks (C): another mix. D (2
+    ranks, ``data_parallel_t0``): t0 data-parallel (a plain tensor on every rank), the others as in B."""
+    from torchrec.distributed.sharding_plan import column_wise, data_parallel, row_wise, table_row_wise, table_wise
 
+    if data_parallel_t0:
+        return {"t0": data_parallel(), "t1": column_wise(ranks=[1, 0]), "t2": table_wise(rank=1),
+                "t3": table_row_wise(host_index=0)}
     if not replan:
         return {"t0": table_wise(rank=0), "t1": row_wise(), "t2": column_wise(ranks=list(range(world))),
                 "t3": table_wise(rank=world - 1)}
@@ -48,7 +53,7 @@ def plan_generators(world: int, replan: bool) -> dict:
             "t3": column_wise(ranks=[0, 2])}
 
 
-def build(seed: int, world: int, replan: bool = False):
+def build(seed: int, world: int, replan: bool = False, data_parallel_t0: bool = False):
     import torchrec
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan
@@ -61,7 +66,7 @@ def build(seed: int, world: int, replan: bool = False):
                for n, r, d in TABLES]
     ebc = torchrec.EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
     apply_optimizer_in_backward(torch.optim.Adagrad, ebc.parameters(), {"lr": 0.05})
-    generators = plan_generators(world, replan)
+    generators = plan_generators(world, replan, data_parallel_t0)
     module_plan = construct_module_sharding_plan(ebc, generators, local_size=world, world_size=world,
                                                  device_type="cpu")
     plan = ShardingPlan({"": module_plan})
@@ -127,11 +132,88 @@ def saved_globals(out_dir: str) -> dict:
     return out
 
 
+def plain(ckpt_dir: str, out_dir: str) -> None:
+    """One process, no process group, no DMP: a plain ``EmbeddingBagCollection`` and ``torch.optim.Adagrad``.
+    The step's tables load whole from their shards, and the fused Adagrad's ``momentum1`` (the sum of squared
+    gradients, as ``torch.optim.Adagrad``'s ``sum``) straight into the Adagrad's ``sum`` tensors, by value
+    (``partial=True``: the fused optimizer's param_groups are left out). Then steps 7 and 8 see both ranks'
+    batches, whose mean loss is what the two ranks' backward passes added up to."""
+    import torchrec
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+    torch.manual_seed(99)
+    configs = [EmbeddingBagConfig(name=n, embedding_dim=d, num_embeddings=r, feature_names=[f"f_{n}"])
+               for n, r, d in TABLES]
+    ebc = torchrec.EmbeddingBagCollection(tables=configs, device=torch.device("cpu"))
+    adagrad = torch.optim.Adagrad(ebc.parameters(), lr=0.05, eps=1e-8)  # TorchRec's fused Adagrad's eps
+    weights = dict(ebc.named_parameters())
+    sums = {name: {f"{name.split('.')[1]}.momentum1": adagrad.state[p]["sum"]} for name, p in weights.items()}
+    before = {k: v.detach().clone() for k, v in ebc.state_dict().items()}
+    ck = AsyncCheckpointer(ckpt_dir, keep_last=2)
+    step, _ = ck.load_latest({"model": ebc, "optim": {"state": sums}}, partial=True)
+    saved = saved_globals(out_dir)
+    restored = {f"model.{k}": v for k, v in ebc.state_dict().items()}
+    restored.update({f"optim.state.{p}.{m}": t for p, d in sums.items() for m, t in d.items()})
+    report = {"step": step, "resharded_from": ck.resharded_from, "keys": sorted(restored), "saved_keys": sorted(saved),
+              "equal": sorted(k for k, t in restored.items()
+                              if torch.equal(t.detach().view(torch.uint8), saved[k].view(torch.uint8))),
+              "changed_by_load": sorted(k for k, v in ebc.state_dict().items() if not torch.equal(before[k], v))}
+    losses = {}
+    for s in range(step + 1, STEPS + 1):
+        per_rank = [(ebc(batch(s, r)).values() ** 2).mean() for r in range(WORLD_SAVED)]
+        losses[s] = [float(x.detach()) for x in per_rank]
+        adagrad.zero_grad()
+        # TorchRec divides the gradients its collectives carry back by the world size (comm_ops'
+        # set_gradient_division, on by default, as DDP averages): the ranks' mean loss, not their sum.
+        (sum(per_rank) / WORLD_SAVED).backward()
+        adagrad.step()
+    report["losses"] = losses
+    with open(os.path.join(out_dir, "plain-0-1.json"), "w") as f:
+        json.dump(report, f)
+    ck.close()
+
+
+WORLD_SAVED = 2  # the ranks that trained (test_checkpoint_torchrec.py's WORLD)
+
+
+def data_parallel_load(model, ck, state: dict, out_dir: str, rank: int, world: int) -> None:
+    """Plan D: t0 is data-parallel, a plain tensor on every rank, whose optimizer is the dense one (not the
+    fused optimizer, which has no state for it). The full state is refused naming t0's saved momentum; the model
+    alone (partial=True) loads: t0 whole on every rank from the shard rank 0 saved, the other tables resharded."""
+    from ettkit import InvalidArgumentError
+
+    report: dict = {"rank": rank}
+    try:
+        ck.load_latest(state)
+    except InvalidArgumentError as e:
+        report["refused"] = str(e)
+    before = model.state_dict()["embedding_bags.t0.weight"].clone()
+    step, _ = ck.load_latest({"model": model}, partial=True)
+    saved = saved_globals(out_dir)
+    t0 = model.state_dict()["embedding_bags.t0.weight"]
+    restored = shard_tensors(live_state(model))
+    report.update(step=step, resharded_from=ck.resharded_from, t0_plain=type(t0) is torch.Tensor,
+                  t0_equal=torch.equal(t0.view(torch.uint8), saved["model.embedding_bags.t0.weight"].view(torch.uint8)),
+                  t0_changed=not torch.equal(before, t0),
+                  weights=sorted(k for k in restored if "weight@" in k),
+                  equal=sorted(name for name, t in restored.items() if "weight@" in name and torch.equal(
+                      t.view(torch.uint8), saved[name.rsplit("@", 1)[0]][tuple(
+                          slice(int(o), int(o) + n) for o, n in zip(name.rsplit("@", 1)[1].split(","), t.shape))]
+                      .contiguous().view(torch.uint8))))
+    with open(os.path.join(out_dir, f"dp-{rank}-{world}.json"), "w") as f:
+        json.dump(report, f)
+    ck.close()
+    dist.destroy_process_group()
+
+
 def main() -> None:
     mode, ckpt_dir, out_dir = sys.argv[1:4]
+    if mode == "plain":
+        return plain(ckpt_dir, out_dir)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", init_method=os.environ["INIT_METHOD"], rank=rank, world_size=world)
-    model, plan, configs = build(seed=0 if mode == "train" else 99, world=world, replan=mode in ("replan", "partial"))
+    model, plan, configs = build(seed=0 if mode == "train" else 99, world=world, replan=mode in ("replan", "partial"),
+                                 data_parallel_t0=mode == "dp")
     ck = AsyncCheckpointer(ckpt_dir, keep_last=2)
     state = {"model": model, "optim": model.fused_optimizer}
     report = {"rank": rank}
@@ -164,6 +246,8 @@ def main() -> None:
         os.kill(os.getpid(), signal.SIGKILL)  # no close(), no destroy_process_group(): a crash
 
     # ---- restore --------------------------------------------------------------------------------------
+    if mode == "dp":
+        return data_parallel_load(model, ck, state, out_dir, rank, world)
     before = shard_tensors(live_state(model))
     if mode in ("replan", "partial"):
         if mode == "partial":

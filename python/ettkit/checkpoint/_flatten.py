@@ -768,6 +768,7 @@ def check_sharded(live: Any, saved: Any, world_changed: bool = False) -> None:
     moved = world_changed or live_slots.keys() != saved_slots.keys() or any(
         saved_slots[k].shards != x.shards for k, x in live_slots.items())
     shardless = [k for k, x in live_slots.items() if not x.shards]  # no shard of these on this rank now
+    plain_names = [n for n in tensor_names(live) if n not in live_slots]
 
     def no_shard_here(param: Optional[str]) -> bool:
         return param is not None and any(k == param or k.endswith("." + param) for k in shardless)
@@ -786,8 +787,15 @@ def check_sharded(live: Any, saved: Any, world_changed: bool = False) -> None:
             if live is None and moved and no_shard_here(param):
                 return
             holds = "" if live is None else f": it holds {what(live)}"
+            plain = live is None and param is not None and next(
+                (n for n in plain_names if n == param or n.endswith("." + param)), None)
+            if plain:
+                # A re-plan made its table data-parallel: a plain tensor whose optimizer is another one.
+                holds = (f" (its parameter '{plain}' is a plain tensor in the state, e.g. a table now "
+                         f"data-parallel, whose optimizer is not this one: load the model alone with partial=True, "
+                         f"or this state by value into that optimizer's)")
             wrong.append(f"'{name}': the checkpoint holds {s.describe()}; the state has no {s.kind} there{holds}")
-            if live is None and ".state." in name:
+            if live is None and ".state." in name and not plain:
                 lazy.append(name)
         elif isinstance(s, dict):
             for k, v in s.items():
@@ -944,6 +952,8 @@ def tensor_names(skeleton: Any, name: str = "", out: Optional[list] = None) -> l
     out = [] if out is None else out
     if skeleton is TENSOR or isinstance(skeleton, ShardedSlot):
         out.append(name)
+    elif isinstance(skeleton, StatefulSlot):
+        tensor_names(skeleton.skeleton, name, out)
     elif isinstance(skeleton, dict):
         for k, v in skeleton.items():
             tensor_names(v, _child(name, k), out)
