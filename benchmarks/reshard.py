@@ -213,9 +213,9 @@ def _plain_phase(a, ettkit_dir: str, dcp_dir: str) -> dict:
             times[variant].append(time.perf_counter() - t)
             got[variant] = state
         for key in ("model", "optim"):  # both read the same values, and not zeros
-            a_, b_ = got["ettkit"][key], got["dcp"][key]
-            flat = ([(a_[k], b_[k]) for k in a_] if key == "model"
-                    else [(a_[k][m], b_[k][m]) for k in a_ for m in a_[k]])
+            mine, theirs = got["ettkit"][key], got["dcp"][key]
+            flat = ([(mine[k], theirs[k]) for k in mine] if key == "model" else
+                    [(mine["state"][k][m], theirs["state"][k][m]) for k in mine["state"] for m in mine["state"][k]])
             assert all(torch.equal(x, y) for x, y in flat) and any(x.any() for x, _ in flat), key
     return {**{k: statistics.median(v) for k, v in times.items()}, "rows": rows}
 
