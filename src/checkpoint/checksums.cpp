@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <string>
 
 #include "checkpoint/identifiers.h"
 #include "ettkit/common/error.h"
@@ -59,7 +60,6 @@ FileDigestBuilder::FileDigestBuilder() { digest_.chunk_bytes = kHashChunkBytes; 
 
 void FileDigestBuilder::update(const void* data, size_t size) {
   const char* p = static_cast<const char*>(data);
-  whole_.update(p, size);
   digest_.size += size;
   while (size > 0) {
     const size_t k = static_cast<size_t>(std::min<uint64_t>(size, chunk_left_));
@@ -77,8 +77,24 @@ void FileDigestBuilder::update(const void* data, size_t size) {
 
 FileDigest FileDigestBuilder::finish() {
   if (chunk_left_ != kHashChunkBytes) digest_.chunks.push_back(hex64(chunk_.digest()));
-  digest_.xxh3 = hex64(whole_.digest());
+  if (digest_.chunks.size() <= 1) {
+    // One chunk: its hash is the whole file's (an empty file: the hash of nothing).
+    digest_.xxh3 = digest_.chunks.empty() ? hex64(chunk_.digest()) : digest_.chunks.front();
+  } else {
+    digest_.xxh3 = xxh3_of_chunks(digest_.size, digest_.chunks);
+  }
   return std::move(digest_);
+}
+
+std::string xxh3_of_chunks(uint64_t size, const std::vector<std::string>& chunks) {
+  std::string bytes;
+  bytes.reserve(8 * (chunks.size() + 1));
+  auto put = [&bytes](uint64_t v) {
+    for (int i = 0; i < 8; ++i) bytes.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+  };
+  put(size);
+  for (const std::string& c : chunks) put(std::stoull(c, nullptr, 16));
+  return xxh3_of(bytes);
 }
 
 void check_file_digest(const FileDigest& d, const std::string& where) {

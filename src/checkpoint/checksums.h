@@ -16,10 +16,14 @@ namespace ettkit::checkpoint::detail {
 /// Size of the pieces a file's chunk checksums cover (the last piece may be shorter).
 inline constexpr uint64_t kHashChunkBytes = uint64_t{32} << 20;
 
-/// What a durably written file is: its size and its XXH3-64 checksum (lowercase hex, 16 digits), and the
-/// XXH3-64 of each `chunk_bytes` piece of it in order (empty in manifests written before chunks existed).
-/// Why both: the whole-file hash is what every earlier reader checks; the chunk hashes let a loader
-/// verify the pieces on several threads (one XXH3 stream cannot be split), and name the bad byte range.
+/// What a durably written file is: its size, its checksum `xxh3` (lowercase hex, 16 digits), and the XXH3-64
+/// of each `chunk_bytes` piece of it in order (empty in manifests written before chunks existed). The chunk
+/// hashes are what a loader verifies: on several threads (one XXH3 stream cannot be split), naming the bad
+/// byte range, and only the chunks a resharding read touches. `xxh3` is the XXH3-64 of the whole file when
+/// it has at most one chunk (then equal to that chunk's: every extra file and small step, which earlier
+/// readers check whole), else derived from the chunk hashes (xxh3_of_chunks): each byte is hashed once as
+/// it is written. Manifests written before 2026-11-27 hold the whole-file hash for every file; a reader
+/// checks `xxh3` against the bytes only for a file without chunks, so both load.
 struct FileDigest {
   uint64_t size = 0;
   std::string xxh3;
@@ -41,6 +45,9 @@ std::string xxh3_of(const std::string& bytes);
 std::string xxh3_of(const void* data, size_t size);
 /// XXH3-64 of bytes in memory (the number): the widest vector unit the CPU has, where libxxhash can pick it.
 uint64_t xxh3_64_of(const void* data, size_t size);
+/// The `xxh3` of a file of more than one chunk: XXH3-64 of its size and then each chunk's XXH3-64, 8 bytes
+/// little-endian each (hex). `chunks` must be hex64 strings.
+std::string xxh3_of_chunks(uint64_t size, const std::vector<std::string>& chunks);
 
 /// An XXH3-64 over bytes that arrive in pieces. Move-only.
 class Xxh3Stream {
@@ -58,8 +65,8 @@ class Xxh3Stream {
   std::unique_ptr<State> state_;
 };
 
-/// The FileDigest of bytes that arrive in order (what a durable write hashes as it writes): the whole-file
-/// checksum and one per kHashChunkBytes piece.
+/// The FileDigest of bytes that arrive in order (what a durable write hashes as it writes): one XXH3-64 per
+/// kHashChunkBytes piece, each byte hashed once, and the file's `xxh3` from them (FileDigest).
 class FileDigestBuilder {
  public:
   FileDigestBuilder();
@@ -68,7 +75,6 @@ class FileDigestBuilder {
   FileDigest finish();
 
  private:
-  Xxh3Stream whole_;
   Xxh3Stream chunk_;  // the current kHashChunkBytes piece
   uint64_t chunk_left_ = kHashChunkBytes;
   FileDigest digest_;

@@ -119,7 +119,15 @@ std::string read_checked_extra(const OpenedStep& step, bool verify) {
                " bytes; extra bytes are at most ", kMaxExtraBytes, " (256 MiB)");
   std::string bytes = step.extra.read_all(d.size);
   ETTKIT_CHECK(bytes.size() == d.size, CorruptData, "'", step.extra.path(), "' changed size while being read");
-  if (verify) {
+  if (verify && d.chunks.size() > 1) {
+    // Larger than a chunk: its `xxh3` is derived from the chunks' (checksums.h), which are checked here.
+    for (size_t i = 0; i < d.chunks.size(); ++i) {
+      const uint64_t begin = i * d.chunk_bytes, n = std::min<uint64_t>(d.chunk_bytes, d.size - begin);
+      std::string h = xxh3_of(bytes.data() + begin, static_cast<size_t>(n));
+      ETTKIT_CHECK(h == d.chunks[i], CorruptData, "'", step.extra.path(), "' bytes [", begin, ", ", begin + n,
+                   ") have XXH3 ", h, "; the manifest says ", d.chunks[i]);
+    }
+  } else if (verify) {
     std::string h = xxh3_of(bytes);
     ETTKIT_CHECK(h == d.xxh3, CorruptData, "'", step.extra.path(), "' has XXH3 ", h, "; the manifest says ", d.xxh3);
   }

@@ -17,6 +17,10 @@ by an AsyncCheckpointer attached to both (saves overlap the next steps, FSDP2's 
 - ``load``: at any world size, a fresh model and AdamW load the newest step (resharding it) and compare
   every whole tensor with saved-<step>.pt; then the same tensors, zeroed, are read again by ``dcp.load``
   through ``EttkitStorageReader``. Writes OUT_DIR/load-<world>-<rank>.json.
+- ``export`` (one process, no process group): the newest step into a plain ``Net`` (model only).
+- ``plain_train`` (one process, no process group, no FSDP2): trains, saves step PLAIN_STEPS and goes on to
+  LAST_STEP (the reference); ``scale_out``: FSDP2 at 2 ranks resumes that step (tensors saved whole read as
+  shards).
 - ``case:<name>`` (one rank): a tensor subclass saved through every path that hands tensors to C++
   (AsyncCheckpointer, DcpStager, the C++ Stager itself); writes OUT_DIR/<name>.json. A crash shows as the
   exit status.
@@ -362,14 +366,81 @@ def case(name: str, ckpt: str, out: str) -> None:
         json.dump(result, f)
 
 
+PLAIN_STEPS, SCALE_OUT_RANKS = 4, 2  # the one-process run's steps before its save; the ranks that resume it
+
+
+def batches(step: int) -> list:
+    """The batches the ranks of a SCALE_OUT_RANKS-rank job see at `step` (train_step's)."""
+    out = []
+    for rank in range(SCALE_OUT_RANKS):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        out.append((torch.randint(0, VOCAB, (8,), generator=g), torch.randn(8, generator=g)))
+    return out
+
+
+def plain_step(model, optimizer, step: int) -> list:
+    """One step of one process doing what SCALE_OUT_RANKS FSDP2 ranks do together: FSDP2 averages the ranks'
+    gradients, so the mean of their losses. Returns each rank's loss."""
+    losses = [((model(x) - y) ** 2).mean() for x, y in batches(step)]
+    optimizer.zero_grad()
+    (sum(losses) / len(losses)).backward()
+    optimizer.step()
+    return [loss.item() for loss in losses]
+
+
+def plain_train(ckpt: str, out: str) -> None:
+    """One process, no process group, no FSDP2: PLAIN_STEPS steps, a save, then the steps up to LAST_STEP (the
+    reference the scaled-out resume is compared with)."""
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    for step in range(1, PLAIN_STEPS + 1):
+        plain_step(model, optimizer, step)
+    with AsyncCheckpointer(ckpt, recorder=None) as ck:
+        ck.save(PLAIN_STEPS, {"model": model, "optim": optimizer}).wait()
+    reference = {s: plain_step(model, optimizer, s) for s in range(PLAIN_STEPS + 1, LAST_STEP + 1)}
+    with open(os.path.join(out, "plain.json"), "w") as f:
+        json.dump({"reference": reference}, f)
+
+
+def scale_out(rank: int, world: int, ckpt: str, out: str) -> None:
+    """The one-process step resumed by FSDP2 at `world` ranks: the model's and AdamW's tensors, saved whole, are
+    read as this rank's shards of them; then the steps up to LAST_STEP."""
+    model, optimizer = build(world)
+    with AsyncCheckpointer(ckpt, recorder=None, read_only=True) as ck:
+        step, _ = ck.load_latest({"model": model, "optim": optimizer})
+        resharded_from = ck.resharded_from
+    losses = {s: train_step(model, optimizer, s, rank) for s in range(step + 1, LAST_STEP + 1)}
+    with open(os.path.join(out, f"scale_out-{rank}.json"), "w") as f:
+        json.dump({"step": step, "resharded_from": resharded_from, "losses": losses}, f)
+
+
+def export(ckpt: str, out: str) -> None:
+    """The FSDP2 job's newest step loaded into a plain model in one process without a process group (evaluation,
+    export): every parameter whole from the ranks' shards; the optimizer left out (partial=True)."""
+    torch.manual_seed(1)
+    model = Net()
+    with AsyncCheckpointer(ckpt, recorder=None, read_only=True) as ck:
+        step, _ = ck.load_latest({"model": model}, partial=True)
+        resharded_from = ck.resharded_from
+    saved = torch.load(os.path.join(out, f"saved-{step}.pt"))
+    got = {f"model.{n}": p.detach() for n, p in model.named_parameters()}
+    with open(os.path.join(out, "export.json"), "w") as f:
+        json.dump({"step": step, "resharded_from": resharded_from, "tensors": len(got),
+                   "differ": mismatches(got, {k: v for k, v in saved.items() if k.startswith("model.")})}, f)
+
+
 def main() -> int:
     mode, rank, world, init, ckpt, out = (sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4],
                                           sys.argv[5], sys.argv[6])
+    if mode in ("plain_train", "export"):  # one process, no process group
+        (plain_train if mode == "plain_train" else export)(ckpt, out)
+        return 0
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     if mode.startswith("case:"):
         case(mode[len("case:"):], ckpt, out)
     else:
-        {"train": train, "resume": resume, "load": load}[mode](rank, world, ckpt, out)
+        {"train": train, "resume": resume, "load": load, "scale_out": scale_out}[mode](rank, world, ckpt, out)
     dist.destroy_process_group()
     return 0
 

@@ -69,6 +69,37 @@ def test_the_step_loads_at_another_world_size_through_ettkit_and_dcp(trained, wo
         assert got["tensors"] == 36 and got["ettkit_differ"] == [] and got["dcp_differ"] == [], got
 
 
+def test_the_fsdp2_step_loads_into_a_plain_model_in_one_process(trained):
+    # Evaluation or export: no process group, no FSDP2; every parameter whole from the 2 ranks' DTensor shards.
+    tmp, ckpt, out = trained
+    codes, errs = run(tmp, "export", 1, ckpt, out, "export")
+    assert codes == [0], errs
+    got = json.loads((out / "export.json").read_text())
+    assert got["resharded_from"] == 2 and got["tensors"] == 9 and got["differ"] == [], got
+
+
+def test_a_one_process_step_resumes_under_fsdp2_at_two_ranks(tmp_path):
+    # Scale-out: a model and AdamW trained in one process (plain tensors, saved whole) resume as FSDP2 DTensors
+    # on 2 ranks. Each rank's shards of the weights and of exp_avg/exp_avg_sq are read from the whole tensors
+    # (their global shapes checked); the next steps give the one-process run's losses, up to reassociation:
+    # the one process backward-passes the ranks' mean loss, FSDP2 averages the ranks' gradients after each
+    # rank's own backward (another order of the same sums; measured: equal to the last bit on the 2-vCPU VM).
+    out = tmp_path / "out"
+    out.mkdir()
+    codes, errs = run(tmp_path, "plain_train", 1, tmp_path / "ckpt", out, "plain")
+    assert codes == [0], errs
+    codes, errs = run(tmp_path, "scale_out", 2, tmp_path / "ckpt", out, "scale")
+    assert codes == [0, 0], errs
+    reference = json.loads((out / "plain.json").read_text())["reference"]
+    for rank in range(2):
+        got = json.loads((out / f"scale_out-{rank}.json").read_text())
+        assert got["step"] == 4 and got["resharded_from"] == 1, got
+        assert list(got["losses"]) == list(reference), got
+        for s, loss in got["losses"].items():
+            want = reference[s][rank]
+            assert abs(loss - want) <= 1e-5 * abs(want), (rank, s, loss, want)
+
+
 def run_case(tmp_path, name):
     out = tmp_path / "out"
     out.mkdir()

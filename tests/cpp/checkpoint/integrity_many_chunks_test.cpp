@@ -436,3 +436,43 @@ TEST(IntegrityManyChunks, PeerReplicaGiveBackRefusesALateCorruptChunk) {
   EXPECT_TRUE(ckd::list_step_dirs(p.rank_dir(1)).empty());
   p.close(/*discard=*/true);
 }
+
+// The extra file of more than one chunk is checked chunk by chunk too: its `xxh3` is derived from its chunks'
+// when a writer hashed it in more than one (checksums.h), so a whole-file comparison would refuse every such
+// step; here a late chunk is corrupt and the step must be refused, the older one restored.
+TEST(IntegrityManyChunks, AnExtraOfManyChunksIsCheckedChunkByChunk) {
+  TempDir d;
+  const std::string extra1(3 << 20, '1'), extra2(3 << 20, '2');
+  {
+    AsyncCheckpointer w(options(d));
+    EXPECT_TRUE(w.save(1, state(1, 100), extra1).wait());
+    EXPECT_TRUE(w.save(2, state(2, 100), extra2).wait());
+    w.close();
+  }
+  const std::string step2 = d.str() + "/ck/step-2", mpath = step2 + "/manifest.json";
+  ckd::Manifest m = ckd::decode_manifest(ckd::read_small_file(mpath), mpath);
+  ckd::FileDigest& x = m.files.at("rank-0.extra");
+  set_chunks(x, read_file(step2 + "/rank-0.extra"), kSmallChunk);
+  x.xxh3 = ckd::xxh3_of_chunks(x.size, x.chunks);  // as a writer that hashed 1 MiB chunks would list it
+  ASSERT_EQ(x.chunks.size(), 3u);
+  std::ofstream(mpath, std::ios::binary | std::ios::trunc) << ckd::encode_manifest(m);
+  CheckpointerOptions o = options(d);
+  o.read_only = true;
+  {
+    AsyncCheckpointer r(o);  // intact: the chunks match, the derived checksum is not compared with the bytes
+    NamedTensors t = zeros(100);
+    auto got = r.load_latest(t);
+    ASSERT_TRUE(got);
+    EXPECT_EQ(got->step, 2);
+    EXPECT_EQ(got->extra, extra2);
+  }
+  flip_byte(step2 + "/rank-0.extra", (5 << 20) / 2);  // in the last chunk
+  AsyncCheckpointer r(o);
+  NamedTensors t = zeros(100);
+  auto got = r.load_latest(t);
+  ASSERT_TRUE(got);
+  EXPECT_EQ(got->step, 1);
+  EXPECT_EQ(got->skipped_steps, std::vector<int64_t>{2});
+  EXPECT_EQ(got->extra, extra1);
+  expect_state(t, state(1, 100));
+}

@@ -93,7 +93,8 @@ TEST(Storage, LargeWriteThroughTheWritebackPipelineIsExact) {
   ckd::FileDigest d = ckd::write_file_durably(path, {{header.data(), header.size()}, {data.data(), data.size()}});
   EXPECT_EQ(d.size, header.size() + data.size());
   EXPECT_EQ(ckd::file_size(path).value(), d.size);
-  EXPECT_EQ(ckd::file_xxh3(path), d.xxh3);
+  ASSERT_EQ(d.chunks.size(), 2u);
+  EXPECT_EQ(ckd::xxh3_of_chunks(d.size, d.chunks), d.xxh3);
   std::ifstream in(path, std::ios::binary);
   std::vector<char> back((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   ASSERT_EQ(back.size(), d.size);
@@ -115,7 +116,9 @@ TEST(Storage, ChunkChecksumsCoverTheFileAndNameTheBadRange) {
   ckd::FileDigest d = ckd::write_file_durably(path, {{header.data(), header.size()}, {data.data(), data.size()}});
   ASSERT_EQ(d.chunk_bytes, ckd::kHashChunkBytes);
   ASSERT_EQ(d.chunks.size(), 3u);
-  EXPECT_EQ(ckd::file_xxh3(path), d.xxh3);  // the whole-file checksum is still the one earlier readers check
+  // Each byte was hashed once: the file's checksum is derived from the chunks', not a second pass over it.
+  EXPECT_EQ(d.xxh3, ckd::xxh3_of_chunks(d.size, d.chunks));
+  EXPECT_NE(d.xxh3, ckd::file_xxh3(path));
   auto open_file = [&] { return ckd::ReadFile(::open(path.c_str(), O_RDONLY | O_CLOEXEC), path); };
   for (int threads : {1, 3, 8}) EXPECT_NO_THROW(ckd::verify_file_chunks(open_file(), d, threads));
 
@@ -263,6 +266,7 @@ TEST(Storage, CheckStepFilesRefusesEachFaultByNameAndStopsBetweenChunkGroups) {
     if (legacy) {  // a manifest from before chunk checksums: the whole-file XXH3 only
       m.files["rank-0.safetensors"].chunks.clear();
       m.files["rank-0.safetensors"].chunk_bytes = 0;
+      m.files["rank-0.safetensors"].xxh3 = ckd::file_xxh3(step_dir + "/rank-0.safetensors");
     }
     if (list_extra) m.files["rank-0.extra"] = e;
     std::string text = ckd::encode_manifest(m);
@@ -353,4 +357,24 @@ TEST(Storage, TheOneDtypeTableNamesEachDtypeBothWaysWithItsSize) {
   EXPECT_EQ(ckd::safetensors_dtype_size("f32"), 0);
   EXPECT_EQ(ettkit::checkpoint::find_safetensors_dtype(c10::kComplexDouble), nullptr);
   EXPECT_EQ(ettkit::checkpoint::find_safetensors_dtype(c10::kQInt8), nullptr);
+}
+
+TEST(Storage, AFileOfOneChunkKeepsItsWholeFileChecksum) {
+  // An extra file or a small step: its one chunk's hash is the whole file's, which earlier readers check.
+  ettkit::testing::TempDir tmp;
+  for (size_t n : {size_t{0}, size_t{1}, size_t{4096}, size_t{32} << 20}) {
+    std::string bytes(n, '\x5a');
+    const std::string path = tmp.str() + "/f" + std::to_string(n);
+    ckd::FileDigest d = ckd::write_file_durably(path, {{bytes.data(), bytes.size()}});
+    EXPECT_EQ(d.xxh3, ckd::file_xxh3(path)) << n;
+    EXPECT_EQ(d.chunks.size(), n == 0 ? 0u : 1u) << n;
+  }
+  // One byte more than a chunk: two chunks, the checksum derived from them (size first: a file of another
+  // size with the same chunk hashes would not share it).
+  std::string bytes((size_t{32} << 20) + 1, '\x5a');
+  const std::string path = tmp.str() + "/two";
+  ckd::FileDigest d = ckd::write_file_durably(path, {{bytes.data(), bytes.size()}});
+  ASSERT_EQ(d.chunks.size(), 2u);
+  EXPECT_EQ(d.xxh3, ckd::xxh3_of_chunks(d.size, d.chunks));
+  EXPECT_NE(d.xxh3, ckd::xxh3_of_chunks(d.size + 1, d.chunks));
 }
