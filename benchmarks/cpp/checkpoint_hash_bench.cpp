@@ -1,6 +1,9 @@
 // What the whole-tensor digests cost a disk save's writer thread (docs/checkpoint.md, "Elastic restore"):
 // XXH3-64 through the library's own entry point (the dispatching one: AVX2 here) over a 1 GiB arena in
-// tensors of 64 MiB, against a memcpy of the same bytes, the floor of anything that reads them once.
+// tensors of 64 MiB, against a memcpy of the same bytes, the floor of anything that reads them once. And
+// what a written file's checksums cost (checksums.h): FileDigestBuilder over the arena in the writer's 16 MiB
+// slices (one pass: the chunk hashes, the file's checksum derived from them) against the writer before
+// 2026-11-27, which also streamed the whole file through a second XXH3.
 //   build/py/benchmarks/cpp/checkpoint_hash_bench --benchmark_repetitions=5 --benchmark_report_aggregates_only
 #include <benchmark/benchmark.h>
 
@@ -44,6 +47,35 @@ void BM_MemcpyOfTheSameBytes(benchmark::State& state) {
   state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * kArena));
 }
 BENCHMARK(BM_MemcpyOfTheSameBytes)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+constexpr size_t kWriteSlice = size_t{16} << 20;  // file_io.cpp's
+
+void BM_FileDigestOnePass(benchmark::State& state) {
+  const auto& a = arena();
+  for (auto _ : state) {
+    ettkit::checkpoint::detail::FileDigestBuilder d;
+    for (size_t o = 0; o < a.size(); o += kWriteSlice) d.update(a.data() + o, kWriteSlice);
+    benchmark::DoNotOptimize(d.finish());
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * kArena));
+}
+BENCHMARK(BM_FileDigestOnePass)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+void BM_FileDigestWholeStreamToo(benchmark::State& state) {
+  const auto& a = arena();
+  for (auto _ : state) {
+    ettkit::checkpoint::detail::FileDigestBuilder d;
+    ettkit::checkpoint::detail::Xxh3Stream whole;
+    for (size_t o = 0; o < a.size(); o += kWriteSlice) {
+      whole.update(a.data() + o, kWriteSlice);
+      d.update(a.data() + o, kWriteSlice);
+    }
+    benchmark::DoNotOptimize(whole.digest());
+    benchmark::DoNotOptimize(d.finish());
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * kArena));
+}
+BENCHMARK(BM_FileDigestWholeStreamToo)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 }  // namespace
 
