@@ -115,6 +115,28 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a contiguous run is grown across a dimension the wanted box cuts (a column-wise shard read as rows)",
         (Test("reshard_test", "Reshard.RandomLayoutsFillEveryWantedBoxExactlyOnce"),)),
     Mutation(
+        "whole-from-pieces-shape", "src/checkpoint/reshard.cpp",
+        "ETTKIT_EXPECTS(extent == shape,",
+        "ETTKIT_EXPECTS(true || extent == shape,",
+        "a plain tensor is filled from the pieces of a larger saved table: a corner of it, silently (#46)",
+        (Test("reshard_test", "Reshard.ATensorSavedInPiecesLoadsWholeAndOneSavedWholeLoadsAsShards"),
+         Test(pytest="tests/python/test_checkpoint_layout_kinds.py::"
+                     "test_a_sharded_step_read_whole_into_another_shape_is_refused_naming_it"))),
+    Mutation(
+        "shards-from-whole-shape", "src/checkpoint/reshard.cpp",
+        "ETTKIT_EXPECTS(whole->box.sizes == *global_shape,",
+        "ETTKIT_EXPECTS(true || whole->box.sizes == *global_shape,",
+        "shards of another global shape are cut from a tensor saved whole (#46)",
+        (Test("reshard_test", "Reshard.ATensorSavedInPiecesLoadsWholeAndOneSavedWholeLoadsAsShards"),
+         Test(pytest="tests/python/test_checkpoint_layout_kinds.py::"
+                     "test_a_step_saved_whole_read_as_shards_of_another_global_shape_is_refused_naming_it"))),
+    Mutation(
+        "extra-chunk-check", "src/checkpoint/step_files.cpp",
+        "ETTKIT_CHECK(h == d.chunks[i], CorruptData,",
+        "ETTKIT_CHECK(true || h == d.chunks[i], CorruptData,",
+        "an extra file of more than one chunk (its checksum derived from the chunks') loads unverified",
+        (Test(MANY, "IntegrityManyChunks.AnExtraOfManyChunksIsCheckedChunkByChunk"),)),
+    Mutation(
         "memory-tier-verify", "src/checkpoint/loader.cpp",
         "im.opt.verify_on_load && im.opt.memory_tier.verify,",
         "im.opt.verify_on_load && !im.opt.memory_tier.verify,",
