@@ -17,7 +17,8 @@ by an AsyncCheckpointer attached to both (saves overlap the next steps, FSDP2's 
 - ``load``: at any world size, a fresh model and AdamW load the newest step (resharding it) and compare
   every whole tensor with saved-<step>.pt; then the same tensors, zeroed, are read again by ``dcp.load``
   through ``EttkitStorageReader``. Writes OUT_DIR/load-<world>-<rank>.json.
-- ``export`` (one process, no process group): the newest step into a plain ``Net`` (model only).
+- ``export`` (one process, no process group): the newest step into a plain ``Net``: the model alone, then
+  with an AdamW that has taken a step (one before its first step is refused).
 - ``plain_train`` (one process, no process group, no FSDP2): trains, saves step PLAIN_STEPS and goes on to
   LAST_STEP (the reference); ``scale_out``: FSDP2 at 2 ranks resumes that step (tensors saved whole read as
   shards).
@@ -420,14 +421,29 @@ def export(ckpt: str, out: str) -> None:
     export): every parameter whole from the ranks' shards; the optimizer left out (partial=True)."""
     torch.manual_seed(1)
     model = Net()
+    fresh = {n: p.detach().clone() for n, p in model.named_parameters()}
+    report = {}
     with AsyncCheckpointer(ckpt, recorder=None, read_only=True) as ck:
+        # A plain AdamW before its first step has no tensors to read the sharded state into: refused, saying
+        # what to do, before anything is copied.
+        try:
+            ck.load_latest({"model": model, "optim": torch.optim.AdamW(model.parameters(), lr=0.05)})
+        except ettkit.InvalidArgumentError as e:
+            report["refused"] = str(e)
+        report["untouched"] = all(torch.equal(p, fresh[n]) for n, p in model.named_parameters())
         step, _ = ck.load_latest({"model": model}, partial=True)
-        resharded_from = ck.resharded_from
+        report["resharded_from"] = ck.resharded_from
+        # After one step it has state of the parameters' shapes: model and optimizer load, each tensor whole.
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+        model(torch.arange(VOCAB)).sum().backward()
+        optimizer.step()
+        assert ck.load_latest({"model": model, "optim": optimizer})[0] == step
     saved = torch.load(os.path.join(out, f"saved-{step}.pt"))
     got = {f"model.{n}": p.detach() for n, p in model.named_parameters()}
+    got.update({f"optim.{n}.{field}": v for n, p in model.named_parameters() for field, v in optimizer.state[p].items()})
+    report.update(step=step, tensors=len(got), differ=mismatches(got, saved))
     with open(os.path.join(out, "export.json"), "w") as f:
-        json.dump({"step": step, "resharded_from": resharded_from, "tensors": len(got),
-                   "differ": mismatches(got, {k: v for k, v in saved.items() if k.startswith("model.")})}, f)
+        json.dump(report, f)
 
 
 def main() -> int:

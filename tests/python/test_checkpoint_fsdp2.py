@@ -70,12 +70,18 @@ def test_the_step_loads_at_another_world_size_through_ettkit_and_dcp(trained, wo
 
 
 def test_the_fsdp2_step_loads_into_a_plain_model_in_one_process(trained):
-    # Evaluation or export: no process group, no FSDP2; every parameter whole from the 2 ranks' DTensor shards.
+    # Evaluation or export, or fine-tuning on one machine: no process group, no FSDP2; every parameter and AdamW
+    # state tensor whole from the 2 ranks' DTensor shards.
     tmp, ckpt, out = trained
     codes, errs = run(tmp, "export", 1, ckpt, out, "export")
     assert codes == [0], errs
     got = json.loads((out / "export.json").read_text())
-    assert got["resharded_from"] == 2 and got["tensors"] == 9 and got["differ"] == [], got
+    # A plain AdamW before its first step: refused naming its state and what to do, nothing copied.
+    assert "'optim.state.0.exp_avg'" in got["refused"] and "Take one optimizer step" in got["refused"], got
+    assert got["untouched"], got
+    # The model alone, then with an AdamW that has state: 9 parameters and 27 state tensors, each equal to the
+    # saved whole tensor bit for bit.
+    assert got["resharded_from"] == 2 and got["tensors"] == 36 and got["differ"] == [], got
 
 
 def test_a_one_process_step_resumes_under_fsdp2_at_two_ranks(tmp_path):

@@ -762,6 +762,8 @@ def check_sharded(live: Any, saved: Any, world_changed: bool = False) -> None:
     would create, with a hint)."""
     wrong: list[str] = []
     lazy: list[str] = []  # keys of optimizer state the state lacks (created by an optimizer's first step)
+    plain_lazy: list[str] = []  # the same, of an optimizer of plain parameters (ettkit creates none for it)
+    in_plain_optimizer = [False]
     live_slots = _sharded_slots(live, "", {})
     saved_slots = _sharded_slots(saved, "", {})
     # Whether this rank's shards moved: then each side may hold per-rank sharded state the other lacks.
@@ -787,7 +789,8 @@ def check_sharded(live: Any, saved: Any, world_changed: bool = False) -> None:
             if live is None and moved and no_shard_here(param):
                 return
             holds = "" if live is None else f": it holds {what(live)}"
-            plain = live is None and param is not None and next(
+            # (A torch optimizer keys its state by parameter index, which names no tensor: only a named key.)
+            plain = live is None and param is not None and not param.isdigit() and next(
                 (n for n in plain_names if n == param or n.endswith("." + param)), None)
             if plain:
                 # A re-plan made its table data-parallel: a plain tensor whose optimizer is another one.
@@ -796,7 +799,7 @@ def check_sharded(live: Any, saved: Any, world_changed: bool = False) -> None:
                          f"or this state by value into that optimizer's)")
             wrong.append(f"'{name}': the checkpoint holds {s.describe()}; the state has no {s.kind} there{holds}")
             if live is None and ".state." in name and not plain:
-                lazy.append(name)
+                (plain_lazy if in_plain_optimizer[0] else lazy).append(name)
         elif isinstance(s, dict):
             for k, v in s.items():
                 saved_only(v, f"{name}.{k}" if name else str(k), param=param)
@@ -806,7 +809,12 @@ def check_sharded(live: Any, saved: Any, world_changed: bool = False) -> None:
 
     def walk(x: Any, s: Any, name: str, param: Optional[str] = None) -> None:
         if isinstance(x, StatefulSlot):
-            walk(x.skeleton, s, name)
+            outer = in_plain_optimizer[0]
+            in_plain_optimizer[0] = _is_plain_optimizer(x.obj)
+            try:
+                walk(x.skeleton, s, name)
+            finally:
+                in_plain_optimizer[0] = outer
         elif isinstance(x, ShardedSlot):
             if s is None and moved:
                 return  # per-rank state this rank now holds: read from the old rank that saved it
@@ -837,10 +845,23 @@ def check_sharded(live: Any, saved: Any, world_changed: bool = False) -> None:
             hint = (" (optimizer state that the state lacks is created by the optimizer's first step(); ettkit "
                     "creates it before a load for Adam, AdamW, RMSprop and SGD with dampening=0, "
                     "docs/checkpoint.md, 'FSDP2')")
+        if plain_lazy:
+            hint += (f" ({bounded([repr(n) for n in plain_lazy], ', ')}: the step holds this state sharded and the "
+                     "optimizer, of plain parameters, has none yet to read it into; ettkit creates first-step "
+                     "state only for optimizers of DTensor or ShardedTensor parameters. Take one optimizer step "
+                     "before the load (the load replaces its state and the parameters), or load the model alone "
+                     "with partial=True)")
         raise InvalidArgumentError(
             "sharded tensors do not match the checkpoint (another global size or dtype, or a sharded tensor "
             "only one side has; a layout alone, such as another sharding plan, mesh or world size, is "
             "resharded): " + bounded(wrong) + hint)
+
+
+def _is_plain_optimizer(obj: Any) -> bool:
+    """Whether ``obj`` is a torch optimizer none of whose parameters is a DTensor or ShardedTensor."""
+    if not isinstance(obj, _Optimizer):
+        return False
+    return all(owns_storage(p) for g in obj.param_groups for p in g["params"])
 
 
 def global_shapes(live: Any) -> dict:
