@@ -206,10 +206,7 @@ ReadPlan judge_same_world(ReadPlan p, int64_t step, const LoadRequest& req) {
 /// state wants it (whole tensors are judged by match_names).
 std::string first_moved_shard(const SafetensorsIndex& index, const LoadRequest& req) {
   std::set<std::string> wanted, wanted_keys, piece_keys;
-  for (const auto& [name, entry] : index.tensors) {
-    auto [key, offsets] = split_shard_name(name);
-    if (offsets) piece_keys.insert(key);
-  }
+  add_piece_keys(index, piece_keys);
   for (const auto& [name, t] : req.tensors) {
     auto [key, offsets] = split_shard_name(name);
     // A whole tensor the file holds in pieces: saved sharded, wanted whole (a layout change).

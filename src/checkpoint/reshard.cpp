@@ -169,6 +169,13 @@ std::pair<std::string, std::optional<std::vector<int64_t>>> split_shard_name(con
   return {name.substr(0, at), offsets};
 }
 
+void add_piece_keys(const SafetensorsIndex& index, std::set<std::string>& out) {
+  for (const auto& entry : index.tensors) {
+    auto [key, offsets] = split_shard_name(entry.first);
+    if (offsets) out.insert(std::move(key));
+  }
+}
+
 std::vector<CopyRange> plan_destination(const std::string& name, const std::vector<int64_t>& shape,
                                         const std::string& dtype, const std::vector<const SafetensorsIndex*>& indexes,
                                         const std::vector<int64_t>* global_shape) {

@@ -9,6 +9,7 @@
 // Torch-free: boxes, element sizes and byte offsets only; the caller maps dtypes and files.
 #include <cstdint>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -58,6 +59,9 @@ uint64_t planned_bytes(const std::vector<CopyRange>& plan);
 /// ("emb.t1.weight@24,0", the Python layer's names for a ShardedTensor's shards), its offsets in it. A name
 /// without '@' (or whose suffix is not a list of integers) is a whole tensor: no offsets.
 std::pair<std::string, std::optional<std::vector<int64_t>>> split_shard_name(const std::string& name);
+
+/// Adds to `out` the key of every piece ("key@offsets") `index` holds: the tensors it saved sharded.
+void add_piece_keys(const SafetensorsIndex& index, std::set<std::string>& out);
 
 /// The reads that fill the destination tensor `name` (shape `shape`, safetensors dtype `dtype`) from the
 /// files of a step written at another world size or layout, `indexes[r]` being old rank r's safetensors index

@@ -70,24 +70,15 @@ void check_replicated(const ReadPlan& p, const std::string& name, bool whole_fro
   }
 }
 
-/// Whether some old rank saved pieces ("key@offsets") of `key`.
-bool saved_in_pieces(const ReadPlan& p, const std::string& key) {
-  for (const SafetensorsIndex& index : p.indexes) {
-    for (auto it = index.tensors.lower_bound(key + "@"); it != index.tensors.end(); ++it) {
-      auto [k, offsets] = split_shard_name(it->first);
-      if (k == key && offsets) return true;
-      if (it->first.compare(0, key.size() + 1, key + "@") != 0) break;
-    }
-  }
-  return false;
-}
-
 /// Each destination's reads, and the whole tensors that are proven (or not) replicas.
 void plan_fills(ReadPlan& p, const LoadRequest& req, std::set<std::string>& wanted_keys, ReshardFindings& out) {
   std::vector<const SafetensorsIndex*> indexes;
   for (const SafetensorsIndex& i : p.indexes) indexes.push_back(&i);
   const bool same_world = p.saved_world == req.world;
   const SafetensorsIndex& home = p.indexes[static_cast<size_t>(p.home)];
+  std::set<std::string> sharded;  // the keys some old rank saved in pieces
+  for (const SafetensorsIndex& i : p.indexes) add_piece_keys(i, sharded);
+  auto saved_in_pieces = [&sharded](const std::string& key) { return sharded.count(key) != 0; };
   std::set<std::string> from_whole;  // shards read from a tensor saved whole: it must be a replica
   for (const auto& [name, t] : req.tensors) {
     auto [key, offsets] = split_shard_name(name);
@@ -98,7 +89,7 @@ void plan_fills(ReadPlan& p, const LoadRequest& req, std::set<std::string>& want
       if (g != req.global_shapes->end()) global = &g->second;
     }
     try {
-      if (same_world && !offsets && (home.tensors.count(name) || !saved_in_pieces(p, key))) {
+      if (same_world && !offsets && (home.tensors.count(name) || !saved_in_pieces(key))) {
         // This rank's own copy (its per-rank state), not the first rank's that has one. (A tensor every old
         // rank saved in pieces is read from them all below: a layout change.)
         p.fills.push_back(plan_destination(name, t.sizes().vec(), safetensors_dtype(t.scalar_type(), name),
@@ -107,7 +98,7 @@ void plan_fills(ReadPlan& p, const LoadRequest& req, std::set<std::string>& want
       } else {
         p.fills.push_back(
             plan_destination(name, t.sizes().vec(), safetensors_dtype(t.scalar_type(), name), indexes, global));
-        if (offsets && !saved_in_pieces(p, key)) from_whole.insert(key);
+        if (offsets && !saved_in_pieces(key)) from_whole.insert(key);
       }
       p.planned += planned_bytes(p.fills.back());
     } catch (const InvalidArgument& e) {
@@ -119,7 +110,7 @@ void plan_fills(ReadPlan& p, const LoadRequest& req, std::set<std::string>& want
     auto [key, offsets] = split_shard_name(name);
     // A whole destination at another world size reads one old rank's copy, and so does every shard of a
     // tensor saved whole, at any world size: right only for a replica.
-    if (!same_world && !offsets && !saved_in_pieces(p, key)) check_replicated(p, name, req.whole_from_rank0, out);
+    if (!same_world && !offsets && !saved_in_pieces(key)) check_replicated(p, name, req.whole_from_rank0, out);
   }
   for (const std::string& key : from_whole) check_replicated(p, key, req.whole_from_rank0, out);
 }
