@@ -66,6 +66,7 @@ class Mutation:
 
 
 MANY = "checkpoint_integrity_many_chunks_test"
+ARENA = "checkpoint_memory_tier_arena_test"
 
 # The table. Each entry is a plausible one-line bug that leaves every good checkpoint loading, so that only a
 # test with the right corrupt input sees it. Keep `original` exact (the check refuses a snippet that is not
@@ -136,6 +137,26 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ETTKIT_CHECK(true || h == d.chunks[i], CorruptData,",
         "an extra file of more than one chunk (its checksum derived from the chunks') loads unverified",
         (Test(MANY, "IntegrityManyChunks.AnExtraOfManyChunksIsCheckedChunkByChunk"),)),
+    Mutation(
+        "arena-linked-reuse", "src/checkpoint/stager.cpp",
+        "if (a.busy || a.linked()) continue;",
+        "if (a.busy) continue;",
+        "the stager stages into an arena that a committed memory step still links: the step's bytes change",
+        (Test(ARENA, "MemoryTierArena.LaterSavesNeverWriteIntoACommittedStep"),)),
+    Mutation(
+        "arena-reclaim-newest", "src/checkpoint/stager.cpp",
+        "if (oldest < 0 || oldest == newest) return -1;",
+        "if (oldest < 0) return -1;",
+        "a save beside a persisting one reclaims the newest memory step: a crash then leaves no memory step",
+        (Test(ARENA, "MemoryTierArena.AHeldSaveStagesIntoTheOlderArenaAndTheNewestStepStays"),)),
+    Mutation(
+        "arena-publish-before-commit", "src/checkpoint/step_writer.cpp",
+        "  if (hooks.after_data) hooks.after_data();\n  files[base_",
+        "  snapshot_.publish(step_);\n  if (hooks.after_data) hooks.after_data();\n  files[base_",
+        "a memory save hands its arena back before its step is committed: the next save reclaims the newest "
+        "committed step, and a crash then leaves none",
+        (Test(ARENA, "MemoryTierArena.AHeldSaveStagesIntoTheOlderArenaAndTheNewestStepStays"),
+         Test("checkpoint_memory_tier_test", "MemoryTierCrash.KillAtRandomMomentsRestoresTheNewestCompleteSnapshot"))),
     Mutation(
         "memory-tier-verify", "src/checkpoint/loader.cpp",
         "im.opt.verify_on_load && im.opt.memory_tier.verify,",

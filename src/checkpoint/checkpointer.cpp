@@ -10,6 +10,7 @@
 #include <atomic>
 #include <deque>
 
+#include "checkpoint/host_arena.h"
 #include "checkpoint/loader.h"
 #include "checkpoint/memory_tier.h"
 #include "checkpoint/peer_monitor.h"
@@ -94,6 +95,20 @@ const NamedTensors& with_views_resolved(const NamedTensors& tensors, NamedTensor
 
 // The Session (session.h) is what the writer and the loader share; the Writer owns the queue and the
 // thread; the rest is the caller's side: the stager, the fences' state and the sources still held.
+namespace {
+/// The stager's arenas as files of `tier` (host_arena.h): a memory-tier save then commits its arena by a
+/// link. Borrows the tier until close() takes the files away from the stager.
+std::shared_ptr<detail::ArenaFiles> arena_files_of(detail::MemoryTier& tier) {
+  auto files = std::make_shared<detail::ArenaFiles>();
+  files->create = [&tier](uint64_t bytes, std::string& name) { return tier.create_arena(bytes, name); };
+  files->remove = [&tier](const std::string& name) { tier.remove_arena(name); };
+  files->reclaim = [&tier](int64_t step) {
+    tier.retire_if([step](const detail::MemoryStep& m) { return m.step == step; });
+  };
+  return files;
+}
+}  // namespace
+
 struct AsyncCheckpointer::Impl : detail::Session {
   std::unique_ptr<Stager> stager;
   // load_latest and prefetch (loader.h): the caller's thread only, after the writer is drained.
@@ -212,6 +227,7 @@ AsyncCheckpointer::AsyncCheckpointer(CheckpointerOptions options, c10::intrusive
   open_session(im, std::move(options), std::move(store));
   im.unfenced_sync_max_bytes = im.opt.unfenced_sync_max_bytes;
   im.stager = std::make_unique<Stager>(im.opt.stager);
+  if (im.memory) im.stager->set_arena_files(arena_files_of(*im.memory));
   im.writer = std::make_unique<Writer>(im);
 }
 
@@ -300,6 +316,7 @@ void AsyncCheckpointer::set_unfenced_sync_max_bytes(int64_t bytes) {
 }
 
 void AsyncCheckpointer::hold_commits_for_testing(bool hold) { impl_->writer->hold(hold); }
+void AsyncCheckpointer::wait_until_held_for_testing() { impl_->writer->wait_until_held(); }
 
 bool AsyncCheckpointer::overlapped() const { return impl_->overlapped(); }
 
@@ -335,6 +352,8 @@ void AsyncCheckpointer::close(bool discard_memory_tier) {
   im.collect_sources(/*all=*/true);
   im.loader.cancel_prefetch();  // closes the files it holds open (some may be the memory tier's, removed next)
   if (im.memory) {
+    // The arenas are the tier's files: they go before it does (the steps that link them keep their bytes).
+    im.stager->set_arena_files(nullptr);
     if (discard_memory_tier) im.memory->discard();
     im.memory.reset();  // releases the rank's memory-tier lock
   }

@@ -2,6 +2,7 @@
 #include "checkpoint/host_arena.h"
 
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -49,6 +50,44 @@ void Arena::allocate(size_t bytes, bool pin) {
   ptr = static_cast<uint8_t*>(p);
 }
 
+void Arena::allocate_file(const std::shared_ptr<ArenaFiles>& from, size_t bytes, size_t header_room, bool pin) {
+  size = std::max<size_t>(bytes, 1);
+  reserve = header_room;
+  files = from;
+  const size_t length = reserve + size;
+  fd = files->create(length, file);
+  void* p = ::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    const int err = errno;
+    free();
+    ETTKIT_THROW(IoError, "mmap of the ", length, "-byte memory-tier arena '", file, "' failed: ", std::strerror(err));
+  }
+  map = static_cast<uint8_t*>(p);
+  ptr = map + reserve;
+#if ETTKIT_WITH_CUDA
+  if (pin) {
+    // Registered, not allocated: the pages are the memory tier's file. Mapped: the gather kernel writes small
+    // tensors into it directly (cuda_gather.h). Registration backs every page.
+    cudaError_t e = cudaHostRegister(map, length, cudaHostRegisterPortable | cudaHostRegisterMapped);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();  // registration failed: not a sticky error, clear it
+      free();
+      ETTKIT_THROW(IoError, "pinning the ", length, "-byte memory-tier arena '", file,
+                   "' (cudaHostRegister) failed: ", cudaGetErrorString(e));
+    }
+    pinned = true;
+    populated = true;
+  }
+#else
+  ETTKIT_EXPECTS(!pin, "pin_memory=1 needs ettkit built with CUDA");
+#endif
+}
+
+bool Arena::linked() const {
+  struct stat st {};
+  return fd >= 0 && ::fstat(fd, &st) == 0 && st.st_nlink > 1;
+}
+
 void Arena::populate() {
   if (!ptr || populated) return;
   if (!pinned) {
@@ -64,6 +103,19 @@ void Arena::populate() {
 }
 
 void Arena::free() noexcept {
+  if (fd >= 0 || map) {
+#if ETTKIT_WITH_CUDA
+    if (pinned && map) cudaHostUnregister(map);
+#endif
+    if (map) ::munmap(map, reserve + size);
+    if (fd >= 0) ::close(fd);
+    if (!file.empty() && files) files->remove(file);
+    map = nullptr;
+    ptr = nullptr;
+    fd = -1;
+    file.clear();
+    return;
+  }
   if (!ptr) return;
 #if ETTKIT_WITH_CUDA
   if (pinned) {

@@ -302,7 +302,9 @@ std::optional<std::string> MemoryTier::try_lock() {
 void MemoryTier::remove_temporaries_in(const Dir& shelf) noexcept {
   try {
     for (const Entry& e : entries_of(shelf)) {
-      if (e.name.rfind(".tmp-step-", 0) == 0 || e.name.rfind(".trash-", 0) == 0) remove_quietly_at(shelf, e.name);
+      if (e.name.rfind(".tmp-step-", 0) == 0 || e.name.rfind(".trash-", 0) == 0 || e.name.rfind(".arena-", 0) == 0) {
+        remove_quietly_at(shelf, e.name);
+      }
     }
   } catch (const std::exception& e) {
     ETTKIT_LOG_WARN("checkpoint memory tier: removing what a killed writer left in '", shelf.path(),
@@ -475,6 +477,39 @@ void MemoryTier::commit_in(const std::string& shelf, const std::string& tmp, Man
                "checkpoint memory tier: renaming '", tmp, "' to '", shelf_dir.path_of(final_name), "' failed: ",
                std::strerror(errno));
   fsync_directory(shelf_dir);
+}
+
+int MemoryTier::create_arena(uint64_t bytes, std::string& name) {
+  name = ".arena-" + random_id();
+  const int fd = ::openat(rank_dir_.fd(), name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,
+                          static_cast<mode_t>(kFileMode));
+  ETTKIT_CHECK(fd >= 0, IoError, "checkpoint memory tier: creating the arena '", rank_dir_.path_of(name),
+               "' failed: ", std::strerror(errno));
+  if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+    const int err = errno;
+    ::close(fd);
+    ::unlinkat(rank_dir_.fd(), name.c_str(), 0);
+    ETTKIT_THROW(IoError, "checkpoint memory tier: sizing the arena '", rank_dir_.path_of(name), "' to ", bytes,
+                 " bytes failed: ", std::strerror(err));
+  }
+  return fd;
+}
+
+void MemoryTier::remove_arena(const std::string& name) noexcept {
+  if (name.rfind(".arena-", 0) != 0 || name.find('/') != std::string::npos) return;
+  ::unlinkat(rank_dir_.fd(), name.c_str(), 0);
+}
+
+void MemoryTier::link_arena(const std::string& arena, const std::string& tmp, const std::string& file) {
+  ETTKIT_EXPECTS(arena.rfind(".arena-", 0) == 0 && is_plain_file_name(arena) && is_plain_file_name(file),
+                 "link_arena('", arena, "', '", file, "'): not an arena and a plain file name");
+  const std::string tmp_name = entry_of(dir_, tmp);
+  const int fd = open_directory_at(rank_dir_.fd(), tmp_name);
+  ETTKIT_CHECK(fd >= 0, IoError, "checkpoint memory tier: opening '", tmp, "' failed: ", std::strerror(errno));
+  const Dir tmp_dir(fd, tmp);
+  ETTKIT_CHECK(::linkat(rank_dir_.fd(), arena.c_str(), tmp_dir.fd(), file.c_str(), 0) == 0, IoError,
+               "checkpoint memory tier: linking the arena '", rank_dir_.path_of(arena), "' as '",
+               tmp_dir.path_of(file), "' failed: ", std::strerror(errno));
 }
 
 void MemoryTier::abort(const std::string& tmp) noexcept {

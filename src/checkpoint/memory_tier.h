@@ -8,6 +8,8 @@
 //   <root>/ettkit-mem-<uid>-<key>/rank-<r>/.lock      held by the rank's process for its life (flock)
 //   <root>/ettkit-mem-<uid>-<key>/rank-<r>/step-<N>/  rank-<r>.safetensors, rank-<r>.extra, manifest.json
 //   <root>/ettkit-mem-<uid>-<key>/rank-<r>/.tmp-step-...   a snapshot being written
+//   <root>/ettkit-mem-<uid>-<key>/rank-<r>/.arena-<id>     the stager's arenas: a memory step's data file is a
+//                                                    hard link to the arena that staged it (no second copy)
 //   <root>/ettkit-mem-<uid>-<key>/rank-<r>/replica-of-rank-<s>/step-<N>/   with a peer replica: rank s's
 //                                                    snapshot, received from s (peer_replica.h); same layout and rule
 // uid = this process's effective uid; key = XXH3-64 of the job id and the checkpoint directory's canonical path.
@@ -136,6 +138,15 @@ class MemoryTier {
   /// retire_if() on this rank's own shelf, then retire_in() on every replica shelf: a disk step or a
   /// restore that supersedes snapshots supersedes the replicas kept of them too.
   void retire_everywhere(const std::function<bool(const MemoryStep&)>& drop);
+  /// The stager's arenas as this tier's files (host_arena.h, ArenaFiles): a new file `.arena-<random>` in
+  /// dir(), created O_EXCL with mode 0600 through the rank directory's handle and sized to `bytes`. Returns
+  /// its descriptor (the caller owns it) and its name in `name`. IoError naming the path.
+  int create_arena(uint64_t bytes, std::string& name);
+  /// Removes the arena name (never throws; a step linking the file keeps its bytes).
+  void remove_arena(const std::string& name) noexcept;
+  /// Links the arena file `arena` into the temporary directory `tmp` (begin()'s) as `file`: the memory
+  /// step's data file, without a copy. IoError naming both.
+  void link_arena(const std::string& arena, const std::string& tmp, const std::string& file);
   /// Every replica shelf of this rank directory.
   std::vector<std::string> replica_shelves() const;
   /// Removes this rank's directory (and the job directory once no rank's is left), releases the lock.
@@ -169,7 +180,8 @@ class MemoryTier {
   /// The last component of `path` when `path` is `shelf` + "/" + a plain name (no '/', not "." or "..");
   /// InvalidArgument otherwise.
   static std::string entry_of(const std::string& shelf, const std::string& path);
-  /// Removes the .tmp-step-* and .trash-* entries of `shelf` (a killed writer's).
+  /// Removes the .tmp-step-*, .trash-* and .arena-* entries of `shelf` (a killed writer's; an arena's bytes
+  /// stay where a committed step links them).
   static void remove_temporaries_in(const Dir& shelf) noexcept;
 };
 

@@ -33,6 +33,15 @@ std::string encode_safetensors_header(const std::vector<SafetensorsEntry>& entri
   return out;
 }
 
+std::string pad_safetensors_header(std::string header, size_t total) {
+  ETTKIT_EXPECTS(header.size() >= 8 && header.size() <= total && total % 8 == 0, "a safetensors header of ",
+                 header.size(), " bytes cannot fill ", total, " bytes");
+  header.resize(total, ' ');
+  const uint64_t n = total - 8;
+  for (int i = 0; i < 8; ++i) header[static_cast<size_t>(i)] = static_cast<char>((n >> (8 * i)) & 0xff);
+  return header;
+}
+
 SafetensorsIndex read_safetensors_index(const std::string& path, uint64_t size) {
   ETTKIT_CHECK(size >= 8, CorruptData, "safetensors file '", path, "' has ", size, " bytes; at least 8 needed");
   int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);

@@ -23,6 +23,10 @@ struct SafetensorsEntry {
 /// The 8-byte little-endian length + JSON header padded with spaces to a multiple of 8.
 std::string encode_safetensors_header(const std::vector<SafetensorsEntry>& entries,
                                       const std::map<std::string, std::string>& metadata);
+/// `header` (encode_safetensors_header's) padded with spaces to exactly `total` bytes, its length field
+/// rewritten: what a file whose data section starts at `total` carries (the format allows trailing
+/// whitespace). InvalidArgument when it does not fit or `total` is not a multiple of 8.
+std::string pad_safetensors_header(std::string header, size_t total);
 struct SafetensorsIndex {
   uint64_t data_offset = 0;  // where the data section starts in the file
   uint64_t data_size = 0;

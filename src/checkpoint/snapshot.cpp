@@ -169,4 +169,10 @@ void Snapshot::release() {
   stager_->release_arena(arena_);
 }
 
+void Snapshot::publish(int64_t step) {
+  if (!stager_ || released_.exchange(true)) return;
+  wait_copies();
+  stager_->publish_arena(arena_, step);
+}
+
 }  // namespace ettkit::checkpoint

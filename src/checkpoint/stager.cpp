@@ -5,6 +5,8 @@
 #include <ATen/ATen.h>
 #include <torch/cuda.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <thread>
 
@@ -45,6 +47,10 @@ struct Stager::Impl {
   int64_t plan_builds = 0;
   int64_t arena_allocations = 0;
   double busy_wait_s = 0;
+  // With a memory tier: the arenas are its files (set_arena_files), each with header room for the plan.
+  std::shared_ptr<detail::ArenaFiles> files;
+  size_t header_room = 0;
+  uint64_t publish_seq = 0;
 #if ETTKIT_WITH_CUDA
   std::mutex stream_mu;  // guards copy_stream: stage() uses it outside mu, prepare() warms it under mu
   std::optional<c10::cuda::CUDAStream> copy_stream;
@@ -55,10 +61,18 @@ struct Stager::Impl {
   PlanPtr replan(const NamedTensors& tensors, OnBusy on_busy, std::unique_lock<std::mutex>& lk);
   /// How many arenas of `need` bytes the budget allows (InvalidArgument when not even one).
   int arenas_within_budget(int64_t need) const;
-  /// Makes `want` arenas of at least `need` bytes (mu held); false: kSkip while one is in use.
-  bool fit_arenas(int64_t need, int want, OnBusy on_busy, std::unique_lock<std::mutex>& lk);
+  /// Whether the arenas for `need` bytes are memory-tier files: a tier is set and two of them fit the budget
+  /// (with one, a memory save would have to retire the only memory step before staging the next).
+  bool as_files(int64_t need) const;
+  /// Makes the arenas for `need` bytes (mu held): as_files(), two files of exactly `need` bytes and header
+  /// room; otherwise arenas_within_budget() anonymous ones of at least `need`. false: kSkip while one is in
+  /// use.
+  bool fit_arenas(int64_t need, OnBusy on_busy, std::unique_lock<std::mutex>& lk);
   /// A free arena, marked busy (mu held); -1: kSkip while every arena is in use.
   int take_free_arena(OnBusy on_busy, std::unique_lock<std::mutex>& lk);
+  /// An arena a new save may stage into (mu held), reclaiming a published one that is not the newest
+  /// memory step when no other is free; -1 when none.
+  int free_or_reclaimed();
   /// Waits on cv (mu held through `lk`) until `ready`, counting the time as busy_wait_s.
   template <typename Ready>
   void wait_busy(std::unique_lock<std::mutex>& lk, Ready ready) {
@@ -129,6 +143,35 @@ void Stager::release_arena(int arena) {
   impl_->cv.notify_all();
 }
 
+void Stager::publish_arena(int arena, int64_t step) {
+  {
+    std::lock_guard<std::mutex> lk(impl_->mu);
+    Arena& a = impl_->arenas[static_cast<size_t>(arena)];
+    a.busy = false;
+    a.published = a.fd >= 0;
+    a.published_step = step;
+    a.published_seq = ++impl_->publish_seq;
+  }
+  impl_->cv.notify_all();
+}
+
+void Stager::set_arena_files(std::shared_ptr<detail::ArenaFiles> files) {
+  std::unique_lock<std::mutex> lk(impl_->mu);
+  impl_->wait_busy(lk, [&] {
+    return std::none_of(impl_->arenas.begin(), impl_->arenas.end(), [](const Arena& a) { return a.busy; });
+  });
+  for (Arena& a : impl_->arenas) a.free();
+  impl_->arenas.clear();
+  impl_->files = std::move(files);
+}
+
+const detail::Arena* Snapshot::arena_file() const {
+  if (!stager_ || released_) return nullptr;
+  std::lock_guard<std::mutex> lk(stager_->impl_->mu);
+  const Arena& a = stager_->impl_->arenas[static_cast<size_t>(arena_)];
+  return a.fd >= 0 ? &a : nullptr;
+}
+
 int Stager::Impl::arenas_within_budget(int64_t need) const {
   const int64_t budget = opt.memory_budget_bytes;
   ETTKIT_EXPECTS(budget <= 0 || need <= budget, "the state dict needs a ", need,
@@ -141,9 +184,22 @@ int Stager::Impl::arenas_within_budget(int64_t need) const {
   return opt.num_arenas;
 }
 
-bool Stager::Impl::fit_arenas(int64_t need, int want, OnBusy on_busy, std::unique_lock<std::mutex>& lk) {
-  if (!arenas.empty() && static_cast<int64_t>(arenas[0].size) >= need && static_cast<int>(arenas.size()) == want) {
-    return true;
+bool Stager::Impl::as_files(int64_t need) const {
+  const int64_t budget = opt.memory_budget_bytes;
+  const int64_t file_bytes = need + static_cast<int64_t>(header_room);
+  return files != nullptr && (budget <= 0 || 2 * file_bytes <= budget);
+}
+
+bool Stager::Impl::fit_arenas(int64_t need, OnBusy on_busy, std::unique_lock<std::mutex>& lk) {
+  const bool file_backed = as_files(need);
+  const int want = file_backed ? 2 : arenas_within_budget(need);
+  if (!arenas.empty() && static_cast<int>(arenas.size()) == want && (arenas[0].fd >= 0) == file_backed) {
+    // A file arena is exactly the step's data file: its size is the plan's, not at least it.
+    const size_t exact = static_cast<size_t>(std::max<int64_t>(need, 1));
+    if (file_backed ? arenas[0].size == exact && arenas[0].reserve >= header_room
+                    : static_cast<int64_t>(arenas[0].size) >= need) {
+      return true;
+    }
   }
   // The state grew (an optimizer's lazy state appeared, new tensors): reallocation needs every arena
   // back, and frees the old ones before allocating, so the arenas never exceed the budget together.
@@ -157,37 +213,112 @@ bool Stager::Impl::fit_arenas(int64_t need, int want, OnBusy on_busy, std::uniqu
     wait_busy(lk, all_free);
   }
   for (Arena& a : arenas) a.free();
-  arenas.assign(static_cast<size_t>(want), Arena{});
-  for (Arena& a : arenas) {
-    a.allocate(static_cast<size_t>(need), pin);
-    ++arena_allocations;
+  arenas.clear();
+  // All or none: an arena left unallocated in the vector would be taken by the next save.
+  auto allocate = [&](int count, bool in_files) {
+    std::vector<Arena> made(static_cast<size_t>(count));
+    try {
+      for (Arena& a : made) {
+        if (in_files) {
+          a.allocate_file(files, static_cast<size_t>(need), header_room, pin);
+        } else {
+          a.allocate(static_cast<size_t>(need), pin);
+        }
+      }
+    } catch (...) {
+      for (Arena& a : made) a.free();
+      throw;
+    }
+    arena_allocations += count;
+    arenas = std::move(made);
+  };
+  if (file_backed) {
+    try {
+      allocate(want, true);
+      return true;
+    } catch (const Error& e) {
+      // The memory tier's files could not be made or pinned: its saves copy the arena, as before.
+      ETTKIT_LOG_WARN("checkpoint memory tier: the arenas cannot be the tier's files (", e.message(),
+                      "); memory-tier saves copy the arena instead");
+      files.reset();
+    }
   }
+  allocate(arenas_within_budget(need), false);
   return true;
 }
 
+namespace {
+/// An upper bound of the bytes of the safetensors header StepWriter writes for `entries` without digests
+/// (header_of): 8 for the length, the JSON with every name escaped at its worst (6 bytes a character),
+/// 20 digits a number, the metadata, and the 8-byte padding; rounded up to whole pages so that the data
+/// section after it stays page-aligned.
+size_t header_room_for(const std::vector<PlanEntry>& entries) {
+  size_t bytes = 8 + 64 + 8;
+  for (const PlanEntry& e : entries) bytes += 6 * e.name.size() + 96 + 21 * (e.shape.size() + 2);
+  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  return (bytes + page - 1) / page * page;
+}
+}  // namespace
+
 PlanPtr Stager::Impl::replan(const NamedTensors& tensors, OnBusy on_busy, std::unique_lock<std::mutex>& lk) {
   detail::Layout fresh = detail::lay_out(tensors);
-  const int want = arenas_within_budget(fresh.total_bytes);
-  if (!fit_arenas(fresh.total_bytes, want, on_busy, lk)) return nullptr;
+  const size_t room_before = header_room;
+  header_room = header_room_for(*fresh.entries);
+  if (!fit_arenas(fresh.total_bytes, on_busy, lk)) {
+    header_room = room_before;
+    return nullptr;
+  }
   plan = fresh.entries;
   plan_total = fresh.total_bytes;
   ++plan_builds;
   return plan;
 }
 
+int Stager::Impl::free_or_reclaimed() {
+  // An arena is free once no step links it (the tier retired the one that did); its bytes are then nobody's.
+  // A linked arena is never staged into, whatever else is known of it.
+  for (size_t i = 0; i < arenas.size(); ++i) {
+    Arena& a = arenas[i];
+    if (a.busy || a.linked()) continue;
+    a.published = false;
+    return static_cast<int>(i);
+  }
+  // Every arena is busy or holds a memory step. The newest memory step stays (it is what a restart
+  // restores); an older one is retired now, as the tier's retention would at the next memory save.
+  int newest = -1;
+  int oldest = -1;
+  for (size_t i = 0; i < arenas.size(); ++i) {
+    const Arena& a = arenas[i];
+    if (a.busy || !a.published) continue;
+    if (newest < 0 || a.published_seq > arenas[static_cast<size_t>(newest)].published_seq) newest = static_cast<int>(i);
+    if (oldest < 0 || a.published_seq < arenas[static_cast<size_t>(oldest)].published_seq) oldest = static_cast<int>(i);
+  }
+  if (oldest < 0 || oldest == newest) return -1;
+  Arena& a = arenas[static_cast<size_t>(oldest)];
+  files->reclaim(a.published_step);
+  if (a.linked()) {
+    // The step could not be retired (or another step links the file): leave the file to it and stage into
+    // a new one, whose pages are faulted in by this save's copies.
+    ETTKIT_LOG_INFO("checkpoint memory tier: step ", a.published_step, " still links arena '", a.file,
+                    "'; a new arena is allocated for the next save");
+    Arena fresh;
+    fresh.allocate_file(files, a.size, a.reserve, pin);  // throws with `a` untouched (still linked, never taken)
+    a.free();
+    a = fresh;
+    ++arena_allocations;
+  }
+  a.published = false;
+  return oldest;
+}
+
 int Stager::Impl::take_free_arena(OnBusy on_busy, std::unique_lock<std::mutex>& lk) {
-  auto free_arena = [&]() -> int {
-    for (size_t i = 0; i < arenas.size(); ++i)
-      if (!arenas[i].busy) return static_cast<int>(i);
-    return -1;
-  };
-  int arena = free_arena();
+  int arena = free_or_reclaimed();
   if (arena < 0) {
     if (on_busy == OnBusy::kSkip) return -1;
     ETTKIT_CHECK(on_busy != OnBusy::kError, InvalidArgument,
                  "checkpoint save requested while the previous save is still persisting (on_busy='error'); "
                  "use on_busy='wait' or 'skip', or a memory budget that allows two arenas");
-    wait_busy(lk, [&] { return (arena = free_arena()) >= 0; });
+    wait_busy(lk, [&] { return (arena = free_or_reclaimed()) >= 0; });
   }
   Arena& taken = arenas[static_cast<size_t>(arena)];
   taken.busy = true;
@@ -240,7 +371,9 @@ int64_t Stager::prepare(const NamedTensors& tensors) {
   // call backed them (the first GPU run found prepare() answering 0 there). fit_arenas() reallocates all
   // arenas or none.
   const int64_t allocations_before = im.arena_allocations;
-  if (!im.plan || !detail::same_structure(*im.plan, tensors)) im.replan(tensors, OnBusy::kWait, lk);
+  if (!im.plan || !detail::same_structure(*im.plan, tensors) || im.arenas.empty()) {
+    im.replan(tensors, OnBusy::kWait, lk);
+  }
   const bool allocated_now = im.arena_allocations != allocations_before;
 #if ETTKIT_WITH_CUDA
   if (im.pin && im.plan) detail::warm_gather_table(*im.plan, im.opt.cuda_gather_max_bytes);
@@ -272,7 +405,7 @@ std::shared_ptr<Snapshot> Stager::stage(const NamedTensors& tensors, OnBusy on_b
   std::unique_lock<std::mutex> lk(im.mu);
   // 1) Plan: reuse the cached one unless the structure changed.
   PlanPtr plan = im.plan;
-  if (!plan || !detail::same_structure(*plan, tensors)) {
+  if (!plan || !detail::same_structure(*plan, tensors) || im.arenas.empty()) {
     plan = im.replan(tensors, on_busy, lk);
     if (!plan) return nullptr;
   }

@@ -4,7 +4,11 @@
 
 #include <torch/version.h>
 
+#include <cstring>
+
+#include "checkpoint/host_arena.h"
 #include "checkpoint/reshard.h"
+#include "checkpoint/safetensors.h"
 #include "ettkit/checkpoint/safetensors_dtypes.h"
 #include "ettkit/common/clock.h"
 
@@ -49,7 +53,36 @@ const std::string& StepWriter::header() {
 }
 
 uint64_t StepWriter::bytes() {
-  return header().size() + static_cast<uint64_t>(snapshot_.total_bytes()) + extra_.size();
+  const uint64_t head = links_arena() ? snapshot_.arena_file()->reserve : header().size();
+  return head + static_cast<uint64_t>(snapshot_.total_bytes()) + extra_.size();
+}
+
+bool StepWriter::links_arena() {
+  const Arena* a = snapshot_.arena_file();
+  // An empty state still has a one-byte arena; its file would not be a safetensors file of nothing.
+  return a != nullptr && snapshot_.total_bytes() > 0 && a->size == static_cast<size_t>(snapshot_.total_bytes()) &&
+         header().size() <= a->reserve;
+}
+
+std::map<std::string, FileDigest> StepWriter::link_rank_files(const Dir& dir, unsigned mode, const StepHooks& hooks,
+                                                              const std::function<void(const std::string&)>& link) {
+  ETTKIT_EXPECTS(links_arena(), "step ", step_, ": the snapshot's arena is not a memory-tier file with room");
+  const Arena& arena = *snapshot_.arena_file();
+  std::map<std::string, FileDigest> files;
+  remove_rank_files(dir);
+  // The header goes into the room before the staged bytes; the file is then exactly a safetensors file,
+  // hashed once (the chunks, and the file's xxh3 from them) from the bytes where they lie.
+  const std::string head = pad_safetensors_header(header(), arena.reserve);
+  std::memcpy(arena.map, head.data(), head.size());
+  FileDigestBuilder digest;
+  digest.update(arena.map, arena.reserve + arena.size);
+  const std::string data_file = base_ + ".safetensors";
+  files[data_file] = digest.finish();
+  link(data_file);
+  if (hooks.after_data) hooks.after_data();
+  files[base_ + ".extra"] = write_file_durably(dir, base_ + ".extra", {ConstBuffer{extra_.data(), extra_.size()}}, mode);
+  if (hooks.verdict) hooks.verdict();
+  return files;
 }
 
 std::map<std::string, FileDigest> StepWriter::write_rank_files(const Dir& dir, unsigned mode, const StepHooks& hooks) {

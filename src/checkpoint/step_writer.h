@@ -41,12 +41,23 @@ class StepWriter {
   StepWriter(const Session& session, int64_t step, Snapshot& snapshot, const std::string& extra,
              bool whole_tensor_digests);
 
-  /// The bytes this rank's files take (what the memory tier reserves before begin()).
+  /// The bytes this rank's files take (what the memory tier reserves before begin()); with links_arena(),
+  /// the arena's header room counts instead of the header.
   uint64_t bytes();
   /// Writes this rank's files into `dir` (a leftover of an earlier failed attempt at the same step goes
   /// first), each created with `mode` and made durable; releases the arena after the data file. Returns
   /// their digests by file name. Throws what the writes and the hooks throw.
   std::map<std::string, FileDigest> write_rank_files(const Dir& dir, unsigned mode, const StepHooks& hooks);
+  /// Whether the snapshot's arena is a file of the memory tier (Snapshot::arena_file) with room for this
+  /// header and exactly the staged bytes: then link_rank_files() commits it without a copy.
+  bool links_arena();
+  /// The memory tier without a copy (links_arena()): writes the header into the arena's room, hashes the
+  /// whole file once, has `link` make the arena `dir`'s data file (given the file's name), then writes the
+  /// extra and runs the hooks as write_rank_files() does. Returns the files' digests. The arena stays held:
+  /// the caller publishes it (Snapshot::publish) once the step is committed, not before (until then the
+  /// step it would let the stager reclaim is the newest committed one).
+  std::map<std::string, FileDigest> link_rank_files(const Dir& dir, unsigned mode, const StepHooks& hooks,
+                                                    const std::function<void(const std::string&)>& link);
   /// Removes this rank's files from `dir` (a failed or refused attempt: they may hold mixed bytes). Quiet.
   void remove_rank_files(const Dir& dir) noexcept;
   /// The manifest fields every step carries (step, world size, creation time now, the options' metadata,

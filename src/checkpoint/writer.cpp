@@ -3,6 +3,7 @@
 
 #include <algorithm>
 
+#include "checkpoint/host_arena.h"
 #include "common/background_thread.h"
 #include "common/describe.h"
 #include "common/logging.h"
@@ -179,7 +180,16 @@ void Writer::await_staging(WriteJob& job) {
 /// cannot release a hold from inside close().
 void Writer::wait_while_held() {
   std::unique_lock<std::mutex> lk(mu_);
+  if (!hold_ || stopping_) return;
+  holding_ = true;
+  cv_.notify_all();
   cv_.wait(lk, [&] { return !hold_ || stopping_; });
+  holding_ = false;
+}
+
+void Writer::wait_until_held() {
+  std::unique_lock<std::mutex> lk(mu_);
+  cv_.wait(lk, [&] { return holding_ || stopping_; });
 }
 
 /// The hold after the data file, and the integrity verdict as late as possible: entries no fence decided
@@ -231,14 +241,24 @@ void Writer::persist_memory(WriteJob& job) {
   StepWriter step(s_, job.step, *job.snapshot, job.extra, /*whole_tensor_digests=*/false);
   std::string tmp = s_.memory->begin(job.step, s_.run_id, step.bytes());
   try {
+    // The arena is a file of the tier (Stager::set_arena_files): it becomes the step's data file by a link.
+    // Otherwise (one arena in the budget, a header beyond its room) the arena is copied into a new file.
+    const bool linked = step.links_arena();
     std::map<std::string, FileDigest> files =
-        step.write_rank_files(open_directory(tmp), MemoryTier::kFileMode, hooks_for(job));
+        linked
+            ? step.link_rank_files(open_directory(tmp), MemoryTier::kFileMode, hooks_for(job),
+                                   [&](const std::string& file) { s_.memory->link_arena(
+                                       job.snapshot->arena_file()->file, tmp, file); })
+            : step.write_rank_files(open_directory(tmp), MemoryTier::kFileMode, hooks_for(job));
     Manifest m = step.manifest();
     m.files = std::move(files);
     m.metadata["ettkit.run_id"] = s_.run_id;
     m.metadata["ettkit.job"] = s_.job_id;
     m.metadata["ettkit.tier"] = "memory";
     s_.memory->commit(tmp, std::move(m));
+    // Committed: the arena is this step's data file from now on, and staged into again only once a newer
+    // step is committed and this one retired (Stager: free_or_reclaimed).
+    if (linked) job.snapshot->publish(job.step);
   } catch (...) {
     s_.memory->abort(tmp);
     throw;

@@ -57,6 +57,8 @@ class Writer {
   void wait_idle();
   /// Tests only: while held, the writer waits with a save's data file written and its arena held.
   void hold(bool hold);
+  /// Tests only: returns once the writer waits in a hold (or stops).
+  void wait_until_held();
   /// Ends the thread once the queue is written (a hold ends too) and joins it. Returns whether a save was
   /// unfinished when it was called (close() records that wait as the drain). Idempotent; the caller
   /// serializes calls (close_mu).
@@ -92,6 +94,7 @@ class Writer {
   bool stopping_ = false;
   uint64_t seq_ = 0;
   bool hold_ = false;            // tests: the writer waits before it releases the arena (wait_while_held)
+  bool holding_ = false;         // tests: the writer is waiting in that hold now
   std::exception_ptr peer_lost_;  // once set, every queued and later save fails with it at once
   std::thread thread_;            // last: started once everything above is constructed
 };

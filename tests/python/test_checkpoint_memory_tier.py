@@ -58,6 +58,19 @@ def reference(tmp_path_factory):
     return [torch.load(tmp / "out" / f"final-{r}.pt") for r in range(2)]
 
 
+def _entries_and_arenas(rank_dir, rank, steps):
+    """The entries of a killed rank's memory directory other than its stager's two arenas, after checking
+    that each of `steps` has its data file as one of those arenas (linked, not copied) and mode 0600. The
+    next checkpointer of the rank removes the arena names (test_memory_tier_arena in C++)."""
+    names = sorted(os.listdir(rank_dir))
+    arenas = {os.stat(rank_dir / n).st_ino for n in names if n.startswith(".arena-")}
+    assert len(arenas) == 2, names
+    for step in steps:
+        st = os.stat(rank_dir / f"step-{step}" / f"rank-{rank}.safetensors")
+        assert st.st_ino in arenas and st.st_nlink == 2 and (st.st_mode & 0o777) == 0o600, (step, names)
+    return [n for n in names if not n.startswith(".arena-")]
+
+
 @pytest.mark.parametrize("prefetch", [False, True], ids=["load", "prefetch-then-load"])
 @pytest.mark.parametrize("lose_rank_1_memory", [False, True], ids=["memory-survives", "node-of-rank-1-lost"])
 def test_sigkilled_job_restores_from_memory_or_all_ranks_from_disk(tmp_path, reference, lose_rank_1_memory, prefetch):
@@ -69,7 +82,8 @@ def test_sigkilled_job_restores_from_memory_or_all_ranks_from_disk(tmp_path, ref
     assert codes == [-signal.SIGKILL] * 2, errs
     for r in range(2):  # each rank's memory tier holds the killed step
         (job,) = os.listdir(shm[r])
-        assert sorted(os.listdir(shm[r] / job / f"rank-{r}")) == [".lock", f"step-{KILL_AT}", f"step-{KILL_AT - 2}"]
+        entries = _entries_and_arenas(shm[r] / job / f"rank-{r}", r, [KILL_AT, KILL_AT - 2])
+        assert entries == [".lock", f"step-{KILL_AT}", f"step-{KILL_AT - 2}"]
     if lose_rank_1_memory:
         shutil.rmtree(shm[1])
         shm[1].mkdir()
@@ -215,7 +229,7 @@ def test_a_rank_whose_node_was_lost_restores_from_its_partners_replica(tmp_path,
         # the partner had committed its copy.
         other = 1 - r
         rank_dir = shm[r] / job / f"rank-{r}"
-        assert sorted(os.listdir(rank_dir)) == [".lock", f"replica-of-rank-{other}", f"step-{KILL_AT}",
+        assert _entries_and_arenas(rank_dir, r, [KILL_AT, KILL_AT - 2]) == [".lock", f"replica-of-rank-{other}", f"step-{KILL_AT}",
                                                 f"step-{KILL_AT - 2}"]
         assert sorted(os.listdir(rank_dir / f"replica-of-rank-{other}")) == [f"step-{KILL_AT}", f"step-{KILL_AT - 2}"]
     # Rank 1's node is lost with its memory.

@@ -136,7 +136,8 @@ struct ETTKIT_API StagerOptions {
   /// Upper bound on host arena bytes (all arenas together); <= 0: no bound.
   int64_t memory_budget_bytes = 0;
   /// 1, or 2 for double-buffering (a new save stages while the previous one persists). 2 needs a budget
-  /// that fits two arenas (or no budget).
+  /// that fits two arenas (or no budget). With a memory tier (AsyncCheckpointer) there are two arenas, the
+  /// tier's files, whenever the budget fits them (Stager::set_arena_files).
   int num_arenas = 1;
   /// Threads that copy CPU tensors (0 = min(4, hardware threads)).
   int copy_threads = 0;
@@ -169,6 +170,10 @@ struct PlanEntry {
 };
 
 class Stager;
+namespace detail {
+struct Arena;
+struct ArenaFiles;
+}  // namespace detail
 
 /// One staged copy of a state dict, holding one arena until released.
 class ETTKIT_API Snapshot {
@@ -202,6 +207,13 @@ class ETTKIT_API Snapshot {
   uint8_t* mutable_data() { return data_; }
   /// Returns the arena to the stager (idempotent; waits for staging first).
   void release();
+  /// The memory tier's commit without a copy (writer.cpp): the arena when it is a file of the memory tier
+  /// (Stager::set_arena_files), else nullptr. Valid until release() or publish().
+  const detail::Arena* arena_file() const;
+  /// Instead of release(): returns the arena to the stager as the data file of the memory step `step`,
+  /// which links it. The stager stages into it again only once no step links it (that step retired, by the
+  /// tier's retention or by the stager itself when it needs the arena for a later save).
+  void publish(int64_t step);
   /// Views of the arena as CPU tensors, one per plan entry (valid until release()).
   NamedTensors tensors();
   int64_t stage_begin_us() const { return stage_begin_us_; }
@@ -245,6 +257,12 @@ class ETTKIT_API Stager {
   /// to do). InvalidArgument as stage() for a state beyond the memory budget.
   int64_t prepare(const NamedTensors& tensors);
 
+  /// Internal to AsyncCheckpointer: with a memory tier, the arenas become files of that tier (two of them
+  /// when the budget allows, whatever num_arenas says), so that a memory-tier save commits the arena that
+  /// staged it instead of copying it. nullptr: anonymous memory again. Waits for every busy arena and frees
+  /// all of them; the next stage() or prepare() allocates them anew.
+  void set_arena_files(std::shared_ptr<detail::ArenaFiles> files);
+
   int64_t arena_bytes() const;
   int num_arenas() const;
   bool pinned() const;
@@ -258,6 +276,7 @@ class ETTKIT_API Stager {
   friend class Snapshot;
   struct Impl;
   void release_arena(int arena);
+  void publish_arena(int arena, int64_t step);
   std::unique_ptr<Impl> impl_;
 };
 
@@ -400,6 +419,9 @@ class ETTKIT_API AsyncCheckpointer {
   /// gives the integrity verdict, so that a test can write a saved tensor "during" the save, or find the arena
   /// busy, deterministically. close() ends a hold (and counts the held save as one it waits for).
   void hold_commits_for_testing(bool hold);
+  /// Tests only: blocks until the writer waits in a hold (a save reached it), so that what a test does next
+  /// happens with the save stopped there, not merely queued.
+  void wait_until_held_for_testing();
   void set_unfenced_sync_max_bytes(int64_t bytes);
   /// Copy order for later saves (see CopyPriority); replaces the previous one.
   void set_copy_priority(CopyPriority priority);

@@ -239,7 +239,8 @@ class AsyncCheckpointer:
     """Asynchronous, crash-consistent checkpointer (one per rank). See the module docstring.
 
     ``memory_budget_bytes`` bounds the host arenas; ``double_buffer=True`` uses a second arena (when the
-    budget allows) so a save can stage while the previous one persists; ``on_busy`` says what ``save``
+    budget allows) so a save can stage while the previous one persists (with a memory tier there are two
+    arenas either way: they are the tier's files, docs/checkpoint.md "The memory tier"); ``on_busy`` says what ``save``
     does while every arena is still persisting: ``"wait"``, ``"skip"`` (returns a skipped handle) or
     ``"error"``. ``every``: the interval policy of :meth:`should_save`. ``process_group`` gives rank and
     world size; the commit is coordinated through ``store`` (default: the default process group's store),

@@ -14,9 +14,12 @@
 #include <cuda_runtime_api.h>
 #include <torch/torch.h>
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <chrono>
 
+#include "ett/test_dir.h"
 #include "ettkit/checkpoint/checkpointer.h"
 
 namespace ettkit::checkpoint {
@@ -251,6 +254,39 @@ TEST(CudaStager, SmallTensorsOfEveryAlignmentLandAtTheirOffsetsByTheGatherAndByM
     }
     EXPECT_TRUE(snap->changed_entries().empty());
     snap->release();
+  }
+}
+
+// The memory tier's arenas are its files, pinned by cudaHostRegister (host_arena.h): a CUDA state's memory
+// save lands in a page-locked arena that the step's data file links, and restores bit for bit. Written
+// without a GPU (2026-11-28); the next GPU run checks it.
+TEST(CudaStager, AMemoryTierArenaIsAPinnedFileThatTheStepLinks) {
+  ETTKIT_GPU_OR_SKIP();
+  ettkit::testing::TempDir d;
+  const std::string root = d.str();
+  CheckpointerOptions o;
+  o.directory = root + "/ck";
+  o.use_current_recorder = false;
+  o.memory_tier.root = root;
+  o.memory_tier.job_id = "cuda-tier";
+  o.stager.pin_memory = 1;
+  {
+    AsyncCheckpointer ck(o);
+    auto w = torch::arange(kFloats, torch::TensorOptions().dtype(torch::kFloat).device(torch::kCUDA));
+    keep_the_stream_busy(50);
+    SaveHandle h = ck.save(1, {{"w", w}}, "", Tier::kMemory);
+    ASSERT_TRUE(h.wait());
+    EXPECT_TRUE(ck.stager().pinned());
+    EXPECT_EQ(ck.stager().num_arenas(), 2);
+    struct stat st {};
+    ASSERT_EQ(::stat((ck.memory_tier_directory() + "/step-1/rank-0.safetensors").c_str(), &st), 0);
+    EXPECT_EQ(st.st_nlink, 2u) << "the step's data file is not the arena (a copy was written)";
+    NamedTensors back = {{"w", torch::zeros({kFloats})}};
+    auto r = ck.load_latest(back);
+    ASSERT_TRUE(r.has_value());
+    EXPECT_EQ(r->tier, Tier::kMemory);
+    EXPECT_TRUE(torch::equal(back[0].second, w.cpu()));
+    ck.close();
   }
 }
 
