@@ -229,8 +229,8 @@ def test_a_rank_whose_node_was_lost_restores_from_its_partners_replica(tmp_path,
         # the partner had committed its copy.
         other = 1 - r
         rank_dir = shm[r] / job / f"rank-{r}"
-        assert _entries_and_arenas(rank_dir, r, [KILL_AT, KILL_AT - 2]) == [".lock", f"replica-of-rank-{other}", f"step-{KILL_AT}",
-                                                f"step-{KILL_AT - 2}"]
+        assert _entries_and_arenas(rank_dir, r, [KILL_AT, KILL_AT - 2]) == [
+            ".lock", f"replica-of-rank-{other}", f"step-{KILL_AT}", f"step-{KILL_AT - 2}"]
         assert sorted(os.listdir(rank_dir / f"replica-of-rank-{other}")) == [f"step-{KILL_AT}", f"step-{KILL_AT - 2}"]
     # Rank 1's node is lost with its memory.
     shutil.rmtree(shm[1])

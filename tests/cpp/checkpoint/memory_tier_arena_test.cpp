@@ -239,7 +239,6 @@ TEST(MemoryTierArena, AKilledProcessesArenaNamesGoAndItsStepStays) {
   expect_step_holds(dir, 5, 5);
 }
 
-
 TEST(MemoryTierArena, PrepareBacksBothTierArenasBeforeTheFirstSave) {
   TempDir d;
   CheckpointerOptions o = options(d);
