@@ -3,7 +3,10 @@
 // tensors of 64 MiB, against a memcpy of the same bytes, the floor of anything that reads them once. And
 // what a written file's checksums cost (checksums.h): FileDigestBuilder over the arena in the writer's 16 MiB
 // slices (one pass: the chunk hashes, the file's checksum derived from them) against the writer before
-// 2026-11-27, which also streamed the whole file through a second XXH3.
+// 2026-11-27, which also streamed the whole file through a second XXH3. And what a memory-tier save's staging
+// copy and its one hash pass cost (issue #45 item 1): the copy, then FileDigestBuilder over the copy (what the
+// writer does today), against the copy and the hash interleaved in 256 KiB blocks, each block hashed right
+// after it is copied, while it is in cache (what fusing the hash into the copy engine would do).
 //   build/py/benchmarks/cpp/checkpoint_hash_bench --benchmark_repetitions=5 --benchmark_report_aggregates_only
 #include <benchmark/benchmark.h>
 
@@ -76,6 +79,36 @@ void BM_FileDigestWholeStreamToo(benchmark::State& state) {
   state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * kArena));
 }
 BENCHMARK(BM_FileDigestWholeStreamToo)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+constexpr size_t kFusedBlock = size_t{256} << 10;
+
+void BM_CopyThenFileDigest(benchmark::State& state) {
+  const auto& a = arena();
+  static std::vector<unsigned char> b(kArena, 1);
+  for (auto _ : state) {
+    std::memcpy(b.data(), a.data(), a.size());
+    ettkit::checkpoint::detail::FileDigestBuilder d;
+    for (size_t o = 0; o < b.size(); o += kWriteSlice) d.update(b.data() + o, kWriteSlice);
+    benchmark::DoNotOptimize(d.finish());
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * kArena));
+}
+BENCHMARK(BM_CopyThenFileDigest)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+void BM_CopyAndFileDigestInterleaved(benchmark::State& state) {
+  const auto& a = arena();
+  static std::vector<unsigned char> b(kArena, 1);
+  for (auto _ : state) {
+    ettkit::checkpoint::detail::FileDigestBuilder d;
+    for (size_t o = 0; o < a.size(); o += kFusedBlock) {
+      std::memcpy(b.data() + o, a.data() + o, kFusedBlock);
+      d.update(b.data() + o, kFusedBlock);
+    }
+    benchmark::DoNotOptimize(d.finish());
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * kArena));
+}
+BENCHMARK(BM_CopyAndFileDigestInterleaved)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 }  // namespace
 

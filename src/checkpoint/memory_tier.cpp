@@ -496,7 +496,7 @@ int MemoryTier::create_arena(uint64_t bytes, std::string& name) {
 }
 
 void MemoryTier::remove_arena(const std::string& name) noexcept {
-  if (name.rfind(".arena-", 0) != 0 || name.find('/') != std::string::npos) return;
+  if (name.rfind(".arena-", 0) != 0 || !is_plain_file_name(name)) return;
   ::unlinkat(rank_dir_.fd(), name.c_str(), 0);
 }
 

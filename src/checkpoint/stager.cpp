@@ -157,7 +157,8 @@ void Stager::publish_arena(int arena, int64_t step) {
 
 void Stager::set_arena_files(std::shared_ptr<detail::ArenaFiles> files) {
   std::unique_lock<std::mutex> lk(impl_->mu);
-  impl_->wait_busy(lk, [&] {
+  // Not wait_busy: this is no save waiting for an arena (busy_wait_s counts those).
+  impl_->cv.wait(lk, [&] {
     return std::none_of(impl_->arenas.begin(), impl_->arenas.end(), [](const Arena& a) { return a.busy; });
   });
   for (Arena& a : impl_->arenas) a.free();

@@ -80,9 +80,14 @@ std::map<std::string, FileDigest> StepWriter::link_rank_files(const Dir& dir, un
   files[data_file] = digest.finish();
   link(data_file);
   if (hooks.after_data) hooks.after_data();
+  write_extra(dir, mode, hooks, files);
+  return files;
+}
+
+void StepWriter::write_extra(const Dir& dir, unsigned mode, const StepHooks& hooks,
+                             std::map<std::string, FileDigest>& files) {
   files[base_ + ".extra"] = write_file_durably(dir, base_ + ".extra", {ConstBuffer{extra_.data(), extra_.size()}}, mode);
   if (hooks.verdict) hooks.verdict();
-  return files;
 }
 
 std::map<std::string, FileDigest> StepWriter::write_rank_files(const Dir& dir, unsigned mode, const StepHooks& hooks) {
@@ -97,8 +102,7 @@ std::map<std::string, FileDigest> StepWriter::write_rank_files(const Dir& dir, u
   if (hooks.after_data) hooks.after_data();
   // The arena is free as soon as its bytes are durable; nothing after this needs it.
   snapshot_.release();
-  files[base_ + ".extra"] = write_file_durably(dir, base_ + ".extra", {ConstBuffer{extra_.data(), extra_.size()}}, mode);
-  if (hooks.verdict) hooks.verdict();
+  write_extra(dir, mode, hooks, files);
   return files;
 }
 

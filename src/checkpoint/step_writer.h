@@ -66,6 +66,8 @@ class StepWriter {
 
  private:
   const std::string& header();
+  /// The part both ways of writing share: rank-<r>.extra into `dir`, then the verdict hook.
+  void write_extra(const Dir& dir, unsigned mode, const StepHooks& hooks, std::map<std::string, FileDigest>& files);
 
   const Session& session_;
   int64_t step_;

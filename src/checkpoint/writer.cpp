@@ -242,7 +242,8 @@ void Writer::persist_memory(WriteJob& job) {
   std::string tmp = s_.memory->begin(job.step, s_.run_id, step.bytes());
   try {
     // The arena is a file of the tier (Stager::set_arena_files): it becomes the step's data file by a link.
-    // Otherwise (one arena in the budget, a header beyond its room) the arena is copied into a new file.
+    // Otherwise (one arena in the budget, an empty state, files that could not be made) the arena is copied
+    // into a new file.
     const bool linked = step.links_arena();
     std::map<std::string, FileDigest> files =
         linked
