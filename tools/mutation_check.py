@@ -151,8 +151,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         (Test(ARENA, "MemoryTierArena.AHeldSaveStagesIntoTheOlderArenaAndTheNewestStepStays"),)),
     Mutation(
         "arena-publish-before-commit", "src/checkpoint/step_writer.cpp",
-        "  if (hooks.after_data) hooks.after_data();\n  files[base_",
-        "  snapshot_.publish(step_);\n  if (hooks.after_data) hooks.after_data();\n  files[base_",
+        "  link(data_file);\n  if (hooks.after_data) hooks.after_data();",
+        "  link(data_file);\n  snapshot_.publish(step_);\n  if (hooks.after_data) hooks.after_data();",
         "a memory save hands its arena back before its step is committed: the next save reclaims the newest "
         "committed step, and a crash then leaves none",
         (Test(ARENA, "MemoryTierArena.AHeldSaveStagesIntoTheOlderArenaAndTheNewestStepStays"),
