@@ -260,7 +260,8 @@ SaveHandle AsyncCheckpointer::save(int64_t step, const NamedTensors& tensors, co
   hs->tier = tier;
   const bool overlap = im.overlapped();
   std::shared_ptr<Snapshot> snap =
-      im.stager->stage(staged, im.opt.on_busy, priority, overlap ? im.unfenced_sync_max_bytes.load() : 0);
+      im.stager->stage(staged, im.opt.on_busy, priority, overlap ? im.unfenced_sync_max_bytes.load() : 0,
+                       /*digest_file=*/tier == Tier::kMemory);
   if (!snap) {
     hs->skipped = true;
     ETTKIT_LOG_INFO("checkpoint step ", step, " skipped: the previous save is still persisting (on_busy='skip')");

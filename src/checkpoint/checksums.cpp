@@ -56,7 +56,10 @@ void Xxh3Stream::update(const void* data, size_t size) { xxh3_update(state_->s, 
 uint64_t Xxh3Stream::digest() const { return XXH3_64bits_digest(state_->s); }
 void Xxh3Stream::reset() { XXH3_64bits_reset(state_->s); }
 
-FileDigestBuilder::FileDigestBuilder() { digest_.chunk_bytes = kHashChunkBytes; }
+FileDigestBuilder::FileDigestBuilder(uint64_t chunk_bytes) : chunk_left_(chunk_bytes) {
+  ETTKIT_EXPECTS(chunk_bytes >= (uint64_t{1} << 20), "chunk_bytes=", chunk_bytes, " must be >= 1048576");
+  digest_.chunk_bytes = chunk_bytes;
+}
 
 void FileDigestBuilder::update(const void* data, size_t size) {
   const char* p = static_cast<const char*>(data);
@@ -70,20 +73,24 @@ void FileDigestBuilder::update(const void* data, size_t size) {
     if (chunk_left_ == 0) {
       digest_.chunks.push_back(hex64(chunk_.digest()));
       chunk_.reset();
-      chunk_left_ = kHashChunkBytes;
+      chunk_left_ = digest_.chunk_bytes;
     }
   }
 }
 
 FileDigest FileDigestBuilder::finish() {
-  if (chunk_left_ != kHashChunkBytes) digest_.chunks.push_back(hex64(chunk_.digest()));
-  if (digest_.chunks.size() <= 1) {
-    // One chunk: its hash is the whole file's (an empty file: the hash of nothing).
-    digest_.xxh3 = digest_.chunks.empty() ? hex64(chunk_.digest()) : digest_.chunks.front();
-  } else {
-    digest_.xxh3 = xxh3_of_chunks(digest_.size, digest_.chunks);
-  }
+  if (chunk_left_ != digest_.chunk_bytes) digest_.chunks.push_back(hex64(chunk_.digest()));
+  set_file_xxh3(digest_, hex64(chunk_.digest()));
   return std::move(digest_);
+}
+
+void set_file_xxh3(FileDigest& digest, const std::string& empty_file_hash) {
+  if (digest.chunks.size() <= 1) {
+    // One chunk: its hash is the whole file's (an empty file: the hash of nothing).
+    digest.xxh3 = digest.chunks.empty() ? empty_file_hash : digest.chunks.front();
+  } else {
+    digest.xxh3 = xxh3_of_chunks(digest.size, digest.chunks);
+  }
 }
 
 std::string xxh3_of_chunks(uint64_t size, const std::vector<std::string>& chunks) {

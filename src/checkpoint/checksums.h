@@ -45,6 +45,9 @@ std::string xxh3_of(const std::string& bytes);
 std::string xxh3_of(const void* data, size_t size);
 /// XXH3-64 of bytes in memory (the number): the widest vector unit the CPU has, where libxxhash can pick it.
 uint64_t xxh3_64_of(const void* data, size_t size);
+/// A FileDigest's `xxh3` from its chunk hashes and size (FileDigest says which rule); sets digest.xxh3.
+/// `empty_file_hash`: the hash of no bytes, for a file without chunks.
+void set_file_xxh3(FileDigest& digest, const std::string& empty_file_hash);
 /// The `xxh3` of a file of more than one chunk: XXH3-64 of its size and then each chunk's XXH3-64, 8 bytes
 /// little-endian each (hex). `chunks` must be hex64 strings.
 std::string xxh3_of_chunks(uint64_t size, const std::vector<std::string>& chunks);
@@ -69,14 +72,15 @@ class Xxh3Stream {
 /// kHashChunkBytes piece, each byte hashed once, and the file's `xxh3` from them (FileDigest).
 class FileDigestBuilder {
  public:
-  FileDigestBuilder();
+  /// `chunk_bytes`: the pieces' size (at least 1 MiB, what a manifest accepts).
+  explicit FileDigestBuilder(uint64_t chunk_bytes = kHashChunkBytes);
   void update(const void* data, size_t size);
   /// The digest of everything given so far. Call once, at the end.
   FileDigest finish();
 
  private:
-  Xxh3Stream chunk_;  // the current kHashChunkBytes piece
-  uint64_t chunk_left_ = kHashChunkBytes;
+  Xxh3Stream chunk_;  // the current piece
+  uint64_t chunk_left_;
   FileDigest digest_;
 };
 

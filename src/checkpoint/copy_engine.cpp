@@ -93,6 +93,7 @@ PendingCopies copy_small_now(const NamedTensors& tensors, const std::vector<Plan
     } else if (inference || e.nbytes <= sync_max) {
       copy_now(t, e, dst);
       state.verdict[i] = kClean;  // copied before save() returns: nothing could overlap it
+      if (state.digest) state.digest->covered(dst, static_cast<size_t>(e.nbytes), /*hash_now=*/false);
     } else if (t.is_contiguous()) {
       pending.contiguous.push_back(
           {static_cast<const uint8_t*>(t.const_data_ptr()), dst, static_cast<size_t>(e.nbytes), i});
@@ -224,22 +225,44 @@ std::vector<std::vector<Slice>> cut_into_jobs(const std::vector<Slice>& contiguo
   std::vector<std::vector<Slice>> groups;
   if (contiguous.empty()) return groups;
   const size_t w = static_cast<size_t>(workers);
-  size_t per = std::max<size_t>((bytes + w - 1) / w, 1 << 20);
+  const size_t per = std::max<size_t>((bytes + w - 1) / w, 1 << 20);
+  const InOrderDigest* digest = state.digest.get();
+  const uint64_t align = digest ? digest->chunk_bytes() : 1;
+  // Where a cut may fall: anywhere, or (hashing) at a chunk boundary of the file.
+  auto at_boundary = [&](const uint8_t* p) { return digest == nullptr || digest->offset_of(p) % align == 0; };
   groups.emplace_back();
-  size_t room = per;
+  size_t in_group = 0;
+  bool cut_next = false;  // the slice before ended where this group was to be cut
   for (Slice s : contiguous) {
     while (s.n > 0) {
-      size_t take = std::min(s.n, room);
+      if (cut_next || (in_group >= per && at_boundary(s.dst))) {
+        groups.emplace_back();
+        in_group = 0;
+        cut_next = false;
+      }
+      size_t take = s.n;
+      if (in_group + take > per || in_group >= per) {
+        // The cut: `per` bytes into the group, or (hashing) the chunk boundary nearest to that, past the
+        // slice's start; when it lies beyond this slice, the group goes on into the next.
+        const size_t want = per > in_group ? per - in_group : 0;
+        size_t cut = want;
+        if (digest) {
+          const uint64_t from = digest->offset_of(s.dst);
+          uint64_t at = (from + want + align / 2) / align * align;
+          if (at <= from) at = (from / align + 1) * align;
+          cut = static_cast<size_t>(at - from);
+        }
+        if (cut <= s.n) {
+          take = cut;
+          cut_next = true;
+        }
+      }
       groups.back().push_back({s.src, s.dst, take, s.entry});
       state.remaining[s.entry].fetch_add(1, std::memory_order_relaxed);
       s.src += take;
       s.dst += take;
       s.n -= take;
-      room -= take;
-      if (room == 0) {
-        groups.emplace_back();
-        room = per;
-      }
+      in_group += take;
     }
   }
   if (groups.back().empty()) groups.pop_back();
@@ -252,10 +275,21 @@ void submit_cpu_copies(CopyPool& pool, std::vector<std::vector<Slice>> groups, c
     std::lock_guard<std::mutex> slk(state->mu);
     state->pending_jobs = static_cast<int>(groups.size() + strided.size());
   }
+  InOrderDigest* digest = state->digest.get();
   for (auto& g : groups) {
-    pool.submit([state, g = std::move(g)] {
+    pool.submit([state, digest, g = std::move(g)] {
       for (const Slice& s : g) {
-        std::memcpy(s.dst, s.src, s.n);
+        if (digest == nullptr) {
+          std::memcpy(s.dst, s.src, s.n);
+        } else {
+          // Copy a piece, hash it while it is in this core's cache (when it continues its chunk's hashed
+          // prefix; else it waits for the piece in front of it).
+          for (size_t off = 0; off < s.n; off += kFusedPieceBytes) {
+            const size_t n = std::min(kFusedPieceBytes, s.n - off);
+            std::memcpy(s.dst + off, s.src + off, n);
+            digest->covered(s.dst + off, n);
+          }
+        }
         state->entry_copied(s.entry);
       }
       state->job_done(nullptr);
@@ -264,12 +298,13 @@ void submit_cpu_copies(CopyPool& pool, std::vector<std::vector<Slice>> groups, c
   for (size_t i : strided) {
     const PlanEntry& e = plan[i];
     uint8_t* dst = base + e.offset;
-    pool.submit([state, i, dst, shape = e.shape] {
+    pool.submit([state, i, dst, shape = e.shape, nbytes = static_cast<size_t>(e.nbytes)] {
       std::exception_ptr err;
       try {
         at::NoGradGuard no_grad;
         const at::Tensor& src = state->sources[i];  // not touched by the owner while jobs are pending
         at::from_blob(dst, shape, src.options()).copy_(src);
+        if (state->digest) state->digest->covered(dst, nbytes);
       } catch (...) {
         err = std::current_exception();
       }

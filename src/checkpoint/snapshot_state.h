@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "checkpoint/cuda_event.h"
+#include "checkpoint/in_order_digest.h"
 #include "ettkit/checkpoint/checkpointer.h"
 #include "ettkit/common/config.h"
 
@@ -45,6 +46,9 @@ struct SnapshotState {
 #if ETTKIT_WITH_CUDA
   std::vector<std::unique_ptr<CudaEvent>> cuda_events;  // one per copy class, in stream order
 #endif
+  // A memory-tier save into a file arena (Stager::stage's `digest_file`): the copies hash the file as they
+  // write it (in_order_digest.h); the writer finishes it. Set before any copy starts, never reset.
+  std::unique_ptr<InOrderDigest> digest;
   std::once_flag index_once;
   std::unordered_map<const void*, std::vector<int>> by_storage;  // built on the first wait_for()
 

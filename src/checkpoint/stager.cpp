@@ -166,6 +166,8 @@ void Stager::set_arena_files(std::shared_ptr<detail::ArenaFiles> files) {
   impl_->files = std::move(files);
 }
 
+detail::InOrderDigest* Snapshot::file_digest() const { return state_ ? state_->digest.get() : nullptr; }
+
 const detail::Arena* Snapshot::arena_file() const {
   if (!stager_ || released_) return nullptr;
   std::lock_guard<std::mutex> lk(stager_->impl_->mu);
@@ -397,7 +399,7 @@ int64_t Stager::prepare(const NamedTensors& tensors) {
 }
 
 std::shared_ptr<Snapshot> Stager::stage(const NamedTensors& tensors, OnBusy on_busy, const CopyPriority& priority,
-                                        int64_t sync_copy_max_bytes) {
+                                        int64_t sync_copy_max_bytes, bool digest_file) {
   Impl& im = *impl_;
   int64_t begin_us = epoch_us();
   // The copies read storage; they must not become autograd history (callers pass parameters as they are).
@@ -413,7 +415,14 @@ std::shared_ptr<Snapshot> Stager::stage(const NamedTensors& tensors, OnBusy on_b
   // 2) A free arena.
   const int arena = im.take_free_arena(on_busy, lk);
   if (arena < 0) return nullptr;
-  uint8_t* base = im.arenas[static_cast<size_t>(arena)].ptr;
+  const Arena& taken = im.arenas[static_cast<size_t>(arena)];
+  uint8_t* base = taken.ptr;
+  // The file the memory tier will link: header room, then exactly the staged bytes (an empty state's
+  // one-byte arena is no such file; the writer copies it).
+  std::unique_ptr<detail::InOrderDigest> digest;
+  if (digest_file && taken.fd >= 0 && im.plan_total > 0 && taken.size == static_cast<size_t>(im.plan_total)) {
+    digest = std::make_unique<detail::InOrderDigest>(taken.map, taken.reserve + taken.size);
+  }
   lk.unlock();
 
   std::shared_ptr<Snapshot> snap(new Snapshot());
@@ -425,6 +434,7 @@ std::shared_ptr<Snapshot> Stager::stage(const NamedTensors& tensors, OnBusy on_b
   auto state = std::make_shared<Snapshot::State>();
   snap->state_ = state;
   state->start(tensors.size());
+  state->digest = std::move(digest);
   // 3) The copies, in the order `priority` gives.
   im.copy(tensors, *plan, priority, base, std::max(im.opt.sync_copy_max_bytes, sync_copy_max_bytes), *snap, state);
   return snap;

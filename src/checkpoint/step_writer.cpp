@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "checkpoint/host_arena.h"
+#include "checkpoint/in_order_digest.h"
 #include "checkpoint/reshard.h"
 #include "checkpoint/safetensors.h"
 #include "ettkit/checkpoint/safetensors_dtypes.h"
@@ -74,10 +75,16 @@ std::map<std::string, FileDigest> StepWriter::link_rank_files(const Dir& dir, un
   // hashed once (the chunks, and the file's xxh3 from them) from the bytes where they lie.
   const std::string head = pad_safetensors_header(header(), arena.reserve);
   std::memcpy(arena.map, head.data(), head.size());
-  FileDigestBuilder digest;
-  digest.update(arena.map, arena.reserve + arena.size);
   const std::string data_file = base_ + ".safetensors";
-  files[data_file] = digest.finish();
+  if (InOrderDigest* fused = snapshot_.file_digest()) {
+    // The copies hashed the staged bytes as they wrote them; the header room (never reported) and what
+    // waited are hashed now.
+    files[data_file] = fused->finish();
+  } else {
+    FileDigestBuilder digest;
+    digest.update(arena.map, arena.reserve + arena.size);
+    files[data_file] = digest.finish();
+  }
   link(data_file);
   if (hooks.after_data) hooks.after_data();
   write_extra(dir, mode, hooks, files);

@@ -173,6 +173,7 @@ class Stager;
 namespace detail {
 struct Arena;
 struct ArenaFiles;
+class InOrderDigest;
 }  // namespace detail
 
 /// One staged copy of a state dict, holding one arena until released.
@@ -214,6 +215,10 @@ class ETTKIT_API Snapshot {
   /// which links it. The stager stages into it again only once no step links it (that step retired, by the
   /// tier's retention or by the stager itself when it needs the arena for a later save).
   void publish(int64_t step);
+  /// The digest of the arena's file that the copies computed as they wrote it (Stager::stage's
+  /// `digest_file`), for the writer to finish once the header is in the room; nullptr when not asked or the
+  /// arena is not a file. Valid while the snapshot lives.
+  detail::InOrderDigest* file_digest() const;
   /// Views of the arena as CPU tensors, one per plan entry (valid until release()).
   NamedTensors tensors();
   int64_t stage_begin_us() const { return stage_begin_us_; }
@@ -246,8 +251,11 @@ class ETTKIT_API Stager {
   /// Starts copying `tensors` into a free arena. Returns nullptr when on_busy == kSkip and no arena is
   /// free. Throws InvalidArgument when the state exceeds the memory budget or on_busy == kError.
   /// `sync_copy_max_bytes` raises StagerOptions::sync_copy_max_bytes for this save.
+  /// `digest_file` (a memory-tier save): when the arena is a file of the memory tier, the copies also hash
+  /// that file as they write it (Snapshot::file_digest), so that the writer needs no pass of its own.
   std::shared_ptr<Snapshot> stage(const NamedTensors& tensors, OnBusy on_busy,
-                                  const CopyPriority& priority = {}, int64_t sync_copy_max_bytes = 0);
+                                  const CopyPriority& priority = {}, int64_t sync_copy_max_bytes = 0,
+                                  bool digest_file = false);
   /// Does now what the first stage() of `tensors`' structure (names, dtypes, shapes) would: builds the plan,
   /// allocates the arenas and backs every page of them, so that the first save blocks like the later ones
   /// (faulting in a fresh arena costs about as much as the copy itself). For a thread other than the

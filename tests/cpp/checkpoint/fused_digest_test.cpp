@@ -1,0 +1,267 @@
+// A memory-tier save hashes its file as the copies write it (#45 item 1; in_order_digest.h). What must not
+// break: the digest is exactly the one a single in-order pass over the finished file gives, whatever order
+// and threads the pieces come in (priority classes, strided and inference tensors, small tensors copied on
+// the caller's thread, pieces nobody reports); the copies really do the hashing (else the fusion saves
+// nothing); the copy jobs are cut at chunk boundaries; and a committed memory step verifies and restores,
+// and a flipped byte in it is still found.
+#include <ATen/ATen.h>
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "checkpoint/checksums.h"
+#include "checkpoint/copy_engine.h"
+#include "checkpoint/host_arena.h"
+#include "checkpoint/in_order_digest.h"
+#include "checkpoint/manifest.h"
+#include "ett/test_dir.h"
+#include "ettkit/checkpoint/checkpointer.h"
+
+namespace fs = std::filesystem;
+using ettkit::testing::TempDir;
+using namespace ettkit::checkpoint;
+namespace ckd = ettkit::checkpoint::detail;
+
+namespace {
+
+constexpr uint64_t kMiB = uint64_t{1} << 20;
+
+std::vector<uint8_t> random_bytes(size_t n, uint32_t seed) {
+  std::vector<uint8_t> b(n);
+  std::mt19937 g(seed);
+  for (auto& x : b) x = static_cast<uint8_t>(g());
+  return b;
+}
+
+ckd::FileDigest one_pass(const uint8_t* p, size_t n, uint64_t chunk = ckd::kInOrderChunkBytes) {
+  ckd::FileDigestBuilder b(chunk);
+  b.update(p, n);
+  return b.finish();
+}
+
+void expect_same(const ckd::FileDigest& got, const ckd::FileDigest& want) {
+  EXPECT_EQ(got.size, want.size);
+  EXPECT_EQ(got.chunk_bytes, want.chunk_bytes);
+  EXPECT_EQ(got.chunks, want.chunks);
+  EXPECT_EQ(got.xxh3, want.xxh3);
+}
+
+/// [begin, end) pieces of `size` bytes, cut at random lengths up to `max_piece`.
+std::vector<std::pair<uint64_t, uint64_t>> pieces(uint64_t size, uint64_t max_piece, std::mt19937& g) {
+  std::vector<std::pair<uint64_t, uint64_t>> out;
+  for (uint64_t at = 0; at < size;) {
+    const uint64_t n = std::min<uint64_t>(size - at, 1 + g() % max_piece);
+    out.emplace_back(at, at + n);
+    at += n;
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST(InOrderDigest, AnyOrderGivesTheOnePassDigest) {
+  for (uint64_t size : {uint64_t{0}, uint64_t{1}, 4 * kMiB, 4 * kMiB + 1, 13 * kMiB + 123}) {
+    const std::vector<uint8_t> bytes = random_bytes(size, static_cast<uint32_t>(size));
+    const ckd::FileDigest want = one_pass(bytes.data(), bytes.size());
+    std::mt19937 g(7);
+    for (const char* order : {"in order", "reversed", "shuffled", "deferred"}) {
+      auto p = pieces(size, 300'000, g);
+      if (std::string(order) == "reversed") std::reverse(p.begin(), p.end());
+      if (std::string(order) == "shuffled") std::shuffle(p.begin(), p.end(), g);
+      ckd::InOrderDigest d(bytes.data(), size);
+      for (auto [b, e] : p) d.covered(b, e, /*hash_now=*/std::string(order) != "deferred");
+      // Every reported byte joins its chunk's prefix once the pieces before it are in: the reporting
+      // threads hash all of it, none is left to finish(). Deferred ones wait for finish().
+      EXPECT_EQ(d.hashed_early(), std::string(order) == "deferred" ? 0 : size) << order << " " << size;
+      expect_same(d.finish(), want);
+    }
+  }
+}
+
+TEST(InOrderDigest, BytesNobodyReportedAreHashedByFinishAsTheyAreThen) {
+  std::vector<uint8_t> bytes = random_bytes(9 * kMiB, 3);
+  ckd::InOrderDigest d(bytes.data(), bytes.size());
+  // A header room at the front, written only after the copies (what the memory tier's writer does), and a
+  // hole in a later chunk that no copy reports.
+  d.covered(4096, 5 * kMiB);
+  d.covered(5 * kMiB + 100, bytes.size());
+  // Chunk 0 waits for its room, chunk 1 is hashed up to the hole, chunk 2 ([8, 9) MiB) whole.
+  EXPECT_EQ(d.hashed_early(), 2 * kMiB);
+  for (size_t i = 0; i < 4096; ++i) bytes[i] = static_cast<uint8_t>(i * 7);
+  expect_same(d.finish(), one_pass(bytes.data(), bytes.size()));
+}
+
+TEST(InOrderDigest, ConcurrentReportersOfShuffledPiecesAgreeWithOnePass) {
+  const std::vector<uint8_t> bytes = random_bytes(21 * kMiB + 5, 11);
+  const ckd::FileDigest want = one_pass(bytes.data(), bytes.size());
+  for (int trial = 0; trial < 5; ++trial) {
+    std::mt19937 g(static_cast<uint32_t>(trial));
+    auto p = pieces(bytes.size(), 64 * 1024, g);
+    std::shuffle(p.begin(), p.end(), g);
+    ckd::InOrderDigest d(bytes.data(), bytes.size());
+    std::vector<std::thread> threads;
+    for (size_t t = 0; t < 4; ++t) {
+      threads.emplace_back([&, t] {
+        for (size_t k = t; k < p.size(); k += 4) d.covered(p[k].first, p[k].second);
+      });
+    }
+    for (auto& t : threads) t.join();
+    EXPECT_EQ(d.hashed_early(), bytes.size()) << trial;
+    expect_same(d.finish(), want);
+  }
+}
+
+TEST(InOrderDigest, RefusesAChunkSizeNoManifestAccepts) {
+  uint8_t b = 0;
+  EXPECT_THROW(ckd::InOrderDigest(&b, 1, kMiB - 1), ettkit::InvalidArgument);
+  EXPECT_THROW(ckd::FileDigestBuilder(4096), ettkit::InvalidArgument);
+}
+
+TEST(FusedDigestJobs, CopyJobsAreCutAtChunkBoundariesOfTheFile) {
+  const uint64_t room = 8192;
+  std::vector<uint8_t> file(room + 45 * kMiB + 77);
+  ckd::SnapshotState state;
+  state.start(3);
+  state.digest = std::make_unique<ckd::InOrderDigest>(file.data(), file.size());
+  std::vector<ckd::Slice> slices;
+  uint8_t* dst = file.data() + room;
+  for (size_t i = 0, left = file.size() - room; i < 3; ++i) {
+    const size_t n = i < 2 ? 15 * kMiB : left;
+    slices.push_back({nullptr, dst, n, i});
+    dst += n;
+    left -= n;
+  }
+  for (int workers : {1, 2, 3, 4}) {
+    auto groups = ckd::cut_into_jobs(slices, file.size() - room, workers, state);
+    ASSERT_GE(groups.size(), static_cast<size_t>(std::min(workers, 4))) << workers;
+    uint64_t at = room;
+    for (size_t g = 0; g < groups.size(); ++g) {
+      ASSERT_FALSE(groups[g].empty());
+      const uint64_t begin = state.digest->offset_of(groups[g].front().dst);
+      EXPECT_EQ(begin, at) << "group " << g << " of " << workers << " workers does not follow the one before";
+      if (g > 0) EXPECT_EQ(begin % ckd::kInOrderChunkBytes, 0u) << "group " << g << " of " << workers;
+      for (const ckd::Slice& s : groups[g]) at += s.n;
+    }
+    EXPECT_EQ(at, file.size());
+  }
+}
+
+namespace {
+
+/// ArenaFiles in a plain directory, as the memory tier makes them (0600, exclusive).
+std::shared_ptr<ckd::ArenaFiles> arena_files_in(const std::string& dir) {
+  auto f = std::make_shared<ckd::ArenaFiles>();
+  auto seq = std::make_shared<int>(0);
+  f->create = [dir, seq](uint64_t bytes, std::string& name) {
+    name = ".arena-" + std::to_string((*seq)++);
+    const int fd = ::open((dir + "/" + name).c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    EXPECT_GE(fd, 0);
+    EXPECT_EQ(::ftruncate(fd, static_cast<off_t>(bytes)), 0);
+    return fd;
+  };
+  f->remove = [dir](const std::string& name) { ::unlink((dir + "/" + name).c_str()); };
+  f->reclaim = [](int64_t) {};
+  return f;
+}
+
+}  // namespace
+
+TEST(FusedDigestStager, EveryKindOfCopyEndsInTheOnePassDigestOfTheArenaFile) {
+  TempDir d;
+  StagerOptions so;
+  so.copy_threads = 3;
+  Stager stager(so);
+  stager.set_arena_files(arena_files_in(d.str()));
+  // Big contiguous tensors split across jobs, small ones copied on this thread, a strided one, an inference
+  // tensor, an empty one; and a priority that copies the last tensor first (out of the file's order).
+  at::Tensor big_last = at::randn({3 << 20});  // 12 MiB
+  at::Tensor strided = at::randn({1024, 1536}).t();
+  at::Tensor inference;
+  {
+    c10::InferenceMode guard;
+    inference = at::randn({50'000});
+  }
+  NamedTensors tensors = {{"a", at::randn({2 << 20})}, {"small", at::arange(100, at::kLong)},
+                          {"strided", strided},        {"empty", at::empty({0})},
+                          {"inference", inference},    {"b", at::randn({(5 << 20) + 3})},
+                          {"tiny", at::ones({3})},     {"last", big_last}};
+  const CopyPriority priority = {{big_last.storage().data(), 0}};
+  for (int round = 0; round < 3; ++round) {
+    auto snap = stager.stage(tensors, OnBusy::kWait, priority, 0, /*digest_file=*/true);
+    ASSERT_TRUE(snap);
+    snap->wait_staged();
+    ckd::InOrderDigest* digest = snap->file_digest();
+    ASSERT_NE(digest, nullptr);
+    const ckd::Arena* arena = snap->arena_file();
+    ASSERT_NE(arena, nullptr);
+    const size_t file_bytes = arena->reserve + arena->size;
+    // The copy jobs hashed what they wrote, all of it but the chunk that holds the header room (its first
+    // bytes come with the writer): what this thread reported unhashed was taken by the job that reached it.
+    EXPECT_EQ(digest->hashed_early(), file_bytes - ckd::kInOrderChunkBytes) << round;
+    expect_same(digest->finish(), one_pass(arena->map, file_bytes));
+    snap->release();
+    for (auto& [name, t] : tensors) {
+      if (!t.is_inference()) t.add_(1);
+    }
+  }
+  // Without a memory-tier save there is nothing to finish.
+  auto plain = stager.stage(tensors, OnBusy::kWait);
+  EXPECT_EQ(plain->file_digest(), nullptr);
+}
+
+TEST(FusedDigestCheckpointer, AMemoryStepCarriesTheFusedChunksAndAFlippedByteIsFound) {
+  TempDir d;
+  CheckpointerOptions o;
+  o.directory = d.str() + "/ck";
+  o.use_current_recorder = false;
+  o.memory_tier.root = d.str() + "/shm";
+  o.memory_tier.job_id = "fused";
+  fs::create_directories(o.memory_tier.root);
+  NamedTensors s = {{"w", at::randn({5 << 20})}, {"n", at::arange(10, at::kLong)}};  // 20 MiB: 6 chunks
+  std::string mem_dir;
+  {
+    AsyncCheckpointer ck(o);
+    ASSERT_TRUE(ck.save(1, s, "", Tier::kMemory).wait());
+    mem_dir = ck.memory_tier_directory();
+  }
+  const std::string step_dir = mem_dir + "/step-1";
+  std::stringstream text;
+  text << std::ifstream(step_dir + "/manifest.json").rdbuf();
+  const ckd::Manifest m = ckd::decode_manifest(text.str(), step_dir + "/manifest.json");
+  const ckd::FileDigest& got = m.files.at("rank-0.safetensors");
+  EXPECT_EQ(got.chunk_bytes, ckd::kInOrderChunkBytes);
+  EXPECT_EQ(got.chunks.size(), 6u);
+  std::ifstream f(step_dir + "/rank-0.safetensors", std::ios::binary);
+  std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  expect_same(got, one_pass(bytes.data(), bytes.size()));
+  {
+    AsyncCheckpointer ck(o);
+    NamedTensors t = {{"w", at::zeros({5 << 20})}, {"n", at::zeros({10}, at::kLong)}};
+    auto r = ck.load_latest(t);
+    ASSERT_TRUE(r.has_value());
+    EXPECT_EQ(r->tier, Tier::kMemory);
+    EXPECT_TRUE(at::equal(t[0].second, s[0].second));
+  }
+  // A byte of the last chunk flipped: the load must refuse the step, not restore it.
+  {
+    const int fd = ::open((step_dir + "/rank-0.safetensors").c_str(), O_RDWR);
+    ASSERT_GE(fd, 0);
+    const off_t at = static_cast<off_t>(bytes.size() - 5);
+    uint8_t b = static_cast<uint8_t>(bytes[static_cast<size_t>(at)] ^ 0x40);
+    ASSERT_EQ(::pwrite(fd, &b, 1, at), 1);
+    ::close(fd);
+  }
+  AsyncCheckpointer ck(o);
+  NamedTensors t = {{"w", at::zeros({5 << 20})}, {"n", at::zeros({10}, at::kLong)}};
+  EXPECT_THROW(ck.load_latest(t), CorruptCheckpoint);
+}
