@@ -67,6 +67,7 @@ class Mutation:
 
 MANY = "checkpoint_integrity_many_chunks_test"
 ARENA = "checkpoint_memory_tier_arena_test"
+FUSED = "checkpoint_fused_digest_test"
 
 # The table. Each entry is a plausible one-line bug that leaves every good checkpoint loading, so that only a
 # test with the right corrupt input sees it. Keep `original` exact (the check refuses a snippet that is not
@@ -157,6 +158,21 @@ MUTATIONS: tuple[Mutation, ...] = (
         "committed step, and a crash then leaves none",
         (Test(ARENA, "MemoryTierArena.AHeldSaveStagesIntoTheOlderArenaAndTheNewestStepStays"),
          Test("checkpoint_memory_tier_test", "MemoryTierCrash.KillAtRandomMomentsRestoresTheNewestCompleteSnapshot"))),
+    Mutation(
+        "fused-digest-skips-gaps", "src/checkpoint/in_order_digest.cpp",
+        "while (!c.pending.empty() && c.pending.begin()->first <= until) {",
+        "while (!c.pending.empty()) {",
+        "a piece that arrives before the one in front of it is hashed at once: the chunk's hash skips the gap "
+        "and no loader can verify the step",
+        (Test(FUSED, "InOrderDigest.AnyOrderGivesTheOnePassDigest"),
+         Test(FUSED, "FusedDigestStager.EveryKindOfCopyEndsInTheOnePassDigestOfTheArenaFile"))),
+    Mutation(
+        "fused-digest-not-in-copies", "src/checkpoint/copy_engine.cpp",
+        "digest->covered(s.dst + off, n);",
+        "(void)n;",
+        "the copy jobs no longer hash what they write: every memory save is correct but pays the writer's "
+        "whole pass again (the fusion silently gone)",
+        (Test(FUSED, "FusedDigestStager.EveryKindOfCopyEndsInTheOnePassDigestOfTheArenaFile"),)),
     Mutation(
         "memory-tier-verify", "src/checkpoint/loader.cpp",
         "im.opt.verify_on_load && im.opt.memory_tier.verify,",

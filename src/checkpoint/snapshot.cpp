@@ -111,7 +111,7 @@ bool Snapshot::wait_for(const std::vector<at::Tensor>& tensors) {
   std::unique_lock<std::mutex> lk(st.mu);
   if (!copied()) {
     waited = true;
-    st.wait(lk, copied);
+    st.wait_entries(lk, copied);
   }
   for (int i : entries) st.decide(static_cast<size_t>(i));
   return waited;

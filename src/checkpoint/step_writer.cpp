@@ -45,7 +45,14 @@ StepWriter::StepWriter(const Session& session, int64_t step, Snapshot& snapshot,
 
 // Made on first use, not in the constructor: a dtype it cannot name is the save's error, which the disk
 // tier reports to the vote like any other write error.
+void StepWriter::use_cached_header(const std::string& header, std::string& padded) {
+  ETTKIT_EXPECTS(!whole_tensor_digests_, "a header with whole-tensor digests depends on the bytes; it is never cached");
+  cached_header_ = &header;
+  cached_padded_ = &padded;
+}
+
 const std::string& StepWriter::header() {
+  if (cached_header_ != nullptr) return *cached_header_;
   if (!header_made_) {
     header_ = header_of(snapshot_.plan(), whole_tensor_digests_ ? snapshot_.data() : nullptr);
     header_made_ = true;
@@ -73,7 +80,9 @@ std::map<std::string, FileDigest> StepWriter::link_rank_files(const Dir& dir, un
   remove_rank_files(dir);
   // The header goes into the room before the staged bytes; the file is then exactly a safetensors file,
   // hashed once (the chunks, and the file's xxh3 from them) from the bytes where they lie.
-  const std::string head = pad_safetensors_header(header(), arena.reserve);
+  std::string own;
+  std::string& head = cached_padded_ != nullptr ? *cached_padded_ : own;
+  if (head.size() != arena.reserve) head = pad_safetensors_header(header(), arena.reserve);
   std::memcpy(arena.map, head.data(), head.size());
   const std::string data_file = base_ + ".safetensors";
   if (InOrderDigest* fused = snapshot_.file_digest()) {

@@ -239,6 +239,12 @@ void Writer::persist_disk(WriteJob& job) {
 void Writer::persist_memory(WriteJob& job) {
   await_staging(job);
   StepWriter step(s_, job.step, *job.snapshot, job.extra, /*whole_tensor_digests=*/false);
+  if (header_plan_ != job.snapshot->shared_plan()) {
+    memory_header_ = header_of(job.snapshot->plan(), nullptr);  // throws (a dtype) with the cache unchanged
+    memory_header_padded_.clear();
+    header_plan_ = job.snapshot->shared_plan();
+  }
+  step.use_cached_header(memory_header_, memory_header_padded_);
   std::string tmp = s_.memory->begin(job.step, s_.run_id, step.bytes());
   try {
     // The arena is a file of the tier (Stager::set_arena_files): it becomes the step's data file by a link.

@@ -82,6 +82,11 @@ class Writer {
 
   Session& s_;
   DiskCommit commit_;
+  // The memory tier's safetensors header for the last plan, and its padding to the arenas' room
+  // (StepWriter::use_cached_header): the writer thread's alone.
+  std::shared_ptr<const std::vector<PlanEntry>> header_plan_;
+  std::string memory_header_;
+  std::string memory_header_padded_;
 
   mutable std::mutex mu_;  // guards everything below
   std::condition_variable cv_;

@@ -202,6 +202,8 @@ class ETTKIT_API Snapshot {
   /// Whether every entry has its verdict (no fence has anything left to decide).
   bool all_decided() const;
   const std::vector<PlanEntry>& plan() const { return *plan_; }
+  /// The plan itself: the same object for every snapshot of one plan, until the structure changes.
+  std::shared_ptr<const std::vector<PlanEntry>> shared_plan() const { return plan_; }
   int64_t total_bytes() const;
   /// The arena bytes (valid until release()).
   const uint8_t* data() const { return data_; }
