@@ -24,19 +24,33 @@ for old and new in one run):
   checkpointer (the save() call and the wait until its copies are done: a training loop's blocking) against
   the median of its next 4, with `prepare(state)` before it (waited for: it runs beside other start-up
   work in a trainer) or without; the median over --rounds fresh checkpointers.
+- `memory_1t`: a third checkpointer with `copy_threads=1`; `memcpy` is the copy on one thread, `memcpy_2t` the
+  same bytes copied by two threads at once (half the tensors each), and `persist_cpu_over_memcpy_2t[...]:memory`
+  compares the default memory save (two copy threads) with the latter: the same parallelism;
+- `persist_user_cpu_over_memcpy[...]:disk`: the disk tier's user-space CPU against the memcpy's (the issue's
+  disk target is "2x a memcpy plus the kernel's write", and the write is system time).
 Two shapes: 2,001 small tensors (32 MiB; per-tensor costs) and 12 large ones (128 MiB; per-byte costs).
+
+OpenMP's threads wait passively here (OMP_WAIT_POLICY=PASSIVE unless set): by default torch's OpenMP workers
+spin for a while after each parallel op (the `_touch` and the memcpy), and getrusage counted that spinning in
+whatever came next; measured on 2026-11-29, a quarter of a 128 MiB memory save's CPU (21 against 16 ms) was
+torch's workers spinning (`perf`: 32% of the samples in libgomp), not ettkit.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import resource
-import shutil
-import statistics
-import sys
-import tempfile
-import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP (see above)
+
+import argparse  # noqa: E402
+import concurrent.futures  # noqa: E402
+import resource  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_common
@@ -107,40 +121,65 @@ def measure(total_bytes: int, tensors: int, saves: int, root: str) -> dict:
         views.append(dst[at: at + t.numel()])
         at += t.numel()
     state_bytes = sum(t.numel() * t.element_size() for t in state.values())
-    walls: dict = {"disk": [], "memory": [], "memory_copy": [], "memcpy": []}
-    cpus: dict = {"disk": [], "memory": [], "memory_copy": [], "memcpy": []}
+    variants = ("disk", "memory", "memory_copy", "memory_1t", "memcpy", "memcpy_2t")
+    walls: dict = {k: [] for k in variants}
+    cpus: dict = {k: [] for k in variants}
     users: dict = {"disk": [], "memcpy": []}
     host = {"memory": 0, "memory_copy": 0}
+    pairs = list(zip(views, state.values()))
+    halves = (pairs[0::2], pairs[1::2])
+    threads = torch.get_num_threads()
+
+    def copy(part) -> None:
+        for v, t in part:
+            v.copy_(t)
+
     common = dict(keep_last=2, recorder=None, preempt_signals=(), memory_tier="/dev/shm")
-    with AsyncCheckpointer(os.path.join(root, "persist"), job_id=f"bench-isolated-{os.getpid()}", **common) as ck, \
-            AsyncCheckpointer(os.path.join(root, "persist-copy"), job_id=f"bench-isolated-copy-{os.getpid()}",
-                              memory_budget_bytes=state_bytes + (8 << 20), **common) as ck_copy:
+    pid = os.getpid()
+    with AsyncCheckpointer(os.path.join(root, "persist"), job_id=f"bench-isolated-{pid}", **common) as ck, \
+            AsyncCheckpointer(os.path.join(root, "persist-copy"), job_id=f"bench-isolated-copy-{pid}",
+                              memory_budget_bytes=state_bytes + (8 << 20), **common) as ck_copy, \
+            AsyncCheckpointer(os.path.join(root, "persist-1t"), job_id=f"bench-isolated-1t-{pid}", copy_threads=1,
+                              **common) as ck_1t, \
+            concurrent.futures.ThreadPoolExecutor(2) as pool:
         for step in range(1, WARMUP + saves + 1):
-            order = ("disk", "memory", "memory_copy") if step % 2 else ("memory_copy", "memory", "disk")
-            for variant in order:
+            order = ("disk", "memory", "memory_copy", "memory_1t")
+            for variant in order if step % 2 else reversed(order):
                 _touch(state)
-                which, tier = (ck_copy, "memory") if variant == "memory_copy" else (ck, variant)
+                which = {"memory_copy": ck_copy, "memory_1t": ck_1t}.get(variant, ck)
+                tier = "disk" if variant == "disk" else "memory"
                 c0, u0, t0 = _cpu_s(), _user_s(), time.perf_counter()
                 which.save(2 * step + (tier == "memory"), state, tier=tier).wait()
                 walls[variant].append(time.perf_counter() - t0)
                 cpus[variant].append(_cpu_s() - c0)
                 if variant in users:
                     users[variant].append(_user_s() - u0)
-                if tier == "memory":
+                if variant in host:
                     host[variant] = max(host[variant], _host_bytes(which))
-            c0, u0, t0 = _cpu_s(), _user_s(), time.perf_counter()
-            for v, t in zip(views, state.values()):
-                v.copy_(t)
-            walls["memcpy"].append(time.perf_counter() - t0)
-            cpus["memcpy"].append(_cpu_s() - c0)
-            users["memcpy"].append(_user_s() - u0)
-        ck.close(discard_memory_tier=True)
-        ck_copy.close(discard_memory_tier=True)
+            # The memcpy on one thread (the least CPU that moving these bytes takes), and on two threads at once
+            # (what ettkit's two copy threads do: on the 2-vCPU VM two concurrent copies share the memory
+            # bandwidth, and each stalled cycle is CPU time).
+            torch.set_num_threads(1)
+            try:
+                c0, u0, t0 = _cpu_s(), _user_s(), time.perf_counter()
+                copy(pairs)
+                walls["memcpy"].append(time.perf_counter() - t0)
+                cpus["memcpy"].append(_cpu_s() - c0)
+                users["memcpy"].append(_user_s() - u0)
+                c0, t0 = _cpu_s(), time.perf_counter()
+                list(pool.map(copy, halves))
+                walls["memcpy_2t"].append(time.perf_counter() - t0)
+                cpus["memcpy_2t"].append(_cpu_s() - c0)
+            finally:
+                torch.set_num_threads(threads)
+        for c in (ck, ck_copy, ck_1t):
+            c.close(discard_memory_tier=True)
     for k in walls:
         out[f"persist_ms:{k}"] = statistics.median(walls[k][WARMUP:]) * 1e3
         out[f"persist_cpu_ms:{k}"] = statistics.median(cpus[k][WARMUP:]) * 1e3
-    for k in ("disk", "memory", "memory_copy"):
+    for k in ("disk", "memory", "memory_copy", "memory_1t"):
         out[f"persist_cpu_over_memcpy:{k}"] = out[f"persist_cpu_ms:{k}"] / out["persist_cpu_ms:memcpy"]
+    out["persist_cpu_over_memcpy_2t:memory"] = out["persist_cpu_ms:memory"] / out["persist_cpu_ms:memcpy_2t"]
     # The disk tier's target is "2x a memcpy plus the kernel's write": its user-space CPU against the
     # memcpy's (getrusage's ticks are coarse at this size: read it over several runs).
     out["persist_user_cpu_over_memcpy:disk"] = (statistics.median(users["disk"][WARMUP:])
