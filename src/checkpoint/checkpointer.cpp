@@ -228,6 +228,7 @@ AsyncCheckpointer::AsyncCheckpointer(CheckpointerOptions options, c10::intrusive
   im.unfenced_sync_max_bytes = im.opt.unfenced_sync_max_bytes;
   im.stager = std::make_unique<Stager>(im.opt.stager);
   if (im.memory) im.stager->set_arena_files(arena_files_of(*im.memory));
+  im.stager->set_disk_header_planner(detail::plan_disk_header);
   im.writer = std::make_unique<Writer>(im);
 }
 
@@ -261,7 +262,7 @@ SaveHandle AsyncCheckpointer::save(int64_t step, const NamedTensors& tensors, co
   const bool overlap = im.overlapped();
   std::shared_ptr<Snapshot> snap =
       im.stager->stage(staged, im.opt.on_busy, priority, overlap ? im.unfenced_sync_max_bytes.load() : 0,
-                       /*digest_file=*/tier == Tier::kMemory);
+                       tier == Tier::kMemory ? StageHashing::kMemoryTier : StageHashing::kDiskTier);
   if (!snap) {
     hs->skipped = true;
     ETTKIT_LOG_INFO("checkpoint step ", step, " skipped: the previous save is still persisting (on_busy='skip')");

@@ -93,7 +93,7 @@ PendingCopies copy_small_now(const NamedTensors& tensors, const std::vector<Plan
     } else if (inference || e.nbytes <= sync_max) {
       copy_now(t, e, dst);
       state.verdict[i] = kClean;  // copied before save() returns: nothing could overlap it
-      if (state.digest) state.digest->covered(dst, static_cast<size_t>(e.nbytes), /*hash_now=*/false);
+      if (state.hashes()) state.report(dst, static_cast<size_t>(e.nbytes), /*hash_now=*/false);
     } else if (t.is_contiguous()) {
       pending.contiguous.push_back(
           {static_cast<const uint8_t*>(t.const_data_ptr()), dst, static_cast<size_t>(e.nbytes), i});
@@ -227,42 +227,43 @@ std::vector<std::vector<Slice>> cut_into_jobs(const std::vector<Slice>& contiguo
   const size_t w = static_cast<size_t>(workers);
   const size_t per = std::max<size_t>((bytes + w - 1) / w, 1 << 20);
   const InOrderDigest* digest = state.digest.get();
+  // Hashing: each group ends at the chunk boundary of the file (whose header comes first) nearest to `per`
+  // bytes, up to a quarter of a job away, so that one thread writes, and hashes, each chunk in order;
+  // beyond that it ends at `per` (a big chunk in a small state), and the chunk's later part waits for its
+  // start. Slices out of the file's order (a priority class first) end groups wherever they fall.
   const uint64_t align = digest ? digest->chunk_bytes() : 1;
-  // Where a cut may fall: anywhere, or (hashing) at a chunk boundary of the file.
-  auto at_boundary = [&](const uint8_t* p) { return digest == nullptr || digest->offset_of(p) % align == 0; };
+  const size_t slack = digest ? per / 4 : 0;
+  auto target_from = [&](const uint8_t* p) -> size_t {
+    if (!digest) return per;
+    const uint64_t off = digest->offset_of(p) + digest->head_bytes();
+    const uint64_t nominal = off + per;
+    const uint64_t nearest = (nominal + align / 2) / align * align;
+    const uint64_t gap = nearest > nominal ? nearest - nominal : nominal - nearest;
+    return nearest > off && gap <= slack ? static_cast<size_t>(nearest - off) : per;
+  };
+  size_t left = 0;  // bytes not yet in a group
+  for (const Slice& s : contiguous) left += s.n;
   groups.emplace_back();
   size_t in_group = 0;
-  bool cut_next = false;  // the slice before ended where this group was to be cut
+  size_t target = 0;  // this group's bytes; 0: not yet chosen
   for (Slice s : contiguous) {
     while (s.n > 0) {
-      if (cut_next || (in_group >= per && at_boundary(s.dst))) {
-        groups.emplace_back();
-        in_group = 0;
-        cut_next = false;
-      }
-      size_t take = s.n;
-      if (in_group + take > per || in_group >= per) {
-        // The cut: `per` bytes into the group, or (hashing) the chunk boundary nearest to that, past the
-        // slice's start; when it lies beyond this slice, the group goes on into the next.
-        const size_t want = per > in_group ? per - in_group : 0;
-        size_t cut = want;
-        if (digest) {
-          const uint64_t from = digest->offset_of(s.dst);
-          uint64_t at = (from + want + align / 2) / align * align;
-          if (at <= from) at = (from / align + 1) * align;
-          cut = static_cast<size_t>(at - from);
-        }
-        if (cut <= s.n) {
-          take = cut;
-          cut_next = true;
-        }
-      }
+      if (target == 0) target = target_from(s.dst);
+      // What is left fits this group's window: it takes it all.
+      const bool last = in_group + left <= target + slack;
+      const size_t take = last ? s.n : std::min(s.n, target - in_group);
       groups.back().push_back({s.src, s.dst, take, s.entry});
       state.remaining[s.entry].fetch_add(1, std::memory_order_relaxed);
       s.src += take;
       s.dst += take;
       s.n -= take;
       in_group += take;
+      left -= take;
+      if (!last && in_group >= target) {
+        groups.emplace_back();
+        in_group = 0;
+        target = 0;
+      }
     }
   }
   if (groups.back().empty()) groups.pop_back();
@@ -275,11 +276,11 @@ void submit_cpu_copies(CopyPool& pool, std::vector<std::vector<Slice>> groups, c
     std::lock_guard<std::mutex> slk(state->mu);
     state->pending_jobs = static_cast<int>(groups.size() + strided.size());
   }
-  InOrderDigest* digest = state->digest.get();
+  const bool hashes = state->hashes();
   for (auto& g : groups) {
-    pool.submit([state, digest, g = std::move(g)] {
+    pool.submit([state, hashes, g = std::move(g)] {
       for (const Slice& s : g) {
-        if (digest == nullptr) {
+        if (!hashes) {
           std::memcpy(s.dst, s.src, s.n);
         } else {
           // Copy a piece, hash it while it is in this core's cache (when it continues its chunk's hashed
@@ -287,7 +288,7 @@ void submit_cpu_copies(CopyPool& pool, std::vector<std::vector<Slice>> groups, c
           for (size_t off = 0; off < s.n; off += kFusedPieceBytes) {
             const size_t n = std::min(kFusedPieceBytes, s.n - off);
             std::memcpy(s.dst + off, s.src + off, n);
-            digest->covered(s.dst + off, n);
+            state->report(s.dst + off, n);
           }
         }
         state->entry_copied(s.entry);
@@ -304,7 +305,7 @@ void submit_cpu_copies(CopyPool& pool, std::vector<std::vector<Slice>> groups, c
         at::NoGradGuard no_grad;
         const at::Tensor& src = state->sources[i];  // not touched by the owner while jobs are pending
         at::from_blob(dst, shape, src.options()).copy_(src);
-        if (state->digest) state->digest->covered(dst, nbytes);
+        if (state->hashes()) state->report(dst, nbytes);
       } catch (...) {
         err = std::current_exception();
       }

@@ -61,7 +61,7 @@ struct PendingCopies {
 };
 
 /// Records each entry's storage and version counter in `state` and copies, now, the CPU tensors of at most
-/// `sync_max` bytes and the inference tensors (which have no version counter to check); with `state.digest`
+/// `sync_max` bytes and the inference tensors (which have no version counter to check); when `state` hashes,
 /// it reports them without hashing (the training thread does not pay for it). Returns the rest.
 /// InvalidArgument for a CUDA inference tensor.
 PendingCopies copy_small_now(const NamedTensors& tensors, const std::vector<PlanEntry>& plan, const CopyOrder& order,
@@ -99,8 +99,8 @@ std::vector<std::vector<Slice>> cut_into_jobs(const std::vector<Slice>& contiguo
 /// core's cache right after the copy (256 KiB measured best, checkpoint_hash_bench).
 inline constexpr size_t kFusedPieceBytes = size_t{256} << 10;
 
-/// Submits one pool job per group and per strided entry; `state` counts them as pending first. With
-/// `state->digest`, a group job copies kFusedPieceBytes at a time and hashes each piece after its copy, and
+/// Submits one pool job per group and per strided entry; `state` counts them as pending first. When
+/// `state` hashes, a group job copies kFusedPieceBytes at a time and hashes each piece after its copy, and
 /// a strided job reports its entry when copied. Jobs hold
 /// the state (not the tensors: a job's closure may die on the pool thread, and the last reference of a
 /// Python-owned tensor must not); a strided job reads its source from `state->sources`.

@@ -173,8 +173,9 @@ void write_all(int fd, const char* p, size_t n, const std::string& path) {
   }
 }
 
-/// The bytes into the new file `f` (closed here), hashed as they go, then fsync.
-FileDigest write_durably(OwnedFd& f, const std::string& path, const std::vector<ConstBuffer>& buffers) {
+/// The bytes into the new file `f` (closed here), hashed as they go (`hash`), then fsync.
+FileDigest write_durably(OwnedFd& f, const std::string& path, const std::vector<ConstBuffer>& buffers,
+                         bool hash = true) {
   FileDigestBuilder digest;
   WritebackPipeline writeback(f.fd);
   uint64_t total = 0;
@@ -182,7 +183,7 @@ FileDigest write_durably(OwnedFd& f, const std::string& path, const std::vector<
     const char* p = static_cast<const char*>(b.data);
     for (size_t left = b.size; left > 0;) {
       const size_t n = std::min(left, kWriteSlice);
-      digest.update(p, n);
+      if (hash) digest.update(p, n);
       write_all(f.fd, p, n, path);
       writeback.written(total, n);
       p += n;
@@ -194,6 +195,11 @@ FileDigest write_durably(OwnedFd& f, const std::string& path, const std::vector<
   writeback.after_fsync();
   const int fd = std::exchange(f.fd, -1);
   if (::close(fd) != 0) throw_errno("closing checkpoint file", path, errno);
+  if (!hash) {
+    FileDigest sized;
+    sized.size = total;
+    return sized;
+  }
   return digest.finish();
 }
 
@@ -214,6 +220,16 @@ FileDigest write_file_durably(const Dir& dir, const std::string& name, const std
                   static_cast<mode_t>(mode));
   if (f.fd < 0) throw_errno("creating checkpoint file", path, errno);
   return write_durably(f, path, buffers);
+}
+
+uint64_t write_file_durably_unhashed(const Dir& dir, const std::string& name, const std::vector<ConstBuffer>& buffers,
+                                     unsigned mode) {
+  const std::string path = dir.path_of(name);
+  OwnedFd f;
+  f.fd = ::openat(dir.fd(), name.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,
+                  static_cast<mode_t>(mode));
+  if (f.fd < 0) throw_errno("creating checkpoint file", path, errno);
+  return write_durably(f, path, buffers, /*hash=*/false).size;
 }
 
 void fsync_directory(const std::string& path) {

@@ -69,6 +69,10 @@ FileDigest write_file_durably(const std::string& path, const std::vector<ConstBu
 /// The same for the new file `name` of `dir` (openat with O_NOFOLLOW: immune to a swap of `dir`'s path).
 FileDigest write_file_durably(const Dir& dir, const std::string& name, const std::vector<ConstBuffer>& buffers,
                               unsigned mode = 0644);
+/// The same without hashing, for bytes whose digest the caller has already (the copies hashed them as they
+/// staged them: in_order_digest.h). Returns the bytes written.
+uint64_t write_file_durably_unhashed(const Dir& dir, const std::string& name, const std::vector<ConstBuffer>& buffers,
+                                     unsigned mode);
 /// fsync of a directory (so a rename or create inside it is durable). Throws IoError.
 void fsync_directory(const std::string& path);
 void fsync_directory(const Dir& dir);

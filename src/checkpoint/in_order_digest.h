@@ -1,20 +1,27 @@
 #pragma once
-// InOrderDigest: the FileDigest of a file whose bytes are written out of order by several threads (the
-// stager's copies into a memory-tier arena), hashed by the writing threads right after they write, while
-// the bytes are still in the CPU's cache. Why: a memory-tier save's only other pass over its bytes was the
-// writer's hash after staging, 0.56-0.97x a memcpy of them; fused with the copy it costs about 0.2x
-// (checkpoint_hash_bench, docs/benchmarks.md). One XXH3 stream cannot be split, so each chunk is hashed in
-// order: a piece that arrives before the ones in front of it waits, and is hashed by the thread that fills
-// the gap (or by finish()). Torch-free.
+// InOrderDigest: XXH3 digests of bytes that several threads write out of order (the stager's copies into an
+// arena), hashed by the writing threads right after they write, while the bytes are still in the CPU's
+// cache. Why: a save's passes over its bytes after staging (the chunk checksums of its data file, and on the
+// disk tier each whole tensor's digest) cost 0.56-0.97x a memcpy of them each; fused with the copy, about
+// 0.2x (checkpoint_hash_bench, docs/benchmarks.md). One XXH3 stream cannot be split, so each segment is
+// hashed in order: a piece that arrives before the ones in front of it waits, and is hashed by the thread
+// that fills the gap (or by finish). Two shapes of segments:
+// - for_file(): the chunks of a file that is `head` bytes of header and then the arena's bytes, the header
+//   coming only at the end (finish_file): the FileDigest the file's manifest entry carries;
+// - for_tensors(): one segment per given byte range of the arena (a whole tensor's), for header_of().
+// Torch-free.
 //
-// Ownership: borrows the file's bytes (a mapping the caller keeps alive and does not change after reporting
-// them); thread-safe for covered(); finish() once, after every covered() has returned.
+// Ownership: borrows the arena (the caller keeps it alive and unchanged after reporting its bytes);
+// covered() is thread-safe; a finish once, after every covered() has returned.
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "checkpoint/checksums.h"
 
@@ -28,42 +35,54 @@ inline constexpr uint64_t kInOrderChunkBytes = uint64_t{4} << 20;
 
 class InOrderDigest {
  public:
-  /// The digest of `size` bytes at `file`, in chunks of `chunk_bytes` (>= 1 MiB).
-  InOrderDigest(const uint8_t* file, uint64_t size, uint64_t chunk_bytes = kInOrderChunkBytes);
+  /// The chunks of a file of `head` header bytes followed by the `size` bytes at `data`, in chunks of
+  /// `chunk_bytes` (>= 1 MiB) counted from the file's start. A chunk that holds header bytes is hashed by
+  /// finish_file(), which is given them.
+  static std::unique_ptr<InOrderDigest> for_file(const uint8_t* data, uint64_t head, uint64_t size,
+                                                 uint64_t chunk_bytes = kInOrderChunkBytes);
+  /// One digest per range [begin, end) of `data` (ascending, not overlapping; gaps are not hashed).
+  static std::unique_ptr<InOrderDigest> for_tensors(const uint8_t* data,
+                                                    const std::vector<std::pair<uint64_t, uint64_t>>& ranges);
   ~InOrderDigest();
   InOrderDigest(const InOrderDigest&) = delete;
   InOrderDigest& operator=(const InOrderDigest&) = delete;
 
-  /// [begin, end) of the file holds its final bytes from now on. With `hash_now`, this thread hashes every
-  /// byte that thereby joins its chunk's hashed prefix, unless another thread is hashing that chunk (which
-  /// then takes them too); without, the range only waits for a later call or finish() (a caller on the
-  /// training thread, which must not pay for the hash). Ranges must not overlap; out of the file: ignored
-  /// beyond its end.
-  void covered(uint64_t begin, uint64_t end, bool hash_now = true);
-  /// The same for `n` bytes at `p`, an address inside the file.
-  void covered(const uint8_t* p, size_t n, bool hash_now = true) {
-    covered(static_cast<uint64_t>(p - file_), static_cast<uint64_t>(p - file_) + n, hash_now);
-  }
-  /// The file's digest: whatever no covered() hashed (the ranges nobody reported, such as a header written
-  /// afterwards, and the pieces that waited) is hashed now, in order, from the bytes as they are. Call once,
-  /// when every byte is final and no covered() runs.
-  FileDigest finish();
+  /// The `n` bytes at `p` (inside the arena) hold their final bytes from now on. With `hash_now`, this
+  /// thread hashes every byte that thereby joins its segment's hashed prefix, unless another thread is
+  /// hashing that segment (which then takes them too); without, the bytes only wait for a later call or the
+  /// finish (a caller on the training thread, which must not pay for the hash). Reports must not overlap;
+  /// bytes outside every segment are ignored.
+  void covered(const uint8_t* p, size_t n, bool hash_now = true);
+  /// for_file(): the file's digest, given its `head` header bytes. What no covered() hashed (the chunks
+  /// that hold header bytes, the pieces that waited, the bytes nobody reported) is hashed now, in order,
+  /// from the bytes as they are. Call once, when every byte is final and no covered() runs.
+  FileDigest finish_file(const uint8_t* head, size_t head_bytes);
+  /// for_tensors(): each range's XXH3-64 (hex), in the order given, finished the same way.
+  std::vector<std::string> finish_tensors();
 
+  /// The arena offset at which for_file()'s chunk `k` (k >= 1 when the header is non-empty) starts: where
+  /// the copy engine may cut its jobs; the header's length matters, the arena's alignment does not.
   uint64_t chunk_bytes() const { return chunk_bytes_; }
-  /// The file offset of `p`, an address inside the file.
-  uint64_t offset_of(const uint8_t* p) const { return static_cast<uint64_t>(p - file_); }
-  /// Bytes hashed by covered() so far (the rest is finish()'s): what the fusion saved, for tests.
+  uint64_t head_bytes() const { return head_; }
+  /// The arena offset of `p`.
+  uint64_t offset_of(const uint8_t* p) const { return static_cast<uint64_t>(p - data_); }
+  /// Bytes hashed by covered() so far (the rest is the finish's): what the fusion saved, for tests.
   uint64_t hashed_early() const { return hashed_early_.load(std::memory_order_relaxed); }
 
  private:
-  struct Chunk;
-  void drain(size_t k, Chunk& c, std::unique_lock<std::mutex>& lk);
+  struct Segment;
+  InOrderDigest(const uint8_t* data, std::vector<std::pair<uint64_t, uint64_t>> ranges, std::vector<bool> blocked);
+  void drain(Segment& s, std::unique_lock<std::mutex>& lk);
+  /// Finishes segment `s` from the arena (after any header bytes the caller hashed into it).
+  void finish_segment(Segment& s);
 
-  const uint8_t* file_;
-  uint64_t size_;
-  uint64_t chunk_bytes_;
-  std::unique_ptr<Chunk[]> chunks_;
-  size_t count_;
+  const uint8_t* data_;
+  uint64_t head_ = 0;
+  uint64_t size_ = 0;
+  uint64_t chunk_bytes_ = 0;  // for_file() only
+  std::vector<uint64_t> begins_;  // each segment's first arena offset, ascending
+  std::unique_ptr<Segment[]> segments_;
+  size_t count_ = 0;
   std::atomic<uint64_t> hashed_early_{0};
 };
 

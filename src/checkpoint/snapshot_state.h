@@ -50,9 +50,17 @@ struct SnapshotState {
 #if ETTKIT_WITH_CUDA
   std::vector<std::unique_ptr<CudaEvent>> cuda_events;  // one per copy class, in stream order
 #endif
-  // A memory-tier save into a file arena (Stager::stage's `digest_file`): the copies hash the file as they
-  // write it (in_order_digest.h); the writer finishes it. Set before any copy starts, never reset.
+  // What the copies hash as they write (Stager::stage's `digests`; in_order_digest.h), for the writer to
+  // finish: the data file's chunks (`digest`), and on the disk tier the whole tensors' digests. Set before
+  // any copy starts, never reset.
   std::unique_ptr<InOrderDigest> digest;
+  std::unique_ptr<InOrderDigest> tensor_digest;
+  /// The `n` bytes at `p` in the arena are copied: hashed now into each digest (`hash_now`) or left waiting.
+  void report(const uint8_t* p, size_t n, bool hash_now = true) {
+    if (digest) digest->covered(p, n, hash_now);
+    if (tensor_digest) tensor_digest->covered(p, n, hash_now);
+  }
+  bool hashes() const { return digest || tensor_digest; }
   std::once_flag index_once;
   std::unordered_map<const void*, std::vector<int>> by_storage;  // built on the first wait_for()
 

@@ -50,6 +50,20 @@ struct Stager::Impl {
   // With a memory tier: the arenas are its files (set_arena_files), each with header room for the plan.
   std::shared_ptr<detail::ArenaFiles> files;
   size_t header_room = 0;
+  // The disk tier's header of the current plan (set_disk_header_planner), asked once per plan.
+  std::function<DiskHeaderPlan(const std::vector<PlanEntry>&)> disk_header_planner;
+  DiskHeaderPlan disk_header;
+  /// disk_header for `plan` (mu held); nothing planned when there is no planner or it fails.
+  void plan_disk_header() {
+    disk_header = {};
+    if (!disk_header_planner || !plan) return;
+    try {
+      disk_header = disk_header_planner(*plan);
+    } catch (const std::exception&) {
+      // A dtype the header cannot name: the writer reports it as the save's error, as before.
+      disk_header = {};
+    }
+  }
   uint64_t publish_seq = 0;
 #if ETTKIT_WITH_CUDA
   std::mutex stream_mu;  // guards copy_stream: stage() uses it outside mu, prepare() warms it under mu
@@ -167,6 +181,13 @@ void Stager::set_arena_files(std::shared_ptr<detail::ArenaFiles> files) {
 }
 
 detail::InOrderDigest* Snapshot::file_digest() const { return state_ ? state_->digest.get() : nullptr; }
+detail::InOrderDigest* Snapshot::tensor_digest() const { return state_ ? state_->tensor_digest.get() : nullptr; }
+
+void Stager::set_disk_header_planner(std::function<DiskHeaderPlan(const std::vector<PlanEntry>&)> planner) {
+  std::lock_guard<std::mutex> lk(impl_->mu);
+  impl_->disk_header_planner = std::move(planner);
+  impl_->plan_disk_header();
+}
 
 const detail::Arena* Snapshot::arena_file() const {
   if (!stager_ || released_) return nullptr;
@@ -274,6 +295,7 @@ PlanPtr Stager::Impl::replan(const NamedTensors& tensors, OnBusy on_busy, std::u
   plan = fresh.entries;
   plan_total = fresh.total_bytes;
   ++plan_builds;
+  plan_disk_header();
   return plan;
 }
 
@@ -399,7 +421,7 @@ int64_t Stager::prepare(const NamedTensors& tensors) {
 }
 
 std::shared_ptr<Snapshot> Stager::stage(const NamedTensors& tensors, OnBusy on_busy, const CopyPriority& priority,
-                                        int64_t sync_copy_max_bytes, bool digest_file) {
+                                        int64_t sync_copy_max_bytes, StageHashing hashing) {
   Impl& im = *impl_;
   int64_t begin_us = epoch_us();
   // The copies read storage; they must not become autograd history (callers pass parameters as they are).
@@ -417,11 +439,26 @@ std::shared_ptr<Snapshot> Stager::stage(const NamedTensors& tensors, OnBusy on_b
   if (arena < 0) return nullptr;
   const Arena& taken = im.arenas[static_cast<size_t>(arena)];
   uint8_t* base = taken.ptr;
-  // The file the memory tier will link: header room, then exactly the staged bytes (an empty state's
-  // one-byte arena is no such file; the writer copies it).
   std::unique_ptr<detail::InOrderDigest> digest;
-  if (digest_file && taken.fd >= 0 && im.plan_total > 0 && taken.size == static_cast<size_t>(im.plan_total)) {
-    digest = std::make_unique<detail::InOrderDigest>(taken.map, taken.reserve + taken.size);
+  std::unique_ptr<detail::InOrderDigest> tensor_digest;
+  if (hashing == StageHashing::kMemoryTier && taken.fd >= 0 && im.plan_total > 0 &&
+      taken.size == static_cast<size_t>(im.plan_total)) {
+    // The file the memory tier will link: header room, then exactly the staged bytes (an empty state's
+    // one-byte arena is no such file; the writer copies it). The room is the map's start: no header bytes
+    // apart from it.
+    digest = detail::InOrderDigest::for_file(taken.map, 0, taken.reserve + taken.size);
+  } else if (hashing == StageHashing::kDiskTier && im.disk_header.bytes > 0 && im.plan_total > 0) {
+    // The disk data file: the header, then the staged bytes, in the disk tier's 32 MiB chunks (rank 0's
+    // manifest lists every rank's: 4 MiB ones would make it 8 times longer); and the whole tensors' digests.
+    digest = detail::InOrderDigest::for_file(base, im.disk_header.bytes, static_cast<uint64_t>(im.plan_total),
+                                             detail::kHashChunkBytes);
+    std::vector<std::pair<uint64_t, uint64_t>> ranges;
+    ranges.reserve(im.disk_header.whole.size());
+    for (size_t i : im.disk_header.whole) {
+      const PlanEntry& e = (*plan)[i];
+      ranges.emplace_back(static_cast<uint64_t>(e.offset), static_cast<uint64_t>(e.offset + e.nbytes));
+    }
+    tensor_digest = detail::InOrderDigest::for_tensors(base, ranges);
   }
   lk.unlock();
 
@@ -435,6 +472,7 @@ std::shared_ptr<Snapshot> Stager::stage(const NamedTensors& tensors, OnBusy on_b
   snap->state_ = state;
   state->start(tensors.size());
   state->digest = std::move(digest);
+  state->tensor_digest = std::move(tensor_digest);
   // 3) The copies, in the order `priority` gives.
   im.copy(tensors, *plan, priority, base, std::max(im.opt.sync_copy_max_bytes, sync_copy_max_bytes), *snap, state);
   return snap;

@@ -28,6 +28,13 @@ std::string safetensors_dtype(at::ScalarType t, const std::string& key);
 /// kWholeTensorDigestPrefix), hashed from the staged bytes, so that a resharding load can tell a replica
 /// from per-rank state; memory-tier steps are never resharded and skip that pass.
 std::string header_of(const std::vector<PlanEntry>& plan, const uint8_t* arena);
+/// The same with the whole tensors' digests given: `digests[k]` (hex) for entry `whole[k]`.
+std::string header_of(const std::vector<PlanEntry>& plan, const std::vector<size_t>& whole,
+                      const std::vector<std::string>& digests);
+/// The disk tier's header of `plan` as the copies need it (Stager::set_disk_header_planner): its length,
+/// which the digests' bytes do not change (16 hex digits each), and the entries saved whole. Throws
+/// InvalidArgument for a dtype safetensors cannot store.
+DiskHeaderPlan plan_disk_header(const std::vector<PlanEntry>& plan);
 
 /// What the writer does between the files of a step: the writer owns the test hold and the torn verdict.
 struct StepHooks {
@@ -71,6 +78,10 @@ class StepWriter {
 
  private:
   const std::string& header();
+  /// The disk tier with the copies' digests (Stager::stage with kDiskTier): makes the header from the
+  /// whole tensors' digests and the data file's digest from the chunks; false (nothing done) when there
+  /// are none or the header is not the length they were planned with.
+  bool use_fused_digests();
   /// The part both ways of writing share: rank-<r>.extra into `dir`, then the verdict hook.
   void write_extra(const Dir& dir, unsigned mode, const StepHooks& hooks, std::map<std::string, FileDigest>& files);
 
@@ -84,6 +95,7 @@ class StepWriter {
   bool header_made_ = false;
   const std::string* cached_header_ = nullptr;  // use_cached_header()
   std::string* cached_padded_ = nullptr;
+  FileDigest fused_file_;  // use_fused_digests()
 };
 
 }  // namespace ettkit::checkpoint::detail

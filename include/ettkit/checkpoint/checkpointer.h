@@ -169,6 +169,16 @@ struct PlanEntry {
   int64_t offset = 0;
 };
 
+/// What a save's copies also hash as they write (Stager::stage).
+enum class StageHashing : uint8_t { kNone, kMemoryTier, kDiskTier };
+
+/// The disk tier's safetensors header of a plan, as far as the copies need it (Stager::set_disk_header_planner):
+/// its length in bytes and the plan entries whose whole-tensor digest it records.
+struct DiskHeaderPlan {
+  uint64_t bytes = 0;
+  std::vector<size_t> whole;
+};
+
 class Stager;
 namespace detail {
 struct Arena;
@@ -217,10 +227,13 @@ class ETTKIT_API Snapshot {
   /// which links it. The stager stages into it again only once no step links it (that step retired, by the
   /// tier's retention or by the stager itself when it needs the arena for a later save).
   void publish(int64_t step);
-  /// The digest of the arena's file that the copies computed as they wrote it (Stager::stage's
-  /// `digest_file`), for the writer to finish once the header is in the room; nullptr when not asked or the
-  /// arena is not a file. Valid while the snapshot lives.
+  /// The digest of the step's data file that the copies computed as they wrote it (Stager::stage's
+  /// `hashing`), for the writer to finish once the header is known; nullptr when not asked or not possible.
+  /// Valid while the snapshot lives.
   detail::InOrderDigest* file_digest() const;
+  /// The whole tensors' digests the copies computed (a kDiskTier stage; DiskHeaderPlan::whole, in that
+  /// order); nullptr otherwise. Valid while the snapshot lives.
+  detail::InOrderDigest* tensor_digest() const;
   /// Views of the arena as CPU tensors, one per plan entry (valid until release()).
   NamedTensors tensors();
   int64_t stage_begin_us() const { return stage_begin_us_; }
@@ -253,11 +266,12 @@ class ETTKIT_API Stager {
   /// Starts copying `tensors` into a free arena. Returns nullptr when on_busy == kSkip and no arena is
   /// free. Throws InvalidArgument when the state exceeds the memory budget or on_busy == kError.
   /// `sync_copy_max_bytes` raises StagerOptions::sync_copy_max_bytes for this save.
-  /// `digest_file` (a memory-tier save): when the arena is a file of the memory tier, the copies also hash
-  /// that file as they write it (Snapshot::file_digest), so that the writer needs no pass of its own.
+  /// `hashing`: what the copies also hash as they write (Snapshot::file_digest, tensor_digest), so that the
+  /// writer needs no pass of its own: kMemoryTier, when the arena is a file of the memory tier, that file's
+  /// chunks; kDiskTier, when a disk header planner is set, the disk data file's chunks and its whole tensors.
   std::shared_ptr<Snapshot> stage(const NamedTensors& tensors, OnBusy on_busy,
                                   const CopyPriority& priority = {}, int64_t sync_copy_max_bytes = 0,
-                                  bool digest_file = false);
+                                  StageHashing hashing = StageHashing::kNone);
   /// Does now what the first stage() of `tensors`' structure (names, dtypes, shapes) would: builds the plan,
   /// allocates the arenas and backs every page of them, so that the first save blocks like the later ones
   /// (faulting in a fresh arena costs about as much as the copy itself). For a thread other than the
@@ -272,6 +286,11 @@ class ETTKIT_API Stager {
   /// staged it instead of copying it. nullptr: anonymous memory again. Waits for every busy arena and frees
   /// all of them; the next stage() or prepare() allocates them anew.
   void set_arena_files(std::shared_ptr<detail::ArenaFiles> files);
+  /// Internal to AsyncCheckpointer: how long the disk tier's safetensors header of a plan is (its whole-tensor
+  /// digests are 16 hex digits whatever the bytes, so the length is the plan's) and which entries those
+  /// digests cover; asked once per plan. With it, a kDiskTier stage hashes as it copies. Returning 0 bytes
+  /// (a plan the header cannot describe): that save hashes after staging, as without a planner.
+  void set_disk_header_planner(std::function<DiskHeaderPlan(const std::vector<PlanEntry>&)> planner);
 
   int64_t arena_bytes() const;
   int num_arenas() const;

@@ -25,6 +25,7 @@
 #include "checkpoint/host_arena.h"
 #include "checkpoint/in_order_digest.h"
 #include "checkpoint/manifest.h"
+#include "checkpoint/safetensors.h"
 #include "ett/test_dir.h"
 #include "ettkit/checkpoint/checkpointer.h"
 
@@ -82,31 +83,82 @@ TEST(InOrderDigest, AnyOrderGivesTheOnePassDigest) {
       // The file starts as garbage and each piece lands just before its report, as a copy job does: a
       // digest that hashed past a gap would hash bytes not yet written.
       std::vector<uint8_t> file(size, 0xAB);
-      ckd::InOrderDigest d(file.data(), size);
+      auto d = ckd::InOrderDigest::for_file(file.data(), 0, size);
       for (auto [b, e] : p) {
         std::copy(bytes.begin() + static_cast<std::ptrdiff_t>(b), bytes.begin() + static_cast<std::ptrdiff_t>(e),
                   file.begin() + static_cast<std::ptrdiff_t>(b));
-        d.covered(b, e, /*hash_now=*/std::string(order) != "deferred");
+        d->covered(file.data() + b, e - b, /*hash_now=*/std::string(order) != "deferred");
       }
       // Every reported byte joins its chunk's prefix once the pieces before it are in: the reporting
       // threads hash all of it, none is left to finish(). Deferred ones wait for finish().
-      EXPECT_EQ(d.hashed_early(), std::string(order) == "deferred" ? 0 : size) << order << " " << size;
-      expect_same(d.finish(), want);
+      EXPECT_EQ(d->hashed_early(), std::string(order) == "deferred" ? 0 : size) << order << " " << size;
+      expect_same(d->finish_file(nullptr, 0), want);
     }
   }
 }
 
 TEST(InOrderDigest, BytesNobodyReportedAreHashedByFinishAsTheyAreThen) {
   std::vector<uint8_t> bytes = random_bytes(9 * kMiB, 3);
-  ckd::InOrderDigest d(bytes.data(), bytes.size());
+  auto d = ckd::InOrderDigest::for_file(bytes.data(), 0, bytes.size());
   // A header room at the front, written only after the copies (what the memory tier's writer does), and a
-  // hole in a later chunk that no copy reports.
-  d.covered(4096, 5 * kMiB);
-  d.covered(5 * kMiB + 100, bytes.size());
+  // hole in chunk 1 that no copy reports.
+  d->covered(bytes.data() + 4096, 5 * kMiB - 4096);
+  d->covered(bytes.data() + 5 * kMiB + 100, 4 * kMiB - 100);
   // Chunk 0 waits for its room, chunk 1 is hashed up to the hole, chunk 2 ([8, 9) MiB) whole.
-  EXPECT_EQ(d.hashed_early(), 2 * kMiB);
+  EXPECT_EQ(d->hashed_early(), 2 * kMiB);
   for (size_t i = 0; i < 4096; ++i) bytes[i] = static_cast<uint8_t>(i * 7);
-  expect_same(d.finish(), one_pass(bytes.data(), bytes.size()));
+  expect_same(d->finish_file(nullptr, 0), one_pass(bytes.data(), bytes.size()));
+}
+
+TEST(InOrderDigest, AHeaderGivenAtTheEndStartsTheFileEvenWhenItSpansChunks) {
+  // The disk tier's file: the header is known only once the tensors' digests are, after the copies. The
+  // chunks it reaches into are hashed by the finish; the others by the copies.
+  for (uint64_t head : {uint64_t{0}, uint64_t{8}, uint64_t{300'000}, 5 * kMiB + 3}) {
+    const std::vector<uint8_t> header = random_bytes(head, 5);
+    const std::vector<uint8_t> data = random_bytes(11 * kMiB + 17, 6);
+    std::vector<uint8_t> whole(header);
+    whole.insert(whole.end(), data.begin(), data.end());
+    std::vector<uint8_t> arena(data.size(), 0);
+    auto d = ckd::InOrderDigest::for_file(arena.data(), head, arena.size());
+    std::mt19937 g(static_cast<uint32_t>(head));
+    auto p = pieces(arena.size(), 200'000, g);
+    std::shuffle(p.begin(), p.end(), g);
+    for (auto [b, e] : p) {
+      std::memcpy(arena.data() + b, data.data() + b, e - b);
+      d->covered(arena.data() + b, e - b);
+    }
+    // Every chunk that holds no header byte was hashed by the reports.
+    const uint64_t first_free = (head + kMiB * 4 - 1) / (kMiB * 4) * (kMiB * 4);
+    EXPECT_EQ(d->hashed_early(), head + data.size() - std::max(first_free, head)) << head;
+    expect_same(d->finish_file(header.data(), header.size()), one_pass(whole.data(), whole.size()));
+  }
+  std::vector<uint8_t> arena(kMiB);
+  auto d = ckd::InOrderDigest::for_file(arena.data(), 100, arena.size());
+  uint8_t header[99] = {};
+  EXPECT_THROW(d->finish_file(header, sizeof header), ettkit::InvalidArgument);
+}
+
+TEST(InOrderDigest, TensorRangesWithGapsAndEmptyOnesHashLikeEachTensorAlone) {
+  const std::vector<uint8_t> data = random_bytes(3 * kMiB, 9);
+  const std::vector<std::pair<uint64_t, uint64_t>> ranges = {
+      {0, 10}, {10, 10}, {64, 700'000}, {700'000, 2 * kMiB}, {2 * kMiB + 5, 3 * kMiB}};
+  std::vector<uint8_t> arena(data.size(), 0xCD);
+  auto d = ckd::InOrderDigest::for_tensors(arena.data(), ranges);
+  std::mt19937 g(4);
+  auto p = pieces(arena.size(), 100'000, g);
+  std::shuffle(p.begin(), p.end(), g);
+  for (auto [b, e] : p) {
+    std::memcpy(arena.data() + b, data.data() + b, e - b);
+    d->covered(arena.data() + b, e - b);
+  }
+  const std::vector<std::string> got = d->finish_tensors();
+  ASSERT_EQ(got.size(), ranges.size());
+  uint64_t in_ranges = 0;
+  for (size_t k = 0; k < ranges.size(); ++k) {
+    EXPECT_EQ(got[k], ckd::xxh3_of(data.data() + ranges[k].first, ranges[k].second - ranges[k].first)) << k;
+    in_ranges += ranges[k].second - ranges[k].first;
+  }
+  EXPECT_EQ(d->hashed_early(), in_ranges);  // the gaps are never hashed
 }
 
 TEST(InOrderDigest, ConcurrentReportersOfShuffledPiecesAgreeWithOnePass) {
@@ -117,55 +169,65 @@ TEST(InOrderDigest, ConcurrentReportersOfShuffledPiecesAgreeWithOnePass) {
     auto p = pieces(bytes.size(), 64 * 1024, g);
     std::shuffle(p.begin(), p.end(), g);
     std::vector<uint8_t> file(bytes.size(), 0);
-    ckd::InOrderDigest d(file.data(), file.size());
+    auto d = ckd::InOrderDigest::for_file(file.data(), 0, file.size());
     std::vector<std::thread> threads;
     for (size_t t = 0; t < 4; ++t) {
       threads.emplace_back([&, t] {
         for (size_t k = t; k < p.size(); k += 4) {
           std::memcpy(file.data() + p[k].first, bytes.data() + p[k].first, p[k].second - p[k].first);
-          d.covered(p[k].first, p[k].second);
+          d->covered(file.data() + p[k].first, p[k].second - p[k].first);
         }
       });
     }
     for (auto& t : threads) t.join();
-    EXPECT_EQ(d.hashed_early(), bytes.size()) << trial;
-    expect_same(d.finish(), want);
+    EXPECT_EQ(d->hashed_early(), bytes.size()) << trial;
+    expect_same(d->finish_file(nullptr, 0), want);
   }
 }
 
 TEST(InOrderDigest, RefusesAChunkSizeNoManifestAccepts) {
   uint8_t b = 0;
-  EXPECT_THROW(ckd::InOrderDigest(&b, 1, kMiB - 1), ettkit::InvalidArgument);
+  EXPECT_THROW(ckd::InOrderDigest::for_file(&b, 0, 1, kMiB - 1), ettkit::InvalidArgument);
   EXPECT_THROW(ckd::FileDigestBuilder(4096), ettkit::InvalidArgument);
 }
 
 TEST(FusedDigestJobs, CopyJobsAreCutAtChunkBoundariesOfTheFile) {
-  const uint64_t room = 8192;
-  std::vector<uint8_t> file(room + 45 * kMiB + 77);
+  // A file of an 8 KiB header and 45 MiB of tensors: every cut of the copy jobs falls on a 4 MiB boundary of
+  // the file, not of the arena, and the jobs together copy every byte in order.
+  const uint64_t head = 8192;
+  std::vector<uint8_t> arena(45 * kMiB + 77);
   ckd::SnapshotState state;
   state.start(3);
-  state.digest = std::make_unique<ckd::InOrderDigest>(file.data(), file.size());
+  state.digest = ckd::InOrderDigest::for_file(arena.data(), head, arena.size());
   std::vector<ckd::Slice> slices;
-  uint8_t* dst = file.data() + room;
-  for (size_t i = 0, left = file.size() - room; i < 3; ++i) {
+  uint8_t* dst = arena.data();
+  for (size_t i = 0, left = arena.size(); i < 3; ++i) {
     const size_t n = i < 2 ? 15 * kMiB : left;
     slices.push_back({nullptr, dst, n, i});
     dst += n;
     left -= n;
   }
   for (int workers : {1, 2, 3, 4}) {
-    auto groups = ckd::cut_into_jobs(slices, file.size() - room, workers, state);
-    ASSERT_GE(groups.size(), static_cast<size_t>(std::min(workers, 4))) << workers;
-    uint64_t at = room;
+    auto groups = ckd::cut_into_jobs(slices, arena.size(), workers, state);
+    ASSERT_EQ(groups.size(), static_cast<size_t>(workers)) << workers;
+    uint64_t at = 0;
     for (size_t g = 0; g < groups.size(); ++g) {
       ASSERT_FALSE(groups[g].empty());
       const uint64_t begin = state.digest->offset_of(groups[g].front().dst);
       EXPECT_EQ(begin, at) << "group " << g << " of " << workers << " workers does not follow the one before";
-      if (g > 0) EXPECT_EQ(begin % ckd::kInOrderChunkBytes, 0u) << "group " << g << " of " << workers;
+      if (g > 0) EXPECT_EQ((begin + head) % ckd::kInOrderChunkBytes, 0u) << "group " << g << " of " << workers;
       for (const ckd::Slice& s : groups[g]) at += s.n;
     }
-    EXPECT_EQ(at, file.size());
+    EXPECT_EQ(at, arena.size());
   }
+  // Without hashing, the cuts are where they always were: equal shares.
+  ckd::SnapshotState plain;
+  plain.start(3);
+  auto groups = ckd::cut_into_jobs(slices, arena.size(), 2, plain);
+  ASSERT_EQ(groups.size(), 2u);
+  size_t first = 0;
+  for (const ckd::Slice& s : groups[0]) first += s.n;
+  EXPECT_EQ(first, (arena.size() + 1) / 2);
 }
 
 namespace {
@@ -209,7 +271,7 @@ TEST(FusedDigestStager, EveryKindOfCopyEndsInTheOnePassDigestOfTheArenaFile) {
                           {"tiny", at::ones({3})},     {"last", big_last}};
   const CopyPriority priority = {{big_last.storage().data(), 0}};
   for (int round = 0; round < 3; ++round) {
-    auto snap = stager.stage(tensors, OnBusy::kWait, priority, 0, /*digest_file=*/true);
+    auto snap = stager.stage(tensors, OnBusy::kWait, priority, 0, StageHashing::kMemoryTier);
     ASSERT_TRUE(snap);
     snap->wait_staged();
     ckd::InOrderDigest* digest = snap->file_digest();
@@ -220,7 +282,7 @@ TEST(FusedDigestStager, EveryKindOfCopyEndsInTheOnePassDigestOfTheArenaFile) {
     // The copy jobs hashed what they wrote, all of it but the chunk that holds the header room (its first
     // bytes come with the writer): what this thread reported unhashed was taken by the job that reached it.
     EXPECT_EQ(digest->hashed_early(), file_bytes - ckd::kInOrderChunkBytes) << round;
-    expect_same(digest->finish(), one_pass(arena->map, file_bytes));
+    expect_same(digest->finish_file(nullptr, 0), one_pass(arena->map, file_bytes));
     snap->release();
     for (auto& [name, t] : tensors) {
       if (!t.is_inference()) t.add_(1);
@@ -276,4 +338,77 @@ TEST(FusedDigestCheckpointer, AMemoryStepCarriesTheFusedChunksAndAFlippedByteIsF
   AsyncCheckpointer ck(o);
   NamedTensors t = {{"w", at::zeros({5 << 20})}, {"n", at::zeros({10}, at::kLong)}};
   EXPECT_THROW(ck.load_latest(t), CorruptCheckpoint);
+}
+
+TEST(FusedDigestCheckpointer, ADiskStepsChunksAndTensorDigestsComeFromTheCopiesAndMatchOnePass) {
+  TempDir d;
+  CheckpointerOptions o;
+  o.directory = d.str() + "/ck";
+  o.use_current_recorder = false;
+  o.stager.copy_threads = 2;
+  // 40 MiB over two 32 MiB chunks, a tensor split across the copy jobs, small ones copied on this thread.
+  NamedTensors s = {{"a", at::randn({3 << 20})}, {"n", at::arange(10, at::kLong)},
+                    {"b", at::randn({(7 << 20) + 5})}, {"t", at::ones({2})}};
+  {
+    AsyncCheckpointer ck(o);
+    for (int64_t step = 1; step <= 2; ++step) ASSERT_TRUE(ck.save(step, s).wait());
+  }
+  const std::string step_dir = o.directory + "/step-2";
+  std::stringstream text;
+  text << std::ifstream(step_dir + "/manifest.json").rdbuf();
+  const ckd::Manifest m = ckd::decode_manifest(text.str(), step_dir + "/manifest.json");
+  const ckd::FileDigest& got = m.files.at("rank-0.safetensors");
+  EXPECT_EQ(got.chunk_bytes, ckd::kHashChunkBytes);
+  EXPECT_EQ(got.chunks.size(), 2u);
+  std::ifstream f(step_dir + "/rank-0.safetensors", std::ios::binary);
+  std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  expect_same(got, one_pass(bytes.data(), bytes.size(), ckd::kHashChunkBytes));
+  // Each whole tensor's digest in the header is that of its bytes in the file.
+  const ckd::SafetensorsIndex idx =
+      ckd::read_safetensors_index(step_dir + "/rank-0.safetensors", static_cast<uint64_t>(bytes.size()));
+  ASSERT_EQ(idx.metadata.size(), 5u);  // "format" and four digests
+  for (const auto& [name, e] : idx.tensors) {
+    const std::string want = ckd::xxh3_of(bytes.data() + idx.data_offset + e.begin, e.end - e.begin);
+    EXPECT_EQ(idx.metadata.at(std::string(ckd::kWholeTensorDigestPrefix) + name), want) << name;
+  }
+  AsyncCheckpointer ck(o);
+  NamedTensors t = {{"a", at::zeros({3 << 20})}, {"n", at::zeros({10}, at::kLong)},
+                    {"b", at::zeros({(7 << 20) + 5})}, {"t", at::zeros({2})}};
+  auto r = ck.load_latest(t);
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->step, 2);
+  for (size_t i = 0; i < t.size(); ++i) EXPECT_TRUE(at::equal(t[i].second, s[i].second)) << t[i].first;
+}
+
+TEST(FusedDigestStager, ADiskStageHashesTheFileAfterItsHeaderAndEachWholeTensor) {
+  StagerOptions so;
+  so.copy_threads = 2;
+  Stager stager(so);
+  const uint64_t head = 12345;
+  stager.set_disk_header_planner([&](const std::vector<PlanEntry>& plan) {
+    DiskHeaderPlan p;
+    p.bytes = head;
+    for (size_t i = 0; i < plan.size(); i += 2) p.whole.push_back(i);  // every other entry saved whole
+    return p;
+  });
+  NamedTensors tensors;
+  for (int i = 0; i < 9; ++i) tensors.push_back({"t" + std::to_string(i), at::randn({(i + 1) * 300'000})});
+  auto snap = stager.stage(tensors, OnBusy::kWait, {}, 0, StageHashing::kDiskTier);
+  snap->wait_staged();
+  ASSERT_NE(snap->file_digest(), nullptr);
+  ASSERT_NE(snap->tensor_digest(), nullptr);
+  const size_t size = static_cast<size_t>(snap->total_bytes());
+  // The copies hashed every chunk that holds no header byte, and every whole tensor.
+  EXPECT_EQ(snap->file_digest()->hashed_early(), head + size - ckd::kHashChunkBytes);
+  const std::vector<std::string> digests = snap->tensor_digest()->finish_tensors();
+  ASSERT_EQ(digests.size(), 5u);
+  for (size_t k = 0; k < digests.size(); ++k) {
+    const PlanEntry& e = snap->plan()[2 * k];
+    EXPECT_EQ(digests[k], ckd::xxh3_of(snap->data() + e.offset, static_cast<size_t>(e.nbytes))) << e.name;
+  }
+  const std::vector<uint8_t> header = random_bytes(head, 2);
+  std::vector<uint8_t> file(header);
+  file.insert(file.end(), snap->data(), snap->data() + size);
+  expect_same(snap->file_digest()->finish_file(header.data(), header.size()),
+              one_pass(file.data(), file.size(), ckd::kHashChunkBytes));
 }
