@@ -22,6 +22,12 @@ struct InOrderDigest::Segment {
   std::map<uint64_t, uint64_t> pending;
 };
 
+uint64_t disk_chunk_bytes(uint64_t file_bytes) {
+  uint64_t chunk = kInOrderChunkBytes;
+  while (chunk < kHashChunkBytes && chunk * 64 < file_bytes) chunk *= 2;
+  return chunk;
+}
+
 InOrderDigest::InOrderDigest(const uint8_t* data, std::vector<std::pair<uint64_t, uint64_t>> ranges,
                              std::vector<bool> blocked)
     : data_(data), count_(ranges.size()) {

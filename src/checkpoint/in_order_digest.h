@@ -33,6 +33,14 @@ namespace ettkit::checkpoint::detail {
 /// makes 256 checksums in the manifest (about 5 KB).
 inline constexpr uint64_t kInOrderChunkBytes = uint64_t{4} << 20;
 
+/// The chunk size of a disk-tier data file hashed by its copies: a 64th of the file rounded up to a power of
+/// two, between 4 MiB and kHashChunkBytes (32 MiB). Why: the first chunk holds the header, which is known
+/// only after the copies (it records each tensor's digest), so that chunk is hashed afterwards from memory
+/// that has left the cache; with 32 MiB chunks that was all of a 32 MiB state. A 64th bounds it, and rank 0's
+/// manifest, which lists every rank's chunks, grows by at most 64 checksums a file (files of 2 GiB and more
+/// keep 32 MiB chunks, as before).
+uint64_t disk_chunk_bytes(uint64_t file_bytes);
+
 class InOrderDigest {
  public:
   /// The chunks of a file of `head` header bytes followed by the `size` bytes at `data`, in chunks of

@@ -448,10 +448,11 @@ std::shared_ptr<Snapshot> Stager::stage(const NamedTensors& tensors, OnBusy on_b
     // apart from it.
     digest = detail::InOrderDigest::for_file(taken.map, 0, taken.reserve + taken.size);
   } else if (hashing == StageHashing::kDiskTier && im.disk_header.bytes > 0 && im.plan_total > 0) {
-    // The disk data file: the header, then the staged bytes, in the disk tier's 32 MiB chunks (rank 0's
-    // manifest lists every rank's: 4 MiB ones would make it 8 times longer); and the whole tensors' digests.
+    // The disk data file: the header, then the staged bytes, in chunks of disk_chunk_bytes (in_order_digest.h
+    // says why); and the whole tensors' digests.
+    const uint64_t file = im.disk_header.bytes + static_cast<uint64_t>(im.plan_total);
     digest = detail::InOrderDigest::for_file(base, im.disk_header.bytes, static_cast<uint64_t>(im.plan_total),
-                                             detail::kHashChunkBytes);
+                                             detail::disk_chunk_bytes(file));
     std::vector<std::pair<uint64_t, uint64_t>> ranges;
     ranges.reserve(im.disk_header.whole.size());
     for (size_t i : im.disk_header.whole) {

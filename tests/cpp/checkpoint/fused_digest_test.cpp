@@ -185,6 +185,15 @@ TEST(InOrderDigest, ConcurrentReportersOfShuffledPiecesAgreeWithOnePass) {
   }
 }
 
+TEST(InOrderDigest, ADiskFilesChunksAreASixtyFourthBetweenFourAndThirtyTwoMiB) {
+  EXPECT_EQ(ckd::disk_chunk_bytes(0), 4 * kMiB);
+  EXPECT_EQ(ckd::disk_chunk_bytes(256 * kMiB), 4 * kMiB);
+  EXPECT_EQ(ckd::disk_chunk_bytes(256 * kMiB + 1), 8 * kMiB);
+  EXPECT_EQ(ckd::disk_chunk_bytes(kMiB << 10), 16 * kMiB);
+  EXPECT_EQ(ckd::disk_chunk_bytes(kMiB << 11), 32 * kMiB);
+  EXPECT_EQ(ckd::disk_chunk_bytes(uint64_t{1} << 40), ckd::kHashChunkBytes);
+}
+
 TEST(InOrderDigest, RefusesAChunkSizeNoManifestAccepts) {
   uint8_t b = 0;
   EXPECT_THROW(ckd::InOrderDigest::for_file(&b, 0, 1, kMiB - 1), ettkit::InvalidArgument);
@@ -358,11 +367,11 @@ TEST(FusedDigestCheckpointer, ADiskStepsChunksAndTensorDigestsComeFromTheCopiesA
   text << std::ifstream(step_dir + "/manifest.json").rdbuf();
   const ckd::Manifest m = ckd::decode_manifest(text.str(), step_dir + "/manifest.json");
   const ckd::FileDigest& got = m.files.at("rank-0.safetensors");
-  EXPECT_EQ(got.chunk_bytes, ckd::kHashChunkBytes);
-  EXPECT_EQ(got.chunks.size(), 2u);
+  EXPECT_EQ(got.chunk_bytes, 1u << 20 << 2);  // a 64th of 40 MiB, rounded up to a power of two, >= 4 MiB
+  EXPECT_EQ(got.chunks.size(), 11u);
   std::ifstream f(step_dir + "/rank-0.safetensors", std::ios::binary);
   std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  expect_same(got, one_pass(bytes.data(), bytes.size(), ckd::kHashChunkBytes));
+  expect_same(got, one_pass(bytes.data(), bytes.size(), got.chunk_bytes));
   // Each whole tensor's digest in the header is that of its bytes in the file.
   const ckd::SafetensorsIndex idx =
       ckd::read_safetensors_index(step_dir + "/rank-0.safetensors", static_cast<uint64_t>(bytes.size()));
@@ -399,7 +408,9 @@ TEST(FusedDigestStager, ADiskStageHashesTheFileAfterItsHeaderAndEachWholeTensor)
   ASSERT_NE(snap->tensor_digest(), nullptr);
   const size_t size = static_cast<size_t>(snap->total_bytes());
   // The copies hashed every chunk that holds no header byte, and every whole tensor.
-  EXPECT_EQ(snap->file_digest()->hashed_early(), head + size - ckd::kHashChunkBytes);
+  const uint64_t chunk = ckd::disk_chunk_bytes(head + size);
+  EXPECT_EQ(chunk, ckd::kInOrderChunkBytes);  // 54 MiB: a 64th is under 4 MiB
+  EXPECT_EQ(snap->file_digest()->hashed_early(), head + size - chunk);
   const std::vector<std::string> digests = snap->tensor_digest()->finish_tensors();
   ASSERT_EQ(digests.size(), 5u);
   for (size_t k = 0; k < digests.size(); ++k) {
@@ -410,5 +421,5 @@ TEST(FusedDigestStager, ADiskStageHashesTheFileAfterItsHeaderAndEachWholeTensor)
   std::vector<uint8_t> file(header);
   file.insert(file.end(), snap->data(), snap->data() + size);
   expect_same(snap->file_digest()->finish_file(header.data(), header.size()),
-              one_pass(file.data(), file.size(), ckd::kHashChunkBytes));
+              one_pass(file.data(), file.size(), chunk));
 }
