@@ -160,19 +160,20 @@ MUTATIONS: tuple[Mutation, ...] = (
          Test("checkpoint_memory_tier_test", "MemoryTierCrash.KillAtRandomMomentsRestoresTheNewestCompleteSnapshot"))),
     Mutation(
         "fused-digest-skips-gaps", "src/checkpoint/in_order_digest.cpp",
-        "while (!c.pending.empty() && c.pending.begin()->first <= until) {",
-        "while (!c.pending.empty()) {",
+        "while (!s.pending.empty() && s.pending.begin()->first <= until) {",
+        "while (!s.pending.empty()) {",
         "a piece that arrives before the one in front of it is hashed at once: the chunk's hash skips the gap "
         "and no loader can verify the step",
         (Test(FUSED, "InOrderDigest.AnyOrderGivesTheOnePassDigest"),
          Test(FUSED, "FusedDigestStager.EveryKindOfCopyEndsInTheOnePassDigestOfTheArenaFile"))),
     Mutation(
         "fused-digest-not-in-copies", "src/checkpoint/copy_engine.cpp",
-        "digest->covered(s.dst + off, n);",
+        "state->report(s.dst + off, n);",
         "(void)n;",
-        "the copy jobs no longer hash what they write: every memory save is correct but pays the writer's "
-        "whole pass again (the fusion silently gone)",
-        (Test(FUSED, "FusedDigestStager.EveryKindOfCopyEndsInTheOnePassDigestOfTheArenaFile"),)),
+        "the copy jobs no longer hash what they write: every save is correct but pays the writer's whole "
+        "passes again (the fusion silently gone)",
+        (Test(FUSED, "FusedDigestStager.EveryKindOfCopyEndsInTheOnePassDigestOfTheArenaFile"),
+         Test(FUSED, "FusedDigestStager.ADiskStageHashesTheFileAfterItsHeaderAndEachWholeTensor"))),
     Mutation(
         "memory-tier-verify", "src/checkpoint/loader.cpp",
         "im.opt.verify_on_load && im.opt.memory_tier.verify,",
