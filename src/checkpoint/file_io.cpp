@@ -212,24 +212,27 @@ FileDigest write_file_durably(const std::string& path, const std::vector<ConstBu
   return write_durably(f, path, buffers);
 }
 
-FileDigest write_file_durably(const Dir& dir, const std::string& name, const std::vector<ConstBuffer>& buffers,
-                              unsigned mode) {
-  const std::string path = dir.path_of(name);
-  OwnedFd f;
+namespace {
+/// The new file `name` of `dir` for writing (openat, O_EXCL|O_NOFOLLOW: never an existing entry or a link).
+void create_in(const Dir& dir, const std::string& name, unsigned mode, OwnedFd& f) {
   f.fd = ::openat(dir.fd(), name.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,
                   static_cast<mode_t>(mode));
-  if (f.fd < 0) throw_errno("creating checkpoint file", path, errno);
-  return write_durably(f, path, buffers);
+  if (f.fd < 0) throw_errno("creating checkpoint file", dir.path_of(name), errno);
+}
+}  // namespace
+
+FileDigest write_file_durably(const Dir& dir, const std::string& name, const std::vector<ConstBuffer>& buffers,
+                              unsigned mode) {
+  OwnedFd f;
+  create_in(dir, name, mode, f);
+  return write_durably(f, dir.path_of(name), buffers);
 }
 
 uint64_t write_file_durably_unhashed(const Dir& dir, const std::string& name, const std::vector<ConstBuffer>& buffers,
                                      unsigned mode) {
-  const std::string path = dir.path_of(name);
   OwnedFd f;
-  f.fd = ::openat(dir.fd(), name.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,
-                  static_cast<mode_t>(mode));
-  if (f.fd < 0) throw_errno("creating checkpoint file", path, errno);
-  return write_durably(f, path, buffers, /*hash=*/false).size;
+  create_in(dir, name, mode, f);
+  return write_durably(f, dir.path_of(name), buffers, /*hash=*/false).size;
 }
 
 void fsync_directory(const std::string& path) {
