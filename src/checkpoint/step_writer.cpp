@@ -75,14 +75,14 @@ StepWriter::StepWriter(const Session& session, int64_t step, Snapshot& snapshot,
       whole_tensor_digests_(whole_tensor_digests),
       base_("rank-" + std::to_string(session.rank)) {}
 
-// Made on first use, not in the constructor: a dtype it cannot name is the save's error, which the disk
-// tier reports to the vote like any other write error.
 void StepWriter::use_cached_header(const std::string& header, std::string& padded) {
   ETTKIT_EXPECTS(!whole_tensor_digests_, "a header with whole-tensor digests depends on the bytes; it is never cached");
   cached_header_ = &header;
   cached_padded_ = &padded;
 }
 
+// Made on first use, not in the constructor: a dtype it cannot name is the save's error, which the disk
+// tier reports to the vote like any other write error.
 const std::string& StepWriter::header() {
   if (cached_header_ != nullptr) return *cached_header_;
   if (!header_made_) {
