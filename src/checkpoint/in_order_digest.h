@@ -68,8 +68,8 @@ class InOrderDigest {
   /// for_tensors(): each range's XXH3-64 (hex), in the order given, finished the same way.
   std::vector<std::string> finish_tensors();
 
-  /// The arena offset at which for_file()'s chunk `k` (k >= 1 when the header is non-empty) starts: where
-  /// the copy engine may cut its jobs; the header's length matters, the arena's alignment does not.
+  /// for_file()'s chunk size and header length: chunk k starts at file offset k * chunk_bytes, which is
+  /// arena offset k * chunk_bytes - head_bytes (where the copy engine cuts its jobs).
   uint64_t chunk_bytes() const { return chunk_bytes_; }
   uint64_t head_bytes() const { return head_; }
   /// The arena offset of `p`.
