@@ -73,7 +73,7 @@ void bind_ett(py::module_& m) {
       .def(py::init([](const std::string& run_dir, int rank, int world_size, double heartbeat_s,
                        double flush_interval_s, const std::string& fsync, uint32_t queue_capacity,
                        double shutdown_timeout_s, bool nvtx, bool launcher_phases_from_env,
-                       std::map<std::string, std::string> metadata) {
+                       std::map<std::string, std::string> metadata, bool ledger_readable_by_others) {
              ett::RecorderOptions o;
              o.run_dir = run_dir;
              o.rank = rank;
@@ -86,13 +86,15 @@ void bind_ett(py::module_& m) {
              o.nvtx = nvtx;
              o.launcher_phases_from_env = launcher_phases_from_env;
              o.metadata = std::move(metadata);
+             o.ledger_readable_by_others = ledger_readable_by_others;
              return std::make_unique<Recorder>(std::move(o));
            }),
            py::arg("run_dir"), py::kw_only(), py::arg("rank") = -1, py::arg("world_size") = -1,
            py::arg("heartbeat_s") = 1.0, py::arg("flush_interval_s") = 0.1, py::arg("fsync") = "heartbeat",
            py::arg("queue_capacity") = 1u << 16, py::arg("shutdown_timeout_s") = 5.0, py::arg("nvtx") = false,
            py::arg("launcher_phases_from_env") = true,
-           py::arg("metadata") = std::map<std::string, std::string>{})
+           py::arg("metadata") = std::map<std::string, std::string>{},
+           py::arg("ledger_readable_by_others") = false)
       .def("phase_id", &Recorder::phase_id, py::arg("name"))
       .def(
           "phase",

@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <vector>
 
+#include "checkpoint/file_io.h"
 #include "common/logging.h"
 #include "ett/event_queue.h"
 #include "ett/ledger_format.h"
@@ -65,42 +66,43 @@ int write_all(int fd, const char* data, size_t size) {
   return 0;
 }
 
-// The whole file, or "" when it does not exist or cannot be read.
-std::string read_whole(const std::string& path) {
-  std::string content;
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return content;
-  struct stat st {};
-  if (::fstat(fd, &st) == 0 && st.st_size > 0) {
-    content.resize(static_cast<size_t>(st.st_size));
-    size_t got = 0;
-    while (got < content.size()) {
-      ssize_t n = ::read(fd, content.data() + got, content.size() - got);
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) break;
-      got += static_cast<size_t>(n);
-    }
-    content.resize(got);
-  }
-  ::close(fd);
-  return content;
-}
-
 struct ExistingLedger {
   int attempts = 0;
   int64_t last_ts_us = 0;
   bool ends_with_newline = true;
 };
 
-// The latest `ts` or `e` among up to the last 64 complete lines of `content`.
-int64_t last_timestamp(const std::string& content) {
+// How much of the ledger is held at once while it is scanned: the file may be huge or sparse (its size is
+// whatever its writer made it), so it is streamed, never read whole.
+constexpr size_t kScanPiece = size_t{1} << 20;
+// The tail whose lines give the latest timestamp: 64 records of a few hundred bytes fit many times over.
+constexpr size_t kTailBytes = size_t{1} << 20;
+
+// Up to `size` bytes at `offset` of `fd` (fewer at the end of the file or on an error).
+std::string read_at(int fd, uint64_t offset, size_t size) {
+  std::string out(size, '\0');
+  size_t got = 0;
+  while (got < size) {
+    ssize_t n = ::pread(fd, out.data() + got, size - got, static_cast<off_t>(offset + got));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    got += static_cast<size_t>(n);
+  }
+  out.resize(got);
+  return out;
+}
+
+// The latest `ts` or `e` among up to the last 64 complete lines of `tail` (whose first line may be cut).
+int64_t last_timestamp(const std::string& tail, bool starts_at_a_line) {
   int64_t last = 0;
-  size_t end = content.size();
+  size_t end = tail.size();
   for (int lines = 0; lines < 64 && end > 0; ++lines) {
-    size_t begin = content.rfind('\n', end - 1);
-    begin = (begin == std::string::npos) ? 0 : begin + 1;
-    auto record = nlohmann::json::parse(content.begin() + static_cast<std::ptrdiff_t>(begin),
-                                        content.begin() + static_cast<std::ptrdiff_t>(end), nullptr,
+    size_t begin = tail.rfind('\n', end - 1);
+    const bool first = begin == std::string::npos;
+    begin = first ? 0 : begin + 1;
+    if (first && !starts_at_a_line) break;  // a line cut by the tail's start is not a record
+    auto record = nlohmann::json::parse(tail.begin() + static_cast<std::ptrdiff_t>(begin),
+                                        tail.begin() + static_cast<std::ptrdiff_t>(end), nullptr,
                                         /*allow_exceptions=*/false);
     if (record.is_object()) {
       for (const char* key : {"ts", "e"}) {
@@ -115,19 +117,105 @@ int64_t last_timestamp(const std::string& content) {
   return last;
 }
 
-// Counts the attempts already recorded and finds the latest timestamp, reading only what is needed:
-// a substring scan for attempt records (GB/s) and a JSON parse of the last lines for the timestamp.
-ExistingLedger scan_existing(const std::string& path) {
+// Counts the attempts already recorded in the open ledger `fd` of `size` bytes and finds the latest
+// timestamp, holding at most a piece and the tail: a substring scan for attempt records (GB/s), streamed,
+// and a JSON parse of the last lines for the timestamp.
+ExistingLedger scan_existing(int fd, uint64_t size) {
   ExistingLedger info;
-  const std::string content = read_whole(path);
-  if (content.empty()) return info;
-  info.ends_with_newline = content.back() == '\n';
+  if (size == 0) return info;
   const std::string needle = "\"t\":\"attempt\"";
-  for (size_t pos = content.find(needle); pos != std::string::npos; pos = content.find(needle, pos + 1)) {
-    ++info.attempts;
+  std::string carry;  // the last needle.size() - 1 bytes of the previous piece: a record cut between pieces
+  for (uint64_t offset = 0; offset < size;) {
+    std::string piece = read_at(fd, offset, kScanPiece);
+    if (piece.empty()) break;
+    offset += piece.size();
+    piece.insert(0, carry);
+    for (size_t pos = piece.find(needle); pos != std::string::npos; pos = piece.find(needle, pos + 1)) {
+      ++info.attempts;
+    }
+    carry = piece.substr(piece.size() - std::min(piece.size(), needle.size() - 1));
   }
-  info.last_ts_us = last_timestamp(content);
+  const uint64_t tail_offset = size > kTailBytes ? size - kTailBytes : 0;
+  const std::string tail = read_at(fd, tail_offset, kTailBytes);
+  if (tail.empty()) return info;
+  info.ends_with_newline = tail.back() == '\n';
+  info.last_ts_us = last_timestamp(tail, tail_offset == 0);
   return info;
+}
+
+namespace fio = ::ettkit::checkpoint::detail;
+
+unsigned directory_mode(bool readable_by_others) { return readable_by_others ? 0755 : 0700; }
+unsigned file_mode(bool readable_by_others) { return readable_by_others ? 0644 : 0600; }
+
+// The ledger directory `ledger_dir` (RUN_DIR/ett), created when missing. Its parent is the run directory the
+// user named: created like `mkdir -p` and followed like any path they give; the ledger directory itself is opened without ever
+// following a link and used only when this uid owns it: another user who made it first (a shared run
+// directory) chose what is in it, so it is refused rather than adopted. Throws IoError naming it.
+fio::Dir open_ledger_directory(const fs::path& ledger_dir, bool readable_by_others) {
+  const std::string path = ledger_dir.string();
+  try {
+    const fs::path parent = ledger_dir.has_parent_path() ? ledger_dir.parent_path() : fs::path(".");
+    fio::make_directories(parent.string());
+    fio::Dir run = fio::open_directory(parent.string());
+    fio::Dir dir = fio::make_subdirectory(run, ledger_dir.filename().string(), directory_mode(readable_by_others));
+    struct stat st {};
+    if (::fstat(dir.fd(), &st) != 0) fio::throw_errno("stat of", path, errno);
+    ETTKIT_CHECK(st.st_uid == ::geteuid(), IoError, "owned by uid ", st.st_uid, ", not by this user (uid ",
+                 ::geteuid(), "): ettkit writes a ledger only into a directory this user owns; remove it or ",
+                 "choose another run directory");
+    return dir;
+  } catch (const Error& e) {  // a link, a file, a refusal: one error kind for the Recorder's callers
+    ETTKIT_THROW(IoError, "cannot use the ledger directory '", path, "': ", e.message());
+  }
+}
+
+// What makes the entry the ledger's open found unfit to append to, or "" when it is fit: a regular file
+// of this uid with one name (a hard link would make another of the user's files the ledger).
+std::string unfit_ledger(const struct stat& st) {
+  if (!S_ISREG(st.st_mode)) {
+    return S_ISFIFO(st.st_mode) ? "is a FIFO, not a regular file" : "is not a regular file";
+  }
+  if (st.st_uid != ::geteuid()) {
+    return "is owned by uid " + std::to_string(st.st_uid) + ", not by this user (uid " +
+           std::to_string(::geteuid()) + ")";
+  }
+  if (st.st_nlink != 1) {
+    return "has " + std::to_string(st.st_nlink) + " hard links (another name of the same file could be any " +
+           "file of this user's)";
+  }
+  return "";
+}
+
+// Opens (creating it `mode`) the ledger `name` of `dir` for appending and reading: never through a link,
+// never blocking on a FIFO (O_NONBLOCK), and checked on the descriptor, so what was checked is what is
+// written. A ledger writable by others is its owner's to tighten: its group and world write bits are
+// dropped. Throws IoError naming the path and what would be valid.
+int open_ledger_file(const fio::Dir& dir, const std::string& name, unsigned mode) {
+  const std::string path = dir.path_of(name);
+  const int fd = ::openat(dir.fd(), name.c_str(),
+                          O_RDWR | O_APPEND | O_CREAT | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC, mode);
+  if (fd < 0) {
+    const int err = errno;
+    struct stat st {};
+    const bool link = ::fstatat(dir.fd(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISLNK(st.st_mode);
+    ETTKIT_CHECK(!link, IoError, "the ledger '", path, "' is a symbolic link: ettkit never appends through one ",
+                 "(it could name any file of this user's); remove it");
+    ETTKIT_THROW(IoError, "cannot open the ledger '", path, "' for appending: ", std::strerror(err));
+  }
+  fio::OwnedFd guard;
+  guard.fd = fd;
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) fio::throw_errno("stat of the ledger", path, errno);
+  const std::string why = unfit_ledger(st);
+  ETTKIT_CHECK(why.empty(), IoError, "the ledger '", path, "' ", why, "; ettkit appends only to a regular file ",
+               "this user owns, with one link: remove it");
+  if ((st.st_mode & 022) != 0 && ::fchmod(fd, st.st_mode & 0755) == 0) {
+    ETTKIT_LOG_WARN("the ETT ledger '", path, "' was writable by other users; its group and world write ",
+                    "permission was removed");
+  }
+  guard.fd = -1;
+  return fd;
 }
 
 template <typename T>
@@ -174,11 +262,8 @@ std::string process_exit_line(int attempt, int64_t pid, int64_t ts_us) {
   return line;
 }
 
-void append_to_closed_ledger(const std::string& path, const std::string& line) noexcept {
-  const int fd = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CLOEXEC | O_NOFOLLOW);
-  if (fd < 0) return;
+void append_to_closed_ledger(int fd, const std::string& line) noexcept {
   write_all(fd, line.data(), line.size());  // one write(2) of one whole line, as every record
-  ::close(fd);
 }
 
 // ---- the writer's state --------------------------------------------------------------------------------
@@ -342,22 +427,24 @@ void LedgerWriter::State::run() {
 
 // ---- LedgerWriter --------------------------------------------------------------------------------------
 
-std::string LedgerWriter::prepare_path(const std::string& run_dir, int rank) {
-  fs::path dir = fs::path(run_dir) / ledger::kDirName;
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  ETTKIT_CHECK(!ec, IoError, "cannot create the ledger directory '", dir.string(), "': ", ec.message());
+std::string LedgerWriter::prepare_path(const std::string& run_dir, int rank, bool readable_by_others) {
+  const fs::path dir = fs::path(run_dir) / ledger::kDirName;
+  open_ledger_directory(dir, readable_by_others);  // created, or checked: this uid's, not a link
   return (dir / (std::string(ledger::kFilePrefix) + std::to_string(rank) + std::string(ledger::kFileSuffix)))
       .string();
 }
 
 LedgerWriter::LedgerWriter(LedgerWriterOptions options) {
-  const ExistingLedger existing = scan_existing(options.path);
+  const fs::path path(options.path);
+  // The directory again, by handle: the file is opened relative to it, so a path swapped since
+  // prepare_path() redirects nothing.
+  const fio::Dir dir = open_ledger_directory(path.parent_path(), options.readable_by_others);
+  const int fd = open_ledger_file(dir, path.filename().string(), file_mode(options.readable_by_others));
+  struct stat st {};
+  const uint64_t size = ::fstat(fd, &st) == 0 ? static_cast<uint64_t>(st.st_size) : 0;
+  const ExistingLedger existing = scan_existing(fd, size);
   attempts_before_ = existing.attempts;
   last_ts_us_ = existing.last_ts_us;
-  const int fd = ::open(options.path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
-  ETTKIT_CHECK(fd >= 0, IoError, "cannot open the ledger '", options.path, "' for appending: ",
-               std::strerror(errno));
   state_ = std::make_shared<State>(std::move(options), fd);
   queue_ = &state_->queue;
   dropped_ = &state_->dropped;
@@ -366,6 +453,8 @@ LedgerWriter::LedgerWriter(LedgerWriterOptions options) {
     write_all(fd, "\n", 1);
   }
 }
+
+int LedgerWriter::duplicate_descriptor() const noexcept { return ::fcntl(state_->fd, F_DUPFD_CLOEXEC, 0); }
 
 LedgerWriter::~LedgerWriter() {
   if (!thread_.joinable()) return;

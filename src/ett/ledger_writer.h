@@ -3,10 +3,14 @@
 // (format: ett/ledger_format.h). The Recorder measures; this unit owns the file.
 //
 // What it promises
-//  - Construction reads what earlier attempts left in the ledger (how many attempts it holds, which numbers
-//    this one, and its latest timestamp), then opens it for appending, creating it 0644. A line that a killed
-//    attempt tore is terminated first, so this attempt's first record stands alone. Throws IoError naming
-//    the path when the file cannot be opened. Nothing else is written before start().
+//  - Construction opens the ledger for appending relative to its directory's handle (a directory this uid
+//    owns, never reached through a link), creating it 0600 (0644 with readable_by_others), O_NOFOLLOW and
+//    O_NONBLOCK, and checks the descriptor: a regular file of this uid with one link. A link, a FIFO, another
+//    user's file or a hard link to one of this user's files is refused with IoError naming the path, and
+//    nothing is written to it. Then it reads, through the same descriptor and streamed (the file may be huge
+//    or sparse), what earlier attempts left (how many attempts it holds, which numbers this one, and the
+//    latest timestamp of its tail). A line that a killed attempt tore is terminated first, so this attempt's
+//    first record stands alone. Nothing else is written before start().
 //  - start() launches the writer thread. Each round (every flush_interval_s, or at once for flush() and
 //    close()) writes, in one write(2) on the O_APPEND descriptor: the lines queued with append_line() since
 //    the last round (the attempt header first), the events drained from the queue, a `dropped` record when
@@ -102,10 +106,10 @@ std::string record_line(const nlohmann::json& record);
 // The `process_exit` line (ledger_format.h) of attempt `attempt`, closed by process `pid`, at `ts_us`.
 std::string process_exit_line(int attempt, int64_t pid, int64_t ts_us);
 
-// Appends `line` in one write(2) to the ledger at `path` if it still exists: never creates it and never
-// follows a link (a ledger removed or replaced since it was closed gets nothing). Allocates nothing, takes
-// no lock and never throws: it runs while the process exits.
-void append_to_closed_ledger(const std::string& path, const std::string& line) noexcept;
+// Appends `line` in one write(2) to the closed ledger open as `fd` (LedgerWriter::duplicate_descriptor()):
+// a descriptor, never the path again, which could name a FIFO by the time the process exits and block its
+// exit forever. Takes no lock and never throws: it runs while the process exits.
+void append_to_closed_ledger(int fd, const std::string& line) noexcept;
 
 struct LedgerWriterOptions {
   std::string path;
@@ -113,12 +117,15 @@ struct LedgerWriterOptions {
   double flush_interval_s = 0.1;
   FsyncPolicy fsync = FsyncPolicy::kHeartbeat;
   uint32_t queue_capacity = 1u << 16;  // raised to at least 1024
+  // Opt-in: the ledger 0644 and its directory 0755, for reports run by other users; otherwise 0600 and 0700.
+  bool readable_by_others = false;
 };
 
 class LedgerWriter {
  public:
-  /// Creates RUN_DIR/ett (throws IoError naming it) and returns rank `rank`'s ledger path in it.
-  static std::string prepare_path(const std::string& run_dir, int rank);
+  /// Creates RUN_DIR/ett (0700; 0755 when `readable_by_others`) or checks the one there (this uid's, not a
+  /// link: IoError naming it otherwise) and returns rank `rank`'s ledger path in it.
+  static std::string prepare_path(const std::string& run_dir, int rank, bool readable_by_others = false);
 
   explicit LedgerWriter(LedgerWriterOptions options);
   /// Stops and joins a thread that close() did not (a Recorder constructor that threw after start()).
@@ -131,6 +138,8 @@ class LedgerWriter {
   /// The latest timestamp (`ts` or `e`) among the file's last records when it was opened; 0 if none.
   int64_t last_ts_us() const { return last_ts_us_; }
   const std::string& path() const;
+  /// A new descriptor of the ledger (close-on-exec), for the process_exit record; -1 on failure.
+  int duplicate_descriptor() const noexcept;
   /// The anchor that maps the steady clock onto the epoch in every record this writer formats.
   const ClockAnchor& anchor() const;
   PhaseNames& names();

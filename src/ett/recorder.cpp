@@ -71,7 +71,8 @@ std::vector<LauncherPhase> parse_launcher_phases(std::string_view json, std::str
 // ends the attempt at its end record, as before.
 
 struct ClosedLedger {
-  std::string path;  // absolute: the process may change directory before it exits
+  std::string path;  // absolute, to recognize the same ledger closed again
+  int fd = -1;       // the ledger's own descriptor: the path may name a planted FIFO by the time of the exit
   int attempt = 0;
   pid_t pid = 0;     // the process that closed it: a forked child that exits must not write for its parent
 };
@@ -85,20 +86,34 @@ ClosedLedgers& closed_ledgers() {
   static auto* ledgers = new ClosedLedgers();
   return *ledgers;
 }
-// A process that closes recorders on many run directories (a test suite) pays at most this many open(2)s at
-// exit; the oldest entries go first.
+// A process that closes recorders on many run directories (a test suite) holds at most this many
+// descriptors for the exit; the oldest entries go first.
 constexpr size_t kMaxClosedLedgers = 64;
 
-void remember_closed_ledger(const std::string& ledger_path, int attempt) {
+void close_entry(const ClosedLedger& entry) {
+  if (entry.fd >= 0) ::close(entry.fd);
+}
+
+void remember_closed_ledger(const std::string& ledger_path, int fd, int attempt) {
   std::error_code ec;
   fs::path path = fs::absolute(ledger_path, ec);
-  if (ec) return;  // no process_exit record rather than one in the wrong file
+  if (ec || fd < 0) {  // no process_exit record rather than one in the wrong file
+    if (fd >= 0) ::close(fd);
+    return;
+  }
   ClosedLedgers& ledgers = closed_ledgers();
   std::lock_guard lock(ledgers.mutex);
   auto& entries = ledgers.entries;
-  std::erase_if(entries, [&](const ClosedLedger& e) { return e.path == path.string(); });
-  if (entries.size() >= kMaxClosedLedgers) entries.erase(entries.begin());
-  entries.push_back({path.string(), attempt, ::getpid()});
+  std::erase_if(entries, [&](const ClosedLedger& e) {
+    if (e.path != path.string()) return false;
+    close_entry(e);
+    return true;
+  });
+  if (entries.size() >= kMaxClosedLedgers) {
+    close_entry(entries.front());
+    entries.erase(entries.begin());
+  }
+  entries.push_back({path.string(), fd, attempt, ::getpid()});
 }
 
 // A Recorder constructed after others closed: the process went on to record something else (a notebook's
@@ -106,6 +121,7 @@ void remember_closed_ledger(const std::string& ledger_path, int attempt) {
 void forget_closed_ledgers() {
   ClosedLedgers& ledgers = closed_ledgers();
   std::lock_guard lock(ledgers.mutex);
+  for (const auto& entry : ledgers.entries) close_entry(entry);
   ledgers.entries.clear();
 }
 
@@ -118,7 +134,7 @@ __attribute__((destructor)) void write_process_exit_records() {
   const int64_t ts = epoch_us();
   for (const auto& entry : ledgers.entries) {
     if (entry.pid != self) continue;
-    detail::append_to_closed_ledger(entry.path, detail::process_exit_line(entry.attempt, entry.pid, ts));
+    detail::append_to_closed_ledger(entry.fd, detail::process_exit_line(entry.attempt, entry.pid, ts));
   }
 }
 
@@ -195,7 +211,8 @@ class Recorder::Impl {
   // Opens the ledger, numbers this attempt and queues its record; the writer thread starts last.
   void open_ledger(RecorderOptions opts) {
     ledger = std::make_unique<detail::LedgerWriter>(detail::LedgerWriterOptions{
-        ledger_path, opts.heartbeat_s, opts.flush_interval_s, opts.fsync, opts.queue_capacity});
+        ledger_path, opts.heartbeat_s, opts.flush_interval_s, opts.fsync, opts.queue_capacity,
+        opts.ledger_readable_by_others});
     attempt = ledger->attempts_before();
     nvtx = (opts.nvtx || env_or("ETTKIT_NVTX", 0) != 0) && ETTKIT_WITH_CUDA;
     start_steady_ns = steady_ns();
@@ -216,7 +233,7 @@ Recorder::Recorder(RecorderOptions options) : impl_(std::make_unique<Impl>()) {
   ETTKIT_EXPECTS(!options.run_dir.empty(), "RecorderOptions.run_dir is empty; pass the run directory");
   validate_timing(options);
   im.resolve_identity(options);
-  im.ledger_path = detail::LedgerWriter::prepare_path(options.run_dir, im.rank);
+  im.ledger_path = detail::LedgerWriter::prepare_path(options.run_dir, im.rank, options.ledger_readable_by_others);
   const std::vector<LauncherPhase> launcher_phases = launcher_phases_from_env(options);
   im.open_ledger(std::move(options));
 
@@ -331,7 +348,7 @@ void Recorder::close(EndStatus status, std::string_view detail) {
                            {"detail", std::string(detail)}};
   if (im.ledger->close(detail::record_line(record), im.options.shutdown_timeout_s)) {
     // After the end record: the exit hook appends this process's last instant behind it.
-    remember_closed_ledger(im.ledger_path, im.attempt);
+    remember_closed_ledger(im.ledger_path, im.ledger->duplicate_descriptor(), im.attempt);
   }
 }
 

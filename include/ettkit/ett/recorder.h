@@ -64,6 +64,9 @@ struct ETTKIT_API RecorderOptions {
   bool launcher_phases_from_env = true;
   /// Free-form key/values written into this attempt's record (config hash, job id, ...).
   std::map<std::string, std::string> metadata;
+  /// Opt-in: create the ledger 0644 (its directory 0755), for reports run by other users. By default it is
+  /// 0600 (0700): the ledger carries the job's notes, exceptions and metadata.
+  bool ledger_readable_by_others = false;
 };
 
 class Recorder;

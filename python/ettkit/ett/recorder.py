@@ -36,7 +36,9 @@ class Recorder(_C.ett.Recorder):
     Keyword options (all optional): ``rank``/``world_size`` (default: ``RANK``/``WORLD_SIZE``),
     ``heartbeat_s`` (1.0), ``flush_interval_s`` (0.1), ``fsync`` ("never" | "heartbeat" | "always"),
     ``queue_capacity``, ``shutdown_timeout_s`` (5.0), ``nvtx`` (NVTX ranges when built with CUDA),
-    ``launcher_phases_from_env`` (read ``ETTKIT_LAUNCHER_PHASES``), ``metadata`` (dict of str).
+    ``launcher_phases_from_env`` (read ``ETTKIT_LAUNCHER_PHASES``), ``metadata`` (dict of str),
+    ``ledger_readable_by_others`` (False: the ledger is created 0600 in a 0700 ``ett`` directory; True: 0644
+    and 0755, for reports run by other users).
 
     Use it as a context manager: leaving the block closes the attempt as "clean", or as "exception" with
     the exception's type when one propagates. A process killed by a signal writes no end record; the
