@@ -14,6 +14,7 @@ warm-up, and compile caches that make restarts warm. See docs/startup.md.
 
 from ..errors import BatchMismatchError, StageError
 from .batch_spec import BatchSpec, Dim, TensorSpec
+from .import_gate import serialized_imports
 from .cache import CacheLoadResult, CacheSaveResult, CompileCache, CompileCacheWarning, compile_fingerprint
 from .overlap import StartReport, StartResult, overlapped_start
 from .precompile_job import PrecompileResult, precompile
@@ -44,5 +45,6 @@ __all__ = [
     "compiled_graphs",
     "overlapped_start",
     "precompile",
+    "serialized_imports",
     "warm_compile",
 ]

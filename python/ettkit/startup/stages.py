@@ -11,6 +11,9 @@ What this layer adds to the C++ graph:
 - **Results and errors as Python objects.** A stage's return value lands in ``graph.results[name]``; a
   stage's exception is re-raised from ``run()`` as :class:`ettkit.errors.StageError` naming the stage, with the
   original exception as ``__cause__``.
+- **Imports that cannot deadlock.** ``run()`` opens :func:`ettkit.startup.serialized_imports` around the
+  stages: first-time imports of every thread run one at a time, so a stage that imports part of torch's
+  compile stack while another compiles cannot hit CPython's ``_DeadlockError`` (see ``import_gate.py``).
 - **A watchdog report.** When a deadline passes, the :class:`ettkit.TimeoutError` lists the Python stack
   of every other thread, so the stuck stage shows where it is stuck.
 
@@ -35,6 +38,7 @@ import torch
 
 from .. import _C, errors
 from ..ett import recorder as _ett_recorder
+from .import_gate import serialized_imports
 
 _CURRENT = "current"
 
@@ -221,7 +225,8 @@ class StageGraph:
         self._state.thread_state = _ThreadState.capture()
         self._state.contexts = {name: contextvars.copy_context() for name in self._names}
         try:
-            raw = self._graph.run()
+            with serialized_imports():  # stages that import parts of one import cycle cannot deadlock
+                raw = self._graph.run()
         except errors.StageError as exc:
             self.report = self._graph.report()
             cause = self._state.errors.get(exc.stage)
