@@ -97,6 +97,24 @@ def test_failure_is_reraised_with_the_stage_name_and_cancels_dependents():
     assert "get_first_batch_data" in graph.report.stages["first_step"].error
 
 
+def test_a_failed_start_names_its_stage_and_exception_in_the_report(tmp_path):
+    # Issue #62: a start that failed left only "exception:StageError" in the report, and the demo's check then
+    # died on a missing note (KeyError: 'compile_cache') instead of saying which stage failed and why.
+    def build_model():
+        raise ImportError("cannot import name 'Block' from 'mylib' (circular import?)")
+
+    with pytest.raises(ettkit.errors.StageError), ett.Recorder(tmp_path, rank=0, world_size=1):
+        graph = StageGraph(max_workers=2)
+        graph.add("train_module_creation", build_model)
+        graph.add("device_init", lambda: None)
+        graph.run()
+    attempt = ett.build_report(str(tmp_path))["attempts"][0]
+    assert attempt["status"] == "exception" and attempt["exception_type"] == "StageError", attempt
+    assert attempt["notes"]["start_failed"] == (
+        "stage 'train_module_creation': ImportError: cannot import name 'Block' from 'mylib' (circular import?)"
+    )
+
+
 def test_cycles_and_unknown_dependencies_are_rejected_before_anything_runs():
     ran = []
     graph = StageGraph()

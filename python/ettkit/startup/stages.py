@@ -230,6 +230,7 @@ class StageGraph:
         except errors.StageError as exc:
             self.report = self._graph.report()
             cause = self._state.errors.get(exc.stage)
+            self._note_failure(exc.stage, cause)
             err = errors.StageError(str(exc))
             err.stage = exc.stage
             raise err from cause
@@ -249,6 +250,20 @@ class StageGraph:
             self._state.contexts = {}
         self.report = raw
         return self.report
+
+    def _note_failure(self, stage: str, cause: BaseException | None) -> None:
+        """The failed stage and its exception in the ETT ledger (the report's ``attempts[].notes["start_failed"]``),
+        so that a failed start names its stage after the fact even where the process's own exception text is
+        lost (a launcher's log rotated, a rank that only its peer's timeout shows)."""
+        if self.recorder is None:
+            return
+        what = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}" if cause else "failed"
+        text = f"stage '{stage}': {what}"
+        limit = self.recorder.MAX_NOTE_BYTES  # bytes of UTF-8, not characters
+        try:
+            self.recorder.set_note("start_failed", text.encode()[:limit].decode(errors="ignore"))
+        except Exception:  # noqa: BLE001 - a closed recorder must not hide the stage's own error
+            pass
 
     def join(self, timeout_s: float | None = None) -> bool:
         """Waits for stages that outlived a deadline to return; True when every worker thread is joined."""
