@@ -61,21 +61,33 @@ _MAGIC_PREFIX = b"ettkit-py-extra-v"
 MAX_RECORD_BYTES = 64 << 20
 #: The most levels of nesting (dicts, lists, tuples, pickled leaves' contents) a record may hold.
 MAX_DEPTH = 100
-#: The most values a record may hold: a decoded value takes at most ~70 bytes of Python objects, so this
-#: bounds a hostile record's memory to ~150 MB whatever its shape. The skeleton of a model and its Adam state
-#: holding 10^5 tensors has ~3 * 10^5 values.
-MAX_NODES = 1 << 21
+#: The most values a record may hold: a decoded value takes at most ~70 bytes of Python objects and about a
+#: microsecond to decode, so this bounds a hostile record's memory to ~75 MB and its decode to about 1.5 s
+#: whatever its shape (docs/benchmarks.md, "The decoder's worst cases"). The skeleton of a model and its Adam
+#: state holding 10^5 tensors has ~3 * 10^5 values.
+MAX_NODES = 1 << 20
+
+#: The most keys of one dict that may share a hash value, counted over the keys that are not a str or an int64
+#: (a big int, a float, a complex, a tuple...). Such keys' hashes are not randomized: a writer can make
+#: thousands share one, and a dict then spends a comparison with every earlier one on each insert (40,000
+#: such keys took 8.7 s, quadratic). A checkpoint's keys are str and int: 8 is already beyond chance.
+MAX_KEYS_PER_HASH = 8
+#: The most tensors (tag A) a record may store as bytes: each is a torch.Tensor built on load (microseconds
+#: each, ~20 s at the value limit). Large data belongs in the state's tensors, not in extra=.
+MAX_ARRAYS = 1 << 14
 
 _OPT_IN = "AsyncCheckpointer(..., allow_pickle=True)"
 
 
 class ExtraRecord(NamedTuple):
     """A decoded ``rank-<r>.extra``: the state's skeleton, the ``extra=`` value, the world size it was saved at
-    (``None`` in a first-format record from before the world size was kept)."""
+    (``None`` in a first-format record from before the world size was kept), and the rank's random generators'
+    states (:mod:`ettkit.checkpoint.rng_state`; ``None`` in a record saved without them)."""
 
     skeleton: Any
     extra: Any
     world_size: Optional[int]
+    rng: Any = None
 
 
 class EncodedSkeleton(NamedTuple):
@@ -156,11 +168,11 @@ class _Encoder:
     format has no tag for (raising :class:`_Refused`); an int pickles such a value when its pickle takes at
     most that many bytes (and only when the restricted unpickler would build it back)."""
 
-    __slots__ = ("out", "nodes", "pickle_limit", "key_sets")
+    __slots__ = ("out", "nodes", "arrays", "pickle_limit", "key_sets")
 
     def __init__(self, pickle_limit: Optional[int]):
         self.out = bytearray()
-        self.nodes = 0
+        self.nodes = self.arrays = 0
         self.pickle_limit = pickle_limit
         self.key_sets: dict = {}  # the key tuple of each K dict written -> its number, for R
 
@@ -184,6 +196,7 @@ class _Encoder:
             _varint(out, len(obj))
             val, placeholders, inner = self.value, self._placeholders, depth + 1 < MAX_DEPTH
             k = None
+            same_hash: Optional[dict] = None  # as the decoder counts them (_Decoder.key_hash)
             try:
                 # The common entries inline (a str or int key; a placeholder, an int, a dict of placeholders):
                 # a call per value would double the time of a state's skeleton, which is mostly such entries.
@@ -201,6 +214,7 @@ class _Encoder:
                         self.nodes += 1
                     else:
                         val(k, depth + 1)
+                        same_hash = self._key_hash(k, same_hash)
                     if v is TENSOR:
                         self.nodes += 1
                         out.append(_SLOT)
@@ -318,7 +332,21 @@ class _Encoder:
         _varint(out, len(e))
         out += e
 
+    def _key_hash(self, k: Any, same_hash: Optional[dict]) -> dict:
+        """The decoder's limit on keys of one hash (MAX_KEYS_PER_HASH), so that what is written loads."""
+        if same_hash is None:
+            same_hash = {}
+        h = hash(k)
+        c = same_hash[h] = same_hash.get(h, 0) + 1
+        if c > MAX_KEYS_PER_HASH:
+            raise _Refused(k, f"that shares its hash with {MAX_KEYS_PER_HASH} other keys of its dict (a load "
+                              f"would take quadratic time to rebuild it); use str or int keys")
+        return same_hash
+
     def _array(self, t: torch.Tensor) -> None:
+        self.arrays += 1
+        if self.arrays > MAX_ARRAYS:
+            raise _Refused(t, f"beyond the {MAX_ARRAYS} tensors a record stores as bytes; keep tensors in the state")
         cpu = t.detach().to("cpu").contiguous()
         out = self.out
         self._name(_ARRAY, _DTYPE_NAMES[cpu.dtype])
@@ -399,7 +427,8 @@ def encode_skeleton(skeleton: Any, *, allow_pickle: bool) -> EncodedSkeleton:
     return EncodedSkeleton(bytes(enc.out), enc.nodes)
 
 
-def encode_extra(skeleton: EncodedSkeleton, extra: Any, world_size: int, *, allow_pickle: bool) -> bytes:
+def encode_extra(skeleton: EncodedSkeleton, extra: Any, world_size: int, *, allow_pickle: bool,
+                 rng: Optional[dict] = None) -> bytes:
     """The whole ``rank-<r>.extra`` record. ``extra`` may hold what the skeleton may and plain tensors (their
     bytes are stored; they load as CPU tensors); anything else only with ``allow_pickle`` (pickled, without
     the skeleton's per-leaf size limit). Raises :class:`InvalidArgumentError` for a record the reader would
@@ -416,10 +445,14 @@ def encode_extra(skeleton: EncodedSkeleton, extra: Any, world_size: int, *, allo
     if nodes > MAX_NODES:
         raise InvalidArgumentError(f"the state's non-tensor skeleton and extra= hold {nodes} values together, more "
                                    f"than a checkpoint record holds ({MAX_NODES}); keep large data in tensors")
-    parts = [MAGIC, bytes((_DICT, 3)),
+    parts = [MAGIC, bytes((_DICT, 3 if rng is None else 4)),
              b"s\x0aworld_size", head,
              b"s\x08skeleton", skeleton.data,
              b"s\x05extra", bytes(enc.out)]
+    if rng is not None:  # the generators' states: plain values and bytes (rng_state.capture), never refused
+        enc.out = bytearray()
+        enc.value(rng, 1)
+        parts += [b"s\x03rng", bytes(enc.out)]
     blob = b"".join(parts)
     if len(blob) - len(MAGIC) > MAX_RECORD_BYTES:
         raise InvalidArgumentError(
@@ -433,12 +466,13 @@ class _Decoder:
     """Decodes one value from ``buf`` starting at ``pos`` (after the magic line: offsets in errors are the
     file's), counting values against MAX_NODES."""
 
-    __slots__ = ("buf", "mv", "pos", "end", "nodes", "allow_pickle", "key_sets")
+    __slots__ = ("buf", "mv", "pos", "end", "nodes", "arrays", "allow_pickle", "key_sets", "names")
 
     def __init__(self, buf: bytes, pos: int, allow_pickle: bool):
         self.buf, self.mv = buf, memoryview(buf)
         self.pos, self.end = pos, len(buf)
-        self.nodes = 0
+        self.nodes = self.arrays = 0
+        self.names: dict = {}  # the encoded dtypes, devices and sizes met, tag included -> their object
         self.allow_pickle = allow_pickle
         self.key_sets: list = []  # the keys of each K dict read, in order, for R
 
@@ -523,62 +557,106 @@ class _Decoder:
             self.room(n)
             items = self.items(n, depth)
             return items if tag == _LIST else tuple(items)
-        if tag == _NONE:
-            return None
-        if tag == _TRUE:
-            return True
-        if tag == _FALSE:
-            return False
-        if tag == _FLOAT:
-            return _f64.unpack_from(self.buf, self.fixed(8, "float"))[0]
-        if tag == _BIGINT:
-            n = self.length("int's length")
-            p = self.take(n)
-            return int.from_bytes(self.mv[p:p + n], "little", signed=True)
-        if tag == _COMPLEX:
-            return complex(*_c128.unpack_from(self.buf, self.fixed(16, "complex")))
-        if tag == _BYTES:
-            n = self.length("bytes' length")
-            p = self.take(n)
-            return self.buf[p:p + n]
-        if tag == _DTYPE:
-            name = self.text("dtype")
-            d = _DTYPES.get(name)
-            if d is None:
-                raise self.bad(f"'{name[:64]}' is not a torch dtype", pos)
-            return d
-        if tag == _DEVICE:
-            name = self.text("device")
-            if not _DEVICE_RE.match(name):
-                raise self.bad(f"'{name[:64]}' is not a device name", pos)
-            try:
-                return torch.device(name)
-            except RuntimeError:
-                raise self.bad(f"'{name}' is not a device this torch knows", pos) from None
-        if tag == _SIZE:
-            n = self.length("torch.Size's count", 9)
-            dims = [self.value(depth + 1) for _ in range(n)]
-            if any(type(d) is not int for d in dims):
-                raise self.bad("a torch.Size holds a value that is not an int", pos)
-            return torch.Size(dims)
-        if tag == _SHARDED:
-            return _sharded_slot(self.value(depth + 1), lambda why: self.bad(why, pos))
-        if tag == _ARRAY:
-            return self.array(pos)
-        if tag == _PICKLE:
-            n = self.length("pickle's length")
-            p = self.take(n)
-            if not self.allow_pickle:
-                raise _NeedsOptIn("a pickled object is stored here", pos)
-            try:
-                obj = RestrictedUnpickler(io.BytesIO(self.buf[p:p + n])).load()
-            except (pickle.UnpicklingError, _Bad) as e:
-                raise self.bad(f"the pickled object does not load: {e}", pos) from None
-            except Exception as e:  # noqa: BLE001 - an allowed constructor refusing its arguments
-                raise self.bad(f"the pickled object does not load: {type(e).__name__}: {e}", pos) from None
-            self.nodes += _count(obj, depth, MAX_NODES - self.nodes, lambda why: self.bad(why, pos))
-            return obj
-        raise self.bad(f"unknown tag {tag:#04x}", pos)
+        leaf = _LEAVES.get(tag)  # the rarer tags, one lookup instead of a test each
+        if leaf is None:
+            raise self.bad(f"unknown tag {tag:#04x}", pos)
+        return leaf(self, pos, depth)
+
+    # ---- the rarer tags (_LEAVES); `pos` is the tag's offset, self.pos the payload's ----
+    def _float(self, pos: int, depth: int) -> float:
+        return _f64.unpack_from(self.buf, self.fixed(8, "float"))[0]
+
+    def _bigint(self, pos: int, depth: int) -> int:
+        n = self.length("int's length")
+        p = self.take(n)
+        return int.from_bytes(self.mv[p:p + n], "little", signed=True)
+
+    def _complex(self, pos: int, depth: int) -> complex:
+        return complex(*_c128.unpack_from(self.buf, self.fixed(16, "complex")))
+
+    def _bytes(self, pos: int, depth: int) -> bytes:
+        n = self.length("bytes' length")
+        p = self.take(n)
+        return self.buf[p:p + n]
+
+    def _named(self, pos: int, depth: int) -> Any:
+        """A dtype or a device by its name: decoded and checked once per distinct name of the record, then
+        looked up (a record may hold 2^21 of them)."""
+        tag = self.buf[pos]
+        n = self.length("name's length")
+        p = self.take(n)
+        key = self.buf[pos:p + n]
+        obj = self.names.get(key)
+        if obj is None:
+            self.pos = pos + 1
+            obj = self.names[key] = self._dtype(pos) if tag == _DTYPE else self._device(pos)
+        return obj
+
+    def _dtype(self, pos: int) -> torch.dtype:
+        name = self.text("dtype")
+        d = _DTYPES.get(name)
+        if d is None:
+            raise self.bad(f"'{name[:64]}' is not a torch dtype", pos)
+        return d
+
+    def _device(self, pos: int) -> torch.device:
+        name = self.text("device")
+        if not _DEVICE_RE.match(name):
+            raise self.bad(f"'{name[:64]}' is not a device name", pos)
+        try:
+            return torch.device(name)
+        except RuntimeError:
+            raise self.bad(f"'{name}' is not a device this torch knows", pos) from None
+
+    def _size(self, pos: int, depth: int) -> torch.Size:
+        n = self.length("torch.Size's count", 9)
+        p = self.pos
+        if self.buf[p:p + 9 * n:9] == b"i" * n:  # every dim an int64, as the encoder writes them: looked up
+            self.room(n)
+            self.nodes += n
+            self.pos = p + 9 * n
+            key = self.buf[pos:p + 9 * n]
+            size = self.names.get(key)
+            if size is None:
+                size = self.names[key] = torch.Size(struct.unpack_from("<" + "xq" * n, self.buf, p))
+            return size
+        dims = [self.value(depth + 1) for _ in range(n)]
+        if any(type(d) is not int for d in dims):
+            raise self.bad("a torch.Size holds a value that is not an int", pos)
+        return torch.Size(dims)
+
+    def _sharded(self, pos: int, depth: int) -> ShardedSlot:
+        return _sharded_slot(self.value(depth + 1), lambda why: self.bad(why, pos))
+
+    def _pickled(self, pos: int, depth: int) -> Any:
+        n = self.length("pickle's length")
+        p = self.take(n)
+        if not self.allow_pickle:
+            raise _NeedsOptIn("a pickled object is stored here", pos)
+        try:
+            obj = RestrictedUnpickler(io.BytesIO(self.buf[p:p + n])).load()
+        except (pickle.UnpicklingError, _Bad) as e:
+            raise self.bad(f"the pickled object does not load: {e}", pos) from None
+        except Exception as e:  # noqa: BLE001 - an allowed constructor refusing its arguments
+            raise self.bad(f"the pickled object does not load: {type(e).__name__}: {e}", pos) from None
+        self.nodes += _count(obj, depth, MAX_NODES - self.nodes, lambda why: self.bad(why, pos))
+        return obj
+
+    def key_hash(self, k: Any, same_hash: Optional[dict], pos: int) -> dict:
+        """Counts a dict key that is not a str or an int64 under its hash (``same_hash``: the dict's counts so
+        far, None before its first such key), refusing the dict past MAX_KEYS_PER_HASH keys of one hash."""
+        try:
+            h = hash(k)
+        except TypeError:
+            raise _Bad(f"a dict key is a {type(k).__name__}, which cannot be a key", pos) from None
+        if same_hash is None:
+            same_hash = {}
+        c = same_hash[h] = same_hash.get(h, 0) + 1
+        if c > MAX_KEYS_PER_HASH:
+            raise _Bad(f"a dict holds more than {MAX_KEYS_PER_HASH} keys of type {type(k).__name__} that share "
+                       f"one hash value (their decoding would take quadratic time); a checkpoint's keys are "
+                       f"str and int", pos)
+        return same_hash
 
     def dict(self, depth: int) -> dict:
         if depth >= MAX_DEPTH:
@@ -594,6 +672,7 @@ class _Decoder:
         inner = depth + 1 < MAX_DEPTH
         pos = start
         k: Any = None
+        same_hash: Optional[dict] = None  # the hashes of keys other than str and int64 (key_hash)
         try:
             for _ in range(n):
                 k = None
@@ -615,11 +694,8 @@ class _Decoder:
                 else:
                     self.pos = pos
                     k = value(depth + 1)
+                    same_hash = self.key_hash(k, same_hash, pos)
                     pos = self.pos
-                    try:
-                        hash(k)
-                    except TypeError:
-                        raise _Bad(f"a dict key is a {type(k).__name__}, which cannot be a key", pos) from None
                 tag = buf[pos] if pos < end else -1
                 if tag == _SLOT:
                     self.nodes += 1
@@ -702,6 +778,10 @@ class _Decoder:
                     self.nodes += 1
                     append(TENSOR)
                     pos += 1
+                elif tag == _NONE:
+                    self.nodes += 1
+                    append(None)
+                    pos += 1
                 else:
                     self.pos = pos
                     append(value(depth + 1))
@@ -712,7 +792,10 @@ class _Decoder:
         self.pos = pos
         return items
 
-    def array(self, pos: int) -> torch.Tensor:
+    def array(self, pos: int, depth: int = 0) -> torch.Tensor:
+        self.arrays += 1
+        if self.arrays > MAX_ARRAYS:
+            raise self.bad(f"the record stores more than {MAX_ARRAYS} tensors as bytes", pos)
         name = self.text("tensor's dtype")
         dtype = _DTYPES.get(name)
         if dtype not in _ARRAY_DTYPES:
@@ -737,6 +820,14 @@ class _Decoder:
             return torch.frombuffer(bytearray(self.mv[p:p + nbytes]), dtype=dtype).reshape(shape)
         except RuntimeError as e:  # a shape torch refuses (sizes whose product overflows, with a 0 among them)
             raise self.bad(f"a stored tensor of shape {shape[:8]} cannot be built ({e})", pos) from None
+
+
+_LEAVES = {
+    _NONE: lambda d, pos, depth: None, _TRUE: lambda d, pos, depth: True, _FALSE: lambda d, pos, depth: False,
+    _FLOAT: _Decoder._float, _BIGINT: _Decoder._bigint, _COMPLEX: _Decoder._complex, _BYTES: _Decoder._bytes,
+    _DTYPE: _Decoder._named, _DEVICE: _Decoder._named, _SIZE: _Decoder._size, _SHARDED: _Decoder._sharded,
+    _ARRAY: _Decoder.array, _PICKLE: _Decoder._pickled,
+}
 
 
 def _sharded_slot(value: Any, bad: Any) -> ShardedSlot:
@@ -881,8 +972,9 @@ def decode_extra(blob: bytes, where: str, *, allow_pickle: bool) -> Optional[Ext
         if type(record) is not dict:
             raise _Bad(f"the record is a {type(record).__name__}, not a dict of fields", len(MAGIC))
         for field in record:
-            if field not in ("world_size", "skeleton", "extra"):
-                raise _Bad(f"unknown field {field!r} (a record has 'world_size', 'skeleton' and 'extra')",
+            if field not in ("world_size", "skeleton", "extra", "rng"):
+                raise _Bad(f"unknown field {field!r} (a record has 'world_size', 'skeleton', 'extra' and "
+                           "optionally 'rng')",
                            len(MAGIC))
         for field in ("world_size", "skeleton", "extra"):
             if field not in record:
@@ -898,7 +990,7 @@ def decode_extra(blob: bytes, where: str, *, allow_pickle: bool) -> Optional[Ext
     except _Bad as e:
         at = f" ({_field_name(e.path[::-1])})" if e.path else ""
         raise CorruptDataError(f"{where} does not decode at byte {e.pos}{at}: {e.why}") from None
-    return ExtraRecord(record["skeleton"], record["extra"], world)
+    return ExtraRecord(record["skeleton"], record["extra"], world, record.get("rng"))
 
 
 def _decode_pickled(blob: bytes, where: str, allow_pickle: bool) -> ExtraRecord:

@@ -1,0 +1,120 @@
+"""The ``.extra`` decoder bounded in time, not only in size (issue #61 item 4; docs/security.md).
+
+Dict keys that are big ints, floats, complex numbers or tuples hash the same for every process (only str and
+bytes hashes are randomized), so a record can hold thousands of distinct keys of one hash: the dict then
+compares each new key with all the earlier ones, and 40,000 such keys (0.5 MB) took 8.7 s, with the GIL held,
+before any fallback. And each tensor stored as bytes is a torch.Tensor built on load (microseconds each).
+The decoder now refuses a dict with more than MAX_KEYS_PER_HASH keys of one hash and a record with more than
+MAX_ARRAYS tensors; the encoder refuses the same at save, so what it writes loads. The worst case of every
+shape is measured by benchmarks/extra_decoder_worst_case.py (docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import struct
+import time
+
+import pytest
+import torch
+
+import ettkit
+from ettkit.checkpoint import AsyncCheckpointer
+from ettkit.checkpoint._skeleton_codec import (
+    MAGIC,
+    MAX_ARRAYS,
+    MAX_KEYS_PER_HASH,
+    decode_extra,
+    encode_extra,
+    encode_skeleton,
+)
+
+P = (1 << 61) - 1  # CPython hashes an int n as n mod P
+KEYS = 40_000  # the issue's figure: 8.7 s before
+
+
+def varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def record(extra: bytes) -> bytes:
+    return (MAGIC + b"d\x03s\x0aworld_size" + b"i" + struct.pack("<q", 1) + b"s\x08skeletonN" + b"s\x05extra"
+            + extra)
+
+
+def bigint(n: int) -> bytes:
+    b = n.to_bytes((n.bit_length() + 8) // 8, "little", signed=True)
+    return b"I" + varint(len(b)) + b
+
+
+def colliding_keys(kind: str, n: int) -> list:
+    """`n` distinct keys of `kind` that share one hash value."""
+    if kind == "big int":
+        return [(1 << 64) + j * P for j in range(n)]
+    if kind == "tuple":
+        return [((1 << 64) + j * P,) for j in range(n)]
+    if kind == "complex":  # hash(complex(r, i)) = hash(r) + 1000003 * hash(i), mod 2^64
+        return [complex(float((1 << 52) - 1000003 * j), float(j)) for j in range(n)]
+    if kind == "float":  # 2^61 is 1 mod P: every 2^(61 k) hashes as 1 (34 of them are floats)
+        return [2.0 ** (61 * k) for k in range(-17, 17)][:n]
+    raise AssertionError(kind)
+
+
+def encoded_key(key) -> bytes:
+    if type(key) is int:
+        return bigint(key)
+    if type(key) is tuple:
+        return b"t\x01" + encoded_key(key[0])
+    if type(key) is complex:
+        return b"c" + struct.pack("<dd", key.real, key.imag)
+    return b"f" + struct.pack("<d", key)
+
+
+@pytest.mark.parametrize("kind", ["big int", "tuple", "complex", "float"])
+def test_a_dict_of_keys_sharing_one_hash_is_refused_at_once(kind):
+    keys = colliding_keys(kind, KEYS)
+    assert len({hash(k) for k in keys}) == 1  # distinct by construction (a set of them would be quadratic)
+    blob = record(b"d" + varint(len(keys)) + b"".join(encoded_key(k) + b"N" for k in keys))
+    begin = time.process_time()
+    with pytest.raises(ettkit.CorruptDataError, match=rf"more than {MAX_KEYS_PER_HASH} keys of type "
+                                                      rf"{type(keys[0]).__name__} that share one hash value"):
+        decode_extra(blob, "rank-0.extra", allow_pickle=False)
+    assert time.process_time() - begin < 0.5
+
+
+def test_keys_of_one_hash_up_to_the_limit_and_ordinary_keys_round_trip():
+    extra = {
+        "colliding": dict.fromkeys(colliding_keys("big int", MAX_KEYS_PER_HASH), 1),
+        "ints": {i: i for i in range(-3, 10_000)},  # -1 and -2 share a hash: ordinary
+        "floats": {i / 7: i for i in range(1000)},
+        "tuples": {(i, str(i)): i for i in range(1000)},
+    }
+    skeleton = encode_skeleton({"w": 0}, allow_pickle=False)
+    back = decode_extra(encode_extra(skeleton, extra, 1, allow_pickle=False), "rank-0.extra", allow_pickle=False)
+    assert back.extra == extra
+
+
+def test_save_refuses_keys_the_load_would_refuse_naming_the_key(tmp_path):
+    keys = colliding_keys("big int", MAX_KEYS_PER_HASH + 1)
+    with AsyncCheckpointer(tmp_path, recorder=None) as ck:
+        with pytest.raises(ettkit.InvalidArgumentError,
+                           match=rf"extra=\.\.\.\)\['table'\]\[{keys[-1]}\] is a int that shares its hash"):
+            ck.save(1, {"w": torch.zeros(2)}, extra={"table": dict.fromkeys(keys, 0)})
+        assert ck.save(2, {"w": torch.zeros(2)}, extra={"table": dict.fromkeys(keys[:-1], 0)}).wait()
+        assert ck.load_latest({"w": torch.zeros(2)}) == (2, {"table": dict.fromkeys(keys[:-1], 0)})
+
+
+def test_tensors_stored_as_bytes_are_capped_on_load_and_on_save():
+    one = b"A\x05uint8\x01\x01\x01\x07"
+    blob = record(b"l" + varint(MAX_ARRAYS + 1) + one * (MAX_ARRAYS + 1))
+    with pytest.raises(ettkit.CorruptDataError, match=f"more than {MAX_ARRAYS} tensors as bytes"):
+        decode_extra(blob, "rank-0.extra", allow_pickle=False)
+    skeleton = encode_skeleton({"w": 0}, allow_pickle=False)
+    with pytest.raises(ettkit.InvalidArgumentError, match=f"beyond the {MAX_ARRAYS} tensors a record stores"):
+        encode_extra(skeleton, [torch.ones(1)] * (MAX_ARRAYS + 1), 1, allow_pickle=False)
+    tensors = [torch.full((1,), i % 256, dtype=torch.uint8) for i in range(MAX_ARRAYS)]
+    back = decode_extra(encode_extra(skeleton, tensors, 1, allow_pickle=False), "r", allow_pickle=False)
+    assert all(torch.equal(a, b) for a, b in zip(back.extra, tensors))
