@@ -110,6 +110,44 @@ TEST(InOrderDigest, BytesNobodyReportedAreHashedByFinishAsTheyAreThen) {
   expect_same(d->finish_file(nullptr, 0), one_pass(bytes.data(), bytes.size()));
 }
 
+// The other way bytes go unreported: a chunk whose reported prefix was hashed at once, so nothing waits in it,
+// and whose tail nobody reports (and chunks nobody reports at all). finish hashes those tails too, as they
+// are then: the reports' threads never saw them, and nothing pending points at them.
+TEST(InOrderDigest, AnUnreportedTailWithNothingPendingIsHashedByFinish) {
+  std::vector<uint8_t> bytes = random_bytes(13 * kMiB + 5, 21);
+  auto d = ckd::InOrderDigest::for_file(bytes.data(), 0, bytes.size());
+  d->covered(bytes.data(), kMiB);                   // chunk 0: its first MiB, hashed now; [1, 4) MiB never
+  d->covered(bytes.data() + 4 * kMiB, 4 * kMiB);    // chunk 1 whole; chunk 2 ([8, 12) MiB) never
+  d->covered(bytes.data() + 12 * kMiB, kMiB + 1);   // chunk 3: all but its last 4 bytes
+  EXPECT_EQ(d->hashed_early(), 6 * kMiB + 1);
+  // The tails are written after the reports (a writer filling what no copy covers).
+  for (uint64_t at : {2 * kMiB, 10 * kMiB, 13 * kMiB + 2}) bytes[at] ^= 0x5A;
+  const ckd::FileDigest got = d->finish_file(nullptr, 0);
+  expect_same(got, one_pass(bytes.data(), bytes.size()));
+  // Each chunk's own digest, not only the sum: the first, third and last hash bytes no report covered.
+  ASSERT_EQ(got.chunks.size(), 4u);
+  EXPECT_EQ(got.chunks[0], ckd::xxh3_of(bytes.data(), 4 * kMiB));
+  EXPECT_EQ(got.chunks[2], ckd::xxh3_of(bytes.data() + 8 * kMiB, 4 * kMiB));
+  EXPECT_EQ(got.chunks[3], ckd::xxh3_of(bytes.data() + 12 * kMiB, kMiB + 5));
+
+  // The same with a header: chunk 0 waits for it, and none of its arena bytes were reported.
+  const std::vector<uint8_t> header = random_bytes(100, 22);
+  std::vector<uint8_t> arena = random_bytes(6 * kMiB, 23);
+  auto h = ckd::InOrderDigest::for_file(arena.data(), header.size(), arena.size());
+  h->covered(arena.data() + 4 * kMiB - header.size(), kMiB);  // chunk 1's first MiB only
+  std::vector<uint8_t> whole(header);
+  whole.insert(whole.end(), arena.begin(), arena.end());
+  expect_same(h->finish_file(header.data(), header.size()), one_pass(whole.data(), whole.size()));
+
+  // A tensor's range reported in part: its digest covers the whole range.
+  const std::vector<uint8_t> data = random_bytes(3 * kMiB, 24);
+  auto t = ckd::InOrderDigest::for_tensors(data.data(), {{0, kMiB}, {kMiB, 3 * kMiB}});
+  t->covered(data.data(), kMiB / 2);
+  t->covered(data.data() + kMiB, kMiB);
+  EXPECT_EQ(t->finish_tensors(), (std::vector<std::string>{ckd::xxh3_of(data.data(), kMiB),
+                                                           ckd::xxh3_of(data.data() + kMiB, 2 * kMiB)}));
+}
+
 TEST(InOrderDigest, AHeaderGivenAtTheEndStartsTheFileEvenWhenItSpansChunks) {
   // The disk tier's file: the header is known only once the tensors' digests are, after the copies. The
   // chunks it reaches into are hashed by the finish; the others by the copies.

@@ -11,6 +11,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -277,4 +278,43 @@ TEST(MemoryTierSecurity, APathOutsideTheTierIsNeverCreatedNorRemoved) {
   EXPECT_THROW(tier.commit_in(s.d.str(), s.d.str() + "/victim", m), InvalidArgument);
   EXPECT_TRUE(fs::exists(victim + "/keep"));
   EXPECT_FALSE(fs::exists(s.d.path() / "step-1"));
+}
+
+// "Mode exactly 0700" means exactly: a directory of this uid that others may read or enter (0755, 0750,
+// 0711) is not the tier's either. Nobody else can write it, so nobody can have planted a snapshot in it, but
+// every snapshot written into it would be readable by others, and the tier never chmods what it did not
+// create (a loosened check, "not group- or world-writable", would take these). Both the job directory and a
+// rank directory inside this user's own job directory.
+TEST(MemoryTierSecurity, AnOwnDirectoryOthersMayReadOrEnterIsRefusedAndItsModeKept) {
+  for (const unsigned mode : {0755u, 0750u, 0711u, 0700u | S_ISGID}) {
+    SharedRoot s;
+    const std::string squat = s.tier_path("job-a");
+    ASSERT_EQ(::mkdir(squat.c_str(), 0700), 0);
+    ASSERT_EQ(::chmod(squat.c_str(), mode), 0);
+    fs::create_directories(squat + "/rank-0");
+    ASSERT_EQ(::chmod((squat + "/rank-0").c_str(), 0700), 0);
+    const auto before = snapshot(squat);
+    char text[8];
+    std::snprintf(text, sizeof text, "%04o", mode);
+    const std::string why = refusal(s, "job-a");
+    EXPECT_NE(why.find("'" + squat + "'"), std::string::npos) << why;
+    EXPECT_NE(why.find("owned by uid " + std::to_string(::geteuid()) + " with mode " + text), std::string::npos)
+        << why;
+    EXPECT_EQ(mode_of(squat), mode);
+    EXPECT_EQ(snapshot(squat), before);
+    EXPECT_THROW(AsyncCheckpointer ck(options(s, "job-a")), IoError);
+    EXPECT_EQ(mode_of(squat), mode);
+    EXPECT_EQ(snapshot(squat), before);
+  }
+  for (const unsigned mode : {0755u, 0750u}) {
+    SharedRoot t;
+    { ckd::MemoryTier mine(t.root, "job-b", t.directory, 1, 0); }  // this user's job directory, 0700
+    const std::string rank0 = t.tier_path("job-b") + "/rank-0";
+    ASSERT_EQ(::mkdir(rank0.c_str(), 0700), 0);
+    ASSERT_EQ(::chmod(rank0.c_str(), mode), 0);
+    const std::string why = refusal(t, "job-b");
+    EXPECT_NE(why.find("'" + rank0 + "'"), std::string::npos) << why;
+    EXPECT_EQ(mode_of(rank0), mode);
+    EXPECT_TRUE(fs::is_empty(rank0));  // no lock file, no step
+  }
 }
