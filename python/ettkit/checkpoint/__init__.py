@@ -57,6 +57,7 @@ from ._flatten import (
     unplaced_tensors,
 )
 from ._skeleton_codec import ExtraRecord, decode_extra, encode_extra, encode_skeleton
+from . import rng_state
 from .data_position import DataPosition
 
 __all__ = ["AUTO_UNMEASURED_INTERVAL_S", "AsyncCheckpointer", "Attachment", "DataPosition", "DcpStager",
@@ -285,6 +286,11 @@ class AsyncCheckpointer:
     loads once registered with ``torch.serialization.add_safe_globals``. Without it such a step is refused
     with :class:`ettkit.InvalidArgumentError` naming ``allow_pickle=True`` (docs/security.md).
 
+    ``rng_state`` (default True): each save keeps this rank's random generators (Python's ``random``, NumPy's
+    when NumPy is imported, torch's CPU generator and every initialized CUDA device's) and :meth:`load_latest`
+    restores them, so that dropout and other random ops after a restore draw what the saved run drew
+    (docs/checkpoint.md, "Exact resume"). ``False`` leaves the generators alone.
+
     ``cuda_gather_max_bytes`` (opt-in, default 0 = off; at most 1 MiB): contiguous CUDA tensors up to this
     size reach the pinned arena by one kernel per save instead of a ``cudaMemcpyAsync`` each. On an H200 it
     staged 20,001 small tensors 1.8x faster but made ``save()`` block longer beside a training step
@@ -302,9 +308,11 @@ class AsyncCheckpointer:
                  memory_tier_budget_bytes: Optional[int] = None, every_memory: Any = None,
                  verify_memory_tier: bool = True, peer_replica: bool = False, ranks_per_host: Optional[int] = None,
                  reshard_whole_from_rank0: bool = False, allow_pickle: bool = False,
-                 cuda_gather_max_bytes: int = 0):
+                 cuda_gather_max_bytes: int = 0, rng_state: bool = True):
         if allow_pickle is not True and allow_pickle is not False:
             raise InvalidArgumentError(f"allow_pickle={allow_pickle!r} must be True or False")
+        if rng_state is not True and rng_state is not False:
+            raise InvalidArgumentError(f"rng_state={rng_state!r} must be True or False")
         if memory_budget_bytes is not None and memory_budget_bytes <= 0:
             raise InvalidArgumentError(f"memory_budget_bytes={memory_budget_bytes} must be positive (or None)")
         if memory_tier_budget_bytes is not None and memory_tier_budget_bytes <= 0:
@@ -389,6 +397,7 @@ class AsyncCheckpointer:
         self._prepare_thread: Optional[threading.Thread] = None
         self._prepare_outcome: Any = None  # the bytes the last prepare() backed, or the exception it raised
         self._allow_pickle = allow_pickle
+        self._rng_state = rng_state
         self._adopted: dict = {}  # id -> optimizer state dict passed by value that load_latest filled
         self._skeleton: Any = None
         self._skeleton_code = None  # the previous save's skeleton, encoded (_skeleton_codec.EncodedSkeleton)
@@ -479,7 +488,8 @@ class AsyncCheckpointer:
         if not (comparable and self._skeleton_comparable and skeleton == self._skeleton):
             code = encode_skeleton(skeleton, allow_pickle=self._allow_pickle)
             self._skeleton, self._skeleton_code, self._skeleton_comparable = skeleton, code, comparable
-        blob = encode_extra(self._skeleton_code, extra, self._c.world_size, allow_pickle=self._allow_pickle)
+        blob = encode_extra(self._skeleton_code, extra, self._c.world_size, allow_pickle=self._allow_pickle,
+                            rng=rng_state.capture() if self._rng_state else None)
         if self._fences.attachments:
             self._c.set_copy_priority(*self._fences.priority())
         if names == self._names:
@@ -734,6 +744,8 @@ class AsyncCheckpointer:
             # step cannot restore, or a pickle without allow_pickle=True, is a mismatch (InvalidArgumentError:
             # no fallback to an older step, which would silently lose the newer one).
             value = decode(blob)
+            if value is not None and value.rng is not None:
+                rng_state.check(value.rng, "the step's .extra file")
             if value is not None:
                 check_sharded(live, value.skeleton,
                               world_changed=value.world_size is not None and value.world_size != self._c.world_size)
@@ -782,6 +794,8 @@ class AsyncCheckpointer:
         if value is None:
             # Written by the C++ AsyncCheckpointer: `extra` is its opaque bytes and there is no skeleton.
             return int(step), bytes(blob)
+        if self._rng_state:
+            rng_state.restore(value.rng, world_changed=self.resharded_from is not None, step=int(step))
         captured = frozenset(id(s.captured) for s in slots if s.captured is not None)
         filled: list = []
         restore_by_value(state_dict, value.skeleton, loaded, captured, filled)

@@ -15,10 +15,14 @@ epoch: ``DistributedSampler.set_epoch``, or a generator seeded with ``seed + epo
 
 from __future__ import annotations
 
+import contextlib
 import operator
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
+
+import torch
 
 from ..errors import InvalidArgumentError
 
@@ -59,6 +63,9 @@ class DataPosition:
     def __init__(self, epoch: int = 0, batches: int = 0):
         self.epoch = self._count("epoch", epoch)
         self.batches = self._count("batches", batches)
+        # The generators' states where the current epoch's iter(loader) drew from them (see _epoch_start):
+        # {"torch": bytes, "loader": bytes | None}, or None before the first epoch began.
+        self.epoch_rng: dict | None = None
 
     @staticmethod
     def _count(field: str, value: Any) -> int:
@@ -104,6 +111,8 @@ class DataPosition:
 
     def state_dict(self) -> dict:
         state = {"epoch": self.epoch, "batches": self.batches}
+        if self.epoch_rng is not None:
+            state["epoch_rng"] = dict(self.epoch_rng)
         # Remembered so that a checkpointer recognises this copy put in a state by value (and refuses it).
         old = getattr(self, "_handed_out", None)
         if old is not None:
@@ -113,13 +122,80 @@ class DataPosition:
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        if not isinstance(state, dict) or set(state) != {"epoch", "batches"}:
-            raise InvalidArgumentError(f"DataPosition.load_state_dict takes {{'epoch', 'batches'}}, got {state!r}")
+        if not isinstance(state, dict) or not {"epoch", "batches"} <= set(state) <= {"epoch", "batches", "epoch_rng"}:
+            raise InvalidArgumentError(f"DataPosition.load_state_dict takes {{'epoch', 'batches'}} and optionally "
+                                       f"'epoch_rng', got {_short(state)}")
         self.epoch = self._count("epoch", state["epoch"])
         self.batches = self._count("batches", state["batches"])
+        self.epoch_rng = _checked_epoch_rng(state.get("epoch_rng"))
+
+    @contextlib.contextmanager
+    def _epoch_start(self, loader: Any, resumed: bool, starts_iterator: bool):
+        """Where ``iter(loader)`` (and, after a restore, the skipping of the consumed batches) draws from the
+        random generators. A DataLoader's iterator draws its workers' base seed from ``loader.generator``, or
+        from torch's global generator when it has none; a ``RandomSampler`` draws its epoch's order the same way.
+        Those draws must not move torch's global generator: ``load_latest`` restored it to where the save was,
+        and dropout after the restore must draw from there, as it did after the save. So they draw from the
+        epoch's start, remembered here and saved with the position: the same seeds and the same order as the
+        run that saved it, and the global generator where it was. A fresh epoch remembers where it starts.
+
+        ``starts_iterator``: the block runs ``iter(loader)``. The loader's own generator is set to the epoch's
+        start only there: it is the loader's alone, and it goes on from the iterator's draws to the sampler's.
+        torch's global generator is set to the epoch's start for each block and put back after it, as in the
+        run that saved: there it was at the epoch's start when ``iter()`` ran (which draws without moving it)
+        and when the first ``next()`` drew the sampler's order."""
+        gen = getattr(loader, "generator", None)
+        gen = gen if isinstance(gen, torch.Generator) else None
+        now = torch.get_rng_state()
+        if resumed and self.epoch_rng is not None:
+            torch.set_rng_state(_state_tensor(self.epoch_rng["torch"]))
+            if starts_iterator and gen is not None and self.epoch_rng.get("loader") is not None:
+                gen.set_state(_state_tensor(self.epoch_rng["loader"]))
+        elif starts_iterator:
+            self.epoch_rng = {"torch": now.numpy().tobytes(),
+                              "loader": gen.get_state().numpy().tobytes() if gen is not None else None}
+        try:
+            yield
+        finally:
+            torch.set_rng_state(now)
 
     def __repr__(self) -> str:
         return f"DataPosition(epoch={self.epoch}, batches={self.batches})"
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+def _state_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _checked_epoch_rng(value: Any) -> dict | None:
+    if value is None:
+        return None
+    size = torch.get_rng_state().numel()
+    ok = (isinstance(value, dict) and set(value) == {"torch", "loader"} and isinstance(value["torch"], bytes)
+          and len(value["torch"]) == size and (value["loader"] is None or isinstance(value["loader"], bytes)))
+    if not ok:
+        raise InvalidArgumentError(f"DataPosition epoch_rng must be {{'torch': {size} bytes, 'loader': bytes or "
+                                   f"None}}, got {_short(value)}")
+    return dict(value)
+
+
+def _warn_unseeded_sampler(loader: Any) -> None:
+    """The one source of a different order after a restore that the position can see but not fix: a
+    ``RandomSampler`` without a generator in a loader without workers draws its order from torch's global
+    generator at the first ``next()``, which ``overlapped_start`` runs on a stage thread while the compile may
+    draw from the same generator."""
+    sampler = getattr(loader, "sampler", None)
+    if (isinstance(sampler, torch.utils.data.RandomSampler) and sampler.generator is None
+            and getattr(loader, "num_workers", 0) == 0):
+        warnings.warn("DataPosition: the loader's RandomSampler has no generator= and the loader no workers: its "
+                      "order after this restore is exact only if nothing else draws from torch's global generator "
+                      "meanwhile; pass DataLoader(..., generator=torch.Generator().manual_seed(seed)) or use "
+                      "DistributedSampler", RuntimeWarning, stacklevel=4)
 
 
 class PositionedBatches:
@@ -161,7 +237,10 @@ class PositionedBatches:
         self._skip = self._pos.batches
         if self._set_epoch is not None:
             self._set_epoch(self._epoch)
-        self._it = iter(self._loader)
+        with self._pos._epoch_start(self._loader, resumed=self._skip > 0, starts_iterator=True):
+            self._it = iter(self._loader)
+        if self._skip:
+            _warn_unseeded_sampler(self._loader)
 
     def __iter__(self) -> PositionedBatches:
         self._begin_epoch()
@@ -174,7 +253,9 @@ class PositionedBatches:
                 raise StopIteration
             while self._skip:
                 try:
-                    next(self._it)
+                    # The first next() may draw the sampler's order.
+                    with self._pos._epoch_start(self._loader, resumed=True, starts_iterator=False):
+                        next(self._it)
                 except StopIteration:
                     consumed = self._pos.batches
                     self.close()

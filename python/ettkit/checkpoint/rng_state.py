@@ -1,0 +1,105 @@
+"""The random generators' states of one rank, saved with every step and restored by ``load_latest``.
+
+Why by default: a model with dropout (or any random op in the step) resumes bit for bit only if the step after the
+restore draws what the step after the save drew. The parameters, optimizer and data position alone resumed every
+value right but the masks: every step after a restore differed, silently. Accelerate's ``save_state`` restores
+the same generators by default.
+
+What is saved (each rank its own, in its ``rank-<r>.extra`` record, field ``rng``): Python's ``random``, NumPy's
+global generator (only when NumPy is already imported: nothing here imports it), torch's CPU generator, and the
+generator of every CUDA device when CUDA is initialized (``torch.cuda.get_rng_state_all``). The states are
+packed as bytes: a few KiB a save, encoded in microseconds.
+
+Restored only where they mean the same thing: a step saved at another world size (a reshard) restores none and
+warns; CUDA states restore onto as many devices as were saved, or none with a warning.
+"""
+
+from __future__ import annotations
+
+import array
+import random
+import sys
+import warnings
+from typing import Any, Optional
+
+import torch
+
+from ..errors import CorruptDataError
+
+__all__ = ["capture", "check", "restore"]
+
+_MT_WORDS = 625  # Python's Mersenne Twister: 624 words and the index
+
+
+def capture() -> dict:
+    """This process's generator states, as plain values and bytes (the record's ``rng`` field)."""
+    version, words, gauss = random.getstate()
+    state: dict = {
+        "python": [version, array.array("I", words).tobytes(), gauss],
+        "torch": torch.get_rng_state().numpy().tobytes(),
+    }
+    np = sys.modules.get("numpy")
+    if np is not None:
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = [name, keys.astype("<u4").tobytes(), int(pos), int(has_gauss), float(cached)]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [s.numpy().tobytes() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def check(state: Any, where: str) -> None:
+    """Raises :class:`CorruptDataError` naming ``where`` and the field when ``state`` is not a record of
+    :func:`capture` (before any tensor of the step is copied, so the step falls back like any corrupt one)."""
+
+    def bad(field: str, why: str) -> CorruptDataError:
+        return CorruptDataError(f"{where}: the generator state's field '{field}' {why}")
+
+    if not isinstance(state, dict) or not set(state) <= {"python", "torch", "numpy", "cuda"}:
+        raise bad("rng", f"is not a dict of 'python', 'torch', 'numpy', 'cuda' (got {type(state).__name__})")
+    py = state.get("python")
+    if not (isinstance(py, list) and len(py) == 3 and type(py[0]) is int and isinstance(py[1], bytes)
+            and len(py[1]) == 4 * _MT_WORDS and (py[2] is None or type(py[2]) is float)):
+        raise bad("python", f"is not [version, {4 * _MT_WORDS} bytes, gauss]")
+    expected = torch.get_rng_state().numel()
+    if not isinstance(state.get("torch"), bytes) or len(state["torch"]) != expected:
+        raise bad("torch", f"is not {expected} bytes (torch's CPU generator state)")
+    npy = state.get("numpy")
+    if npy is not None and not (isinstance(npy, list) and len(npy) == 5 and isinstance(npy[0], str)
+                                and isinstance(npy[1], bytes) and len(npy[1]) == 4 * 624
+                                and all(type(v) is int for v in npy[2:4]) and type(npy[4]) is float):
+        raise bad("numpy", "is not [name, 2496 bytes, pos, has_gauss, cached_gaussian]")
+    cuda = state.get("cuda")
+    if cuda is not None and not (isinstance(cuda, list) and all(isinstance(s, bytes) and 0 < len(s) <= 1 << 16
+                                                                  for s in cuda)):
+        raise bad("cuda", "is not a list of byte strings, one per device")
+
+
+def restore(state: Optional[dict], *, world_changed: bool, step: int) -> None:
+    """Sets this process's generators to ``state`` (checked by :func:`check`); warns and changes nothing where
+    the saved states cannot mean the same thing here."""
+    if state is None:
+        return
+    if world_changed:
+        warnings.warn(f"ettkit.checkpoint: step {step} was saved at another world size: the random generators "
+                      "are per rank and were not restored (random ops such as dropout will not repeat the saved "
+                      "run's draws)", RuntimeWarning, stacklevel=3)
+        return
+    version, words, gauss = state["python"]
+    random.setstate((version, tuple(array.array("I", words)), gauss))
+    torch.set_rng_state(torch.frombuffer(bytearray(state["torch"]), dtype=torch.uint8))
+    npy = state.get("numpy")
+    if npy is not None:
+        import numpy as np  # saved only where NumPy was imported: the trainer uses it
+
+        name, keys, pos, has_gauss, cached = npy
+        np.random.set_state((name, np.frombuffer(keys, dtype="<u4").astype(np.uint32), pos, has_gauss, cached))
+    cuda = state.get("cuda")
+    if cuda:
+        if not torch.cuda.is_available() or torch.cuda.device_count() < len(cuda):
+            have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            warnings.warn(f"ettkit.checkpoint: step {step} saved the generators of {len(cuda)} CUDA devices and "
+                          f"this process sees {have}: the CUDA generators were not restored", RuntimeWarning,
+                          stacklevel=3)
+            return
+        for device, s in enumerate(cuda):
+            torch.cuda.set_rng_state(torch.frombuffer(bytearray(s), dtype=torch.uint8), device)
