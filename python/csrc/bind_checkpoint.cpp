@@ -339,18 +339,20 @@ void bind_checkpoint(py::module_& m) {
            py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
       .def(
           "save",
-          [](AsyncCheckpointer& c, int64_t step, TensorList& list, const py::bytes& extra, const py::handle& tier) {
+          [](AsyncCheckpointer& c, int64_t step, TensorList& list, const py::bytes& extra, const py::handle& tier,
+             int64_t call_begin_us) {
             std::string blob = extra;
             Tier t = parse_tier(text_option(tier, "tier", kTierValid));
             std::optional<SaveHandle> h;
             {
               py::gil_scoped_release nogil;
-              h.emplace(c.save(step, list.items, blob, t));
+              h.emplace(c.save(step, list.items, blob, t, call_begin_us));
             }
             list.clear_tensors();  // the snapshot holds what it still needs
             return *h;
           },
-          py::arg("step"), py::arg("tensors"), py::arg("extra") = py::bytes(), py::arg("tier") = "disk")
+          py::arg("step"), py::arg("tensors"), py::arg("extra") = py::bytes(), py::arg("tier") = "disk",
+          py::arg("call_begin_us") = -1)
       .def("prepare", [](AsyncCheckpointer& c, const TensorList& list) {
              py::gil_scoped_release nogil;
              return c.prepare(list.items);

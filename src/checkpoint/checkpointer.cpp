@@ -239,11 +239,16 @@ AsyncCheckpointer::~AsyncCheckpointer() {
   }
 }
 
-SaveHandle AsyncCheckpointer::save(int64_t step, const NamedTensors& tensors, const std::string& extra, Tier tier) {
+SaveHandle AsyncCheckpointer::save(int64_t step, const NamedTensors& tensors, const std::string& extra, Tier tier,
+                                   int64_t call_begin_us) {
   Impl& im = *impl_;
   ETTKIT_EXPECTS(tier != Tier::kMemory || im.memory, "save(step=", step, ", tier='memory') needs a memory tier: "
                  "construct the checkpointer with memory_tier (e.g. root \"/dev/shm\")");
-  int64_t b = epoch_us();
+  const int64_t now = epoch_us();
+  // The caller's start, when it is a plausible one (not in the future, at most an hour back: a clock step
+  // or a wrong value must not book an hour of blocking).
+  const bool caller = call_begin_us >= 0 && call_begin_us <= now && now - call_begin_us < 3'600'000'000LL;
+  int64_t b = caller ? call_begin_us : now;
   CopyPriority priority = im.admit(step);
   check_save_arguments(step, tensors, im.opt.read_only);
   NamedTensors resolved;

@@ -424,7 +424,11 @@ class ETTKIT_API AsyncCheckpointer {
   /// resolved (resolve_conj() / resolve_neg()) before staging.
   /// Tier::kMemory commits this rank's snapshot into the memory tier only (no Store traffic); a later
   /// committed disk save of a step >= it retires it.
-  SaveHandle save(int64_t step, const NamedTensors& tensors, const std::string& extra = {}, Tier tier = Tier::kDisk);
+  /// `call_begin_us` (epoch µs, -1: now): when the caller's save began. A binding that flattens and encodes the
+  /// state before this call (the Python AsyncCheckpointer) passes its own start, so that the blocking recorded
+  /// is the whole call the training thread made, not only this part of it.
+  SaveHandle save(int64_t step, const NamedTensors& tensors, const std::string& extra = {}, Tier tier = Tier::kDisk,
+                  int64_t call_begin_us = -1);
   /// Sizes, allocates and backs the host arenas for `tensors` now (Stager::prepare): the first save() of
   /// that structure then blocks like the later ones instead of paying for the arena's page faults. Call it
   /// from a thread other than the training thread once the state exists (e.g. beside the compile); a

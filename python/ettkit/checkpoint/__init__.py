@@ -476,6 +476,9 @@ class AsyncCheckpointer:
         the directory: no disk write and no collective, it survives a killed process on this node (not the
         node), and a later disk save of a step at least as new retires it. ``tier=None`` (default): the tier
         :meth:`due` names for this step, and ``"disk"`` when it names none (a save outside the policy)."""
+        # The blocking the ledger records is the whole call, from here (the walk and the encoding below block
+        # the training thread as much as the copies do): the C++ save takes this start.
+        call_begin_us = time.time_ns() // 1000
         step = _step_number(step)
         if tier is None:
             tier = self.due(step) or "disk"
@@ -498,7 +501,7 @@ class AsyncCheckpointer:
             check_unique(names)
             self._tensor_list.set(names, tensors)
             self._names = names
-        handle = self._c.save(step, self._tensor_list, blob, tier)
+        handle = self._c.save(step, self._tensor_list, blob, tier, call_begin_us=call_begin_us)
         if not handle.skipped:
             self._schedule.saved(step, handle.tier, self._clock())
             self._handles.append(handle)
