@@ -1,6 +1,6 @@
 """The README's trainer, complete: one path that works, in the order that works.
 
-An EmbeddingBag + MLP + BatchNorm model, Adam and StepLR, a DistributedSampler over a plain DataLoader, the
+An EmbeddingBag + MLP + BatchNorm + dropout model, Adam and StepLR, a DistributedSampler over a plain DataLoader, the
 ETT recorder, an AsyncCheckpointer saving every 10 steps with the data position, and a compile that
 overlaps the first batch with a precompiled compile cache, so a restart loads instead of compiling.
 
@@ -55,7 +55,7 @@ class Model(torch.nn.Module):
         super().__init__()
         self.emb = torch.nn.EmbeddingBag(VOCAB, DIM, mode="sum")
         self.mlp = torch.nn.Sequential(torch.nn.Linear(DIM + DENSE, 32), torch.nn.BatchNorm1d(32),
-                                       torch.nn.ReLU(), torch.nn.Linear(32, 1))
+                                       torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(32, 1))
 
     def forward(self, batch: dict) -> torch.Tensor:
         return self.mlp(torch.cat([self.emb(batch["ids"]), batch["dense"]], dim=1)).squeeze(1)
@@ -105,14 +105,11 @@ def main() -> None:
 
     ck = AsyncCheckpointer(os.path.join(args.run_dir, "ckpt"), every=10, keep_last=2)
     state = {"model": model, "optim": optimizer, "sched": scheduler, "data": position}  # objects, not dicts
-    restored = ck.load_latest(state)                              # in place; None on the first start
+    restored = ck.load_latest(state)                              # in place, random generators too; None at first
     ck.attach(model=model, optimizer=optimizer)                   # fences its writers: save() overlaps training
     step = restored[0] if restored else 0
-
-    def batches():                                                # every epoch, from the saved position on
-        for epoch in position.epochs():
-            sampler.set_epoch(epoch)                              # the epoch's order is a function of the epoch
-            yield from position.iterate(loader)
+    # Every epoch from the saved position on, each epoch's order a function of the epoch (set_epoch).
+    batches = position.stream(loader, set_epoch=sampler.set_epoch)
 
     spec = startup.BatchSpec({
         "ids": startup.TensorSpec((BATCH, BAG), torch.int64, value_range=(0, VOCAB - 1)),
@@ -121,11 +118,10 @@ def main() -> None:
     })
     cache = startup.CompileCache(os.path.join(args.run_dir, "compile-cache"), model=model, spec=spec,
                                  precompile=True)
-    compiled, first, report, rest = startup.overlapped_start(model, batches(), spec, loss_fn, cache)
+    compiled, first, report, rest = startup.overlapped_start(model, batches, spec, loss_fn, cache)  # saves the cache
     note(event="start", restored=step, cache=report.cache_tier)
 
     note(event="train_begin", t=time.time())
-    first_step = step + 1
     for batch in itertools.chain([first], rest):
         if step >= args.steps:
             break
@@ -140,8 +136,6 @@ def main() -> None:
         if ck.should_save(step):
             ck.save(step, state)                                  # blocking: the hand-over, not the write
         rec.step(step)
-        if step == first_step and rank == 0:
-            cache.save()                                          # what compiled in the first step, too
         if attempt == 0 and step == args.kill_at_step and rank == args.kill_rank:
             rec.flush()                                           # the steps so far are in the ledger
             note(event="kill", t=time.time())
