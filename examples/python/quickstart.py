@@ -105,8 +105,8 @@ def main() -> None:
 
     ck = AsyncCheckpointer(os.path.join(args.run_dir, "ckpt"), every=10, keep_last=2)
     state = {"model": model, "optim": optimizer, "sched": scheduler, "data": position}  # objects, not dicts
-    restored = ck.load_latest(state)                              # in place, random generators too; None at first
     ck.attach(model=model, optimizer=optimizer)                   # fences its writers: save() overlaps training
+    restored = ck.load_latest(state)                              # in place, random generators too; None at first
     step = restored[0] if restored else 0
     # Every epoch from the saved position on, each epoch's order a function of the epoch (set_epoch).
     batches = position.stream(loader, set_epoch=sampler.set_epoch)
