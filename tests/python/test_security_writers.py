@@ -11,6 +11,7 @@ under a timeout, so a regression fails instead of hanging the suite."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -169,3 +170,113 @@ def test_a_fifo_swapped_in_after_close_does_not_hang_the_exit_and_the_record_lan
     assert stat.S_ISFIFO(os.lstat(ledger).st_mode)
     last = moved.read_text().splitlines()[-1]
     assert '"t":"process_exit"' in last, last
+
+
+# ---- the shared compile cache's publisher (issue #61 items 3 and 6) -------------------------------------------
+
+SECRET = "writers-test-secret-" + "0123456789abcdef" * 2
+
+
+class _FakeFn:
+    """Stands in for an AOTCompiledFunction (the serialization is faked: startup_helpers)."""
+
+    def source_info(self):
+        return type("SourceInfo", (), {"inlined_sources": set()})()
+
+
+@pytest.fixture
+def fake_torch(monkeypatch):
+    from startup_helpers import fake_precompiled_serialization
+
+    monkeypatch.setenv("ETTKIT_COMPILE_CACHE_SECRET", SECRET)
+    return fake_precompiled_serialization(monkeypatch)
+
+
+def _team_cache(shared_dir, tmp_path):
+    """A job's cache directory a team shares on purpose (trust_shared=True, mode 0777), and the fleet's
+    shared cache, which trusts only the secret."""
+    from ettkit.startup import CompileCache
+
+    team = os.path.join(shared_dir, "team-cache")
+    os.mkdir(team)
+    os.chmod(team, 0o777)
+    fleet = tmp_path / "fleet"
+    fleet.mkdir(mode=0o750)
+    return CompileCache(team, fingerprint="m1", precompile=True, trust_shared=True, shared_dir=fleet)
+
+
+def _sealed_body(cache) -> bytes:
+    from ettkit.startup.cache import _SHARED_CONTEXT, _unseal
+
+    payload = (cache.shared_dir / cache.shared_name).read_bytes()
+    return bytes(_unseal(SECRET.encode(), cache.key, payload, _SHARED_CONTEXT)[1])
+
+
+@needs_second_user
+def test_publish_shared_seals_the_bytes_it_saved_not_a_file_another_user_swapped_in(fake_torch, shared_dir,
+                                                                                    tmp_path):
+    # Issue #61 item 3: publish_shared re-read the precompiled file from a directory others may write and
+    # sealed whatever it found with the fleet's secret: a job that trusts only the secret then ran it.
+    cache = _team_cache(shared_dir, tmp_path)
+    assert cache.save_precompiled(_FakeFn()).written
+    produced = cache.precompiled_path.read_bytes()
+    _as_attacker('printf planted > "$1.x" && mv -f "$1.x" "$1"', str(cache.precompiled_path))
+    assert os.stat(cache.precompiled_path).st_uid == ATTACKER_UID
+    assert cache.publish_shared().written
+    assert _sealed_body(cache) == produced  # what this process saved, not b"planted"
+
+
+@needs_second_user
+def test_publish_shared_refuses_a_file_it_only_loaded_from_a_directory_others_write(fake_torch, shared_dir, tmp_path):
+    from ettkit.startup import CompileCache, CompileCacheWarning
+
+    cache = _team_cache(shared_dir, tmp_path)
+    assert cache.save_precompiled(_FakeFn()).written
+    planted = cache.precompiled_path.read_bytes()  # a valid file: the team's trust lets it load here
+    os.unlink(cache.precompiled_path)
+    subprocess.run(["setpriv", f"--reuid={ATTACKER_UID}", f"--regid={ATTACKER_UID}", "--clear-groups", "sh", "-c",
+                    'cat > "$0"', str(cache.precompiled_path)], input=planted, check=True, timeout=CHILD_TIMEOUT_S)
+    loader = CompileCache(cache.dir, fingerprint="m1", precompile=True, trust_shared=True,
+                          shared_dir=cache.shared_dir)
+    result, fn = loader.load_precompiled()
+    assert fn == "loaded-fn"  # trust_shared=True: this job runs what the team put there, as documented
+    with pytest.warns(CompileCacheWarning, match=rf"{re.escape(str(loader.precompiled_path))} was not written by "
+                                                 r"this process \(and under trust_shared=True"):
+        published = loader.publish_shared()
+    assert not published.written
+    assert not (loader.shared_dir / loader.shared_name).exists()  # the fleet's cache holds nothing of it
+
+
+def test_a_huge_unsealed_shared_file_is_refused_without_being_read_into_memory(fake_torch, tmp_path):
+    # Issue #61 item 6: a shared-cache file was read whole (up to 4 GiB) before its HMAC was checked; a
+    # sparse 3 GiB file cost 15.8 s and 3.5 GiB of RSS on every start of every rank.
+    from ettkit.startup import CompileCache
+
+    fleet = tmp_path / "fleet"
+    fleet.mkdir(mode=0o750)
+    cache = CompileCache(tmp_path / "own", fingerprint="m1", precompile=True, shared_dir=fleet)
+    with open(fleet / cache.shared_name, "wb") as f:
+        f.write(b"ETTKSHR1" + bytes(32) + b"F")  # looks sealed; its HMAC is zeros
+        f.truncate(1 << 30)
+    code = textwrap.dedent(f"""
+        import resource, sys, time, warnings
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from ettkit.startup import CompileCache
+        from ettkit.startup import precompiled
+        precompiled.supported = lambda: None
+        cache = CompileCache({str(tmp_path / "own")!r}, fingerprint="m1", precompile=True, shared_dir={str(fleet)!r})
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        t = time.perf_counter()
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            result, fn = cache.load_precompiled()
+        print(result.status, fn, time.perf_counter() - t,
+              resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before, "|", w[0].message if w else "")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
+                          env={**os.environ, "ETTKIT_COMPILE_CACHE_SECRET": SECRET})
+    assert proc.returncode == 0, proc.stderr
+    status, fn, seconds, growth_kib, _, message = proc.stdout.split(" ", 5)
+    assert status == "untrusted" and fn == "None", proc.stdout
+    assert "does not verify with this job's cache secret" in message and cache.shared_name in message
+    assert int(growth_kib) < 64 << 10, f"peak RSS grew {int(growth_kib) >> 10} MiB: the file was held"

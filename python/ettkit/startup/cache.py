@@ -79,8 +79,10 @@ from .warm import compile_counters, counter_delta
 __all__ = ["CacheLoadResult", "CacheSaveResult", "CompileCache", "CompileCacheWarning", "compile_fingerprint"]
 
 
-#: The largest shared-cache file read (before its HMAC can be checked, it is someone else's bytes).
+#: The largest shared-cache file read (until its HMAC is checked, it is someone else's bytes).
 _MAX_SHARED_BYTES = 4 << 30
+#: The pieces a shared-cache file's HMAC is streamed in before the file is read (_check_sealed_file).
+_HMAC_PIECE = 1 << 20
 #: A temporary cache file older than this is a dead writer's (a write takes seconds) and is removed.
 _STALE_TEMPORARY_S = 3600.0
 
@@ -236,9 +238,14 @@ def _share_secret(explicit: bytes | str | None) -> tuple[bytes | None, str]:
     return _secret(explicit)
 
 
+def _mac_of(secret: bytes, share_key: str, kind: bytes, context: bytes) -> Any:
+    """The HMAC of a sealed payload before its body is fed. The key is under the MAC: a payload published
+    for one model cannot be replayed under another."""
+    return hmac.new(secret, context + b"\0" + share_key.encode() + b"\0" + kind, hashlib.sha256)
+
+
 def _share_mac(secret: bytes, share_key: str, kind: bytes, body: bytes, context: bytes = _JOB_CONTEXT) -> bytes:
-    # The key is under the MAC: a payload published for one model cannot be replayed under another.
-    mac = hmac.new(secret, context + b"\0" + share_key.encode() + b"\0" + kind, hashlib.sha256)
+    mac = _mac_of(secret, share_key, kind, context)
     mac.update(body)
     return mac.digest()
 
@@ -247,34 +254,69 @@ def _seal(secret: bytes, share_key: str, kind: bytes, body: bytes, context: byte
     return _SHARE_MAGIC + _share_mac(secret, share_key, kind, body, context) + kind + body
 
 
+def _no_mac(context: bytes) -> ValueError:
+    """The refusal of a payload that is not sealed at all (for a job's Store, or the shared cache)."""
+    return ValueError(
+        "carries no ettkit HMAC ("
+        + ("not published by an ettkit rank with a share secret)" if context == _JOB_CONTEXT else "not written "
+           f"by ettkit with ${_CACHE_SECRET_ENV} set)")
+    )
+
+
+def _bad_mac(context: bytes) -> ValueError:
+    """The refusal of a payload whose HMAC does not verify."""
+    if context == _JOB_CONTEXT:
+        return ValueError(
+            f"has an HMAC-SHA256 that does not verify with this rank's share secret (${_SHARE_SECRET_ENV} or "
+            "share_secret=): it was not published by a rank of this job, or the ranks' secrets differ"
+        )
+    return ValueError(
+        f"has an HMAC-SHA256 that does not verify with this job's cache secret (${_CACHE_SECRET_ENV} or "
+        "shared_secret=) for this key: it was written by someone without the secret, for another key, or "
+        "with another secret"
+    )
+
+
 def _unseal(secret: bytes, share_key: str, payload: bytes, context: bytes = _JOB_CONTEXT) -> tuple[bytes, memoryview]:
     """``(kind, body)`` of a sealed payload (the body a view into ``payload``: a precompiled file is not
     copied to be verified); ValueError, before anything of it is used, when it is not one this secret sealed
     under this key for this ``context`` (a job's Store, or the shared cache)."""
-    job = context == _JOB_CONTEXT
     head = len(_SHARE_MAGIC) + _MAC_BYTES + 1
     if len(payload) < head or not payload.startswith(_SHARE_MAGIC):
-        raise ValueError(
-            "carries no ettkit HMAC ("
-            + ("not published by an ettkit rank with a share secret)" if job else "not written by ettkit with "
-               f"${_CACHE_SECRET_ENV} set)")
-        )
+        raise _no_mac(context)
     mac = payload[len(_SHARE_MAGIC) : len(_SHARE_MAGIC) + _MAC_BYTES]
     kind, body = payload[head - 1 : head], memoryview(payload)[head:]
     if kind not in (_SHARE_FILE, _SHARE_FALLBACK) or not hmac.compare_digest(
         mac, _share_mac(secret, share_key, kind, body, context)
     ):
-        if job:
-            raise ValueError(
-                f"has an HMAC-SHA256 that does not verify with this rank's share secret (${_SHARE_SECRET_ENV} or "
-                "share_secret=): it was not published by a rank of this job, or the ranks' secrets differ"
-            )
-        raise ValueError(
-            f"has an HMAC-SHA256 that does not verify with this job's cache secret (${_CACHE_SECRET_ENV} or "
-            "shared_secret=) for this key: it was written by someone without the secret, for another key, or "
-            "with another secret"
-        )
+        raise _bad_mac(context)
     return kind, body
+
+
+def _check_sealed_file(secret: bytes, share_key: str, fd: int, size: int) -> None:
+    """Verifies the HMAC of the sealed shared-cache file open as ``fd`` (``size`` bytes) by streaming it in
+    pieces, before it is read into memory: a file someone without the secret planted (sparse, gigabytes)
+    costs one pass at hashing speed and no memory, not its size in RSS. Raises ValueError as
+    :func:`_unseal` does. The caller unseals the bytes it then reads too (the file could change between)."""
+    head = len(_SHARE_MAGIC) + _MAC_BYTES + 1
+    start = os.pread(fd, head, 0)
+    if len(start) < head or not start.startswith(_SHARE_MAGIC):
+        raise _no_mac(_SHARED_CONTEXT)
+    kind = start[head - 1 : head]
+    mac = _mac_of(secret, share_key, kind, _SHARED_CONTEXT)
+    buf = bytearray(_HMAC_PIECE)
+    view = memoryview(buf)
+    offset = head
+    while offset < size:
+        n = os.preadv(fd, [view[: min(_HMAC_PIECE, size - offset)]], offset)
+        if n <= 0:
+            break
+        mac.update(view[:n])
+        offset += n
+    if kind not in (_SHARE_FILE, _SHARE_FALLBACK) or not hmac.compare_digest(
+        start[len(_SHARE_MAGIC) : len(_SHARE_MAGIC) + _MAC_BYTES], mac.digest()
+    ):
+        raise _bad_mac(_SHARED_CONTEXT)
 
 
 def _producer(job: str | None) -> dict:
@@ -428,6 +470,10 @@ class CompileCache:
         self._counters_at_load: dict | None = None
         self.last_load: CacheLoadResult | None = None
         self.last_save: CacheSaveResult | None = None
+        # The precompiled file's bytes as this process wrote them (or loaded them from a directory only this
+        # user can write): what publish_shared seals. Never re-read from the directory, which others may
+        # write under trust_shared=True, and which could change between the save and a re-read.
+        self._publishable: bytes | None = None
 
     # ---- load ----------------------------------------------------------------------------------------
 
@@ -658,6 +704,8 @@ class CompileCache:
             fn = precompiled.deserialize(body[:size])
         except Exception as exc:  # noqa: BLE001 - torch refusing an artifact must not stop the job
             return self._ignored("rejected", f"torch rejected it ({type(exc).__name__}: {exc})", t0, path), None
+        if self.shared_dir is not None and not self.trust_shared:
+            self._publishable = data  # this user's own file, in a directory only this user can write
         artifacts = {"precompiled": 1}
         if kernels:
             artifacts["cpu_kernel_files"] = restored
@@ -695,6 +743,8 @@ class CompileCache:
         except OSError as exc:
             warnings.warn(f"could not write compile cache {path}: {exc}", CompileCacheWarning, stacklevel=2)
             return CacheSaveResult(False, str(path), f"write failed: {exc}", counts, len(body))
+        if self.shared_dir is not None:
+            self._publishable = data
         return CacheSaveResult(True, str(path), "written", counts, len(body))
 
     # ---- the shared compile cache (shared_dir) ---------------------------------------------------------
@@ -731,9 +781,14 @@ class CompileCache:
             return self._ignored("untrusted", str(exc), t0, where), None
         except OSError as exc:
             return self._ignored("miss", f"the shared compile cache cannot be opened ({exc})", t0, where), None
+        def check(fd: int, size: int) -> None:
+            _check_sealed_file(self._shared_secret, self.key, fd, size)
+
         try:
             with directory:
-                payload = directory.read(self.shared_name, max_bytes=_MAX_SHARED_BYTES)
+                payload = directory.read(self.shared_name, max_bytes=_MAX_SHARED_BYTES, verify=check)
+        except ValueError as exc:  # its HMAC does not verify: not a byte of it was held, written or unpickled
+            return self._ignored("untrusted", f"refused: it {exc}", t0, where), None
         except FileNotFoundError:
             reason = f"{here.reason}; none in the shared cache {self.shared_dir} either"
             return dataclasses.replace(here, reason=reason, seconds=here.seconds + time.perf_counter() - t0), None
@@ -768,16 +823,25 @@ class CompileCache:
         return result, fn
 
     def publish_shared(self) -> CacheSaveResult:
-        """Writes this key's precompiled file (this node's, which this process just wrote or loaded) into the
-        shared cache, sealed with the cache's HMAC, atomically, readable by the group (0640: the directory's
-        group is who shares it). A directory this job may not write (a read-only cache: jobs read, a
-        precompile service fills) returns ``written=False`` quietly; any other failure warns."""
+        """Writes this key's precompiled file into the shared cache, sealed with the cache's HMAC, atomically,
+        readable by the group (0640: the directory's group is who shares it). What is sealed is only what this
+        process produced: the bytes :meth:`save_precompiled` wrote, or those :meth:`load_precompiled` loaded
+        from this user's own directory (not under ``trust_shared=True``, where others may have put them); never
+        the file re-read from the directory. Without such bytes it warns, naming the file, and returns
+        ``written=False``. A directory this job may not write (a read-only cache: jobs read, a precompile
+        service fills) returns ``written=False`` quietly; any other failure warns."""
         where = self.shared_dir / self.shared_name if self.shared_dir is not None else Path(self.shared_name)
         if self.shared_dir is None:
             return CacheSaveResult(False, str(where), "no shared_dir")
+        body = self._publishable
+        if body is None:
+            why = (f"{self.precompiled_path} was not written by this process"
+                   + (" (and under trust_shared=True others may have put it there)" if self.trust_shared else "")
+                   + ": only a file this process produced is sealed for the shared cache")
+            warnings.warn(f"not publishing to the shared compile cache {where}: {why}", CompileCacheWarning,
+                          stacklevel=2)
+            return CacheSaveResult(False, str(where), f"not published: {why}")
         try:
-            with CacheDirectory(self.dir, trust_shared=self.trust_shared) as own:
-                body = own.read(self.precompiled_path.name)
             sealed = _seal(self._shared_secret, self.key, _SHARE_FILE, body, _SHARED_CONTEXT)
             with self._shared_directory() as directory:
                 directory.write(self.shared_name, sealed, mode=0o640)

@@ -33,6 +33,7 @@ import stat
 import time
 import uuid
 from pathlib import Path
+from typing import Callable
 
 from ..errors import IoError
 
@@ -158,11 +159,12 @@ class CacheDirectory:
     def _where(self, name: str) -> str:
         return str(self.path / name)
 
-    def read(self, name: str, max_bytes: int | None = None) -> bytes:
+    def read(self, name: str, max_bytes: int | None = None, verify: Callable[[int, int], None] | None = None) -> bytes:
         """The bytes of file ``name`` in this directory. Raises FileNotFoundError when there is none,
         :class:`UntrustedFileError` when it fails the rules or is larger than ``max_bytes`` (checked on the
         descriptor before a byte is read: a file someone else planted cannot exhaust memory), OSError when it
-        cannot be read."""
+        cannot be read. ``verify(fd, size)``: runs on the checked descriptor before the file is read into
+        memory (a streamed HMAC), and raises to refuse it."""
         try:
             fd = os.open(name, _READ_FLAGS, dir_fd=self.fd)
         except OSError as exc:
@@ -182,6 +184,8 @@ class CacheDirectory:
                     f"{self._where(name)} is {st.st_size} bytes, more than the {max_bytes} a compile cache file "
                     "may have here"
                 )
+            if verify is not None:
+                verify(fd, st.st_size)
             return f.read() if max_bytes is None else f.read(max_bytes + 1)[: max_bytes]
 
     def write(self, name: str, data: bytes, *, durable: bool = True, mode: int = 0o600) -> None:
