@@ -172,8 +172,10 @@ clean:
 	rm -rf build
 
 # Named one-line bugs in the integrity paths (the chunk checks of a load, the prefetch, a resharding load,
-# the memory tier, the peer replica's give-back, the commit vote), each applied to a copy of its one file,
-# compiled with build/py's own command and relinked into build/mutation; the tests named for it must fail
+# the memory tier, the peer replica's give-back, the commit vote, the fused digest) and the security checks
+# (the memory tier's trust rules, the compile cache's MACs, the .extra decoder's limits), each applied to a
+# copy of its one file (C++: compiled with build/py's own command and relinked into build/mutation, test
+# binaries that compile the file themselves too; Python: in build/mutation/site); the tests named for it must fail
 # (tools/mutation_check.py; docs/sanitizers.md, "Mutation check"). MUTATIONS="a b": those only (--list).
 .PHONY: mutation-check
 mutation-check: build
@@ -181,7 +183,8 @@ mutation-check: build
 	  $(if $(MUTATIONS),--only $(MUTATIONS))
 
 # CI's part of it (.ci/run, after make test, on the same build/py): the subset that compiles fastest, one
-# mutation per integrity layer (tools/mutation_check.py's CI_SUBSET; 55–143 s on the 2-core VM, docs/sanitizers.md).
+# mutation per integrity layer, the fused digest and a memory-tier trust check (tools/mutation_check.py's
+# CI_SUBSET; 44 s on the idle 2-core VM, up to about 2.5 minutes beside other builds, docs/sanitizers.md).
 .PHONY: mutation-check-ci
 mutation-check-ci: build
 	$(PY) tools/mutation_check.py --build-dir $(BUILD_DIR) --json build/mutation-check-ci.json --ci

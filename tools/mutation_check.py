@@ -11,15 +11,24 @@ Why this shape (cost on a 2-core machine, and never touching the tree others wor
   * Nothing is rebuilt from scratch. The build directory (build/py: `make build` leaves it complete) already
     holds every object of libettkit.so and every test binary. Per mutation, only the mutated file is compiled
     (with the build's own compile command, read from ninja) into the scratch directory, and libettkit.so is
-    relinked there from the build's other objects plus that one. The build directory is only read.
+    relinked there from the build's other objects plus that one. A test binary that compiles the mutated
+    source itself (INTERNAL sources in tests/cpp/CMakeLists.txt, e.g. report_passes_test's report_timeline.cpp)
+    never sees the library's copy: that source is compiled again with the binary's own command and the
+    binary relinked into the scratch directory too. The build directory is only read.
+  * A mutation of a Python file of the package (python/ettkit/...py) needs no compile: the package the tests
+    import (below) holds the mutated copy instead of its link to the tree's file, for that mutation only.
   * The tests run unchanged, the build's gtest binaries and the in-tree Python sources with the build's
     extension module (linked together under the scratch directory's site/), with LD_LIBRARY_PATH naming
     the scratch library: the binaries and the extension find libettkit through
-    RUNPATH, which LD_LIBRARY_PATH precedes. A baseline first relinks the unmutated library the same way
-    and runs every named test against it: each must pass, and the binaries must resolve libettkit to the
-    scratch copy, or no verdict is given (a "caught" that the harness itself caused would mean nothing).
-  * The build must be up to date with the sources (`ninja -n` has nothing to do); otherwise the relinked
-    library would mix objects of two source trees, and the check refuses to run.
+    RUNPATH, which LD_LIBRARY_PATH precedes. A baseline first relinks the unmutated library (and the binaries
+    that compile a mutated source themselves) the same way and runs every named test against them: each must
+    pass, and the binaries must resolve libettkit to the scratch copy, or no verdict is given (a "caught"
+    that the harness itself caused would mean nothing).
+  * The build must be up to date with the sources, or the relinked library would mix objects of two source
+    trees, and the check refuses to run. It asks the ninja that made the build (CMakeCache.txt's
+    CMAKE_MAKE_PROGRAM: another version reads its log as foreign and calls every object's command line
+    changed); where ninja's only reason is a changed command line, each such object is compared with the
+    files it was compiled from (`ninja -t deps`) instead: newer than every one of them is up to date.
 
 A mutation is caught when every test named for it fails (a gtest filter that fails, a pytest node that
 fails; a test killed by the timeout counts as failed). Exit status 0 when the baseline passed and every
@@ -58,11 +67,17 @@ class Test:
 @dataclasses.dataclass(frozen=True)
 class Mutation:
     name: str
-    path: str  # relative to the repository root; must be one of libettkit.so's sources
+    # Relative to the repository root: a C++ source of libettkit.so or of a named test binary (src/...cpp), or
+    # a file of the Python package (python/ettkit/...py).
+    path: str
     original: str  # must occur exactly once in the file
     replacement: str
     why: str  # the bug it stands for
     tests: tuple[Test, ...]
+
+    @property
+    def python(self) -> bool:
+        return self.path.endswith(".py")
 
 
 MANY = "checkpoint_integrity_many_chunks_test"
@@ -195,11 +210,87 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a rank other than 0 takes any commit result, a refused one included, for a committed manifest",
         (Test("checkpoint_commit_test", "CommitVote.ATornRankRefusesTheStepAsTornOnEveryRank"),
          Test("checkpoint_commit_test", "CommitVote.AFailedRankAndALostPeerKeepTheirKinds"))),
+    Mutation(
+        "memory-tier-mode-exact", "src/checkpoint/memory_tier.cpp",
+        "if (st.st_uid != ::geteuid() || (st.st_mode & 07777) != MemoryTier::kDirectoryMode) {",
+        "if (st.st_uid != ::geteuid() || (st.st_mode & (S_IWGRP | S_IWOTH)) != 0) {",
+        "the memory tier takes an existing directory of this uid that is not group- or world-writable (0755, "
+        "0750): others read every snapshot written into it (#68)",
+        (Test("checkpoint_memory_tier_security_test",
+              "MemoryTierSecurity.AnOwnDirectoryOthersMayReadOrEnterIsRefusedAndItsModeKept"),)),
+    Mutation(
+        "fused-digest-unreported-tail", "src/checkpoint/in_order_digest.cpp",
+        "if (from < s.end) s.stream.update(",
+        "if (from < s.end && !s.pending.empty()) s.stream.update(",
+        "the in-order digest's finish hashes the rest of a chunk only when a piece waits in it: a tail nobody "
+        "reported after a prefix hashed at once is left out of the chunk's checksum (#68)",
+        (Test(FUSED, "InOrderDigest.AnUnreportedTailWithNothingPendingIsHashedByFinish"),)),
+    Mutation(
+        "share-mac-kind", "python/ettkit/startup/cache.py",
+        'context + b"\\0" + share_key.encode() + b"\\0" + kind, hashlib.sha256)',
+        'context + b"\\0" + share_key.encode() + b"\\0", hashlib.sha256)',
+        "the compile-share HMAC leaves out the payload's kind: whoever writes the Store turns rank 0's file "
+        "into a fallback reason (or a reason into a file) under a valid MAC (#68)",
+        (Test(pytest="tests/python/test_compile_cache_mac.py::test_a_genuine_payload_with_its_kind_flipped_does_not_unseal"),
+         Test(pytest="tests/python/test_compile_cache_mac.py::"
+                     "test_rank_0s_file_with_its_kind_flipped_in_the_store_is_refused_not_read_as_a_fallback"),
+         Test(pytest="tests/python/test_compile_cache_mac.py::"
+                     "test_rank_0s_fallback_with_its_kind_flipped_is_refused_not_written_as_a_file"))),
+    Mutation(
+        "share-mac-context", "python/ettkit/startup/cache.py",
+        'context + b"\\0" + share_key.encode() + b"\\0" + kind, hashlib.sha256)',
+        'share_key.encode() + b"\\0" + kind, hashlib.sha256)',
+        "the HMAC leaves out its context: a payload sealed for a job's Store passes for a shared-cache file "
+        "under the same secret and key, and the reverse (#68)",
+        (Test(pytest="tests/python/test_compile_cache_mac.py::"
+                     "test_a_payload_sealed_in_one_context_does_not_unseal_in_the_other_under_the_same_secret_and_key"),
+         Test(pytest="tests/python/test_compile_cache_mac.py::"
+                     "test_a_store_payload_planted_in_the_shared_cache_is_untrusted_under_the_same_secret"),
+         Test(pytest="tests/python/test_compile_cache_mac.py::"
+                     "test_a_shared_cache_file_offered_through_the_store_is_untrusted_under_the_same_secret"))),
+    Mutation(
+        "extra-int-list-count", "python/ettkit/checkpoint/_skeleton_codec.py",
+        "self.nodes += n\n            return list(struct.unpack_from(",
+        "return list(struct.unpack_from(",
+        "the .extra decoder stops counting packed int lists toward its value limit: a record of many lists, "
+        "each under it, is built whole (#68)",
+        (Test(pytest="tests/python/test_extra_value_count.py::test_values_spread_over_int_lists_count_toward_the_limit"),)),
+    Mutation(
+        "failure-cause-rule", "src/ett/report_timeline.cpp",
+        "last_alive(*other->ledger) + kPeerClockSkewUs < last_alive(*outside->ledger);",
+        "last_alive(*other->ledger) + kPeerClockSkewUs > last_alive(*outside->ledger);",
+        "the failure category's rule read the wrong way round: a kill names a peer's later exception, an "
+        "exception raised while the dead rank lived names the kill (report_passes_test compiles this file "
+        "itself: the harness relinks it)",
+        (Test("report_passes_test", "ReportPasses.CollectAttemptsNamesTheFirstRankToStopAsTheFailure"),
+         Test("report_passes_test", "ReportPasses.CollectAttemptsNamesAKilledRankOverAPeersLaterException"))),
+    Mutation(
+        "memory-tier-root-group-writable", "src/checkpoint/memory_tier.cpp",
+        "ETTKIT_CHECK((st.st_mode & (S_IWGRP | S_IWOTH)) == 0 || (st.st_mode & S_ISVTX) != 0, InvalidArgument,",
+        "ETTKIT_CHECK((st.st_mode & S_IWOTH) == 0 || (st.st_mode & S_ISVTX) != 0, InvalidArgument,",
+        "the memory tier's root check looks at the world's write bit only: a root the group may write, not "
+        "sticky, lets any member rename the tier away and plant another (#68 audit)",
+        (Test("checkpoint_memory_tier_security_test",
+              "MemoryTierSecurity.ARootItsGroupCanWriteWithoutTheStickyBitIsRefused"),)),
+    Mutation(
+        "extra-listed-int-count", "python/ettkit/checkpoint/_skeleton_codec.py",
+        "self.nodes += 1\n                    append(_i64.unpack_from(buf, pos + 1)[0])",
+        "append(_i64.unpack_from(buf, pos + 1)[0])",
+        "the .extra decoder's inline path for a list's int items stops counting them (#68 audit)",
+        (Test(pytest="tests/python/test_extra_value_count.py::test_values_spread_over_int_lists_count_toward_the_limit"),)),
+    Mutation(
+        "extra-dict-int-count", "python/ettkit/checkpoint/_skeleton_codec.py",
+        "self.nodes += 1\n                    out[k] = _i64.unpack_from(buf, pos + 1)[0]",
+        "out[k] = _i64.unpack_from(buf, pos + 1)[0]",
+        "the .extra decoder's inline path for a dict's int values stops counting them (#68 audit)",
+        (Test(pytest="tests/python/test_extra_value_count.py::test_values_spread_over_int_lists_count_toward_the_limit"),)),
 )
 
-# A subset for CI, one per integrity layer that compiles fastest (file_checksums.cpp and step_files.cpp have no
-# torch headers).
-CI_SUBSET = ("prefetch-group-loop", "normal-load-chunk-loop", "manifest-commit-result")
+# A subset for CI, one per integrity layer that compiles fastest (file_checksums.cpp, step_files.cpp and
+# in_order_digest.cpp have no torch headers): the load's chunk checks, the commit vote, the fused digest and
+# a trust check of the memory tier (#68: at least one digest and one security mutation; 2 and 10 s more).
+CI_SUBSET = ("prefetch-group-loop", "normal-load-chunk-loop", "manifest-commit-result",
+             "fused-digest-unreported-tail", "memory-tier-mode-exact")
 
 
 class Refused(Exception):
@@ -211,7 +302,7 @@ def run(cmd, **kw) -> subprocess.CompletedProcess:
 
 
 class Build:
-    """The build directory's library: how ninja compiles each of its sources and links it."""
+    """The build directory's library and test binaries: how ninja compiles each of their sources and links them."""
 
     def __init__(self, build_dir: str):
         self.dir = os.path.abspath(build_dir)
@@ -220,41 +311,119 @@ class Build:
         libs = sorted(glob.glob(os.path.join(self.dir, "src", "libettkit.so.*.*.*")))
         if not libs:
             raise Refused(f"--build-dir {build_dir}: no src/libettkit.so.X.Y.Z (run `make build` first)")
+        self.ninja = self._ninja()
         self.lib_target = os.path.relpath(libs[-1], self.dir)  # src/libettkit.so.0.1.0
-        out = run(["ninja", "-C", self.dir, "-t", "commands", self.lib_target])
-        if out.returncode != 0:
-            raise Refused(f"ninja -t commands {self.lib_target} failed: {out.stderr.strip()}")
-        self.compile: dict[str, str] = {}  # absolute source path -> compile command
-        self.objects: dict[str, str] = {}  # absolute source path -> object path (relative to the build dir)
-        self.link = ""
-        for line in out.stdout.splitlines():
-            m = re.search(r" -o (\S+\.o) -c (\S+)$", line)
-            if m:
-                self.compile[m.group(2)] = line
-                self.objects[m.group(2)] = m.group(1)
-            elif f" -o {self.lib_target} " in line and "-shared" in line:
-                self.link = line
-        if not self.link:
+        self.lib = self._target(self.lib_target, "")
+        if "-shared" not in self.lib.link:
             raise Refused(f"no link command for {self.lib_target} in ninja's commands")
-        m = re.search(r"-Wl,-soname,(\S+)", self.link)
+        m = re.search(r"-Wl,-soname,(\S+)", self.lib.link)
         if not m:
             raise Refused(f"the link command of {self.lib_target} names no soname")
         self.soname = m.group(1)
+        self._binaries: dict[str, Target] = {}
 
-    def check_up_to_date(self, targets: list[str]) -> None:
-        out = run(["ninja", "-C", self.dir, "-n", self.lib_target, *targets])
-        if "no work to do" not in out.stdout:
-            pending = [ln for ln in out.stdout.splitlines() if re.match(r"\[\d+/\d+\]", ln)]
+    def _ninja(self) -> str:
+        """The ninja that made this build (CMake's CMAKE_MAKE_PROGRAM, e.g. .venv's pip ninja): another version
+        reads its log as foreign (its command hashes differ) and would call every object out of date."""
+        try:
+            with open(os.path.join(self.dir, "CMakeCache.txt")) as f:
+                m = re.search(r"^CMAKE_MAKE_PROGRAM:\w+=(.+)$", f.read(), re.M)
+        except OSError:
+            m = None
+        if m and os.access(m.group(1).strip(), os.X_OK):
+            return m.group(1).strip()
+        return shutil.which("ninja") or "ninja"
+
+    def _target(self, target: str, own_dir: str) -> "Target":
+        """`target`'s commands: the compiles of its own objects (those under `own_dir`, every one when empty)
+        and its link."""
+        out = run([self.ninja, "-C", self.dir, "-t", "commands", target])
+        if out.returncode != 0:
+            raise Refused(f"ninja -t commands {target} failed: {out.stderr.strip()}")
+        t = Target(target)
+        for line in out.stdout.splitlines():
+            m = re.search(r" -o (\S+\.o) -c (\S+)$", line)
+            if m and m.group(1).startswith(own_dir):
+                t.compile[m.group(2)] = line
+                t.objects[m.group(2)] = m.group(1)
+            elif f" -o {target} " in line:
+                t.link = line
+        if not t.link:
+            raise Refused(f"no link command for {target} in ninja's commands")
+        return t
+
+    def binary(self, name: str) -> "Target":
+        """A test binary's own compiles (tests/cpp/CMakeFiles/<name>.dir: its test file, and the library
+        sources it compiles itself, INTERNAL in tests/cpp/CMakeLists.txt) and its link."""
+        if name not in self._binaries:
+            self._binaries[name] = self._target(f"tests/cpp/{name}", f"tests/cpp/CMakeFiles/{name}.dir/")
+        return self._binaries[name]
+
+    def check_up_to_date(self, targets: list[str]) -> str:
+        """Refuses a build that is not up to date with the sources for `targets` (and the library). What
+        matters is whether an object is older than a file it was compiled from: a "command line changed"
+        that ninja gives for every object when its log was written by another ninja version is checked
+        against the objects' recorded inputs instead. Returns a note when it had to."""
+        out = run([self.ninja, "-C", self.dir, "-n", "-d", "explain", self.lib_target, *targets])
+        if "no work to do" in out.stdout:
+            return ""
+        explained = [ln.split("ninja explain: ", 1)[1] for ln in out.stderr.splitlines() if "ninja explain: " in ln]
+        changed = [e[len("command line changed for "):] for e in explained if e.startswith("command line changed for ")]
+        other = [e for e in explained if not e.startswith("command line changed for ") and not e.endswith(" is dirty")]
+        pending = [ln for ln in out.stdout.splitlines() if re.match(r"\[\d+/\d+\]", ln)]
+        if other or not changed:
             raise Refused(
                 f"{self.dir} is not up to date with the sources ({len(pending)} step(s) pending, e.g. "
-                f"{pending[0] if pending else out.stdout.strip()[:200]}): the relinked library would mix two "
+                f"{(other or pending or [out.stdout.strip()[:200]])[0]}): the relinked library would mix two "
                 "source trees. Run `make build` (or ninja -C on the build directory) first.")
+        stale = self._older_than_inputs([c for c in changed if c.endswith(".o")])
+        if stale:
+            raise Refused(f"{self.dir} is not up to date with the sources: {stale[0]}. Run `make build` first.")
+        return (f"ninja ({self.ninja}) finds {len(changed)} command line(s) changed (a log of another ninja "
+                "version?); every object among them is newer than each file it was compiled from")
+
+    def _older_than_inputs(self, objects: list[str]) -> list[str]:
+        """The objects among `objects` that are missing, have no recorded inputs, or are older than one."""
+        stale = []
+        for i in range(0, len(objects), 200):
+            out = run([self.ninja, "-C", self.dir, "-t", "deps", *objects[i:i + 200]])
+            if out.returncode != 0:
+                return [f"ninja -t deps failed: {out.stderr.strip()[:200]}"]
+            obj, deps = None, {}
+            for line in out.stdout.splitlines():
+                if line and not line.startswith(" "):
+                    obj = line.split(":", 1)[0]
+                    deps[obj] = []
+                elif line.strip() and obj:
+                    deps[obj].append(line.strip())
+            for o in objects[i:i + 200]:
+                path = os.path.join(self.dir, o)
+                if not os.path.exists(path) or not deps.get(o):
+                    stale.append(f"{o} is missing or has no recorded inputs")
+                    continue
+                t = os.stat(path).st_mtime_ns
+                newer = [d for d in deps[o] if not os.path.exists(os.path.join(self.dir, d))
+                         or os.stat(os.path.join(self.dir, d)).st_mtime_ns > t]
+                if newer:
+                    stale.append(f"{o} is older than {newer[0]}")
+        return stale
 
     def test_binary(self, name: str) -> str:
         path = os.path.join(self.dir, "tests", "cpp", name)
         if not os.access(path, os.X_OK):
             raise Refused(f"test binary {path} is missing (is ETTKIT_BUILD_TESTS on in this build?)")
         return path
+
+
+@dataclasses.dataclass
+class Target:
+    """One ninja target: its own objects' compile commands (absolute source -> command, and -> object path
+    relative to the build directory) and its link command."""
+
+    name: str
+    compile: dict = dataclasses.field(default_factory=dict)
+    objects: dict = dataclasses.field(default_factory=dict)
+    link: str = ""
 
 
 class Scratch:
@@ -284,46 +453,78 @@ class Scratch:
         os.symlink(modules[0], os.path.join(pkg, os.path.basename(modules[0])))
         return os.path.dirname(pkg)
 
-    def compile(self, rel: str, text: str) -> str:
-        """Compiles `text` as the source `rel` with the build's command; returns the object's path."""
+    def compile(self, target: Target, rel: str, text: str, tag: str) -> str:
+        """Compiles `text` as the source `rel` with `target`'s command for it (under obj/<tag>/); returns the
+        object's path."""
         src_abs = os.path.join(ROOT, rel)
-        cmd = self.build.compile.get(src_abs)
-        if cmd is None:
-            raise Refused(f"{rel} is not a source of {self.build.lib_target} (ninja compiles no such file for it)")
+        cmd = target.compile[src_abs]
         copy = os.path.join(self.dir, "src", rel)
         os.makedirs(os.path.dirname(copy), exist_ok=True)
         with open(copy, "w") as f:
             f.write(text)
-        obj = os.path.join(self.dir, "obj", rel + ".o")
+        obj = os.path.join(self.dir, "obj", tag, rel + ".o")
         os.makedirs(os.path.dirname(obj), exist_ok=True)
-        cmd = cmd.replace(f" -o {self.build.objects[src_abs]} -c {src_abs}", f" -o {obj} -c {copy}")
+        cmd = cmd.replace(f" -o {target.objects[src_abs]} -c {src_abs}", f" -o {obj} -c {copy}")
         # The dependency file goes to the scratch directory, not beside the build's object; quoted includes
         # of the original directory stay found (the copy's directory holds only the copy).
         cmd = re.sub(r" -MF \S+", f" -MF {obj}.d", cmd)
         cmd = cmd.replace(" -c ", f" -iquote {os.path.dirname(src_abs)} -c ", 1)
         out = run(["bash", "-c", cmd], cwd=self.build.dir)
         if out.returncode != 0:
-            raise Refused(f"compiling the mutated {rel} failed:\n{out.stderr[-3000:]}")
+            raise Refused(f"compiling the mutated {rel} for {target.name} failed:\n{out.stderr[-3000:]}")
         return obj
 
-    def link(self, replace: dict[str, str]) -> None:
-        """Relinks the library into lib/, with the objects of `replace` (source -> object) swapped in."""
-        cmd = self.build.link
-        out_path = os.path.join(self.lib_dir, os.path.basename(self.build.lib_target))
-        cmd = cmd.replace(f" -o {self.build.lib_target} ", f" -o {out_path} ")
+    def _relink(self, target: Target, out_path: str, replace: dict[str, str]) -> None:
+        cmd = target.link.replace(f" -o {target.name} ", f" -o {out_path} ")
         for src_abs, obj in replace.items():
-            old = f" {self.build.objects[src_abs]} "
+            old = f" {target.objects[src_abs]} "
             if old not in cmd:
-                raise Refused(f"the link command does not name {self.build.objects[src_abs]}")
+                raise Refused(f"the link command of {target.name} does not name {target.objects[src_abs]}")
             cmd = cmd.replace(old, f" {obj} ")
         # ninja's form ": && g++ ... && :" runs as is in bash.
         out = run(["bash", "-c", cmd], cwd=self.build.dir)
         if out.returncode != 0:
-            raise Refused(f"relinking {self.build.lib_target} failed:\n{out.stderr[-3000:]}")
+            raise Refused(f"relinking {target.name} failed:\n{out.stderr[-3000:]}")
+
+    def link(self, replace: dict[str, str]) -> None:
+        """Relinks the library into lib/, with the objects of `replace` (source -> object) swapped in."""
+        out_path = os.path.join(self.lib_dir, os.path.basename(self.build.lib_target))
+        self._relink(self.build.lib, out_path, replace)
         soname = os.path.join(self.lib_dir, self.build.soname)
         if os.path.lexists(soname):
             os.remove(soname)
         os.symlink(os.path.basename(out_path), soname)
+
+    def link_binary(self, name: str, replace: dict[str, str], tag: str) -> str:
+        """Relinks the test binary `name` into bin/<tag>/ with the objects of `replace` swapped in: a binary
+        that compiles a library source itself never sees a relinked library's copy of it."""
+        out_path = os.path.join(self.dir, "bin", tag, name)
+        os.makedirs(os.path.dirname(out_path), exist_ok=True)
+        self._relink(self.build.binary(name), out_path, replace)
+        return out_path
+
+    def python_override(self, rel: str, text: str | None) -> None:
+        """site/<rel> (rel: python/ettkit/...py) becomes a file holding `text`; with None, a link to the
+        tree's file again. The directories on its way become real ones of links, so nothing else changes."""
+        parts = os.path.relpath(os.path.join(ROOT, rel), os.path.join(ROOT, "python")).split(os.sep)
+        here, src = self.site_dir, os.path.join(ROOT, "python")
+        for part in parts[:-1]:
+            here, src = os.path.join(here, part), os.path.join(src, part)
+            if os.path.islink(here):
+                os.remove(here)
+                os.makedirs(here)
+                for name in os.listdir(src):
+                    if name != "__pycache__":
+                        os.symlink(os.path.join(src, name), os.path.join(here, name))
+        here, src = os.path.join(here, parts[-1]), os.path.join(src, parts[-1])
+        if os.path.lexists(here):
+            os.remove(here)
+        if text is None:
+            os.symlink(src, here)
+        else:
+            with open(here, "w") as f:
+                f.write(text)
+        shutil.rmtree(os.path.join(os.path.dirname(here), "__pycache__"), ignore_errors=True)
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -332,10 +533,13 @@ class Scratch:
         return env
 
 
-def run_test(t: Test, build: Build, scratch: Scratch, timeout_s: float) -> tuple[bool, float, str]:
-    """Runs one test against the scratch library. Returns (passed, seconds, the tail of its output)."""
+def run_test(t: Test, build: Build, scratch: Scratch, timeout_s: float,
+             relinked: dict[str, str] | None = None) -> tuple[bool, float, str]:
+    """Runs one test against the scratch library (a gtest binary: its relinked copy where `relinked` names
+    one). Returns (passed, seconds, the tail of its output)."""
     if t.gtest:
-        cmd = [build.test_binary(t.gtest), f"--gtest_filter={t.filter}"]
+        binary = (relinked or {}).get(t.gtest) or build.test_binary(t.gtest)
+        cmd = [binary, f"--gtest_filter={t.filter}"]
     else:
         cmd = [sys.executable, "-m", "pytest", t.pytest, "-q", "-p", "no:cacheprovider", "-x"]
     t0 = time.monotonic()
@@ -387,9 +591,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         build = Build(args.build_dir)
         binaries = sorted({t.gtest for m in chosen for t in m.tests if t.gtest})
-        build.check_up_to_date([os.path.join("tests", "cpp", b) for b in binaries])
-        # Every snippet is checked before anything is compiled.
-        texts = {}
+        note = build.check_up_to_date([os.path.join("tests", "cpp", b) for b in binaries])
+        if note:
+            print(f"mutation_check: {note}", flush=True)
+        # Every snippet is checked before anything is compiled, and where each mutation goes: a C++ source
+        # into the library and into each named test binary that compiles it itself; a Python file into the
+        # package the tests import.
+        texts, into_lib, into_binaries = {}, {}, {}
         for m in chosen:
             path = os.path.join(ROOT, m.path)
             with open(path) as f:
@@ -398,43 +606,81 @@ def main(argv: list[str] | None = None) -> int:
             if n != 1:
                 raise Refused(f"{m.name}: the snippet occurs {n} times in {m.path} (exactly 1 needed): {m.original!r}")
             texts[m.name] = text.replace(m.original, m.replacement)
+            if m.python:
+                if not m.path.startswith("python/ettkit/"):
+                    raise Refused(f"{m.name}: {m.path} is not a file of the ettkit package (python/ettkit/)")
+                continue
+            into_lib[m.name] = path in build.lib.compile
+            into_binaries[m.name] = [b for b in sorted({t.gtest for t in m.tests if t.gtest})
+                                     if path in build.binary(b).compile]
+            if not into_lib[m.name] and not into_binaries[m.name]:
+                raise Refused(f"{m.name}: {m.path} is compiled neither into {build.lib_target} nor by a test binary "
+                              "it names")
         scratch = Scratch(args.scratch, build)
 
-        # Baseline: the unmutated library relinked the same way; every named test must pass against it.
+        # Baseline: the unmutated library, and the binaries that compile a mutated source themselves,
+        # relinked the same way; every named test must pass against them.
         t0 = time.monotonic()
         scratch.link({})
+        baseline = {b: scratch.link_binary(b, {}, "baseline") for b in sorted({b for v in into_binaries.values() for b in v})}
         for b in binaries:
-            if not resolves_to_scratch(build.test_binary(b), scratch):
-                raise Refused(f"{b} does not load libettkit from {scratch.lib_dir} under LD_LIBRARY_PATH (RPATH?)")
+            binary = baseline.get(b) or build.test_binary(b)
+            if not resolves_to_scratch(binary, scratch):
+                raise Refused(f"{binary} does not load libettkit from {scratch.lib_dir} under LD_LIBRARY_PATH (RPATH?)")
         seen = []
         for t in (t for m in chosen for t in m.tests):
             if t in seen:
                 continue
             seen.append(t)
-            ok, secs, tail = run_test(t, build, scratch, args.timeout)
+            ok, secs, tail = run_test(t, build, scratch, args.timeout, baseline)
             if not ok:
                 raise Refused(f"baseline: {t.label()} fails without any mutation:\n{tail}")
-        print(f"baseline: {len(seen)} test run(s) pass against the relinked library ({time.monotonic() - t0:.0f} s)",
-              flush=True)
+        print(f"baseline: {len(seen)} test run(s) pass against the relinked library"
+              f"{' and ' + ', '.join(baseline) if baseline else ''} ({time.monotonic() - t0:.0f} s)", flush=True)
 
+        lib_mutated = False
         for m in chosen:
             t0 = time.monotonic()
-            obj = scratch.compile(m.path, texts[m.name])
-            t_compile = time.monotonic() - t0
-            scratch.link({os.path.join(ROOT, m.path): obj})
+            src_abs = os.path.join(ROOT, m.path)
+            relinked = {}
+            if m.python:
+                if lib_mutated:
+                    scratch.link({})
+                    lib_mutated = False
+                scratch.python_override(m.path, texts[m.name])
+                t_compile = 0.0
+            else:
+                objects = {}
+                if into_lib[m.name]:
+                    objects[""] = scratch.compile(build.lib, m.path, texts[m.name], m.name)
+                for b in into_binaries[m.name]:
+                    objects[b] = scratch.compile(build.binary(b), m.path, texts[m.name], f"{m.name}/{b}")
+                t_compile = time.monotonic() - t0
+                if into_lib[m.name] or lib_mutated:
+                    scratch.link({src_abs: objects[""]} if into_lib[m.name] else {})
+                    lib_mutated = into_lib[m.name]
+                for b in into_binaries[m.name]:
+                    relinked[b] = scratch.link_binary(b, {src_abs: objects[b]}, m.name)
             t_build = time.monotonic() - t0
             tests = []
-            for t in m.tests:
-                ok, secs, tail = run_test(t, build, scratch, args.timeout)
-                tests.append({"test": t.label(), "failed": not ok, "seconds": round(secs, 1),
-                              **({} if not ok else {"output": tail})})
+            try:
+                for t in m.tests:
+                    ok, secs, tail = run_test(t, build, scratch, args.timeout, relinked)
+                    # The output's tail either way: a caught mutation's shows what failed (the assertion,
+                    # not an import error the harness caused).
+                    tests.append({"test": t.label(), "failed": not ok, "seconds": round(secs, 1), "output": tail})
+            finally:
+                if m.python:
+                    scratch.python_override(m.path, None)
             caught = all(x["failed"] for x in tests)
             r = {"mutation": m.name, "file": m.path, "caught": caught, "compile_s": round(t_compile, 1),
-                 "build_s": round(t_build, 1), "total_s": round(time.monotonic() - t0, 1), "tests": tests}
+                 "build_s": round(t_build, 1), "total_s": round(time.monotonic() - t0, 1), "tests": tests,
+                 **({"relinked": sorted(relinked)} if relinked else {})}
             results.append(r)
             print(f"{'CAUGHT  ' if caught else 'SURVIVED'} {m.name:26s} {r['total_s']:6.0f} s "
                   f"(compile {t_compile:.0f} s, link {t_build - t_compile:.0f} s, tests "
-                  f"{sum(x['seconds'] for x in tests):.0f} s)", flush=True)
+                  f"{sum(x['seconds'] for x in tests):.0f} s)"
+                  + (f"; relinked {', '.join(sorted(relinked))}" if relinked else ""), flush=True)
             for x in tests:
                 print(f"    {'failed' if x['failed'] else 'PASSED'}: {x['test']} ({x['seconds']} s)")
                 if not x["failed"]:

@@ -1,6 +1,6 @@
 """The .extra decoder's value limit (MAX_NODES, docs/checkpoint.md) counts every value a record holds,
-whatever its encoding (issue #68): the ints of a packed int list (tag J) and the ints of a plain list (tags
-l + i) count one each, as a None or a str does. A hostile record that spreads its values over several int
+whatever its encoding (issue #68): the ints of a packed int list (tag J), of a plain list (tags l + i) and a
+dict's int values count one each, as a None or a str does. A hostile record that spreads its values over several int
 lists, each under the limit, is refused at the count, before the container that crosses it is built."""
 
 from __future__ import annotations
@@ -40,6 +40,10 @@ def listed_ints(n: int) -> bytes:  # tag l, each item tag i: an int64 each
     return b"l" + varint(n) + (b"i" + bytes(8)) * n
 
 
+def int_dict(n: int) -> bytes:  # tag d: n int keys (0..n-1), each value an int (tag i)
+    return b"d" + varint(n) + b"".join(b"i" + k.to_bytes(8, "little") + b"i" + bytes(8) for k in range(n))
+
+
 def nones(n: int) -> bytes:
     return b"l" + varint(n) + b"N" * n
 
@@ -50,6 +54,7 @@ OVER = {
     "a packed int list, then Nones": b"l\x02" + packed_ints(HALF) + nones(HALF),
     "two plain int lists": b"l\x02" + listed_ints(HALF) + listed_ints(HALF),
     "a plain int list, then Nones": b"l\x02" + listed_ints(HALF) + nones(HALF),
+    "two dicts of int values": b"l\x02" + int_dict(MAX_NODES // 4 + 1) + int_dict(MAX_NODES // 4 + 1),
 }
 
 

@@ -318,3 +318,28 @@ TEST(MemoryTierSecurity, AnOwnDirectoryOthersMayReadOrEnterIsRefusedAndItsModeKe
     EXPECT_TRUE(fs::is_empty(rank0));  // no lock file, no step
   }
 }
+
+// The root's rule is about every other user, the group's members included: a root its group may write
+// without the sticky bit lets any of them rename this job's tier away and put their own in its place, as a
+// world-writable one does (a check of the world's write bit alone would take it). Sticky, it is /dev/shm's
+// case and used.
+TEST(MemoryTierSecurity, ARootItsGroupCanWriteWithoutTheStickyBitIsRefused) {
+  for (const unsigned mode : {0770u, 0730u, 0775u}) {
+    SharedRoot s;
+    ASSERT_EQ(::chmod(s.root.c_str(), mode), 0);
+    try {
+      ckd::MemoryTier tier(s.root, "job-a", s.directory, 0, 0);
+      ADD_FAILURE() << "a tier in a root of mode " << std::oct << mode << " (group-writable, not sticky)";
+    } catch (const InvalidArgument& e) {
+      char text[8];
+      std::snprintf(text, sizeof text, "%04o", mode);
+      EXPECT_NE(std::string(e.what()).find(std::string("(mode ") + text + ") is writable by other users"),
+                std::string::npos)
+          << e.what();
+    }
+    EXPECT_TRUE(fs::is_empty(s.root));
+    ASSERT_EQ(::chmod(s.root.c_str(), mode | S_ISVTX), 0);
+    ckd::MemoryTier tier(s.root, "job-a", s.directory, 0, 0);
+    EXPECT_TRUE(fs::is_directory(tier.dir()));
+  }
+}
