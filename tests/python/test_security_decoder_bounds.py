@@ -118,3 +118,63 @@ def test_tensors_stored_as_bytes_are_capped_on_load_and_on_save():
     tensors = [torch.full((1,), i % 256, dtype=torch.uint8) for i in range(MAX_ARRAYS)]
     back = decode_extra(encode_extra(skeleton, tensors, 1, allow_pickle=False), "r", allow_pickle=False)
     assert all(torch.equal(a, b) for a, b in zip(back.extra, tensors))
+
+
+# ---- under allow_pickle=True (issue #61 item 5) -----------------------------------------------------------------
+
+
+def _pickled_leaf(reduce_value) -> bytes:
+    """A record whose extra= is one pickled leaf reducing to `reduce_value` (a callable and its arguments)."""
+
+    class Leaf:
+        def __reduce__(self):
+            return reduce_value
+
+    import pickle
+
+    data = pickle.dumps(Leaf(), protocol=pickle.HIGHEST_PROTOCOL)
+    return record(b"P" + varint(len(data)) + data)
+
+
+def _deflated(data: bytes) -> bytes:
+    """`data` (a torch.save zip) with every member compressed (DEFLATE), as torch.save never writes it."""
+    import io
+    import zipfile
+
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(data)) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as dst:
+        for info in src.infolist():
+            dst.writestr(info.filename, src.read(info))
+    return out.getvalue()
+
+
+def test_a_deflate_bomb_in_a_pickled_tensor_storage_is_refused_before_it_inflates():
+    import io
+
+    inflated = 32 << 20
+    buf = io.BytesIO()
+    torch.save(torch.zeros(inflated, dtype=torch.uint8).untyped_storage(), buf)
+    bomb = _deflated(buf.getvalue())
+    assert len(bomb) < inflated // 500  # a 1000:1 ratio: 2 MB of record made 2 GiB before
+    blob = _pickled_leaf((torch.storage._load_from_bytes, (bomb,)))
+    with pytest.raises(ettkit.CorruptDataError, match=r"storage holds a compressed member .* would inflate to"):
+        decode_extra(blob, "rank-0.extra", allow_pickle=True)
+    # The same storage stored, as torch.save writes it, loads: the refusal is of the compression.
+    plain = _pickled_leaf((torch.storage._load_from_bytes, (buf.getvalue(),)))
+    assert decode_extra(plain, "rank-0.extra", allow_pickle=True).extra.nbytes() == inflated
+
+
+def test_a_pickled_tensor_with_backward_hooks_is_refused():
+    from collections import OrderedDict
+
+    from torch import _utils
+
+    storage = torch.zeros(4).storage()  # a TypedStorage: what _rebuild_tensor_v2 takes
+    hooks = OrderedDict({0: torch.Size})  # an allowed callable, which would run (and fail) in backward
+    for args, name in (((storage, 0, (4,), (1,), True, hooks), "_rebuild_tensor_v2"),
+                       ((torch.zeros(4), True, hooks), "_rebuild_parameter")):
+        blob = _pickled_leaf((getattr(_utils, name), args))
+        with pytest.raises(ettkit.CorruptDataError, match="carries backward hooks"):
+            decode_extra(blob, "rank-0.extra", allow_pickle=True)
+    plain = _pickled_leaf((_utils._rebuild_tensor_v2, (storage, 0, (4,), (1,), False, OrderedDict())))
+    assert torch.equal(decode_extra(plain, "rank-0.extra", allow_pickle=True).extra, torch.zeros(4))

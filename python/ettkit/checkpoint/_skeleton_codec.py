@@ -41,6 +41,8 @@ import operator
 import pickle
 import re
 import struct
+import zipfile
+from collections import OrderedDict
 from itertools import repeat
 from typing import Any, NamedTuple, Optional
 
@@ -874,10 +876,60 @@ def _count(obj: Any, depth: int, budget: int, bad: Any) -> int:
 # ---- the restricted unpickler ------------------------------------------------------------------------------
 def _storage_from_bytes(data: bytes) -> Any:
     """``torch.storage._load_from_bytes`` (how a plain pickle of a tensor holds its storage: a ``torch.save``
-    of it), read through ``torch.load(weights_only=True)`` instead of the unrestricted load it calls."""
+    of it, in the legacy format), read through ``torch.load(weights_only=True)`` instead of the unrestricted
+    load it calls; a zip only when its members are stored, not compressed (_stored_zip). Either way the
+    storage must not be larger than the bytes that held it."""
     if type(data) is not bytes:
         raise pickle.UnpicklingError("a pickled tensor's storage is not bytes")
-    return torch.load(io.BytesIO(data), weights_only=True)
+    if zipfile.is_zipfile(io.BytesIO(data)):
+        _stored_zip(data)
+    storage = torch.load(io.BytesIO(data), weights_only=True)
+    nbytes = storage.nbytes() if hasattr(storage, "nbytes") else 0
+    if nbytes > len(data):
+        raise pickle.UnpicklingError(f"a pickled tensor's storage of {nbytes} bytes came from {len(data)}")
+    return storage
+
+
+def _stored_zip(data: bytes) -> None:
+    """Refuses a storage in ``torch.save``'s zip format with a member that is compressed: a DEFLATE member
+    inflates a 2 MB record into a 2 GiB tensor (1000:1). Stored members take what they hold, so a storage
+    costs its bytes."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            members = z.infolist()
+    except (zipfile.BadZipFile, ValueError) as e:
+        raise pickle.UnpicklingError(f"a pickled tensor's storage is not a valid zip ({e})") from None
+    for m in members:
+        if m.compress_type != zipfile.ZIP_STORED or m.file_size != m.compress_size:
+            raise pickle.UnpicklingError(
+                f"a pickled tensor's storage holds a compressed member ({m.filename[:64]!r}: {m.compress_size} "
+                f"bytes that would inflate to {m.file_size}); torch.save stores its members uncompressed")
+
+
+def _no_hooks(backward_hooks: Any) -> dict:
+    """A rebuilt tensor's backward hooks: torch.save writes none (an empty OrderedDict); a pickle that brings
+    some would install any allowed callable as a hook that runs, and fails, in the next backward."""
+    if backward_hooks is None or (type(backward_hooks) in (dict, OrderedDict) and not backward_hooks):
+        return OrderedDict()
+    raise pickle.UnpicklingError(f"a pickled tensor carries backward hooks ({type(backward_hooks).__name__} of "
+                                 f"{len(backward_hooks) if hasattr(backward_hooks, '__len__') else '?'}); a "
+                                 f"checkpoint's tensors carry none")
+
+
+def _rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any,
+                    backward_hooks: Any, metadata: Any = None) -> torch.Tensor:
+    """``torch._utils._rebuild_tensor_v2`` without backward hooks (_no_hooks)."""
+    from torch import _utils
+
+    return _utils._rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad, _no_hooks(backward_hooks),
+                                     metadata)
+
+
+def _rebuild_parameter(data: Any, requires_grad: Any, backward_hooks: Any) -> torch.nn.Parameter:
+    """``torch._utils._rebuild_parameter`` without backward hooks (_no_hooks)."""
+    from torch import _utils
+
+    return _utils._rebuild_parameter(data, requires_grad, _no_hooks(backward_hooks))
 
 
 def _allowed_globals() -> tuple[dict, set]:
@@ -886,14 +938,12 @@ def _allowed_globals() -> tuple[dict, set]:
     ``torch.load(weights_only=True)``, ettkit's skeleton nodes, and what the user registered with
     ``torch.serialization.add_safe_globals`` (as for ``torch.load(weights_only=True)``); and the ids of the
     classes the user registered (only their instances may have their state set)."""
-    from torch import _utils
-
     allowed = {
         "builtins.complex": complex, "builtins.set": set, "builtins.frozenset": frozenset,
-        "collections.OrderedDict": __import__("collections").OrderedDict,
+        "collections.OrderedDict": OrderedDict,
         "torch.Size": torch.Size, "torch.device": torch.device,
-        "torch._utils._rebuild_tensor_v2": _utils._rebuild_tensor_v2,
-        "torch._utils._rebuild_parameter": _utils._rebuild_parameter,
+        "torch._utils._rebuild_tensor_v2": _rebuild_tensor,
+        "torch._utils._rebuild_parameter": _rebuild_parameter,
         "torch.storage._load_from_bytes": _storage_from_bytes,
         "ettkit.checkpoint._flatten.TENSOR": TENSOR,
         "ettkit.checkpoint._flatten.ShardedSlot": ShardedSlot,
