@@ -34,6 +34,7 @@ constexpr std::pair<std::string_view, std::string_view> kByTopLevel[] = {
     {phase::kCheckpointMemoryPersist, badput::kCheckpointSave},
     {phase::kWastedTraining, badput::kWastedProgress},
     {phase::kLostInFlight, badput::kWastedProgress},
+    {phase::kPeerTeardown, badput::kInfrastructureRecovery},
     {phase::kDetectAndTeardown, badput::kInfrastructureRecovery},
     {phase::kRestartGap, badput::kOther},
     {phase::kShutdown, badput::kOther},

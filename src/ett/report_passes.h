@@ -88,6 +88,7 @@ struct JobAttempt {
   std::string exception_type;
   std::string detail;
   std::optional<int64_t> failure_point;
+  int cause_rank = -1;  // the failed rank that names the failure (cause_of_failure); -1: none
   std::optional<int64_t> first_training;  // max over ranks (all must train)
   bool all_ranks_trained = true;
   std::vector<int> ranks;

@@ -259,6 +259,9 @@ void collect_attempts(Analysis& an) {
   for (auto& [attempt, ranks] : failed_ranks) {
     JobAttempt& job = jobs[attempt];
     const AttemptLedger& a = *cause_of_failure(ranks);
+    for (const auto& r : ranks) {
+      if (r.ledger == &a) job.cause_rank = r.rank;
+    }
     job.status = !a.has_end ? "killed" : a.status;
     job.detail = a.detail;
     job.exception_type = a.status == "exception" ? exception_type_of(a.detail) : "";
@@ -359,10 +362,14 @@ void assign_buckets(Analysis& an) {
       const JobAttempt& job = jobs[ra.ledger->attempt];
       if (!job.failed) continue;
       const int64_t f = *job.failure_point;
+      // Every rank but the one that names the failure (a survivor): what no record covers on it from the
+      // job's failure point on is it waiting for the dead peer and being torn down, not work in flight. The
+      // cause, not the first rank to stop, decides: which rank's last record came first is a race (§7).
+      const bool survivor = rank != job.cause_rank;
       std::vector<Segment> split;
       split.reserve(ra.segments.size() + 1);
       for (auto& seg : ra.segments) {
-        if (seg.e <= f || seg.kind == Kind::kLostInFlight) {
+        if (seg.e <= f) {
           split.push_back(std::move(seg));
           continue;
         }
@@ -372,9 +379,11 @@ void assign_buckets(Analysis& an) {
           split.push_back(std::move(head));
           seg.b = f;
         }
+        const bool uncovered = seg.kind == Kind::kUnattributed || seg.kind == Kind::kLostInFlight;
         seg.kind = Kind::kLostInFlight;
-        seg.name = std::string(phase::kLostInFlight);
-        if (!split.empty() && split.back().kind == Kind::kLostInFlight && split.back().e == seg.b) {
+        seg.name = std::string(uncovered && survivor ? phase::kPeerTeardown : phase::kLostInFlight);
+        if (!split.empty() && split.back().kind == Kind::kLostInFlight && split.back().name == seg.name &&
+            split.back().e == seg.b) {
           split.back().e = seg.e;
         } else {
           split.push_back(std::move(seg));

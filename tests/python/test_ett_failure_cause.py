@@ -104,3 +104,39 @@ def test_an_exception_raised_while_the_peer_was_still_alive_is_the_cause(tmp_pat
     assert report_categories == {"exception:RuntimeError": 1}
     assert status == "exception"
     assert live_categories == {"exception:RuntimeError": 1}
+
+
+def _owned_after_failure(report: dict, rank: int) -> dict:
+    """Attempt 0's time on ``rank`` by segment name, in seconds (the report's timeline)."""
+    out: dict = {}
+    for s in report["timeline"]:
+        if s["attempt"] == 0 and s["rank"] == rank and s["name"] in ("lost_in_flight", "peer_teardown"):
+            out[s["name"]] = out.get(s["name"], 0.0) + (s["end_us"] - s["begin_us"]) / 1e6
+    return out
+
+
+def test_the_survivors_teardown_is_peer_teardown_not_lost_work(tmp_path):
+    # Issue #63 item 3: rank 1 is SIGKILLed after its step ending at 10 s (heartbeat at 10.4 s: a step in
+    # flight); rank 0 waits in its next collective until torchrun tears it down at 15 s (heartbeats, no end
+    # record). Rank 1's tail is work lost in flight; rank 0's 5 s are its teardown, not lost training.
+    for rank, last_step, hb in ((0, 10.2, [12.0, 15.0]), (1, 10.0, [10.4])):
+        led = Ledger(tmp_path, rank)
+        led.attempt(0, 0.0)
+        led.steps(last_step)
+        for t in hb:
+            led.rec("hb", ts=us(t))
+        led.attempt(1, 20.0)
+        led.rec("step", n=10, b=us(20.0), e=us(21.0))
+        led.rec("end", ts=us(21.0), status="clean", detail="")
+    report = ett.build_report(tmp_path, include_timeline=True)
+    assert report["failures_by_category"] == {"killed": 1}
+    assert _owned_after_failure(report, 1) == {"lost_in_flight": pytest.approx(0.4)}
+    # Rank 0's step from 10.0 to 10.2 s (after the job's failure point) is lost work; the rest is teardown.
+    assert _owned_after_failure(report, 0) == {"lost_in_flight": pytest.approx(0.2),
+                                               "peer_teardown": pytest.approx(4.8)}
+    assert report["phases"]["peer_teardown"] == pytest.approx(4.8)
+    live = LiveLedger(tmp_path)
+    live.refresh()
+    figures = live.figures()
+    assert figures["phases"]["peer_teardown"] == pytest.approx(4.8)
+    assert figures["phases"]["lost_in_flight"] == pytest.approx(report["phases"]["lost_in_flight"])

@@ -47,6 +47,9 @@ inline constexpr std::string_view kProcessBootstrap = "process_bootstrap";
 inline constexpr std::string_view kWorkerSpawn = "worker_spawn";
 // Report-only names for time no record covers.
 inline constexpr std::string_view kLostInFlight = "lost_in_flight";          // alive after its last record, then killed
+// After another rank stopped first: what no record covers on this rank (waiting in its next collective, torn
+// down by the launcher). Failure time like lost_in_flight, but no work: a survivor's teardown.
+inline constexpr std::string_view kPeerTeardown = "peer_teardown";
 inline constexpr std::string_view kDetectAndTeardown = "detect_and_teardown";  // between a failed attempt and the next
 inline constexpr std::string_view kRestartGap = "restart_gap";                // between a clean attempt and the next
 inline constexpr std::string_view kUnattributed = "unattributed";

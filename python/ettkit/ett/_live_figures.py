@@ -69,6 +69,14 @@ def job_failure(files: Iterable[Any], number: int,
     return failed, point
 
 
+def job_cause(files: Iterable[Any], number: int, latest_attempt: Optional[int]) -> Any:
+    """The attempt record of the rank that names attempt ``number``'s failure (:func:`cause_of_failure`), or
+    None when no rank failed in it."""
+    failed = [(a.failure_point(), rf.rank, a) for rf in files for a in rf.attempts
+              if a.number == number and rank_failed(a, latest_attempt)]
+    return cause_of_failure(failed) if failed else None
+
+
 def job_view(files: Iterable[Any], latest_attempt: Optional[int]) -> dict[int, dict]:
     """The job view of each attempt number over every rank file of ``files``: failed (any rank failed in
     it), its failure point (the earliest failed rank's last activity) and category, as report_timeline.cpp

@@ -62,24 +62,38 @@ def owner_spans(items: Sequence[Item], lo: int, hi: int) -> Iterator[tuple[int, 
 
 
 def own(items: Sequence[Item], lo: int, hi: int, failed: bool, failure_point: int,
-        first_training: Optional[int], pre: dict, post: dict) -> Optional[int]:
+        first_training: Optional[int], pre: dict, post: dict, survivor: bool = False) -> Optional[int]:
     """Adds the time each item owns within [lo, hi) (:func:`owner_spans`) to ``pre`` / ``post`` (µs per
     (name, kind)), split at the attempt's first training; returns the first training (the begin of its
     first training time). Uncovered time is unattributed. In a failed attempt, whatever the rank does from
     the job's failure point on is lost_in_flight (``failure_point``; the job redoes it after the restore):
     its uncovered tail, the report's fillers there, and, when another rank failed first, its records
-    after that."""
-    for p, q, top in owner_spans(items, lo, hi):
-        if top is not None:
-            if first_training is None and (top[5] == TRAINING or top[5] == WASTED):
-                first_training = p  # report_timeline.cpp: before the failure-point split
-            key = ("lost_in_flight", LOST) if failed and p >= failure_point else (top[4], top[5])
-        elif failed and p >= failure_point:
-            key = ("lost_in_flight", LOST)
-        else:
-            key = ("unattributed", UNATTRIBUTED)
-        target = post if first_training is not None and p >= first_training else pre
-        target[key] = target.get(key, 0) + (q - p)
+    after that. On a ``survivor`` (any rank but the one that names the failure)
+    the uncovered time from that point on is peer_teardown instead: waiting for the dead peer, torn down."""
+    lost_uncovered = ("peer_teardown", LOST) if survivor else ("lost_in_flight", LOST)
+    for p0, q0, top in owner_spans(items, lo, hi):
+        # A span that straddles the job's failure point is split there, as report_timeline.cpp splits a
+        # segment: its part after the point is lost.
+        cut = failed and p0 < failure_point < q0
+        for p, q in ((p0, failure_point), (failure_point, q0)) if cut else ((p0, q0),):
+            first_training = _own_span(p, q, top, failed, failure_point, first_training, pre, post,
+                                       lost_uncovered)
+    return first_training
+
+
+def _own_span(p: int, q: int, top: Optional[tuple], failed: bool, failure_point: int,
+              first_training: Optional[int], pre: dict, post: dict, lost_uncovered: tuple) -> Optional[int]:
+    """One span of :func:`own`: its owner's key (or the failure's), added to ``pre`` or ``post``."""
+    if top is not None:
+        if first_training is None and (top[5] == TRAINING or top[5] == WASTED):
+            first_training = p  # report_timeline.cpp: before the failure-point split
+        key = ("lost_in_flight", LOST) if failed and p >= failure_point else (top[4], top[5])
+    elif failed and p >= failure_point:
+        key = lost_uncovered
+    else:
+        key = ("unattributed", UNATTRIBUTED)
+    target = post if first_training is not None and p >= first_training else pre
+    target[key] = target.get(key, 0) + (q - p)
     return first_training
 
 

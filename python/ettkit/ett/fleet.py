@@ -38,7 +38,8 @@ PERCENTILES = (50, 90, 99)
 
 #: The bucket of a phase's time outside any recovery window (docs/ett.md §3); inside one it is failure.
 _OUTSIDE_BUCKET = {"training": "effective", "unattributed": "unattributed", "wasted_training": "failure",
-                   "lost_in_flight": "failure", "detect_and_teardown": "failure"}
+                   "lost_in_flight": "failure", "peer_teardown": "failure",
+                   "detect_and_teardown": "failure"}
 
 
 def find_run_dirs(roots: Iterable[str | os.PathLike], pattern: str | None = None) -> list[str]:

@@ -37,7 +37,7 @@ from ._ledger_records import MAX_EPOCH_US, MAX_LINE_BYTES, time_field
 # Module-level under its old name: a test counts the lines a refresh parses by replacing it here.
 from ._ledger_records import parse_line as _parse
 from ._ledger_tail import FileTail
-from ._live_figures import add_failures, add_timeline_figures, checkpoint_tier, job_failure, job_view
+from ._live_figures import add_failures, add_timeline_figures, checkpoint_tier, job_cause, job_failure, job_view
 from ._live_figures import top_level_phase
 from ._ownership import FILLER, PHASE, PHASE_LAYER, STEP, TRAINING, WASTED, Item, own
 
@@ -430,9 +430,10 @@ class LiveLedger:
         """Settles the window's oldest time (all of it when the attempt is over) into the totals."""
         lo = tl.lo if tl.lo is not None else self._base_lo(a)
         failed, point = self._job_failure(a.number)
+        survivor = self._survivor(a, failed, point)
         if final:
             tl.first_training = own(tl.pending + self._fillers(a), lo, a.last_ts, failed, point,
-                                    tl.first_training, tl.pre, tl.post)
+                                    tl.first_training, tl.pre, tl.post, survivor)
             tl.pending = []
             tl.lo = max(lo, a.last_ts)
             tl.final = True
@@ -441,7 +442,7 @@ class LiveLedger:
         horizon = ends[len(ends) - self._keep - 1]
         if horizon > lo:
             tl.first_training = own(tl.pending + self._fillers(a), lo, horizon, failed, point,
-                                    tl.first_training, tl.pre, tl.post)
+                                    tl.first_training, tl.pre, tl.post, survivor)
             tl.lo = horizon
         tl.pending = [it for it in tl.pending if it[1] > horizon]
 
@@ -457,7 +458,7 @@ class LiveLedger:
         if tl.cache_key != key:
             pre, post = dict(tl.pre), dict(tl.post)
             first = own(tl.pending + self._fillers(a), lo, a.last_ts, failed, point or 0, tl.first_training,
-                        pre, post)
+                        pre, post, self._survivor(a, failed, point))
             tl.cache_key, tl.cache = key, (pre, post, first)
         return tl.cache
 
@@ -484,6 +485,12 @@ class LiveLedger:
         if ref.attempts:
             add_timeline_figures(ref.attempts, jobs, failed, self._owned, out)
         return out
+
+    def _survivor(self, a: _Attempt, failed: bool, point: Optional[int]) -> bool:
+        """Whether this rank is not the one that names its failed attempt's failure (report_timeline.cpp's
+        survivor)."""
+        return failed and point is not None and job_cause(self._files.values(), a.number,
+                                                          self._latest_attempt) is not a
 
     def _job_failure(self, number: int) -> tuple[bool, Optional[int]]:
         """Whether attempt ``number`` failed on any rank, and the job's failure point."""
