@@ -284,6 +284,28 @@ MUTATIONS: tuple[Mutation, ...] = (
         "out[k] = _i64.unpack_from(buf, pos + 1)[0]",
         "the .extra decoder's inline path for a dict's int values stops counting them (#68 audit)",
         (Test(pytest="tests/python/test_extra_value_count.py::test_values_spread_over_int_lists_count_toward_the_limit"),)),
+    Mutation(
+        "extra-dict-room", "python/ettkit/checkpoint/_skeleton_codec.py",
+        'n = self.length("dict\'s count", 2)\n        self.room(2 * n)',
+        'n = self.length("dict\'s count", 2)\n        self.room(n)',
+        "the .extra decoder reserves one value per dict entry instead of two (key and value): a dict of more "
+        "than half the limit's entries is built whole, over the limit (#68 audit)",
+        (Test(pytest="tests/python/test_extra_value_count.py::"
+                     "test_a_dict_whose_keys_and_values_are_over_the_limit_is_refused_at_its_count"),)),
+    Mutation(
+        "extra-key-set-room", "python/ettkit/checkpoint/_skeleton_codec.py",
+        'n = self.length("key count", 5)\n        self.room(2 * n)',
+        'n = self.length("key count", 5)\n        self.room(n)',
+        "the same for a key set (tag K): its keys are built, over the limit, before they are counted (#68 audit)",
+        (Test(pytest="tests/python/test_extra_value_count.py::"
+                     "test_a_dict_whose_keys_and_values_are_over_the_limit_is_refused_at_its_count"),)),
+    Mutation(
+        "stale-tier-own-job", "src/checkpoint/memory_tier.cpp",
+        "if (kind == TierName::kCurrent && other == job_id) continue;",
+        "if (kind == TierName::kLegacy && other == job_id) continue;",
+        "the stale-tier sweep spares the job's own tier only under its legacy name: a restart whose ranks' "
+        "locks are free loses its memory snapshots (#68 audit)",
+        (Test("checkpoint_memory_tier_test", "MemoryTier.TheJobsOwnTierIsNeverRemovedAsStaleEvenWithItsLocksFree"),)),
 )
 
 # A subset for CI, one per integrity layer that compiles fastest (file_checksums.cpp, step_files.cpp and

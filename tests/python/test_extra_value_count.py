@@ -87,3 +87,36 @@ def test_what_the_encoder_writes_as_int_lists_it_counts_the_same_way():
     blob = encode_extra(skeleton, values, 1, allow_pickle=False)
     assert b"J" + varint(1000) + struct.pack("<3q", 0, 1, 2) in blob  # written packed
     assert decode_extra(blob, "rank-0.extra", allow_pickle=False).extra == values
+
+
+def key_set(n: int) -> bytes:  # tag K: n str keys cut from one string by their lengths, each value a slot
+    keys = [f"{i:x}" for i in range(n)]
+    text = "".join(keys).encode()
+    return b"K" + varint(n) + struct.pack(f"<{n}I", *map(len, keys)) + varint(len(text)) + text
+
+
+# One dict of more entries than half the limit: its keys and values together are over it, and it is refused
+# at its count, before an entry is built.
+ONE_DICT = {
+    "int keys and int values": int_dict(MAX_NODES // 2 + 1),
+    "a key set (K)": key_set(MAX_NODES // 2 + 1),
+}
+
+
+@pytest.mark.parametrize("name", list(ONE_DICT))
+def test_a_dict_whose_keys_and_values_are_over_the_limit_is_refused_at_its_count(name):
+    import tracemalloc
+
+    blob = record(ONE_DICT[name])
+    tracemalloc.start()
+    try:
+        with pytest.raises(ettkit.CorruptDataError, match=rf"more than {MAX_NODES} values"):
+            decode_extra(blob, "rank-0.extra", allow_pickle=False)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, peak  # nothing of its 2^19 entries was built
+    # Half as many entries decode, each one there.
+    half = record(int_dict(MAX_NODES // 4) if name.startswith("int") else key_set(MAX_NODES // 4))
+    got = decode_extra(half, "rank-0.extra", allow_pickle=False).extra
+    assert len(got) == MAX_NODES // 4

@@ -326,6 +326,35 @@ TEST(MemoryTier, AStaleTierOfAnotherJobIsRemovedALiveOneIsNot) {
   EXPECT_NE(holder->find(std::to_string(::getpid())), std::string::npos) << *holder;
 }
 
+// The job's own tier is never stale, whether or not a process of it holds a lock at that moment: a restart's
+// snapshots are in it (open_memory_tier takes this rank's lock first, so this holds even if that order
+// changes; remove_stale_memory_tiers' contract, not the caller's).
+TEST(MemoryTier, TheJobsOwnTierIsNeverRemovedAsStaleEvenWithItsLocksFree) {
+  TempDir d;
+  std::string root = d.str() + "/shm";
+  fs::create_directories(root);
+  std::string dir = d.str() + "/ck";
+  fs::create_directories(dir);
+  dir = fs::canonical(dir).string();
+  std::string own_dir, old_dir;
+  for (int rank : {0, 1}) {  // the job's crashed ranks: their locks are free
+    ckd::MemoryTier own(root, "my-job", dir, rank, 0);
+    ASSERT_FALSE(own.try_lock().has_value());
+    own_dir = own.job_dir();
+  }
+  {
+    ckd::MemoryTier old(root, "old-job", dir, 0, 0);
+    ASSERT_FALSE(old.try_lock().has_value());
+    old_dir = old.job_dir();
+  }
+  auto removed = ckd::remove_stale_memory_tiers(root, "my-job", dir);
+  EXPECT_EQ(removed, (std::vector<std::string>{old_dir}));
+  EXPECT_FALSE(fs::exists(old_dir));
+  EXPECT_TRUE(fs::exists(own_dir + "/owner.json"));
+  EXPECT_TRUE(fs::is_directory(own_dir + "/rank-0"));
+  EXPECT_TRUE(fs::is_directory(own_dir + "/rank-1"));
+}
+
 // ---- kill -9 at random moments ---------------------------------------------------------------------------
 
 namespace {
