@@ -503,8 +503,13 @@ class Scratch:
             if old not in cmd:
                 raise Refused(f"the link command of {target.name} does not name {target.objects[src_abs]}")
             cmd = cmd.replace(old, f" {obj} ")
-        # ninja's form ": && g++ ... && :" runs as is in bash.
-        out = run(["bash", "-c", cmd], cwd=self.build.dir)
+        # ninja's form ": && g++ ... && :"; a test binary's adds "&& cd ... && cmake -P ..._discovery.cmake"
+        # (gtest_discover_tests runs the build's binary and rewrites its test list in the build directory):
+        # only the linker runs.
+        linker = [part for part in cmd.split(" && ") if f" -o {out_path} " in f"{part} "]
+        if len(linker) != 1:
+            raise Refused(f"the link command of {target.name} has {len(linker)} linker steps, not 1: {cmd[:300]}")
+        out = run(["bash", "-c", linker[0]], cwd=self.build.dir)
         if out.returncode != 0:
             raise Refused(f"relinking {target.name} failed:\n{out.stderr[-3000:]}")
 
