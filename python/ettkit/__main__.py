@@ -19,6 +19,7 @@ EXIT_BROKEN_PIPE = 141
 def _report(args: argparse.Namespace) -> int:
     from . import errors
     from .ett import build_report, format_report
+    from .ett.table import shown  # every path and ledger value printed goes through it (docs/security.md)
 
     if args.plot_with and not args.plot:
         print("ettkit report: error: --plot-with needs --plot FILE.png (the picture both runs are drawn in)",
@@ -30,10 +31,10 @@ def _report(args: argparse.Namespace) -> int:
                               mtbf_prior_s=args.mtbf_prior, method=args.method,
                               include_timeline=bool(args.plot), trace_path=args.trace)
     except (errors.Error, OSError) as e:
-        print(f"ettkit report: error: {e}", file=sys.stderr)
+        print(f"ettkit report: error: {shown(e)}", file=sys.stderr)
         return 2
     except Exception as e:  # noqa: BLE001 - a run directory is outside input: one line, never a traceback
-        print(f"ettkit report: error: {args.run_dir}: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"ettkit report: error: {shown(args.run_dir)}: {type(e).__name__}: {shown(e)}", file=sys.stderr)
         return 2
     if args.prometheus:
         from .ett.prometheus import write_prometheus
@@ -48,10 +49,11 @@ def _report(args: argparse.Namespace) -> int:
                 others.append(build_report(other, include_initial_queue=args.include_initial_queue,
                                            mtbf_prior_s=args.mtbf_prior, method=args.method, include_timeline=True))
             except (errors.Error, OSError) as e:
-                print(f"ettkit report: error: --plot-with {other}: {e}", file=sys.stderr)
+                print(f"ettkit report: error: --plot-with {shown(other)}: {shown(e)}", file=sys.stderr)
                 return 2
             except Exception as e:  # noqa: BLE001 - outside input as RUN_DIR is: one line, no traceback
-                print(f"ettkit report: error: --plot-with {other}: {type(e).__name__}: {e}", file=sys.stderr)
+                print(f"ettkit report: error: --plot-with {shown(other)}: {type(e).__name__}: {shown(e)}",
+                      file=sys.stderr)
                 return 2
         write_plot([report, *others], args.plot)
     if args.tensorboard:
@@ -79,6 +81,7 @@ def _fleet(args: argparse.Namespace) -> int:
     """``ettkit fleet``: exit 0 when at least one job was read (unreadable ones are listed), 2 when none was."""
     from . import errors
     from .ett.fleet import find_run_dirs, fleet_report, format_fleet, write_fleet_plot
+    from .ett.table import shown
 
     if args.top < 1:
         print(f"ettkit fleet: error: --top {args.top} must be at least 1", file=sys.stderr)
@@ -86,13 +89,13 @@ def _fleet(args: argparse.Namespace) -> int:
     try:
         fleet = fleet_report(find_run_dirs(args.dirs, args.glob), include_initial_queue=args.include_initial_queue)
     except (errors.Error, OSError) as e:
-        print(f"ettkit fleet: error: {e}", file=sys.stderr)
+        print(f"ettkit fleet: error: {shown(e)}", file=sys.stderr)
         return 2
     if args.plot and fleet["jobs_read"]:
         try:
             write_fleet_plot(fleet, args.plot)
         except OSError as e:
-            print(f"ettkit fleet: error: --plot {args.plot}: {e}", file=sys.stderr)
+            print(f"ettkit fleet: error: --plot {shown(args.plot)}: {shown(e)}", file=sys.stderr)
             return 2
     if args.json:
         json.dump(fleet, sys.stdout, indent=2, sort_keys=True)
@@ -111,13 +114,14 @@ def _project(args: argparse.Namespace) -> int:
     from . import errors
     from .ett import build_report
     from .ett.projection import format_projection, project
+    from .ett.table import shown
 
     try:
         report = build_report(args.run_dir, include_timeline=False)
         p = project(report, days=args.days, failures_per_day=args.failures_per_day, mtbf_h=args.mtbf_hours,
                     failures_per_1000_per_day=args.failures_per_1000_per_day, world_size=args.world_size)
     except (errors.Error, OSError, ValueError) as e:
-        print(f"ettkit project: error: {e}", file=sys.stderr)
+        print(f"ettkit project: error: {shown(e)}", file=sys.stderr)
         return 2
     if args.json:
         json.dump(p, sys.stdout, indent=2, sort_keys=True)

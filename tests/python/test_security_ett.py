@@ -449,3 +449,28 @@ def test_escape_sequences_and_newlines_in_a_ledger_are_printed_escaped_by_report
     fleet["jobs"][0]["device"] = hostile  # the precompile line names the device a precompile run used
     fleet["precompile"] = {"jobs": 1, "accelerator_h": 0.0, "by_device_h": {hostile: 0.0}}
     assert r"\x1b]0;owned" in format_fleet(fleet) and "\x1b" not in format_fleet(fleet)
+
+
+def test_escape_sequences_in_a_ledger_are_printed_escaped_by_project(tmp_path, capsys):
+    # Issue #61 item 7: `ettkit project` printed the dominant recovery phase's name raw.
+    import sys
+
+    from ettkit.__main__ import main
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from ledger_script import worked_example
+
+    run = tmp_path / "run\x1b[31m"
+    worked_example(run).save()
+    ledger = run / "ett" / "rank-0.jsonl"
+    hostile = "\x1b]0;owned\x07sched\x1b[2J\nETT%           99.00%\u202e"
+    ledger.write_text(ledger.read_text().replace('"scheduling"', json.dumps(hostile)))
+    assert main(["project", str(run), "--mtbf-hours", "12"]) == 0
+    text = capsys.readouterr().out
+    assert "\x1b" not in text and "\x07" not in text and "\u202e" not in text, text
+    assert not any(line.startswith("ETT%") for line in text.splitlines())
+    assert r"mostly \x1b]0;owned\x07sched\x1b[2J\nETT%           99.00%\u202e (44.1% of a recovery)" in text
+    assert r"from " + str(tmp_path) + r"/run\x1b[31m" in text
+    assert main(["project", str(run / "missing\x1b[2J"), "--mtbf-hours", "12"]) == 2
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and r"missing\x1b[2J" in err

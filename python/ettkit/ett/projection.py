@@ -21,7 +21,7 @@ from typing import Any
 from ..errors import InvalidArgumentError
 from .advisor import recommend_interval
 from .fleet import split_phases
-from .table import _grid, _num, _sec, format_duration
+from .table import _grid, _num, _sec, format_duration, shown
 
 DAY_S = 86400.0
 MAX_DAYS = 3650.0
@@ -229,12 +229,13 @@ def project(report: Mapping, days: float = 30, failures_per_day: float | None = 
 
 
 def format_projection(p: Mapping, run_dir: str | None = None) -> str:
-    """The projection as plain text (what ``python -m ettkit project`` prints)."""
+    """The projection as plain text (what ``python -m ettkit project`` prints). What came from the ledger or the
+    command line (the run directory, phase names) is printed through :func:`.table.shown`: escaped."""
     m = p["inputs"]
     lines = [
-        f"ETT projection{f' from {run_dir}' if run_dir else ''}: {p['days']:g} days, world size {p['world_size']}, "
+        f"ETT projection{f' from {shown(run_dir)}' if run_dir else ''}: {p['days']:g} days, world size {p['world_size']}, "
         f"{p['failures_per_day']:.3g} failures/day (MTBF {p['mtbf_h']:.3g} h)",
-        f"  measured      recovery R {format_duration(m['restart_s'])} ({m['restart_source']})",
+        f"  measured      recovery R {format_duration(m['restart_s'])} ({shown(m['restart_source'])})",
         f"                blocking B {format_duration(m['blocking_s'])} per checkpoint, start-up S {format_duration(m['startup_s'])}, "
         f"shutdown D {format_duration(m['shutdown_s'])}, other idle {_num(100 * m['other_idle_per_training_s'], 2, '%')} "
         "of training",
@@ -250,9 +251,9 @@ def format_projection(p: Mapping, run_dir: str | None = None) -> str:
     if cur:
         lines.append(f"  at the run's interval {format_duration(cur['interval_s'])}: ETT% {_num(cur['ett_pct'], 2, '%')} "
                      f"({_num(cur['ett_gain_pct'], 2)} points below the recommended interval's)")
-    dom = f"  dominant      {p['dominant']} ({_num(p['dominant_share_pct'], 1, '%')} of the waste)"
+    dom = f"  dominant      {shown(p['dominant'])} ({_num(p['dominant_share_pct'], 1, '%')} of the waste)"
     if p.get("dominant_phase"):
-        dom += (f"; mostly {p['dominant_phase']['phase']} "
+        dom += (f"; mostly {shown(p['dominant_phase']['phase'])} "
                 f"({_num(p['dominant_phase']['share_of_recovery_pct'], 1, '%')} of a recovery)")
     lines += [dom, "", "Waste (s)",
               *_grid(["component", "seconds", "% of job"],
@@ -264,6 +265,6 @@ def format_projection(p: Mapping, run_dir: str | None = None) -> str:
                       "lost accel-h"],
                      [[f"{t['failures_per_day']:.3g}", str(t["world_size"]), f"{t['mtbf_h']:.3g}",
                        _sec(t["interval_s"]), _num(t["ett_pct"], 2, "%"), _num(t["idle_pct"], 2, "%"),
-                       _num(t["failure_pct"], 2, "%"), t["dominant"], f"{t['lost_accelerator_h']:.1f}"]
+                       _num(t["failure_pct"], 2, "%"), shown(t["dominant"]), f"{t['lost_accelerator_h']:.1f}"]
                       for t in p["table"]], [True, True, True, True, True, True, True, False, True])]
     return "\n".join(lines) + "\n"
