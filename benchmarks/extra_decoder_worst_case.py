@@ -14,7 +14,7 @@ import struct
 import sys
 import time
 
-from ettkit.checkpoint._skeleton_codec import MAGIC, MAX_NODES, MAX_RECORD_BYTES, decode_extra
+from ettkit.checkpoint._skeleton_codec import MAGIC, MAX_ARRAYS, MAX_NODES, MAX_RECORD_BYTES, decode_extra
 from ettkit.errors import CorruptDataError
 
 P = (1 << 61) - 1  # CPython hashes an int n as n mod P: n and n + k*P share a hash
@@ -87,6 +87,8 @@ SHAPES = {
     "dtypes": lambda: repeated(b"D\x07float32"),
     "sizes_empty": lambda: repeated(b"S\x00"),
     "arrays_1_byte": lambda: repeated(b"A\x05uint8\x01\x01\x01\x07"),
+    "arrays_at_the_limit": lambda: record(list_of(
+        (b"A\x05uint8\x01" + varint(4000) + varint(4000) + bytes(4000)) * MAX_ARRAYS, MAX_ARRAYS)),
     "one_dict_per_value": lambda: repeated(b"d\x01s\x01aN", 3),
     "key_sets_again": lambda: record(list_of(b"K\x01\x01\x00\x00\x00\x01a" + b"R\x00" * ((MAX_NODES - 64) // 3),
                                              (MAX_NODES - 64) // 3 + 1)),
