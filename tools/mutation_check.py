@@ -306,6 +306,21 @@ MUTATIONS: tuple[Mutation, ...] = (
         "the stale-tier sweep spares the job's own tier only under its legacy name: a restart whose ranks' "
         "locks are free loses its memory snapshots (#68 audit)",
         (Test("checkpoint_memory_tier_test", "MemoryTier.TheJobsOwnTierIsNeverRemovedAsStaleEvenWithItsLocksFree"),)),
+    Mutation(
+        "untrusted-escapes-del", "src/checkpoint/identifiers.cpp",
+        "if (c < 0x20 || c == 0x7f || c == '\\\\' || c == '\\'') {",
+        "if (c < 0x20 || c == '\\\\' || c == '\\'') {",
+        "a refused value is quoted with DEL unescaped (#68 audit)",
+        (Test("checkpoint_path_safety_test",
+              "PathSafety.AnUntrustedValueIsShownWithQuotesBackslashesAndControlBytesEscaped"),)),
+    Mutation(
+        "untrusted-escapes-quote", "src/checkpoint/identifiers.cpp",
+        "if (c < 0x20 || c == 0x7f || c == '\\\\' || c == '\\'') {",
+        "if (c < 0x20 || c == 0x7f) {",
+        "a refused value is quoted with its quotes and backslashes as they are: it can close the quote and "
+        "append a verdict of its own to the message (#68 audit)",
+        (Test("checkpoint_path_safety_test",
+              "PathSafety.AnUntrustedValueIsShownWithQuotesBackslashesAndControlBytesEscaped"),)),
 )
 
 # A subset for CI, one per integrity layer that compiles fastest (file_checksums.cpp, step_files.cpp and

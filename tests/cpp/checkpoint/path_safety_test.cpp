@@ -103,6 +103,23 @@ TEST(PathSafety, RunIdsAreExactlyWhatRandomIdMakes) {
   EXPECT_LT(m.size(), 400u) << m.size();
 }
 
+// What a message quotes of an untrusted value cannot end the quote early (a ' or a \ inside), nor forge a log
+// line or drive a terminal (control bytes and DEL): each such byte is shown as \xNN, the rest as it is.
+TEST(PathSafety, AnUntrustedValueIsShownWithQuotesBackslashesAndControlBytesEscaped) {
+  std::string v = "a'b\\c";
+  v += '\x7f';
+  v += "d";
+  v += '\x1b';
+  v += "[2J";
+  v += '\0';
+  v += "e\n";
+  EXPECT_EQ(ckd::shown_untrusted(v), "'a\\x27b\\x5cc\\x7fd\\x1b[2J\\x00e\\x0a' (14 bytes)");
+  // A value that would close the quote and append a verdict of its own stays inside one quote.
+  const std::string forged = ckd::shown_untrusted("x' (1 bytes); it was checked and is fine: '");
+  EXPECT_EQ(forged, "'x\\x27 (1 bytes); it was checked and is fine: \\x27' (43 bytes)");
+  EXPECT_EQ(ckd::shown_untrusted("plain-0123"), "'plain-0123' (10 bytes)");
+}
+
 TEST(PathSafety, NameBuildersRefuseWhatNoCheckPassed) {
   EXPECT_EQ(ckd::step_dir_name(0), "step-0");
   EXPECT_EQ(ckd::temp_dir_name(ckd::kMaxStep, "0123456789abcdef"), ".tmp-step-999999999999999999-0123456789abcdef");
