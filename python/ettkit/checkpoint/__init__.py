@@ -288,7 +288,7 @@ class AsyncCheckpointer:
 
     ``rng_state`` (default True): each save keeps this rank's random generators (Python's ``random``, NumPy's
     when NumPy is imported, torch's CPU generator and every initialized CUDA device's) and :meth:`load_latest`
-    restores them, so that dropout and other random ops after a restore draw what the saved run drew
+    restores them (not after a reshard: they are per rank), so that dropout and other random ops after a restore draw what the saved run drew
     (docs/checkpoint.md, "Exact resume"). ``False`` leaves the generators alone.
 
     ``cuda_gather_max_bytes`` (opt-in, default 0 = off; at most 1 MiB): contiguous CUDA tensors up to this

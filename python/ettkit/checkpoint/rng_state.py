@@ -10,13 +10,14 @@ global generator (only when NumPy is already imported: nothing here imports it),
 generator of every CUDA device when CUDA is initialized (``torch.cuda.get_rng_state_all``). The states are
 packed as bytes: a few KiB a save, encoded in microseconds.
 
-Restored only where they mean the same thing: a step saved at another world size (a reshard) restores none and
-warns; CUDA states restore onto as many devices as were saved, or none with a warning.
+Restored only where they mean the same thing: a step saved at another world size (a reshard) restores none (an
+INFO line on the "ettkit" logger: a reshard's data order differs from the saved run's anyway); CUDA states restore onto as many devices as were saved, or none with a warning.
 """
 
 from __future__ import annotations
 
 import array
+import logging
 import random
 import sys
 import warnings
@@ -80,9 +81,10 @@ def restore(state: Optional[dict], *, world_changed: bool, step: int) -> None:
     if state is None:
         return
     if world_changed:
-        warnings.warn(f"ettkit.checkpoint: step {step} was saved at another world size: the random generators "
-                      "are per rank and were not restored (random ops such as dropout will not repeat the saved "
-                      "run's draws)", RuntimeWarning, stacklevel=3)
+        # Not a warning: a reshard is asked for, and its data order differs from the saved run's anyway.
+        logging.getLogger("ettkit").info(
+            "ettkit.checkpoint: step %d was saved at another world size: the random generators are per rank and "
+            "were not restored", step)
         return
     version, words, gauss = state["python"]
     random.setstate((version, tuple(array.array("I", words)), gauss))

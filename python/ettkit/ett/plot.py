@@ -58,7 +58,7 @@ PHASE_COLORS = {
     "shutdown/process_teardown": "#fdae6b",
     "wasted_training": "#d62728",
     "lost_in_flight": "#ff00ff",
-    "peer_teardown": "#c080c0",
+    "peer_teardown": "#550022",
     "detect_and_teardown": "#882d17",
     "restart_gap": "#7b4173",
 }
