@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <optional>
 
@@ -108,9 +109,32 @@ std::optional<Dir> private_directory_at(const Dir& parent, const std::string& na
   return dir;
 }
 
+/// Checks the directories above the root (as the path resolves now): none may let another user rename the
+/// root, or a directory above it, away and put their own in its place. Each must be owned by root or this
+/// user, and writable by others only with the sticky bit (/dev/shm, /tmp). InvalidArgument names the first
+/// that fails.
+void check_root_ancestors(const std::string& root) {
+  std::error_code ec;
+  const std::filesystem::path resolved = std::filesystem::canonical(root, ec);
+  if (ec) return;  // the root itself was opened: what it resolves to cannot be named now; nothing to check
+  for (std::filesystem::path p = resolved.parent_path(); !p.empty(); p = p.parent_path()) {
+    struct stat st {};
+    ETTKIT_CHECK(::stat(p.c_str(), &st) == 0, IoError, "stat of '", p.string(), "', above the memory tier root '",
+                 root, "', failed: ", std::strerror(errno));
+    const bool owner_ok = st.st_uid == 0 || st.st_uid == ::geteuid();
+    const bool others_may_rename = (st.st_mode & (S_IWGRP | S_IWOTH)) != 0 && (st.st_mode & S_ISVTX) == 0;
+    ETTKIT_CHECK(owner_ok && !others_may_rename, InvalidArgument, "memory tier root '", root, "': the directory '",
+                 p.string(), "' above it (owner uid ", st.st_uid, ", mode ", mode_text(st.st_mode),
+                 ") lets another user rename what is in it, and so replace the root. Every directory above the "
+                 "root must be owned by root or this user and writable by others only with the sticky bit; give "
+                 "a root such as /dev/shm or a directory of your own under it");
+    if (p == p.root_path()) break;
+  }
+}
+
 /// The root, opened as the user named it. Others must not be able to rename its entries: the tier's
 /// readers and writers use dir()'s path, which names the verified directory only while nobody else can
-/// move it away and put another in its place.
+/// move it away and put another in its place (nor the root itself: check_root_ancestors).
 Dir open_root(const std::string& root) {
   ETTKIT_EXPECTS(!root.empty(), "memory_tier root must name a directory (e.g. /dev/shm)");
   const int fd = ::open(root.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
@@ -124,6 +148,7 @@ Dir open_root(const std::string& root) {
                "memory tier root '", root, "' (mode ", mode_text(st.st_mode), ") is writable by other users "
                "without the sticky bit: any of them could rename this job's tier away and put their own in its "
                "place. Give a directory only this user can write, or a sticky one such as /dev/shm (mode 1777)");
+  check_root_ancestors(root);
   return dir;
 }
 

@@ -1,5 +1,6 @@
 #include "ett/chrome_trace.h"
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -8,6 +9,7 @@
 #include <filesystem>
 #include <functional>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <thread>
 
 #include "ettkit/common/error.h"
@@ -19,20 +21,45 @@ namespace {
 // Large enough that a million events cost a few hundred writes, small enough not to matter in memory.
 constexpr size_t kFlushBytes = 1 << 20;
 
-// Same directory, so the rename stays on one file system; pid and thread keep concurrent writers apart.
+// Same directory, so the rename stays on one file system; pid and thread keep concurrent writers apart, and a
+// random part keeps anyone else from planting an entry under the name ahead of the writer.
 std::string temporary_path_for(const std::string& path) {
   std::filesystem::path p(path);
-  return (p.parent_path() / ("." + p.filename().string() + "." + std::to_string(::getpid()) + "." +
-                             std::to_string(std::hash<std::thread::id>{}(std::this_thread::get_id())) + ".tmp"))
-      .string();
+  std::random_device random;
+  std::string name = ".";
+  name += p.filename().string();
+  for (const uint64_t part : {static_cast<uint64_t>(::getpid()),
+                              static_cast<uint64_t>(std::hash<std::thread::id>{}(std::this_thread::get_id())),
+                              static_cast<uint64_t>(random())}) {
+    name += '.';
+    name += std::to_string(part);
+  }
+  name += ".tmp";
+  return (p.parent_path() / name).string();
+}
+
+// The temporary file, new: O_EXCL|O_NOFOLLOW refuse any entry already there (fopen followed a planted link
+// and truncated its target). Mode 0666 less the umask, as any file the user writes, not mkstemp's 0600.
+std::FILE* create_new(const std::string& tmp_path, const std::string& path) {
+  const int fd = ::open(tmp_path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
+  const int err = errno;
+  ETTKIT_CHECK(fd >= 0, IoError, "cannot write the Chrome trace '", path, "': creating '", tmp_path, "' failed: ",
+               std::strerror(err),
+               err == EEXIST ? " (an entry of that name exists; ettkit never writes through one)" : "");
+  std::FILE* file = ::fdopen(fd, "wb");
+  if (file == nullptr) {
+    const int fdopen_err = errno;
+    ::close(fd);
+    ::unlink(tmp_path.c_str());
+    ETTKIT_THROW(IoError, "cannot write the Chrome trace '", path, "': ", std::strerror(fdopen_err));
+  }
+  return file;
 }
 
 }  // namespace
 
 ChromeTraceFile::ChromeTraceFile(std::string path) : path_(std::move(path)), tmp_path_(temporary_path_for(path_)) {
-  // fopen, not mkstemp: the file gets the user's umask, as any file the user writes, not mode 0600.
-  file_ = std::fopen(tmp_path_.c_str(), "wb");
-  ETTKIT_CHECK(file_ != nullptr, IoError, "cannot write the Chrome trace '", path_, "': ", std::strerror(errno));
+  file_ = create_new(tmp_path_, path_);
   buffer_.reserve(kFlushBytes + 4096);
   append(R"({"traceEvents":[)");
 }

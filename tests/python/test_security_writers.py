@@ -280,3 +280,23 @@ def test_a_huge_unsealed_shared_file_is_refused_without_being_read_into_memory(f
     assert status == "untrusted" and fn == "None", proc.stdout
     assert "does not verify with this job's cache secret" in message and cache.shared_name in message
     assert int(growth_kib) < 64 << 10, f"peak RSS grew {int(growth_kib) >> 10} MiB: the file was held"
+
+
+# ---- residuals (issue #61 item 8) --------------------------------------------------------------------------------
+
+
+def test_a_memory_tier_root_under_a_directory_others_may_rename_in_is_refused(tmp_path):
+    # The root's own mode was checked, never its parents': a user who can write the directory above the
+    # root (without the sticky bit) can rename the root away and put their own in its place.
+    from ettkit.checkpoint import AsyncCheckpointer
+
+    above = tmp_path / "team"
+    (above / "shm").mkdir(parents=True)
+    os.chmod(above, 0o777)
+    os.chmod(above / "shm", 0o700)
+    with pytest.raises(ettkit.InvalidArgumentError, match=rf"the directory '{re.escape(str(above))}' above it "
+                                                          r"\(owner uid \d+, mode 0777\) lets another user rename"):
+        AsyncCheckpointer(tmp_path / "ckpt", recorder=None, memory_tier=str(above / "shm"), job_id="j")
+    os.chmod(above, 0o1777)  # sticky, like /dev/shm: only an entry's owner may rename it
+    with AsyncCheckpointer(tmp_path / "ckpt", recorder=None, memory_tier=str(above / "shm"), job_id="j") as ck:
+        assert ck.memory_tier_directory.startswith(str(above / "shm"))
