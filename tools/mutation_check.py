@@ -321,6 +321,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         "append a verdict of its own to the message (#68 audit)",
         (Test("checkpoint_path_safety_test",
               "PathSafety.AnUntrustedValueIsShownWithQuotesBackslashesAndControlBytesEscaped"),)),
+    Mutation(
+        "fused-digest-sync-copy-reported-first", "src/checkpoint/copy_engine.cpp",
+        "copy_now(t, e, dst);\n      state.verdict[i] = kClean;  // copied before save() returns: nothing could overlap it\n"
+        "      if (state.hashes()) state.report(dst, static_cast<size_t>(e.nbytes), /*hash_now=*/false);",
+        "if (state.hashes()) state.report(dst, static_cast<size_t>(e.nbytes), /*hash_now=*/true);\n"
+        "      copy_now(t, e, dst);\n      state.verdict[i] = kClean;",
+        "a tensor copied on the caller's thread is reported (and hashed at once) before its copy: the disk tier's "
+        "whole-tensor digest is of the arena's previous bytes (#68 audit)",
+        (Test(FUSED, "FusedDigestStager.TensorsCopiedOnTheCallersThreadAreHashedAsCopiedEveryRound"),)),
 )
 
 # A subset for CI, one per integrity layer that compiles fastest (file_checksums.cpp, step_files.cpp and

@@ -461,3 +461,47 @@ TEST(FusedDigestStager, ADiskStageHashesTheFileAfterItsHeaderAndEachWholeTensor)
   expect_same(snap->file_digest()->finish_file(header.data(), header.size()),
               one_pass(file.data(), file.size(), chunk));
 }
+
+// A tensor copied on the caller's thread (an inference tensor; one at most sync_max bytes) is reported only
+// after its copy, and unhashed: the training thread does not pay for the hash, and what a copy job or the
+// finish hashes later is the copied bytes. On the disk tier each whole tensor is its own digest, so a report
+// hashed before the copy would digest the arena's previous bytes: every round's values change here.
+TEST(FusedDigestStager, TensorsCopiedOnTheCallersThreadAreHashedAsCopiedEveryRound) {
+  StagerOptions so;
+  so.copy_threads = 2;
+  Stager stager(so);
+  stager.set_disk_header_planner([](const std::vector<PlanEntry>& plan) {
+    DiskHeaderPlan p;
+    p.bytes = 4096;
+    for (size_t i = 0; i < plan.size(); ++i) p.whole.push_back(i);
+    return p;
+  });
+  NamedTensors tensors = {{"small", at::randn({1000})}, {"n", at::arange(100, at::kLong)},
+                          {"big", at::randn({1 << 20})}};
+  for (int round = 0; round < 3; ++round) {
+    at::Tensor inference;
+    {
+      c10::InferenceMode guard;
+      inference = at::randn({5000});
+    }
+    NamedTensors with = tensors;
+    with.push_back({"inference", inference});
+    auto snap = stager.stage(with, OnBusy::kWait, {}, /*sync_max=*/64 << 10, StageHashing::kDiskTier);
+    ASSERT_TRUE(snap);
+    snap->wait_staged();
+    ASSERT_NE(snap->tensor_digest(), nullptr);
+    const std::vector<std::string> digests = snap->tensor_digest()->finish_tensors();
+    ASSERT_EQ(digests.size(), with.size());
+    for (size_t k = 0; k < digests.size(); ++k) {
+      const PlanEntry& e = snap->plan()[k];
+      const auto it = std::find_if(with.begin(), with.end(), [&](const auto& t) { return t.first == e.name; });
+      ASSERT_NE(it, with.end()) << e.name;
+      const at::Tensor want = it->second.contiguous();
+      ASSERT_EQ(static_cast<int64_t>(want.nbytes()), e.nbytes) << e.name;
+      EXPECT_EQ(digests[k], ckd::xxh3_of(want.const_data_ptr(), want.nbytes())) << e.name << " round " << round;
+      EXPECT_EQ(digests[k], ckd::xxh3_of(snap->data() + e.offset, static_cast<size_t>(e.nbytes))) << e.name;
+    }
+    snap->release();
+    for (auto& [name, t] : tensors) t.add_(1);
+  }
+}
