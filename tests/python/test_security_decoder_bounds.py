@@ -178,3 +178,41 @@ def test_a_pickled_tensor_with_backward_hooks_is_refused():
             decode_extra(blob, "rank-0.extra", allow_pickle=True)
     plain = _pickled_leaf((_utils._rebuild_tensor_v2, (storage, 0, (4,), (1,), False, OrderedDict())))
     assert torch.equal(decode_extra(plain, "rank-0.extra", allow_pickle=True).extra, torch.zeros(4))
+
+
+@pytest.mark.parametrize("container", ["dict", "set", "frozenset", "OrderedDict", "set opcodes",
+                                       "frozenset opcodes"])
+def test_a_pickled_container_of_keys_sharing_one_hash_is_refused_at_once(container):
+    # The record's own dicts are bounded above; a pickled leaf's dicts and sets are built by the unpickler,
+    # and were as quadratic (allow_pickle=True).
+    import pickle
+
+    keys = colliding_keys("big int", KEYS)
+    if container == "dict":  # EMPTY_DICT, MARK, key value ..., SETITEMS: how a dict pickles
+        body = b"".join(pickle.dumps(k, 2)[2:-1] + b"K\x00" for k in keys)
+        data = b"\x80\x02}(" + body + b"u."
+    elif container.endswith("opcodes"):  # EMPTY_SET, MARK, keys, ADDITEMS; or MARK, keys, FROZENSET
+        body = b"".join(pickle.dumps(k, 2)[2:-1] for k in keys)
+        data = b"\x80\x04\x8f(" + body + b"\x90." if container == "set opcodes" else b"\x80\x04(" + body + b"\x91."
+    else:  # built here from the list, never as the container (that would take quadratic time here)
+        data = pickle.dumps(_Keys(container, keys), protocol=pickle.HIGHEST_PROTOCOL)
+    blob = record(b"P" + varint(len(data)) + data)
+    begin = time.process_time()
+    with pytest.raises(ettkit.CorruptDataError, match=rf"more than {MAX_KEYS_PER_HASH} keys of type int that share"):
+        decode_extra(blob, "rank-0.extra", allow_pickle=True)
+    assert time.process_time() - begin < 1.0
+
+
+class _Keys:
+    """Pickles as the container `kind` of `keys` (the opcodes a pickle of that container holds) without
+    building it."""
+
+    def __init__(self, kind, keys):
+        self.kind, self.keys = kind, keys
+
+    def __reduce_ex__(self, protocol):
+        import collections
+
+        if self.kind == "OrderedDict":  # OrderedDict() then SETITEMS, as an OrderedDict pickles
+            return (collections.OrderedDict, (), None, None, iter((k, 0) for k in self.keys))
+        return ({"set": set, "frozenset": frozenset}[self.kind], (self.keys,))

@@ -972,6 +972,21 @@ class RestrictedUnpickler(pickle._Unpickler):  # the Python unpickler: its BUILD
     def __init__(self, file: Any):
         super().__init__(file)
         self._allowed, self._user = _allowed_globals()
+        self._key_counts: dict = {}  # id(container) -> (container, {hash: keys}) for _keys
+        for name in ("builtins.set", "builtins.frozenset", "collections.OrderedDict"):
+            self._allowed[name] = self._counted(self._allowed[name])
+
+    def _counted(self, build: Any) -> Any:
+        """`build` (set, frozenset, OrderedDict: callable from a pickle's REDUCE with an iterable) with the
+        iterable's keys counted first (_keys)."""
+
+        def checked(items: Any = ()) -> Any:
+            items = list(items.items()) if isinstance(items, dict) else list(items)
+            keys = [i[0] if build is OrderedDict and isinstance(i, tuple) and len(i) == 2 else i for i in items]
+            self._keys(items, keys)
+            return build(items)
+
+        return checked
 
     def find_class(self, module: str, name: str) -> Any:
         obj = self._allowed.get(f"{module}.{name}")
@@ -993,6 +1008,62 @@ class RestrictedUnpickler(pickle._Unpickler):  # the Python unpickler: its BUILD
         pickle._Unpickler.load_build(self)
 
     dispatch[pickle.BUILD[0]] = _load_build
+
+    # ---- keys of one hash (MAX_KEYS_PER_HASH), as the record's own dicts: a pickle's dicts and sets are
+    # built by these opcodes, and hashes of big ints, floats and tuples can be made to collide ----
+    def _keys(self, container: Any, keys: Any) -> None:
+        """Counts `keys` going into `container` under their hash; refuses past MAX_KEYS_PER_HASH of one."""
+        entry = self._key_counts.get(id(container))
+        if entry is None:  # the container is held with its counts, so its id stays its own
+            entry = self._key_counts[id(container)] = (container, {})
+        counts = entry[1]
+        for k in keys:
+            if type(k) is str or (type(k) is int and _INT64_MIN <= k < _INT64_END):
+                continue
+            h = hash(k)
+            c = counts[h] = counts.get(h, 0) + 1
+            if c > MAX_KEYS_PER_HASH:
+                raise pickle.UnpicklingError(
+                    f"the pickle builds a dict or set with more than {MAX_KEYS_PER_HASH} keys of type "
+                    f"{type(k).__name__} that share one hash value (its decoding would take quadratic time)")
+
+    def _load_setitems(self) -> None:
+        items = self.pop_mark()
+        self._keys(self.stack[-1], items[0::2])
+        d = self.stack[-1]
+        for i in range(0, len(items), 2):
+            d[items[i]] = items[i + 1]
+
+    def _load_setitem(self) -> None:
+        value, key = self.stack.pop(), self.stack.pop()
+        self._keys(self.stack[-1], (key,))
+        self.stack[-1][key] = value
+
+    def _load_dict(self) -> None:
+        items = self.pop_mark()
+        d: dict = {}
+        self._keys(d, items[0::2])
+        for i in range(0, len(items), 2):
+            d[items[i]] = items[i + 1]
+        self.append(d)
+
+    def _load_additems(self) -> None:
+        items = self.pop_mark()
+        self._keys(self.stack[-1], items)
+        s = self.stack[-1]
+        for item in items:
+            s.add(item)
+
+    def _load_frozenset(self) -> None:
+        items = self.pop_mark()
+        self._keys(items, items)
+        self.append(frozenset(items))
+
+    dispatch[pickle.SETITEMS[0]] = _load_setitems
+    dispatch[pickle.SETITEM[0]] = _load_setitem
+    dispatch[pickle.DICT[0]] = _load_dict
+    dispatch[pickle.ADDITEMS[0]] = _load_additems
+    dispatch[pickle.FROZENSET[0]] = _load_frozenset
 
 
 # ---- the record --------------------------------------------------------------------------------------------
