@@ -582,18 +582,32 @@ def serve_command(args) -> int:
     except (ValueError, OSError) as e:  # a bad port; an address in use or unknown (socket.gaierror too)
         print(f"ettkit serve: error: {e}", file=sys.stderr)
         return 2
-    stop = threading.Event()
-    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    # SIGTERM raises in the main thread, as Ctrl-C does. A handler that set a threading.Event instead could
+    # deadlock: a signal arriving while the main thread is inside Event.wait() holding the Event's lock runs
+    # the handler there, and its set() waits for that same lock (seen under load: the process never exited).
+    stopping: list = []
+
+    def on_sigterm(*_):
+        if not stopping:  # once: a second SIGTERM during the shutdown below must not cut it short
+            stopping.append(True)
+            raise _Stopped
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         print(f"ettkit serve: ETT metrics of {args.run_dir} on {server.url} (Ctrl-C stops)", flush=True)
-        while not stop.wait(3600):
-            pass
-    except KeyboardInterrupt:
+        while True:
+            time.sleep(3600)
+    except (KeyboardInterrupt, _Stopped):
         pass
     finally:
+        stopping.append(True)
         signal.signal(signal.SIGTERM, previous)
         server.close()
     return 0
+
+
+class _Stopped(Exception):
+    """SIGTERM, raised in the main thread of ``ettkit serve``."""
 
 
 __all__ = ["LiveCollector", "LiveLedger", "MetricsServer", "serve_metrics"]
