@@ -118,7 +118,10 @@ def main() -> int:
     parser.add_argument("--json")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="one repeat of each shape (make bench)")
     args = parser.parse_args()
+    if args.quick:
+        args.repeats = 1
     results = {}
     for name in args.shapes.split(","):
         blob = SHAPES[name]()
