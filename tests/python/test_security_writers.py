@@ -300,3 +300,35 @@ def test_a_memory_tier_root_under_a_directory_others_may_rename_in_is_refused(tm
     os.chmod(above, 0o1777)  # sticky, like /dev/shm: only an entry's owner may rename it
     with AsyncCheckpointer(tmp_path / "ckpt", recorder=None, memory_tier=str(above / "shm"), job_id="j") as ck:
         assert ck.memory_tier_directory.startswith(str(above / "shm"))
+
+
+def test_a_store_payload_of_another_job_is_refused(tmp_path, monkeypatch):
+    # Issue #61 item 8: the compile-once payload's MAC had no job nonce. A launcher that reuses the share
+    # secret across jobs let a payload recorded from one job's Store be replayed into another's.
+    import torch.distributed as dist
+    from ettkit.startup import CompileCache, CompileCacheWarning, precompiled
+    from ettkit.startup import cache as cache_module
+
+    monkeypatch.setattr(precompiled, "serialize", lambda fn: b"artifact-bytes")
+    monkeypatch.setattr(precompiled, "deserialize", lambda data: ("loaded", data))
+    monkeypatch.setattr(cache_module, "_loaded_kernel_files", list)
+    secret = "s" * 32
+
+    def ranks(job, store_dir):
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", job)
+        store = dist.FileStore(str(tmp_path / store_dir), 2)
+        return [CompileCache(tmp_path / f"{job}-{r}", fingerprint="m", precompile=True, store=store, rank=r,
+                             share_secret=secret, share_timeout_s=30) for r in (0, 1)]
+
+    old0, _ = ranks("job-a", "store-a")
+    assert old0.save_precompiled(object()).written
+    old0.publish_precompiled()
+    recorded = dist.FileStore(str(tmp_path / "store-a"), 2).get(old0._share_key)
+    _, new1 = ranks("job-b", "store-b")
+    new1.store.set(new1._share_key, recorded)  # the replay: same model, same secret, another job
+    with pytest.warns(CompileCacheWarning, match="does not verify"):
+        result, fn, why = new1.receive_precompiled()
+    assert fn is None and result.status == "untrusted" and not new1.precompiled_path.exists()
+    _, same1 = ranks("job-a", "store-c")  # the same job (its next attempt) still takes rank 0's payload
+    same1.store.set(same1._share_key, recorded)
+    assert same1.receive_precompiled()[1] == ("loaded", b"artifact-bytes")

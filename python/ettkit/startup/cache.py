@@ -238,20 +238,26 @@ def _share_secret(explicit: bytes | str | None) -> tuple[bytes | None, str]:
     return _secret(explicit)
 
 
-def _mac_of(secret: bytes, share_key: str, kind: bytes, context: bytes) -> Any:
+def _mac_of(secret: bytes, share_key: str, kind: bytes, context: bytes, nonce: bytes = b"") -> Any:
     """The HMAC of a sealed payload before its body is fed. The key is under the MAC: a payload published
-    for one model cannot be replayed under another."""
-    return hmac.new(secret, context + b"\0" + share_key.encode() + b"\0" + kind, hashlib.sha256)
+    for one model cannot be replayed under another; so is `nonce` when there is one (the job's run id, for
+    the Store: a payload of another job sharing the secret is refused), length-prefixed."""
+    head = context + b"\0" + share_key.encode() + b"\0" + kind
+    if nonce:
+        head += b"\0nonce" + len(nonce).to_bytes(4, "little") + nonce
+    return hmac.new(secret, head, hashlib.sha256)
 
 
-def _share_mac(secret: bytes, share_key: str, kind: bytes, body: bytes, context: bytes = _JOB_CONTEXT) -> bytes:
-    mac = _mac_of(secret, share_key, kind, context)
+def _share_mac(secret: bytes, share_key: str, kind: bytes, body: bytes, context: bytes = _JOB_CONTEXT,
+               nonce: bytes = b"") -> bytes:
+    mac = _mac_of(secret, share_key, kind, context, nonce)
     mac.update(body)
     return mac.digest()
 
 
-def _seal(secret: bytes, share_key: str, kind: bytes, body: bytes, context: bytes = _JOB_CONTEXT) -> bytes:
-    return _SHARE_MAGIC + _share_mac(secret, share_key, kind, body, context) + kind + body
+def _seal(secret: bytes, share_key: str, kind: bytes, body: bytes, context: bytes = _JOB_CONTEXT,
+          nonce: bytes = b"") -> bytes:
+    return _SHARE_MAGIC + _share_mac(secret, share_key, kind, body, context, nonce) + kind + body
 
 
 def _no_mac(context: bytes) -> ValueError:
@@ -277,7 +283,8 @@ def _bad_mac(context: bytes) -> ValueError:
     )
 
 
-def _unseal(secret: bytes, share_key: str, payload: bytes, context: bytes = _JOB_CONTEXT) -> tuple[bytes, memoryview]:
+def _unseal(secret: bytes, share_key: str, payload: bytes, context: bytes = _JOB_CONTEXT,
+            nonce: bytes = b"") -> tuple[bytes, memoryview]:
     """``(kind, body)`` of a sealed payload (the body a view into ``payload``: a precompiled file is not
     copied to be verified); ValueError, before anything of it is used, when it is not one this secret sealed
     under this key for this ``context`` (a job's Store, or the shared cache)."""
@@ -287,7 +294,7 @@ def _unseal(secret: bytes, share_key: str, payload: bytes, context: bytes = _JOB
     mac = payload[len(_SHARE_MAGIC) : len(_SHARE_MAGIC) + _MAC_BYTES]
     kind, body = payload[head - 1 : head], memoryview(payload)[head:]
     if kind not in (_SHARE_FILE, _SHARE_FALLBACK) or not hmac.compare_digest(
-        mac, _share_mac(secret, share_key, kind, body, context)
+        mac, _share_mac(secret, share_key, kind, body, context, nonce)
     ):
         raise _bad_mac(context)
     return kind, body
@@ -446,6 +453,11 @@ class CompileCache:
         # The Store key of the job's shared artifact: the cache key without the GPU index, so that every rank
         # of a job meets under one key; a rank whose full key differs finds the shared file stale and compiles.
         shared = {k: v for k, v in self.key_fields.items() if k != "device_index"}
+        # The job under the Store payload's MAC: a launcher that reuses the secret across jobs (and so Stores
+        # an attacker may have read) does not let one job's payload be replayed into another's. The attempt
+        # is not: no value the ranks of one attempt share outside the Store names it (a node's
+        # TORCHELASTIC_RESTART_COUNT differs from the others' after a restart another node's failure caused).
+        self._share_nonce = os.environ.get("TORCHELASTIC_RUN_ID", "").encode()
         self._share_key = "ettkit/precompiled/" + hashlib.sha256(
             json.dumps(shared, sort_keys=True).encode()
         ).hexdigest()[:24]
@@ -873,7 +885,7 @@ class CompileCache:
                 fallback_reason = f"rank 0 could not read its precompiled file ({exc})"
         if body is None:
             body = str(fallback_reason).encode()
-        payload = _seal(self._share_secret, self._share_key, kind, body)
+        payload = _seal(self._share_secret, self._share_key, kind, body, _JOB_CONTEXT, self._share_nonce)
         try:
             self.store.set(self._share_key, payload)
         except Exception as exc:  # noqa: BLE001 - a Store failure must not stop rank 0's start
@@ -900,7 +912,7 @@ class CompileCache:
             return CacheLoadResult("miss", str(path), why, seconds=time.perf_counter() - t0), None, why
         try:
             payload = payload if isinstance(payload, bytes) else bytes(payload)
-            kind, payload = _unseal(self._share_secret, self._share_key, payload)
+            kind, payload = _unseal(self._share_secret, self._share_key, payload, _JOB_CONTEXT, self._share_nonce)
         except ValueError as exc:  # forged or foreign: nothing of it is written or unpickled
             why = f"rank 0's precompiled file was refused: the payload under Store key {self._share_key} "
             why += str(exc)
