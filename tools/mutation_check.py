@@ -227,8 +227,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         (Test(FUSED, "InOrderDigest.AnUnreportedTailWithNothingPendingIsHashedByFinish"),)),
     Mutation(
         "share-mac-kind", "python/ettkit/startup/cache.py",
-        'context + b"\\0" + share_key.encode() + b"\\0" + kind, hashlib.sha256)',
-        'context + b"\\0" + share_key.encode() + b"\\0", hashlib.sha256)',
+        'head = context + b"\\0" + share_key.encode() + b"\\0" + kind',
+        'head = context + b"\\0" + share_key.encode() + b"\\0"',
         "the compile-share HMAC leaves out the payload's kind: whoever writes the Store turns rank 0's file "
         "into a fallback reason (or a reason into a file) under a valid MAC (#68)",
         (Test(pytest="tests/python/test_compile_cache_mac.py::test_a_genuine_payload_with_its_kind_flipped_does_not_unseal"),
@@ -238,8 +238,8 @@ MUTATIONS: tuple[Mutation, ...] = (
                      "test_rank_0s_fallback_with_its_kind_flipped_is_refused_not_written_as_a_file"))),
     Mutation(
         "share-mac-context", "python/ettkit/startup/cache.py",
-        'context + b"\\0" + share_key.encode() + b"\\0" + kind, hashlib.sha256)',
-        'share_key.encode() + b"\\0" + kind, hashlib.sha256)',
+        'head = context + b"\\0" + share_key.encode() + b"\\0" + kind',
+        'head = share_key.encode() + b"\\0" + kind',
         "the HMAC leaves out its context: a payload sealed for a job's Store passes for a shared-cache file "
         "under the same secret and key, and the reverse (#68)",
         (Test(pytest="tests/python/test_compile_cache_mac.py::"
