@@ -10,26 +10,10 @@ import struct
 import pytest
 
 import ettkit
-from ettkit.checkpoint._skeleton_codec import MAGIC, MAX_NODES, decode_extra, encode_extra, encode_skeleton
+from ettkit.checkpoint._skeleton_codec import MAX_NODES, decode_extra, encode_extra, encode_skeleton
+from extra_record_bytes import record, varint
 
 HALF = MAX_NODES // 2 + 1  # two of these are over the limit, one is not
-
-
-def varint(n: int) -> bytes:
-    out = bytearray()
-    while n >= 0x80:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def record(extra: bytes, skeleton: bytes = b"N") -> bytes:
-    """A current-format record of world size 1, as a writer of the file would assemble it."""
-    body = b"d\x03"
-    for name, value in (("world_size", b"i" + (1).to_bytes(8, "little")), ("skeleton", skeleton), ("extra", extra)):
-        body += b"s" + varint(len(name)) + name.encode() + value
-    return MAGIC + body
 
 
 def packed_ints(n: int) -> bytes:  # tag J: n int64s in one block (what the encoder writes for a list of ints)

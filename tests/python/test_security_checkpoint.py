@@ -37,6 +37,7 @@ from ettkit.checkpoint._skeleton_codec import (
     encode_extra,
     encode_skeleton,
 )
+from extra_record_bytes import record, varint
 
 
 class RunsShell:
@@ -91,24 +92,6 @@ def plant(step_dir, files):
 
 
 EMPTY_SAFETENSORS = b"\x02\x00\x00\x00\x00\x00\x00\x00{}"
-
-
-def varint(n):
-    out = bytearray()
-    while n >= 0x80:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def record(skeleton=b"N", extra=b"N", world=b"i" + (1).to_bytes(8, "little"), fields=None):
-    """A current-format record assembled from encoded field values, as an attacker would write one."""
-    fields = fields if fields is not None else [("world_size", world), ("skeleton", skeleton), ("extra", extra)]
-    body = b"d" + varint(len(fields))
-    for name, value in fields:
-        body += b"s" + varint(len(name)) + name.encode() + value
-    return MAGIC + body
 
 
 def pickled_leaf(obj):

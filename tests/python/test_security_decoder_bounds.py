@@ -19,30 +19,16 @@ import torch
 import ettkit
 from ettkit.checkpoint import AsyncCheckpointer
 from ettkit.checkpoint._skeleton_codec import (
-    MAGIC,
     MAX_ARRAYS,
     MAX_KEYS_PER_HASH,
     decode_extra,
     encode_extra,
     encode_skeleton,
 )
+from extra_record_bytes import record, varint
 
 P = (1 << 61) - 1  # CPython hashes an int n as n mod P
 KEYS = 40_000  # the figure: 8.7 s before
-
-
-def varint(n: int) -> bytes:
-    out = bytearray()
-    while n >= 0x80:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def record(extra: bytes) -> bytes:
-    return (MAGIC + b"d\x03s\x0aworld_size" + b"i" + struct.pack("<q", 1) + b"s\x08skeletonN" + b"s\x05extra"
-            + extra)
 
 
 def bigint(n: int) -> bytes:
