@@ -583,7 +583,7 @@ class _Decoder:
 
     def _named(self, pos: int, depth: int) -> Any:
         """A dtype or a device by its name: decoded and checked once per distinct name of the record, then
-        looked up (a record may hold 2^21 of them)."""
+        looked up (a record may hold MAX_NODES, 2^20, of them)."""
         tag = self.buf[pos]
         n = self.length("name's length")
         p = self.take(n)
