@@ -120,3 +120,36 @@ def test_rng_state_option_is_checked(tmp_path):
 
     with pytest.raises(ettkit.InvalidArgumentError, match="rng_state=1 must be True or False"):
         AsyncCheckpointer(tmp_path / "c", recorder=None, rng_state=1)
+
+
+def test_a_hostile_generator_state_of_the_right_shape_is_refused_before_any_tensor_is_copied():
+    # The right lengths, values the setters refuse: an index past 624 for Python's Mersenne Twister, a NumPy
+    # pos out of range. check() refuses them (the step then falls back) instead of load_latest raising after
+    # the tensors were overwritten.
+    import array
+
+    from ettkit.checkpoint import rng_state
+    from ettkit.errors import CorruptDataError
+
+    state = rng_state.capture()
+    words = array.array("I", state["python"][1])
+    words[-1] = 10_000
+    bad_python = dict(state, python=[state["python"][0], words.tobytes(), state["python"][2]])
+    with pytest.raises(CorruptDataError, match="field 'python' is not a state its generator takes"):
+        rng_state.check(bad_python, "x")
+    bad_numpy = dict(state, numpy=["MT19937", state["numpy"][1], 10_000, 0, 0.0])
+    with pytest.raises(CorruptDataError, match=r"field 'numpy' is not \[name, 2496 bytes, pos in \[0, 624\]"):
+        rng_state.check(bad_numpy, "x")  # NumPy itself takes it, and would read past its key
+    with pytest.raises(CorruptDataError, match="field 'numpy'"):
+        rng_state.check(dict(state, numpy=["PCG64", state["numpy"][1], 0, 0, 0.0]), "x")
+
+
+def test_a_hostile_epoch_rng_in_a_data_position_is_refused_by_name():
+    import ettkit
+
+    pos = DataPosition()
+    with pytest.raises(ettkit.InvalidArgumentError, match="epoch_rng must be"):
+        pos.load_state_dict({"epoch": 0, "batches": 1, "epoch_rng": {"torch": b"x", "loader": None}})
+    good = torch.get_rng_state().numpy().tobytes()
+    with pytest.raises(ettkit.InvalidArgumentError, match="epoch_rng"):
+        pos.load_state_dict({"epoch": 0, "batches": 1, "epoch_rng": {"torch": good, "loader": b"\x01" * 7}})

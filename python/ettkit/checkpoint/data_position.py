@@ -178,10 +178,16 @@ def _checked_epoch_rng(value: Any) -> dict | None:
     size = torch.get_rng_state().numel()
     ok = (isinstance(value, dict) and set(value) == {"torch", "loader"} and isinstance(value["torch"], bytes)
           and len(value["torch"]) == size and (value["loader"] is None or isinstance(value["loader"], bytes)))
-    if not ok:
-        raise InvalidArgumentError(f"DataPosition epoch_rng must be {{'torch': {size} bytes, 'loader': bytes or "
-                                   f"None}}, got {_short(value)}")
-    return dict(value)
+    if ok:
+        try:  # a state the generator takes, tried on a scratch one (a hostile position cannot fail later)
+            for data in (value["torch"], value["loader"]):
+                if data is not None:
+                    torch.Generator().set_state(_state_tensor(data))
+        except (RuntimeError, ValueError) as e:
+            raise InvalidArgumentError(f"DataPosition epoch_rng is no generator state: {e}") from None
+        return dict(value)
+    raise InvalidArgumentError(f"DataPosition epoch_rng must be {{'torch': {size} bytes, 'loader': bytes or "
+                               f"None}}, got {_short(value)}")
 
 
 def _warn_unseeded_sampler(loader: Any) -> None:

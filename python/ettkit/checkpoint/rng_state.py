@@ -67,12 +67,39 @@ def check(state: Any, where: str) -> None:
     npy = state.get("numpy")
     if npy is not None and not (isinstance(npy, list) and len(npy) == 5 and isinstance(npy[0], str)
                                 and isinstance(npy[1], bytes) and len(npy[1]) == 4 * 624
-                                and all(type(v) is int for v in npy[2:4]) and type(npy[4]) is float):
-        raise bad("numpy", "is not [name, 2496 bytes, pos, has_gauss, cached_gaussian]")
+                                and all(type(v) is int for v in npy[2:4]) and type(npy[4]) is float
+                                # NumPy takes any pos, and reads its key past the end with one over 624
+                                and 0 <= npy[2] <= 624 and npy[3] in (0, 1)):
+        raise bad("numpy", "is not [name, 2496 bytes, pos in [0, 624], has_gauss 0 or 1, cached_gaussian]")
     cuda = state.get("cuda")
     if cuda is not None and not (isinstance(cuda, list) and all(isinstance(s, bytes) and 0 < len(s) <= 1 << 16
                                                                   for s in cuda)):
         raise bad("cuda", "is not a list of byte strings, one per device")
+    # The right shape is not yet a state the setters take (an index past 624, a pos out of range, a torch state
+    # whose seed fields are out of range): each is set once on a scratch generator of its kind, so that a
+    # hostile one is refused here, before any tensor is copied, instead of raising after the tensors loaded.
+    for field, trial in (("python", lambda: random.Random().setstate((py[0], tuple(array.array("I", py[1])),
+                                                                       py[2]))),
+                         ("torch", lambda: torch.Generator().set_state(_state_tensor(state["torch"]))),
+                         ("numpy", lambda: _numpy_trial(npy))):
+        try:
+            trial()
+        except (ValueError, TypeError, RuntimeError, OverflowError) as e:
+            raise bad(field, f"is not a state its generator takes: {type(e).__name__}: {e}") from None
+
+
+def _state_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _numpy_trial(npy: Optional[list]) -> None:
+    if npy is None:
+        return
+    import numpy as np
+
+    name, keys, pos, has_gauss, cached = npy
+    np.random.RandomState().set_state((name, np.frombuffer(keys, dtype="<u4").astype(np.uint32), pos, has_gauss,
+                                       cached))
 
 
 def restore(state: Optional[dict], *, world_changed: bool, step: int) -> None:
@@ -88,7 +115,7 @@ def restore(state: Optional[dict], *, world_changed: bool, step: int) -> None:
         return
     version, words, gauss = state["python"]
     random.setstate((version, tuple(array.array("I", words)), gauss))
-    torch.set_rng_state(torch.frombuffer(bytearray(state["torch"]), dtype=torch.uint8))
+    torch.set_rng_state(_state_tensor(state["torch"]))
     npy = state.get("numpy")
     if npy is not None:
         import numpy as np  # saved only where NumPy was imported: the trainer uses it
@@ -104,4 +131,10 @@ def restore(state: Optional[dict], *, world_changed: bool, step: int) -> None:
                           stacklevel=3)
             return
         for device, s in enumerate(cuda):
-            torch.cuda.set_rng_state(torch.frombuffer(bytearray(s), dtype=torch.uint8), device)
+            try:  # no scratch CUDA generator to try it on at check(): a state this device refuses warns
+                torch.cuda.set_rng_state(_state_tensor(s), device)
+            except RuntimeError as e:
+                warnings.warn(f"ettkit.checkpoint: step {step}'s generator state of CUDA device {device} was "
+                              f"refused ({e}); that device's generator was not restored", RuntimeWarning,
+                              stacklevel=3)
+
