@@ -122,6 +122,22 @@ class StartResult(NamedTuple):
     batches: Iterator  # the loader's iterator, positioned after the first batch
 
 
+class CacheLoaded(NamedTuple):
+    """Stage "cache_load"'s result: what the cache held before the compile."""
+
+    precompiled: CacheLoadResult | None  # the precompiled file's load (None when that tier is not tried)
+    precompiled_fn: Any  # its loaded (or rank 0's received) forward, or None: the compile stage must compile
+    megacache: CacheLoadResult | None  # the MegaCache file's load (None when the precompiled file served)
+
+
+class Compiled(NamedTuple):
+    """Stage "compile"'s result: the model to train and how it came to be."""
+
+    model: Any  # the compiled (or precompiled-and-loaded) model
+    warm: WarmCompileReport | None  # the warm compile on the fast batch; None when nothing compiled
+    specialized: str | None  # the guard that specialized a dynamic dim of the spec, or None
+
+
 def _is_compiled(model: Any) -> bool:
     # Decided without importing torch._dynamo (~2 s in a fresh process): that import belongs in the compile
     # stage, where it overlaps with the first batch. (torch registers lazy modules in sys.modules, so their
@@ -208,20 +224,21 @@ class _OverlappedStart:
 
     # ---- stage "cache_load" ---------------------------------------------------------------------------
 
-    def cache_load(self) -> tuple:
-        """(precompiled file's result, its loaded forward or None, MegaCache file's result or None)."""
+    def cache_load(self) -> CacheLoaded:
+        """What the precompiled file and the MegaCache file held (the second only when the first did not
+        serve)."""
         cache = self.cache
         if not (self.precompile and self.no_precompile is None):
-            return None, None, cache.load()
+            return CacheLoaded(None, None, cache.load())
         with self.sub_phase("compile/precompiled_load"):
             result, fn = cache.load_precompiled()
         if fn is None and cache.shares and cache.rank != 0:
             received, fn = self.receive_from_rank_0()
             if fn is not None:
-                return received, fn, None
+                return CacheLoaded(received, fn, None)
         if fn is not None:
-            return result, fn, None  # the MegaCache file is not needed
-        return result, None, cache.load()
+            return CacheLoaded(result, fn, None)  # the MegaCache file is not needed
+        return CacheLoaded(result, None, cache.load())
 
     def receive_from_rank_0(self) -> tuple:
         """Compile once per job: rank 0 compiles (or loads) and publishes; this rank waits for its file."""
@@ -236,13 +253,14 @@ class _OverlappedStart:
 
     # ---- stage "compile" ------------------------------------------------------------------------------
 
-    def compile_stage(self) -> tuple:
-        """(the model to train, its WarmCompileReport or None, the guard that specialized a dynamic dim)."""
-        loaded = self.results.get("cache_load")
-        if loaded is not None and loaded[1] is not None:
+    def compile_stage(self) -> Compiled:
+        """The model to train, its warm compile's report and the guard that specialized a dynamic dim."""
+        loaded: CacheLoaded | None = self.results.get("cache_load")
+        if loaded is not None and loaded.precompiled_fn is not None:
             self.publish(None)
             # A graph compiled with soft dims is still one: the warm start reports the cold start's guard.
-            return self.precompiled_model(loaded[1], "loaded"), None, loaded[0].dynamic_dims_specialized
+            model = self.precompiled_model(loaded.precompiled_fn, "loaded")
+            return Compiled(model, None, loaded.precompiled.dynamic_dims_specialized)
         if self.precompile and self.no_precompile is None and "reason" not in self.fallback:
             precompiled = self.precompile_and_publish()
             if precompiled is not None:
@@ -260,7 +278,7 @@ class _OverlappedStart:
         kwargs = self.compile_kwargs
         return _precompiled.PrecompiledModel(self.model, fn, origin=origin, compile_kwargs=kwargs)
 
-    def precompile_and_publish(self) -> tuple | None:
+    def precompile_and_publish(self) -> Compiled | None:
         """Precompiles on the fast batch, saves and publishes the file: the compile stage's result, or None
         (the reason in ``fallback``; "publish" then tells the other ranks why)."""
         before = compile_counters()
@@ -277,7 +295,7 @@ class _OverlappedStart:
             backward=any(p.requires_grad for p in self.model.parameters()),
             counters=counter_delta(before, after),
         )
-        return self.precompiled_model(fn, "compiled"), warm, self.fallback.get("specialized")
+        return Compiled(self.precompiled_model(fn, "compiled"), warm, self.fallback.get("specialized"))
 
     def aot_compile(self, batch: Any) -> Any:
         args, kwargs = _precompiled.capture_call_args(self.model, batch, self.forward)
@@ -326,7 +344,7 @@ class _OverlappedStart:
             with self.sub_phase("compile/precompiled_publish"):
                 cache.publish_precompiled(reason)
 
-    def jit_compile(self) -> tuple:
+    def jit_compile(self) -> Compiled:
         model, spec, seed = self.model, self.spec, self.seed
         # torch.compile() itself imports Dynamo (seconds in a fresh process): do it here, overlapped.
         compiled = model if _is_compiled(model) else torch.compile(model, **(self.compile_kwargs or {}))
@@ -334,14 +352,15 @@ class _OverlappedStart:
 
         try:
             fast = spec.fast_batch(seed)
-            return compiled, warm_compile(compiled, fast, self.loss_fn, forward=self.forward), None
+            return Compiled(compiled, warm_compile(compiled, fast, self.loss_fn, forward=self.forward), None)
         except ConstraintViolationError as e:
             # The model or Inductor made a size-dependent choice on a declared dynamic dim (e.g. Inductor's
             # CPU mm decomposition guards on the batch size of a matmul with an inner size of 1). A graph that
             # serves the whole declared range does not exist: compile with soft dims, and say which guard.
             specialized = _specialization(e)
             soft = spec.fast_batch(seed, soft=True)
-            return compiled, warm_compile(compiled, soft, self.loss_fn, forward=self.forward), specialized
+            warm = warm_compile(compiled, soft, self.loss_fn, forward=self.forward)
+            return Compiled(compiled, warm, specialized)
 
     def save_megacache(self) -> None:
         """Saves the MegaCache file now, on the compile's thread (overlapped with the first batch like the
@@ -385,18 +404,19 @@ class _OverlappedStart:
             s = stages.stages.get(name)
             return s.duration_s if s is not None else 0.0
 
-        loaded = results.get("cache_load") or (None, None, None)
+        loaded: CacheLoaded = results.get("cache_load") or CacheLoaded(None, None, None)
+        compiled: Compiled = results["compile"]
         return StartReport(
             time_to_start_s=time_to_start,
             compile_s=dur("cache_load") + dur("compile"),
             first_batch_s=dur("loader_iter") + dur("get_first_batch_data"),
-            cache=loaded[2],
-            warm=results["compile"][1],
+            cache=loaded.megacache,
+            warm=compiled.warm,
             stages=stages,
             spec_mismatch=mismatch,
-            dynamic_dims_specialized=results["compile"][2],
+            dynamic_dims_specialized=compiled.specialized,
             graphs_at_start=compiled_graphs(),
-            precompiled=loaded[0],
+            precompiled=loaded.precompiled,
             precompiled_save=fallback.get("save"),
             precompile_fallback=reason,
             precompile_peer=fallback.get("peer"),
@@ -520,9 +540,10 @@ def overlapped_start(
     stages = _run_graph(g)
     # Warnings from here on name the caller's line (stacklevel=2: one frame above this function).
     mismatch = _check_first_batch(spec, g.results, strict, stacklevel=2)
-    _warn_specialized(g.results["compile"][2], stacklevel=2)
+    compiled: Compiled = g.results["compile"]
+    _warn_specialized(compiled.specialized, stacklevel=2)
     time_to_start = time.perf_counter() - t0
     report = start.report(stages, time_to_start, mismatch, start.fallback_reason(stacklevel=2))
     start.record_notes(report)
     results = g.results
-    return StartResult(results["compile"][0], results["get_first_batch_data"], report, results["loader_iter"])
+    return StartResult(compiled.model, results["get_first_batch_data"], report, results["loader_iter"])
