@@ -226,7 +226,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "reported after a prefix hashed at once is left out of the chunk's checksum (#68)",
         (Test(FUSED, "InOrderDigest.AnUnreportedTailWithNothingPendingIsHashedByFinish"),)),
     Mutation(
-        "share-mac-kind", "python/ettkit/startup/cache.py",
+        "share-mac-kind", "python/ettkit/startup/cache_seal.py",
         'head = context + b"\\0" + share_key.encode() + b"\\0" + kind',
         'head = context + b"\\0" + share_key.encode() + b"\\0"',
         "the compile-share HMAC leaves out the payload's kind: whoever writes the Store turns rank 0's file "
@@ -237,7 +237,7 @@ MUTATIONS: tuple[Mutation, ...] = (
          Test(pytest="tests/python/test_compile_cache_mac.py::"
                      "test_rank_0s_fallback_with_its_kind_flipped_is_refused_not_written_as_a_file"))),
     Mutation(
-        "share-mac-context", "python/ettkit/startup/cache.py",
+        "share-mac-context", "python/ettkit/startup/cache_seal.py",
         'head = context + b"\\0" + share_key.encode() + b"\\0" + kind',
         'head = share_key.encode() + b"\\0" + kind',
         "the HMAC leaves out its context: a payload sealed for a job's Store passes for a shared-cache file "
@@ -274,14 +274,14 @@ MUTATIONS: tuple[Mutation, ...] = (
               "MemoryTierSecurity.ARootItsGroupCanWriteWithoutTheStickyBitIsRefused"),)),
     Mutation(
         "extra-listed-int-count", "python/ettkit/checkpoint/_skeleton_codec.py",
-        "self.nodes += 1\n                    append(_i64.unpack_from(buf, pos + 1)[0])",
-        "append(_i64.unpack_from(buf, pos + 1)[0])",
+        "self.nodes += 1\n                    append(I64.unpack_from(buf, pos + 1)[0])",
+        "append(I64.unpack_from(buf, pos + 1)[0])",
         "the .extra decoder's inline path for a list's int items stops counting them (#68 audit)",
         (Test(pytest="tests/python/test_extra_value_count.py::test_values_spread_over_int_lists_count_toward_the_limit"),)),
     Mutation(
         "extra-dict-int-count", "python/ettkit/checkpoint/_skeleton_codec.py",
-        "self.nodes += 1\n                    out[k] = _i64.unpack_from(buf, pos + 1)[0]",
-        "out[k] = _i64.unpack_from(buf, pos + 1)[0]",
+        "self.nodes += 1\n                    out[k] = I64.unpack_from(buf, pos + 1)[0]",
+        "out[k] = I64.unpack_from(buf, pos + 1)[0]",
         "the .extra decoder's inline path for a dict's int values stops counting them (#68 audit)",
         (Test(pytest="tests/python/test_extra_value_count.py::test_values_spread_over_int_lists_count_toward_the_limit"),)),
     Mutation(

@@ -12,7 +12,7 @@ import os
 
 import pytest
 from ettkit.startup import CompileCache, CompileCacheWarning
-from ettkit.startup import cache as cache_module
+from ettkit.startup import cache_seal
 from startup_helpers import fake_precompiled_serialization
 
 SECRET = b"compile-cache-mac-test-secret-" + b"0123456789abcdef" * 2
@@ -46,11 +46,11 @@ def _flip_kind(payload: bytes) -> bytes:
 @pytest.mark.parametrize("kind", [SHARE_FILE, SHARE_FALLBACK])
 def test_a_genuine_payload_with_its_kind_flipped_does_not_unseal(kind):
     body = b"rank 0's precompiled file" if kind == SHARE_FILE else b"aot_compile failed: out of memory"
-    for context in (cache_module._JOB_CONTEXT, cache_module._SHARED_CONTEXT):
-        sealed = cache_module._seal(SECRET, KEY, kind, body, context)
-        assert cache_module._unseal(SECRET, KEY, sealed, context) == (kind, body)
+    for context in (cache_seal.JOB_CONTEXT, cache_seal.SHARED_CONTEXT):
+        sealed = cache_seal.seal(SECRET, KEY, kind, body, context)
+        assert cache_seal.unseal(SECRET, KEY, sealed, context) == (kind, body)
         with pytest.raises(ValueError, match="does not verify"):
-            cache_module._unseal(SECRET, KEY, _flip_kind(sealed), context)
+            cache_seal.unseal(SECRET, KEY, _flip_kind(sealed), context)
 
 
 def _store(tmp_path):
@@ -108,14 +108,14 @@ def test_rank_0s_fallback_with_its_kind_flipped_is_refused_not_written_as_a_file
 
 
 def test_a_payload_sealed_in_one_context_does_not_unseal_in_the_other_under_the_same_secret_and_key():
-    job, shared = cache_module._JOB_CONTEXT, cache_module._SHARED_CONTEXT
+    job, shared = cache_seal.JOB_CONTEXT, cache_seal.SHARED_CONTEXT
     assert job != shared
     for kind in (SHARE_FILE, SHARE_FALLBACK):
         for sealed_for, offered_to in ((job, shared), (shared, job)):
-            sealed = cache_module._seal(SECRET, KEY, kind, b"the same body", sealed_for)
-            assert cache_module._unseal(SECRET, KEY, sealed, sealed_for) == (kind, b"the same body")
+            sealed = cache_seal.seal(SECRET, KEY, kind, b"the same body", sealed_for)
+            assert cache_seal.unseal(SECRET, KEY, sealed, sealed_for) == (kind, b"the same body")
             with pytest.raises(ValueError, match="does not verify"):
-                cache_module._unseal(SECRET, KEY, sealed, offered_to)
+                cache_seal.unseal(SECRET, KEY, sealed, offered_to)
 
 
 def test_a_store_payload_planted_in_the_shared_cache_is_untrusted_under_the_same_secret(tmp_path, fake_torch):
@@ -127,14 +127,14 @@ def test_a_store_payload_planted_in_the_shared_cache_is_untrusted_under_the_same
     shared.mkdir(mode=0o750)
     b = CompileCache(tmp_path / "b", fingerprint="m1", precompile=True, shared_dir=shared)
     body = a.precompiled_path.read_bytes()
-    planted = cache_module._seal(SECRET, b.key, SHARE_FILE, body, cache_module._JOB_CONTEXT)
+    planted = cache_seal.seal(SECRET, b.key, SHARE_FILE, body, cache_seal.JOB_CONTEXT)
     (shared / b.shared_name).write_bytes(planted)
     with pytest.warns(CompileCacheWarning, match="does not verify with this job's cache secret"):
         result, fn = b.load_precompiled()
     assert fn is None and result.status == "untrusted"
     assert fake_torch == [] and not b.precompiled_path.exists()
     # Sealed for the shared cache, the same bytes load: the refusal was the context's.
-    (shared / b.shared_name).write_bytes(cache_module._seal(SECRET, b.key, SHARE_FILE, body, cache_module._SHARED_CONTEXT))
+    (shared / b.shared_name).write_bytes(cache_seal.seal(SECRET, b.key, SHARE_FILE, body, cache_seal.SHARED_CONTEXT))
     result, fn = b.load_precompiled()
     assert result.status == "precompiled" and fn == "loaded-fn"
 
@@ -144,8 +144,8 @@ def test_a_shared_cache_file_offered_through_the_store_is_untrusted_under_the_sa
     assert rank0.save_precompiled(FakeFn()).written
     body = rank0.precompiled_path.read_bytes()
     store.set(rank1._share_key,
-              cache_module._seal(SECRET, rank1._share_key, SHARE_FILE, body, cache_module._SHARED_CONTEXT))
+              cache_seal.seal(SECRET, rank1._share_key, SHARE_FILE, body, cache_seal.SHARED_CONTEXT))
     _refused_by_rank1(rank1, fake_torch)
-    store.set(rank1._share_key, cache_module._seal(SECRET, rank1._share_key, SHARE_FILE, body))
+    store.set(rank1._share_key, cache_seal.seal(SECRET, rank1._share_key, SHARE_FILE, body))
     result, fn, why = rank1.receive_precompiled()
     assert why is None and fn == "loaded-fn" and result.status == "precompiled"

@@ -26,6 +26,7 @@ import torch
 from ettkit.errors import InvalidArgumentError
 from ettkit.startup import CompileCache, CompileCacheWarning, overlapped_start, precompiled
 from ettkit.startup import cache as cache_module
+from ettkit.startup import cache_format, cache_seal
 from startup_helpers import declared_spec, loss_fn, make_batch, megacache_blob
 
 SECRET = b"ettkit-test-share-secret-0123456789abcdef"
@@ -337,26 +338,26 @@ def test_torchs_own_autotune_key_shape_is_accepted_and_lands_inside_the_cache_di
 
 def test_megacache_artifacts_decodes_strictly():
     ok = megacache_blob({"inductor": {"fabc": b"x"}, "autotune": {"ab/c.best_config": b"{}"}})
-    assert cache_module.megacache_artifacts(ok) == [
+    assert cache_format.megacache_artifacts(ok) == [
         ("inductor", "fabc", 1),
         ("autotune", "ab/c.best_config", 2),
     ]
     # A length that runs past the end: refused, not read short as torch's reader would.
     with pytest.raises(ValueError, match="runs past the end"):
-        cache_module.megacache_artifacts(ok[:-1])
+        cache_format.megacache_artifacts(ok[:-1])
     with pytest.raises(ValueError, match="ends inside a length field"):
-        cache_module.megacache_artifacts(ok + b"\0\0\0")
+        cache_format.megacache_artifacts(ok + b"\0\0\0")
     with pytest.raises(ValueError, match="encoding version 2"):
-        cache_module.megacache_artifacts(ok[:4] + (2).to_bytes(8, "big") + ok[12:])
+        cache_format.megacache_artifacts(ok[:4] + (2).to_bytes(8, "big") + ok[12:])
     # Stray characters in a base64 key: torch's lenient decoder would drop them and read another key.
     stray = megacache_blob({"autotune": {"ab/c.best_config": b"{}"}}).replace(
         b"YWIvYy5iZXN0X2NvbmZpZw==", b"L2V0Yy9wYXNzd2Q!!!!!!!!"
     )
     with pytest.raises(ValueError, match="not base64"):
-        cache_module.megacache_artifacts(stray)
+        cache_format.megacache_artifacts(stray)
     for key in ("ab/cd/e", "/ab", "ab/", "ab/..", "ab\\c"):
         with pytest.raises(ValueError, match="refused"):
-            cache_module.megacache_artifacts(megacache_blob({"autotune": {key: b"{}"}}))
+            cache_format.megacache_artifacts(megacache_blob({"autotune": {key: b"{}"}}))
 
 
 def test_a_megacache_file_another_user_owns_never_reaches_torch(tmp_path, monkeypatch, inductor_dir):
@@ -491,7 +492,7 @@ def test_a_store_payload_without_a_valid_hmac_is_never_unpickled_or_written(tmp_
     hostile = _hostile_precompiled_file(tmp_path, monkeypatch, marker)
     store, rank0, rank1 = _ranks(tmp_path)
     key = rank1._share_key
-    seal = cache_module._seal
+    seal = cache_seal.seal
     if forgery == "unsigned_file":  # what any client of the Store could set before this fix, and was loaded
         payload = hostile
     elif forgery == "wrong_secret":

@@ -206,7 +206,8 @@ def _team_cache(shared_dir, tmp_path):
 
 
 def _sealed_body(cache) -> bytes:
-    from ettkit.startup.cache import _SHARED_CONTEXT, _unseal
+    from ettkit.startup.cache_seal import SHARED_CONTEXT as _SHARED_CONTEXT
+    from ettkit.startup.cache_seal import unseal as _unseal
 
     payload = (cache.shared_dir / cache.shared_name).read_bytes()
     return bytes(_unseal(SECRET.encode(), cache.key, payload, _SHARED_CONTEXT)[1])

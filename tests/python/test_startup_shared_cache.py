@@ -20,7 +20,7 @@ from ettkit.errors import InvalidArgumentError, IoError
 from ettkit.startup import CompileCache, CompileCacheWarning, precompiled, trusted_files
 from startup_helpers import fake_precompiled_serialization
 
-from ettkit.startup import cache as cache_module_for_bound  # its size bound, patched by one test
+from ettkit.startup import cache_shared as cache_module_for_bound  # its size bound, patched by one test
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SECRET = "shared-cache-test-secret-" + "0123456789abcdef" * 2
