@@ -131,6 +131,25 @@ def _project(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    """``ettkit export``: exit 0 once the directory is written, 2 for a step or argument that cannot be."""
+    from . import errors
+    from .ett.table import shown
+    from .integrations.hf_export import export_hf
+
+    try:
+        r = export_hf(args.step_dir, args.out_dir, strip_prefix=args.strip_prefix, add_prefix=args.add_prefix,
+                      max_shard_size=args.max_shard_size, config=args.config,
+                      tied={} if args.no_tie else None, overwrite=args.overwrite)
+    except (errors.Error, OSError) as e:
+        print(f"ettkit export: error: {shown(e)}", file=sys.stderr)
+        return 2
+    tied = "".join(f", {a} tied to {b}" for a, b in r.tied.items())
+    print(f"ettkit export: {len(r.weight_map)} tensors, {r.total_bytes} bytes from {shown(r.step_dir)} into "
+          f"{shown(r.out_dir)} ({', '.join(r.files)}{tied}), {r.bytes_verified} bytes verified, {r.seconds:.2f} s")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the command line; returns the exit status (see the module docstring)."""
     try:
@@ -220,6 +239,19 @@ def _main(argv: list[str] | None) -> int:
                          "cache (CompileCache(shared_dir=...)), so that the jobs of that model start without "
                          "compiling. Needs $ETTKIT_COMPILE_CACHE_SECRET.")
     _precompile_arguments(pre)
+    ex = sub.add_parser("export", help="a committed step as a Hugging Face model directory (docs/integrations.md)")
+    ex.add_argument("step_dir", help="a step directory (CKPT/step-<N>), or a checkpoint directory: its newest step")
+    ex.add_argument("out_dir", help="the model directory to write (from_pretrained(OUT_DIR) loads it)")
+    ex.add_argument("--format", required=True, choices=["hf"], help="hf: model.safetensors (+ index when sharded)")
+    ex.add_argument("--config", metavar="CONFIG.json", help="the model's config.json, copied into OUT_DIR")
+    ex.add_argument("--strip-prefix", default="model.", metavar="PREFIX",
+                    help="export the tensors under PREFIX, PREFIX removed (default 'model.'; '' for all)")
+    ex.add_argument("--add-prefix", default="", metavar="PREFIX", help="put PREFIX before every exported name")
+    ex.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                    help="split into model-0000k-of-0000n.safetensors past SIZE (default 5GB; e.g. 500MB, 512MiB)")
+    ex.add_argument("--no-tie", action="store_true",
+                    help="write tied weights (lm_head.weight) too, not once (default: once when the config ties)")
+    ex.add_argument("--overwrite", action="store_true", help="replace model files an earlier export left in OUT_DIR")
     args = parser.parse_args(argv)
     if args.command == "precompile":
         from .startup import precompile_job  # imports torch: only for this command
@@ -235,6 +267,8 @@ def _main(argv: list[str] | None) -> int:
         return _fleet(args)
     if args.command == "project":
         return _project(args)
+    if args.command == "export":
+        return _export(args)
     return 2  # unreachable: argparse requires a command
 
 

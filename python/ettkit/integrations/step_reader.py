@@ -1,0 +1,336 @@
+"""A committed ettkit step read tensor by tensor, every byte verified against the step's own checksums, by one
+process without a process group (for export: ``ettkit export``).
+
+:class:`StepTensors` promises: the step's ``manifest.json`` and every ``rank-<r>.safetensors`` header are
+decoded strictly (bounded sizes, every field type- and range-checked; :class:`ettkit.errors.CorruptDataError`
+naming the file and the field otherwise); every rank file's size equals its manifest entry; every byte handed
+out (headers included) lies in a manifest checksum chunk whose XXH3-64 was recomputed and matched first
+(:class:`ettkit.errors.CorruptCheckpointError` naming the file and the chunk otherwise). Pieces saved as
+``<key>@<offsets>`` (FSDP2's and other DTensors' shards, ShardedTensors' local shards) are put together
+into the whole tensor ``<key>``; a piece that several ranks saved (replicated mesh dimensions) is read once;
+pieces that do not tile the whole tensor exactly are refused. A tensor saved whole is read from old rank 0,
+once the headers' digests show every rank saved the same bytes (as ``load_latest`` and
+``EttkitStorageReader`` decide it). Memory: a tensor whose pieces are rows of it (whole tensors, ``Shard(0)``)
+streams in pieces of at most one checksum chunk (4-32 MiB); any other layout is put together in one buffer
+of the tensor's size. Nothing is unpickled and ``rank-<r>.extra`` is never opened.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+from .. import _C
+from ..errors import CorruptCheckpointError, CorruptDataError, InvalidArgumentError
+
+# A manifest lists a few files per rank: 16 MiB is far beyond any real one. A safetensors header: the
+# format's own cap (100 MB).
+MAX_MANIFEST_BYTES = 16 << 20
+MAX_HEADER_BYTES = 100 << 20
+MAX_WORLD_SIZE = 1 << 24
+_SHARD_NAME = re.compile(r"^(.*)@(\d+(?:,\d+)*)$")
+_HEX16 = re.compile(r"^[0-9a-f]{16}$")
+# Where an ettkit disk save records the XXH3 of each tensor it saved whole (src/checkpoint/storage.h).
+_WHOLE_DIGEST = "ettkit.xxh3."
+# The dtypes ettkit writes (safetensors names) and their element sizes: the C++ table the writer uses.
+_ITEMSIZE: dict[str, int] = {name: dtype.itemsize for name, dtype in _C.checkpoint.safetensors_dtypes()}
+
+
+def step_directory(path: str | os.PathLike) -> str:
+    """``path`` if it is a step directory (it has ``manifest.json``), else the newest committed step of the
+    checkpoint directory ``path``."""
+    path = os.path.abspath(os.fspath(path))
+    if os.path.isfile(os.path.join(path, "manifest.json")):
+        return path
+    step = _C.checkpoint.latest_step(path)
+    if step is None:
+        raise InvalidArgumentError(f"'{path}' is neither an ettkit step directory (it has no manifest.json) nor "
+                                   f"a checkpoint directory with a committed step")
+    return os.path.join(path, f"step-{step}")
+
+
+def _open_regular(path: str) -> int:
+    """A read-only descriptor of ``path``, refusing a symbolic link as its last component (a step's files are
+    regular files its writer created)."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CorruptDataError(f"'{path}' is a symbolic link; a step's files are regular files") from None
+        raise
+
+
+def _json(path: str, data: bytes) -> object:
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as e:
+        raise CorruptDataError(f"'{path}' is not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
+
+
+@dataclass(frozen=True)
+class FileChecksums:
+    """One data file's entry of the manifest: its size and the XXH3-64 of each ``chunk_bytes`` chunk."""
+
+    size: int
+    chunk_bytes: int
+    chunks: tuple[str, ...]
+
+    @staticmethod
+    def decode(manifest_path: str, name: str, entry: object) -> "FileChecksums":
+        where = f"'{manifest_path}': files['{name}']"
+        if type(entry) is not dict:
+            raise CorruptDataError(f"{where} is not an object")
+        size, chunk_bytes, chunks = entry.get("size"), entry.get("chunk_bytes"), entry.get("chunks")
+        if type(size) is not int or size < 0:
+            raise CorruptDataError(f"{where}.size is {size!r}, not a byte count")
+        if type(chunk_bytes) is not int or not 1 <= chunk_bytes <= 1 << 40:
+            raise CorruptDataError(f"{where}.chunk_bytes is {chunk_bytes!r}, not a chunk size")
+        if type(chunks) is not list or any(type(c) is not str or not _HEX16.match(c) for c in chunks):
+            raise CorruptDataError(f"{where}.chunks is not a list of 16-hex-digit XXH3 checksums")
+        if len(chunks) != max(1, math.ceil(size / chunk_bytes)) and not (size == 0 and not chunks):
+            raise CorruptDataError(f"{where}.chunks has {len(chunks)} checksums for {size} bytes in "
+                                   f"{chunk_bytes}-byte chunks")
+        return FileChecksums(size, chunk_bytes, tuple(chunks))
+
+
+class VerifiedFile:
+    """A step's data file, read by byte range; every chunk a read touches is hashed and compared with the
+    manifest before its bytes are returned (each chunk once: a verified chunk is remembered)."""
+
+    def __init__(self, path: str, sums: FileChecksums):
+        self.path = path
+        self.sums = sums
+        self._fd = _open_regular(path)
+        size = os.fstat(self._fd).st_size
+        if size != sums.size:
+            os.close(self._fd)
+            raise CorruptCheckpointError(f"'{path}' has {size} bytes; the step's manifest says {sums.size}")
+        self._verified: set[int] = set()
+        self.bytes_verified = 0
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def read(self, begin: int, end: int) -> bytes:
+        """Bytes ``[begin, end)`` of the file, verified. Reads whole chunks when a chunk is not yet verified."""
+        if not 0 <= begin <= end <= self.sums.size:
+            raise CorruptDataError(f"'{self.path}': range [{begin}, {end}) is outside its {self.sums.size} bytes")
+        if begin == end:
+            return b""
+        cb = self.sums.chunk_bytes
+        first, last = begin // cb, (end - 1) // cb
+        if all(c in self._verified for c in range(first, last + 1)):
+            return os.pread(self._fd, end - begin, begin)
+        lo, hi = first * cb, min(self.sums.size, (last + 1) * cb)
+        data = os.pread(self._fd, hi - lo, lo)
+        if len(data) != hi - lo:
+            raise CorruptCheckpointError(f"'{self.path}' ended at byte {lo + len(data)}; expected {hi}")
+        for c in range(first, last + 1):
+            if c in self._verified:
+                continue
+            piece = data[c * cb - lo:min(hi, (c + 1) * cb) - lo]
+            if _C.xxh3_hex(piece) != self.sums.chunks[c]:
+                raise CorruptCheckpointError(f"'{self.path}': checksum chunk {c} (bytes {c * cb}..{c * cb + len(piece)}) "
+                                             f"does not match the step's manifest: the file is corrupt")
+            self._verified.add(c)
+            self.bytes_verified += len(piece)
+        return data[begin - lo:end - lo]
+
+    def stream(self, begin: int, end: int) -> Iterator[bytes]:
+        """Bytes ``[begin, end)`` in verified pieces that end on chunk boundaries (at most one chunk each)."""
+        cb = self.sums.chunk_bytes
+        pos = begin
+        while pos < end:
+            stop = min(end, (pos // cb + 1) * cb)
+            yield self.read(pos, stop)
+            pos = stop
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One saved box of a tensor: which rank file holds it, where in the tensor and in the file."""
+
+    rank: int
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    begin: int  # absolute file offsets of its bytes
+    end: int
+
+
+@dataclass
+class SavedTensor:
+    """A tensor of the step: its name in the step (without ``@<offsets>``), its safetensors dtype, its whole
+    shape (the extent of its pieces) and the pieces to read it from (one per distinct box)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...] = ()
+    pieces: list[Piece] = field(default_factory=list)
+    sharded: bool = False
+    digest: Optional[str] = None  # whole tensors: the XXH3 its save recorded
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * _ITEMSIZE[self.dtype]
+
+    @property
+    def rows_in_order(self) -> bool:
+        """Whether the pieces, sorted by offset, are consecutive rows of the tensor: then the tensor's bytes
+        are the pieces' bytes one after the other, and it streams without being put together."""
+        return all(p.offsets[1:] == (0,) * (len(self.shape) - 1) and p.shape[1:] == self.shape[1:]
+                   for p in self.pieces)
+
+
+class StepTensors:
+    """The tensors of one committed step (see the module docstring for what it promises). Use as a context
+    manager, or call :meth:`close`."""
+
+    def __init__(self, step_dir: str | os.PathLike):
+        self.step_dir = step_directory(step_dir)
+        mpath = os.path.join(self.step_dir, "manifest.json")
+        fd = _open_regular(mpath)
+        with os.fdopen(fd, "rb") as f:
+            data = f.read(MAX_MANIFEST_BYTES + 1)
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise CorruptDataError(f"'{mpath}' is larger than {MAX_MANIFEST_BYTES} bytes: not an ettkit manifest")
+        manifest = _json(mpath, data)
+        if type(manifest) is not dict or manifest.get("format") != "ettkit-checkpoint":
+            raise CorruptDataError(f"'{mpath}' has no \"format\": \"ettkit-checkpoint\": not an ettkit manifest")
+        world, files, step = manifest.get("world_size"), manifest.get("files"), manifest.get("step")
+        if type(world) is not int or not 1 <= world <= MAX_WORLD_SIZE:
+            raise CorruptDataError(f"'{mpath}' has world_size {world!r}, not an int in [1, 2^24]")
+        if type(files) is not dict:
+            raise CorruptDataError(f"'{mpath}' has no \"files\" object")
+        self.step = step if type(step) is int else None
+        self.world_size = world
+        self.files: list[VerifiedFile] = []
+        self.tensors: dict[str, SavedTensor] = {}
+        try:
+            for rank in range(world):
+                name = f"rank-{rank}.safetensors"
+                if name not in files:
+                    raise CorruptDataError(f"'{mpath}': files has no entry for '{name}' (world_size {world})")
+                vf = VerifiedFile(os.path.join(self.step_dir, name), FileChecksums.decode(mpath, name, files[name]))
+                self.files.append(vf)
+                self._add_rank(rank, vf)
+            self._check_tiling()
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> "StepTensors":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for f in self.files:
+            f.close()
+
+    @property
+    def bytes_verified(self) -> int:
+        return sum(f.bytes_verified for f in self.files)
+
+    def _add_rank(self, rank: int, vf: VerifiedFile) -> None:
+        path = vf.path
+        if vf.sums.size < 8:
+            raise CorruptDataError(f"'{path}' is shorter than a safetensors header")
+        n = int.from_bytes(vf.read(0, 8), "little")
+        if n > min(MAX_HEADER_BYTES, vf.sums.size - 8):
+            raise CorruptDataError(f"'{path}' declares a {n}-byte safetensors header in a {vf.sums.size}-byte file")
+        header = _json(path, vf.read(8, 8 + n))
+        if type(header) is not dict:
+            raise CorruptDataError(f"'{path}': the safetensors header is a {type(header).__name__}, not an object")
+        meta = header.pop("__metadata__", None) or {}
+        if type(meta) is not dict or any(type(v) is not str for v in meta.values()):
+            raise CorruptDataError(f"'{path}': the safetensors __metadata__ is not an object of strings")
+        data_begin, data_bytes = 8 + n, vf.sums.size - 8 - n
+        for entry_name, e in header.items():
+            m = _SHARD_NAME.match(entry_name)
+            key = m.group(1) if m else entry_name
+            dtype, shape, begin, end = _entry(path, entry_name, e, data_bytes)
+            offsets = tuple(int(o) for o in m.group(2).split(",")) if m else (0,) * len(shape)
+            if len(offsets) != len(shape):
+                raise CorruptDataError(f"'{path}': '{entry_name}' has {len(offsets)} offsets for {len(shape)} dims")
+            t = self.tensors.get(key)
+            if t is None:
+                t = self.tensors[key] = SavedTensor(key, dtype, (0,) * len(shape), sharded=bool(m))
+            if t.dtype != dtype or len(t.shape) != len(shape) or t.sharded != bool(m):
+                raise CorruptDataError(f"'{path}': '{entry_name}' ({dtype}, {len(shape)} dims, "
+                                       f"{'a piece' if m else 'whole'}) does not match another rank's "
+                                       f"'{key}' ({t.dtype}, {len(t.shape)} dims, "
+                                       f"{'pieces' if t.sharded else 'whole'})")
+            if not m:
+                digest = meta.get(_WHOLE_DIGEST + entry_name)
+                if t.pieces:  # old rank 0's copy is read; the others must be the same bytes
+                    if digest is not None and t.digest is not None and digest != t.digest:
+                        raise InvalidArgumentError(
+                            f"'{key}' was saved whole with different bytes by rank {t.pieces[0].rank} and rank "
+                            f"{rank} (per-rank state): it has no single value to export")
+                    continue
+                t.digest = digest
+            if any(o + s > (1 << 62) for o, s in zip(offsets, shape)):
+                raise CorruptDataError(f"'{path}': '{entry_name}' lies beyond any tensor's size")
+            if any(s == 0 for s in shape) or any(p.offsets == offsets for p in t.pieces):
+                continue  # empty (an uneven split's last rank), or a replica of a box already found
+            t.pieces.append(Piece(rank, offsets, tuple(shape), data_begin + begin, data_begin + end))
+            t.shape = tuple(max(a, o + s) for a, o, s in zip(t.shape, offsets, shape))
+
+    def _check_tiling(self) -> None:
+        """Every tensor's distinct boxes must add up to exactly its elements (none missing, none overlapping a
+        different box), so that the export is the whole tensor."""
+        for t in self.tensors.values():
+            t.pieces.sort(key=lambda p: p.offsets)
+            covered = sum(math.prod(p.shape) for p in t.pieces)
+            if covered != math.prod(t.shape):
+                raise CorruptDataError(f"step '{self.step_dir}': the saved pieces of '{t.name}' hold {covered} "
+                                       f"elements of its {list(t.shape)} ({math.prod(t.shape)}): pieces overlap "
+                                       f"or are missing")
+
+    def stream(self, t: SavedTensor) -> Iterator[bytes]:
+        """The tensor's bytes, row-major, verified: in chunk-sized pieces when its pieces are rows of it, else
+        as one buffer put together from its pieces."""
+        if t.rows_in_order:
+            for p in t.pieces:
+                yield from self.files[p.rank].stream(p.begin, p.end)
+            return
+        import torch
+
+        from_name = dict((n, d) for n, d in _C.checkpoint.safetensors_dtypes())
+        dtype = from_name[t.dtype]
+        whole = torch.empty(t.shape, dtype=dtype)
+        for p in t.pieces:
+            raw = bytearray(self.files[p.rank].read(p.begin, p.end))
+            piece = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(p.shape)
+            whole[tuple(slice(o, o + s) for o, s in zip(p.offsets, p.shape))] = piece
+        yield whole.view(torch.uint8).numpy().tobytes() if whole.numel() else b""
+
+
+def _entry(path: str, name: str, e: object, data_bytes: int) -> tuple[str, list[int], int, int]:
+    """(dtype, shape, begin, end) of one safetensors entry, every field checked: a dtype ettkit writes, the
+    shape non-negative ints, the byte range inside the file's data and of the shape's size."""
+    if type(e) is not dict:
+        raise CorruptDataError(f"'{path}': the entry of '{name}' is not an object")
+    dtype, shape, offsets = e.get("dtype"), e.get("shape"), e.get("data_offsets")
+    if type(dtype) is not str or dtype not in _ITEMSIZE:
+        raise CorruptDataError(f"'{path}': tensor '{name}' has dtype {dtype!r}, not one ettkit writes "
+                               f"({', '.join(sorted(_ITEMSIZE))})")
+    if type(shape) is not list or len(shape) > 64 or any(type(s) is not int or s < 0 for s in shape):
+        raise CorruptDataError(f"'{path}': tensor '{name}' has shape {shape!r}, not a list of sizes")
+    if type(offsets) is not list or len(offsets) != 2 or any(type(o) is not int for o in offsets) \
+            or not 0 <= offsets[0] <= offsets[1] <= data_bytes:
+        raise CorruptDataError(f"'{path}': tensor '{name}' has data_offsets {offsets!r}, not a range inside the "
+                               f"file's {data_bytes} data bytes")
+    if math.prod(shape) * _ITEMSIZE[dtype] != offsets[1] - offsets[0]:
+        raise CorruptDataError(f"'{path}': tensor '{name}' of shape {shape} and dtype {dtype} takes "
+                               f"{math.prod(shape) * _ITEMSIZE[dtype]} bytes, not the {offsets[1] - offsets[0]} "
+                               f"of its range")
+    return dtype, shape, offsets[0], offsets[1]
