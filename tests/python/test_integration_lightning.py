@@ -1,0 +1,81 @@
+"""Lightning through ettkit (#67): a run checkpointed by ``EttkitCheckpointIO`` and killed with SIGKILL mid-epoch
+resumes from ettkit's newest step with the same per-step losses as an uninterrupted run, and ``ettkit report``
+reports both attempts from the ledger ``EttCallback`` wrote. The runs are
+tests/python/integration_lightning_worker.py (real ``lightning``, CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import lightning.pytorch as L
+import pytest
+import torch
+
+from ettkit.errors import InvalidArgumentError
+from ettkit.integrations.lightning import EttkitCheckpointIO
+
+WORKER = os.path.join(os.path.dirname(__file__), "integration_lightning_worker.py")
+KILL_STEP, SAVED_STEP, LAST_STEP = 12, 8, 24  # killed 4 steps into epoch 2; epoch 1 ended at step 8
+
+
+def run(run_dir, *args) -> int:
+    p = subprocess.run([sys.executable, WORKER, str(run_dir), *map(str, args)], capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode in (0, -signal.SIGKILL), p.stderr[-4000:]
+    return p.returncode
+
+
+def losses(run_dir) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in map(json.loads, (run_dir / "losses.jsonl").read_text().splitlines())]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("lightning")
+    assert run(tmp / "ref") == 0
+    assert run(tmp / "crash", KILL_STEP) == -signal.SIGKILL  # died as planned, not earlier
+    assert os.listdir(tmp / "crash" / "ckpt") and run(tmp / "crash") == 0
+    return tmp / "ref", tmp / "crash"
+
+
+def test_a_run_killed_mid_epoch_resumes_with_the_losses_of_an_uninterrupted_run(runs):
+    ref, crash = runs
+    expected = losses(ref)
+    assert [s for s, _ in expected] == list(range(1, LAST_STEP + 1))
+    got = losses(crash)
+    # The killed attempt's steps 1..12, then the resumed one's from the step after the saved one: equal, float
+    # for float (the same operations on the same values in the same order: no tolerance needed).
+    assert got == expected[:KILL_STEP] + expected[SAVED_STEP:]
+
+
+def test_ettkit_report_reports_the_killed_and_the_resumed_attempt(runs):
+    _, crash = runs
+    r = subprocess.run([sys.executable, "-m", "ettkit", "report", str(crash), "--json"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    attempts = [(a["status"], a["first_step"], a["last_step"]) for a in report["attempts"]]
+    assert attempts == [("killed", 1, KILL_STEP), ("clean", SAVED_STEP + 1, LAST_STEP)]
+    assert report["failures"] == 1 and report["checkpoints"]["tiers"]["disk"]["restores"] == 1
+    assert report["checkpoints"]["count"] == 3  # step 8 in the killed attempt, 16 and 24 in the resumed one
+    assert {"launcher_init/pre_train", "eval/sanity_check"} <= set(report["substages"])
+    assert report["phases"]["wasted_training"] > 0 and report["phases"]["checkpoint_restore"] > 0
+
+
+def test_the_checkpoint_io_loads_only_its_newest_step_and_keeps_lightnings_values(runs, tmp_path):
+    _, crash = runs
+    io = EttkitCheckpointIO(crash / "ckpt", recorder=None)
+    newest = io.resume_path()
+    assert newest.endswith(f"step-{LAST_STEP}")
+    ckpt = io.load_checkpoint(newest)
+    assert ckpt["global_step"] == LAST_STEP and ckpt["pytorch-lightning_version"] == L.__version__
+    assert set(ckpt["state_dict"]) == {"net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"}
+    assert isinstance(ckpt["optimizer_states"][0]["state"][0]["momentum_buffer"], torch.Tensor)
+    with pytest.raises(InvalidArgumentError, match="not the newest committed step"):
+        io.load_checkpoint(crash / "ckpt" / "step-8")
+    io.teardown()
+    assert EttkitCheckpointIO(tmp_path / "empty").resume_path() is None
