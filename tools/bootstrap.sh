@@ -73,3 +73,15 @@ if [[ "$TORCH_VERSION" == "2.14.1" && "${ETTKIT_NO_TORCHREC:-0}" != 1 ]]; then
     touch "$trec_stamp"
   fi
 fi
+
+# Lightning, transformers and accelerate, for ettkit's integrations and their tests (docs/integrations.md),
+# for every torch: the integration tests import them unconditionally. --no-deps, so that pip never replaces
+# torch (requirements-integrations-cpu.txt says why); the pins were resolved against torch 2.14.1 and declare
+# torch>=2.1 (lightning) and >=2.6 (transformers, accelerate), so the GPU machine's 2.11 takes them too.
+integ_stamp="$VENV/.ettkit-integrations-$(sha256sum requirements-integrations-cpu.txt | cut -c1-16)"
+if [[ ! -f "$integ_stamp" ]]; then
+  pip_install "requirements-integrations-cpu.txt (Lightning and transformers for the integration tests)" \
+    --no-deps -r requirements-integrations-cpu.txt
+  rm -f "$VENV"/.ettkit-integrations-*
+  touch "$integ_stamp"
+fi
