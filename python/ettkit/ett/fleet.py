@@ -190,6 +190,109 @@ def _read(run_dir: str, include_initial_queue: bool) -> tuple[dict | None, str |
         return None, _reason(e)
 
 
+class _FleetTotals:
+    """The fleet's running totals, each job weighted by its accelerator-seconds (``world_size × seconds``)."""
+
+    def __init__(self) -> None:
+        self.bucket_acc = dict.fromkeys(BUCKETS, 0.0)
+        # bucket -> phase -> [accelerator-seconds, wall seconds, jobs]
+        self.causes: dict[str, dict[str, list[float]]] = {"idle": {}, "failure": {}, "mixed": {}}
+        self.tts: list[float] = []
+        self.ttr: list[float] = []
+        self.unrecovered = 0
+        self.categories: dict[str, int] = {}
+        self.badput_s: dict[str, float] = {}
+        self.badput_acc: dict[str, float] = {}
+        self.badput_jobs = 0
+
+    def add(self, row: dict, report: dict, bucket_s: dict, parts: dict) -> None:
+        w = row["world_size"]
+        for b in BUCKETS:
+            self.bucket_acc[b] += w * bucket_s[b]
+        for b in ("idle", "failure", "mixed"):
+            for name, seconds in parts[b].items():
+                if seconds <= 0:
+                    continue
+                entry = self.causes[b].setdefault(name, [0.0, 0.0, 0])
+                entry[0] += w * seconds
+                entry[1] += seconds
+                entry[2] += 1
+        self.tts.extend(row["time_to_start_s"])
+        self.ttr.extend(row["time_to_recover_s"])
+        self.unrecovered += row["unrecovered_failures"]
+        for cat, n in row["failures_by_category"].items():
+            self.categories[cat] = self.categories.get(cat, 0) + int(n)
+        badput = report.get("badput")
+        if isinstance(badput, dict):
+            self.badput_jobs += 1
+            for cat, seconds in badput.items():
+                # Only numeric categories are seconds; anything else is a shape this version does not know.
+                if isinstance(seconds, (int, float)) and not isinstance(seconds, bool):
+                    self.badput_s[cat] = self.badput_s.get(cat, 0.0) + float(seconds)
+                    self.badput_acc[cat] = self.badput_acc.get(cat, 0.0) + w * float(seconds)
+
+    def pct(self, x: float) -> float | None:
+        total_acc = sum(self.bucket_acc.values())
+        return 100.0 * x / total_acc if total_acc > 0 else None
+
+    def ranked(self, bucket: str) -> list[dict[str, Any]]:
+        total = sum(e[0] for e in self.causes[bucket].values())
+        items = sorted(self.causes[bucket].items(), key=lambda kv: (-kv[1][0], kv[0]))
+        return [{"phase": name, "accelerator_h": acc / 3600.0, "seconds": wall,
+                 "share_pct": 100.0 * acc / total if total > 0 else None, "jobs": n}
+                for name, (acc, wall, n) in items]
+
+    def report(self, jobs: list[dict]) -> dict:
+        read = [j for j in jobs if j["status"] != FAILED_TO_READ]
+        bucket_acc, pct = self.bucket_acc, self.pct
+        ttr_stats = percentiles(self.ttr)
+        ttr_stats["unrecovered"] = self.unrecovered
+        return {
+            "format_version": FORMAT_VERSION,
+            "jobs_total": len(jobs),
+            "jobs_read": len(read),
+            "jobs_running": sum(1 for j in read if j["status"] == RUNNING),
+            "jobs_failed_to_read": len(jobs) - len(read),
+            "accelerator_h": sum(bucket_acc.values()) / 3600.0,
+            "buckets_accelerator_h": {b: bucket_acc[b] / 3600.0 for b in BUCKETS},
+            "ett_pct": pct(bucket_acc["effective"]),
+            "idle_pct": pct(bucket_acc["idle"]),
+            "failure_pct": pct(bucket_acc["failure"]),
+            "unattributed_pct": pct(bucket_acc["unattributed"]),
+            "top_causes": {"idle": self.ranked("idle"), "failure": self.ranked("failure"),
+                           "mixed": self.ranked("mixed")},
+            "time_to_start_s": percentiles(self.tts),
+            "time_to_recover_s": ttr_stats,
+            "failures": sum(j["failures"] for j in read),
+            "failures_by_category": dict(sorted(self.categories.items())),
+            "corrupt_lines": sum(j["corrupt_lines"] for j in read),
+            "torn_lines": sum(j["torn_lines"] for j in read),
+            "badput": None if not self.badput_jobs else {
+                "jobs": self.badput_jobs,
+                "seconds": dict(sorted(self.badput_s.items())),
+                "accelerator_h": {k: v / 3600.0 for k, v in sorted(self.badput_acc.items())},
+                "pct": {k: pct(v) for k, v in sorted(self.badput_acc.items())},
+            },
+            # Precompile runs' hours, also inside every total above (as idle: compile), by the device they used.
+            "precompile": _precompile_hours([j for j in read if j["kind"] == PRECOMPILE]),
+            "jobs": jobs,
+        }
+
+
+def _precompile_hours(precompiles: list[dict]) -> dict | None:
+    if not precompiles:
+        return None
+    by_device: dict[str, float] = {}
+    for j in precompiles:
+        device = j["device"] or "unknown"
+        by_device[device] = by_device.get(device, 0.0) + j["accelerator_h"]
+    return {
+        "jobs": len(precompiles),
+        "accelerator_h": sum(j["accelerator_h"] for j in precompiles),
+        "by_device_h": dict(sorted(by_device.items())),
+    }
+
+
 def fleet_report(run_dirs: Iterable[str | os.PathLike], *, include_initial_queue: bool = False) -> dict:
     """The fleet report of ``run_dirs`` (keys documented in docs/ett.md, "Fleet report").
 
@@ -207,15 +310,7 @@ def fleet_report(run_dirs: Iterable[str | os.PathLike], *, include_initial_queue
     # threads (the C++ report releases the GIL, the JSON decode holds it) nor a process pool (each worker
     # imports torch, seconds) was faster for 1,000 jobs (docs/benchmarks.md, "Fleet report").
     jobs = []
-    bucket_acc = dict.fromkeys(BUCKETS, 0.0)
-    causes: dict[str, dict[str, list[float]]] = {"idle": {}, "failure": {}, "mixed": {}}
-    tts: list[float] = []
-    ttr: list[float] = []
-    unrecovered = 0
-    categories: dict[str, int] = {}
-    badput_s: dict[str, float] = {}
-    badput_acc: dict[str, float] = {}
-    badput_jobs = 0
+    totals = _FleetTotals()
     for run_dir in dirs:
         report, reason = _read(run_dir, include_initial_queue)
         try:
@@ -228,86 +323,9 @@ def fleet_report(run_dirs: Iterable[str | os.PathLike], *, include_initial_queue
         except Exception as e:  # noqa: BLE001 - one bad directory never stops the others
             report, row = None, _job_row(run_dir, None, _reason(e))
         jobs.append(row)
-        if report is None:
-            continue
-        w = row["world_size"]
-        for b in BUCKETS:
-            bucket_acc[b] += w * bucket_s[b]
-        for b in ("idle", "failure", "mixed"):
-            for name, seconds in parts[b].items():
-                if seconds <= 0:
-                    continue
-                entry = causes[b].setdefault(name, [0.0, 0.0, 0])
-                entry[0] += w * seconds
-                entry[1] += seconds
-                entry[2] += 1
-        tts.extend(row["time_to_start_s"])
-        ttr.extend(row["time_to_recover_s"])
-        unrecovered += row["unrecovered_failures"]
-        for cat, n in row["failures_by_category"].items():
-            categories[cat] = categories.get(cat, 0) + int(n)
-        badput = report.get("badput")
-        if isinstance(badput, dict):
-            badput_jobs += 1
-            for cat, seconds in badput.items():
-                # Only numeric categories are seconds; anything else is a shape this version does not know.
-                if isinstance(seconds, (int, float)) and not isinstance(seconds, bool):
-                    badput_s[cat] = badput_s.get(cat, 0.0) + float(seconds)
-                    badput_acc[cat] = badput_acc.get(cat, 0.0) + w * float(seconds)
-
-    read = [j for j in jobs if j["status"] != FAILED_TO_READ]
-    total_acc = sum(bucket_acc.values())
-    precompiles = [j for j in read if j["kind"] == PRECOMPILE]
-    by_device: dict[str, float] = {}
-    for j in precompiles:
-        device = j["device"] or "unknown"
-        by_device[device] = by_device.get(device, 0.0) + j["accelerator_h"]
-
-    def pct(x: float) -> float | None:
-        return 100.0 * x / total_acc if total_acc > 0 else None
-
-    def ranked(bucket: str) -> list[dict[str, Any]]:
-        total = sum(e[0] for e in causes[bucket].values())
-        items = sorted(causes[bucket].items(), key=lambda kv: (-kv[1][0], kv[0]))
-        return [{"phase": name, "accelerator_h": acc / 3600.0, "seconds": wall,
-                 "share_pct": 100.0 * acc / total if total > 0 else None, "jobs": n}
-                for name, (acc, wall, n) in items]
-
-    ttr_stats = percentiles(ttr)
-    ttr_stats["unrecovered"] = unrecovered
-    return {
-        "format_version": FORMAT_VERSION,
-        "jobs_total": len(jobs),
-        "jobs_read": len(read),
-        "jobs_running": sum(1 for j in read if j["status"] == RUNNING),
-        "jobs_failed_to_read": len(jobs) - len(read),
-        "accelerator_h": total_acc / 3600.0,
-        "buckets_accelerator_h": {b: bucket_acc[b] / 3600.0 for b in BUCKETS},
-        "ett_pct": pct(bucket_acc["effective"]),
-        "idle_pct": pct(bucket_acc["idle"]),
-        "failure_pct": pct(bucket_acc["failure"]),
-        "unattributed_pct": pct(bucket_acc["unattributed"]),
-        "top_causes": {"idle": ranked("idle"), "failure": ranked("failure"), "mixed": ranked("mixed")},
-        "time_to_start_s": percentiles(tts),
-        "time_to_recover_s": ttr_stats,
-        "failures": sum(j["failures"] for j in read),
-        "failures_by_category": dict(sorted(categories.items())),
-        "corrupt_lines": sum(j["corrupt_lines"] for j in read),
-        "torn_lines": sum(j["torn_lines"] for j in read),
-        "badput": None if not badput_jobs else {
-            "jobs": badput_jobs,
-            "seconds": dict(sorted(badput_s.items())),
-            "accelerator_h": {k: v / 3600.0 for k, v in sorted(badput_acc.items())},
-            "pct": {k: pct(v) for k, v in sorted(badput_acc.items())},
-        },
-        # Precompile runs' hours, also inside every total above (as idle: compile), by the device they used.
-        "precompile": None if not precompiles else {
-            "jobs": len(precompiles),
-            "accelerator_h": sum(j["accelerator_h"] for j in precompiles),
-            "by_device_h": dict(sorted(by_device.items())),
-        },
-        "jobs": jobs,
-    }
+        if report is not None:
+            totals.add(row, report, bucket_s, parts)
+    return totals.report(jobs)
 
 
 def _hours(value: float | None) -> str:

@@ -270,38 +270,7 @@ class LiveLedger:
             self._fold_step(rf, doc["n"], doc["b"], doc["e"])
             return
         if t == "phase" or t == "bg":
-            name = doc.get("name")
-            if type(name) is not str:
-                raise Corrupt("'name' is missing or not a string")
-            b = time_field(doc, "b")
-            e = time_field(doc, "e")
-            if e < b:
-                raise Corrupt("ends before it begins")
-            if e > a.last_ts:
-                a.last_ts = e
-            if t == "phase":
-                if e > a.activity_end:
-                    a.activity_end = e
-                if name == "process_bootstrap":
-                    a.has_bootstrap = True
-                    if a.floor is not None:
-                        b = max(b, a.floor)  # as report.cpp's phase_begin
-                if b < a.begin:
-                    a.begin = b
-                if b < a.alloc_begin and name != "scheduling":
-                    a.alloc_begin = b
-                tl = a.timeline
-                if tl is not None:
-                    kind = (TRAINING if name == "training" else
-                            WASTED if name == "wasted_training" else PHASE)
-                    self._add(a, tl, b, e, PHASE_LAYER, name, kind)
-                    tier = checkpoint_tier(name, "checkpoint_blocking")
-                    if tier is not None:
-                        step = doc.get("step")
-                        if type(step) is int and step >= 0:
-                            tl.blocked_steps[tier].add(step)
-                        else:
-                            tl.unnumbered[tier] += 1
+            self._fold_phase(a, doc, t)
         elif t == "hb":
             ts = time_field(doc, "ts")
             if ts > a.last_ts:
@@ -323,20 +292,62 @@ class LiveLedger:
             a.status = status if type(status) is str else "clean"
             a.detail = detail if type(detail) is str else ""
         elif t == "process_exit":
-            ts = time_field(doc, "ts")
-            number = integer_field(doc, "attempt")
-            pid = doc.get("pid")
-            if number != a.number or (type(pid) is int and a.pid is not None and pid != a.pid):
+            if not self._fold_process_exit(a, doc):
                 return  # another attempt's or process's line: skipped, as by the report
-            # report.cpp: a clean attempt lasts until its process exits; the teardown after the end record
-            # is the shutdown sub-stage.
-            if a.has_end and a.status == "clean" and ts > a.last_ts:
-                if a.timeline is not None:
-                    self._add(a, a.timeline, a.last_ts, ts, PHASE_LAYER, _PROCESS_TEARDOWN, PHASE)
-                a.last_ts = ts
         else:
             return  # an unknown type of a known version (a newer minor release): skipped, as by the report
         self.records += 1
+
+    def _fold_phase(self, a: _Attempt, doc: dict, t: str) -> None:
+        """A "phase" or "bg" record of attempt ``a``: its times, and a phase's place on the timeline."""
+        name = doc.get("name")
+        if type(name) is not str:
+            raise Corrupt("'name' is missing or not a string")
+        b = time_field(doc, "b")
+        e = time_field(doc, "e")
+        if e < b:
+            raise Corrupt("ends before it begins")
+        if e > a.last_ts:
+            a.last_ts = e
+        if t != "phase":
+            return
+        if e > a.activity_end:
+            a.activity_end = e
+        if name == "process_bootstrap":
+            a.has_bootstrap = True
+            if a.floor is not None:
+                b = max(b, a.floor)  # as report.cpp's phase_begin
+        if b < a.begin:
+            a.begin = b
+        if b < a.alloc_begin and name != "scheduling":
+            a.alloc_begin = b
+        tl = a.timeline
+        if tl is not None:
+            kind = (TRAINING if name == "training" else
+                    WASTED if name == "wasted_training" else PHASE)
+            self._add(a, tl, b, e, PHASE_LAYER, name, kind)
+            tier = checkpoint_tier(name, "checkpoint_blocking")
+            if tier is not None:
+                step = doc.get("step")
+                if type(step) is int and step >= 0:
+                    tl.blocked_steps[tier].add(step)
+                else:
+                    tl.unnumbered[tier] += 1
+
+    def _fold_process_exit(self, a: _Attempt, doc: dict) -> bool:
+        """A "process_exit" record of attempt ``a``; False when it is another attempt's or process's line."""
+        ts = time_field(doc, "ts")
+        number = integer_field(doc, "attempt")
+        pid = doc.get("pid")
+        if number != a.number or (type(pid) is int and a.pid is not None and pid != a.pid):
+            return False
+        # report.cpp: a clean attempt lasts until its process exits; the teardown after the end record
+        # is the shutdown sub-stage.
+        if a.has_end and a.status == "clean" and ts > a.last_ts:
+            if a.timeline is not None:
+                self._add(a, a.timeline, a.last_ts, ts, PHASE_LAYER, _PROCESS_TEARDOWN, PHASE)
+            a.last_ts = ts
+        return True
 
     def _fold_step(self, rf: _RankFile, n: int, b: int, e: int) -> None:
         if not rf.attempts:  # the report's order: a record before any attempt is an orphan, whatever it holds

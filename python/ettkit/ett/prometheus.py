@@ -58,6 +58,12 @@ class ReportCollector(JobCollector):
         return (family for family in self._families() if family.samples)
 
     def _families(self) -> Iterator[Metric]:
+        # Grouped: the job's time and ratios, its attempts and failures, its checkpoints.
+        yield from self._time_families()
+        yield from self._attempt_families()
+        yield from self._checkpoint_families()
+
+    def _time_families(self) -> Iterator[Metric]:
         r = self._report
 
         def ratio(pct: float | None) -> float | None:
@@ -82,6 +88,8 @@ class ReportCollector(JobCollector):
             self._add(phases, seconds, name)
         yield phases
 
+    def _attempt_families(self) -> Iterator[Metric]:
+        r = self._report
         failures = self._family(CounterMetricFamily, "ettkit_failures",
                                 "Failures of the job since it was first launched.", ("category",))
         by_category = dict(r.get("failures_by_category") or {})
@@ -103,6 +111,8 @@ class ReportCollector(JobCollector):
             self._add(recover, seconds, str(i))
         yield recover
 
+    def _checkpoint_families(self) -> Iterator[Metric]:
+        r = self._report
         for name, key, doc in (
             ("ettkit_checkpoint_blocking_seconds", "checkpoint_blocking_s",
              "Training time blocked by checkpoint saves, measured and as estimated from the interval."),

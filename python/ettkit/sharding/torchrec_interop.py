@@ -192,6 +192,28 @@ def from_torchrec(
     """
     if tables is not None and not isinstance(tables, Mapping):
         tables = {t.name: t for t in tables}  # once: a lookup per table must not rebuild it
+    entries, saw_cuda, saw_placement = _plan_entries(plan, qualify)
+    if device is None and entries and not saw_placement:
+        # data_parallel entries carry no shards, so nothing in the plan says which device it is for.
+        _log.warning(
+            "from_torchrec: no table of the plan has a shard with a placement (all data_parallel?), so the "
+            "device cannot be read from it; using 'cpu' placements: pass device='cuda' for a CUDA job"
+        )
+    device = device or ("cuda" if saw_cuda else "cpu")
+    out = [_table_of(tables, dtype, world_size, *entry) for entry in entries]
+    # A table keeps its compact form only where ettkit's rule gives exactly TorchRec's shards.
+    pending = [i for i, t in enumerate(out) if isinstance(t, tuple) and t[0] is not None]
+    for i, shards in zip(pending, _rule_shards([out[i][0] for i in pending], world_size, ranks_per_host, device)):
+        candidate, _, flat = out[i]
+        out[i] = candidate if shards == flat else Table(candidate.name, candidate.rows, candidate.cols,
+                                                         candidate.dtype, candidate.sharding_type, shards=flat)
+    out = [t[1] if isinstance(t, tuple) else t for t in out]
+    return ShardingPlan(out, world_size, ranks_per_host, device)
+
+
+def _plan_entries(plan: Any, qualify: bool) -> tuple[list, bool, bool]:
+    """``(entries, saw_cuda, saw_placement)``: one ``(name, param, kind, ranks, shards)`` per table of the
+    plan, whether a shard is placed on CUDA, and whether any shard has a placement at all."""
     entries = []
     saw_cuda = False
     saw_placement = False
@@ -208,72 +230,66 @@ def from_torchrec(
                 saw_cuda = saw_cuda or any("cuda" in str(s.get("placement")) for s in ps.get("shards") or ())
             saw_placement = saw_placement or any(p is not None for _, _, p in shards or ())
             entries.append((name, param, kind, ranks, shards))
-    if device is None and entries and not saw_placement:
-        # data_parallel entries carry no shards, so nothing in the plan says which device it is for.
-        _log.warning(
-            "from_torchrec: no table of the plan has a shard with a placement (all data_parallel?), so the "
-            "device cannot be read from it; using 'cpu' placements: pass device='cuda' for a CUDA job"
-        )
-    device = device or ("cuda" if saw_cuda else "cpu")
+    return entries, saw_cuda, saw_placement
 
-    out = []
-    for name, param, kind, ranks, shards in entries:
-        rows, cols, cfg_dtype = _config(tables, name, param)
-        table_dtype = cfg_dtype if cfg_dtype is not None else dtype
-        if table_dtype is None:
-            raise InvalidArgumentError(
-                f"table '{name}': a TorchRec plan carries no dtype; pass tables= (the table configs) or dtype=. "
-                "ettkit never takes it from a rank's own tensor"
+
+def _flat_shards(name: str, ranks: list, shards: list) -> list:
+    """``(row offset, col offset, rows, cols, rank)`` per shard: the ranks the plan lists when they match the
+    shards (a placement that disagrees is warned about), else the placements' ranks."""
+    placement_ranks = [p for _, _, p in shards]
+    if ranks and len(ranks) == len(shards):
+        if any(p is not None and p != r for p, r in zip(placement_ranks, ranks)):
+            # TorchRec's inference placement_helper puts every CPU shard on "rank:0/cpu".
+            _log.warning(
+                "table '%s': placement ranks %s disagree with ranks %s; using ranks",
+                name,
+                placement_ranks,
+                ranks,
             )
-        flat = None
-        if shards is not None:
-            placement_ranks = [p for _, _, p in shards]
-            if ranks and len(ranks) == len(shards):
-                if any(p is not None and p != r for p, r in zip(placement_ranks, ranks)):
-                    # TorchRec's inference placement_helper puts every CPU shard on "rank:0/cpu".
-                    _log.warning(
-                        "table '%s': placement ranks %s disagree with ranks %s; using ranks",
-                        name,
-                        placement_ranks,
-                        ranks,
-                    )
-                shard_ranks = ranks
-            else:
-                if any(p is None for p in placement_ranks):
-                    raise InvalidArgumentError(
-                        f"table '{name}': shards have no placement and ranks do not match them"
-                    )
-                shard_ranks = placement_ranks
-            flat = [(o[0], o[1], s[0], s[1], r) for (o, s, _), r in zip(shards, shard_ranks)]
-            if rows is None:
-                rows = max(o + s for o, _, s, _, _ in flat)
-            if cols is None:
-                cols = max(o + s for _, o, _, s, _ in flat)
-        if rows is None or cols is None:
+        shard_ranks = ranks
+    else:
+        if any(p is None for p in placement_ranks):
             raise InvalidArgumentError(
-                f"table '{name}': {kind} entries carry no shards to take the shape from; pass tables= with its rows and cols"
+                f"table '{name}': shards have no placement and ranks do not match them"
             )
-        dtype_name = _dtype_name(table_dtype)
-        if flat is None:  # data_parallel: nothing to compare
-            out.append(Table(name, rows, cols, dtype_name, kind, []))
-            continue
+        shard_ranks = placement_ranks
+    return [(o[0], o[1], s[0], s[1], r) for (o, s, _), r in zip(shards, shard_ranks)]
+
+
+def _table_of(tables: Any, dtype: Any, world_size: int, name: str, param: str, kind: str, ranks: list,
+              shards: list | None) -> Table | tuple:
+    """A data_parallel entry's :class:`Table`, else ``(compact candidate or None, explicit table or None,
+    flat shards)``: from_torchrec keeps the candidate only where ettkit's rule gives TorchRec's shards."""
+    rows, cols, cfg_dtype = _config(tables, name, param)
+    table_dtype = cfg_dtype if cfg_dtype is not None else dtype
+    if table_dtype is None:
+        raise InvalidArgumentError(
+            f"table '{name}': a TorchRec plan carries no dtype; pass tables= (the table configs) or dtype=. "
+            "ettkit never takes it from a rank's own tensor"
+        )
+    flat = None
+    if shards is not None:
+        flat = _flat_shards(name, ranks, shards)
+        if rows is None:
+            rows = max(o + s for o, _, s, _, _ in flat)
+        if cols is None:
+            cols = max(o + s for _, o, _, s, _ in flat)
+    if rows is None or cols is None:
+        raise InvalidArgumentError(
+            f"table '{name}': {kind} entries carry no shards to take the shape from; pass tables= with its rows and cols"
+        )
+    dtype_name = _dtype_name(table_dtype)
+    if flat is None:  # data_parallel: nothing to compare
+        return Table(name, rows, cols, dtype_name, kind, [])
+    candidate = None
+    try:
+        candidate = _compact_candidate(
+            name, kind, rows, cols, dtype_name, list(ranks or [s[4] for s in flat]), flat, world_size
+        )
+    except ValueError:
         candidate = None
-        try:
-            candidate = _compact_candidate(
-                name, kind, rows, cols, dtype_name, list(ranks or [s[4] for s in flat]), flat, world_size
-            )
-        except ValueError:
-            candidate = None
-        explicit = Table(name, rows, cols, dtype_name, kind, shards=flat) if candidate is None else None
-        out.append((candidate, explicit, flat))
-    # A table keeps its compact form only where ettkit's rule gives exactly TorchRec's shards.
-    pending = [i for i, t in enumerate(out) if isinstance(t, tuple) and t[0] is not None]
-    for i, shards in zip(pending, _rule_shards([out[i][0] for i in pending], world_size, ranks_per_host, device)):
-        candidate, _, flat = out[i]
-        out[i] = candidate if shards == flat else Table(candidate.name, candidate.rows, candidate.cols,
-                                                         candidate.dtype, candidate.sharding_type, shards=flat)
-    out = [t[1] if isinstance(t, tuple) else t for t in out]
-    return ShardingPlan(out, world_size, ranks_per_host, device)
+    explicit = Table(name, rows, cols, dtype_name, kind, shards=flat) if candidate is None else None
+    return candidate, explicit, flat
 
 
 def to_torchrec_dict(metadata: GlobalMetadata, compute_kernel: str = "dense") -> dict:

@@ -19,11 +19,13 @@ A spec is captured from a sample batch (:meth:`BatchSpec.from_batch`) or declare
 Dimensions given as a :class:`Dim` are dynamic (``torch._dynamo.mark_dynamic`` on the fast batch): every
 size in ``[min, max]`` runs the same graph. Dims that share a name share one symbol (a batch dimension
 across fields). Never let a dynamic dim be 0 or 1: Dynamo specializes those sizes.
+
+Capturing a spec is :mod:`.batch_capture`'s, comparing a batch with it :mod:`.batch_diff`'s; both walk the
+structure with :mod:`.batch_structure`'s helpers.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import sys
 from collections.abc import Iterator, Mapping, Sequence
@@ -32,93 +34,14 @@ from typing import Any
 import torch
 
 from ..errors import BatchMismatchError, InvalidArgumentError
-from .tensor_spec import Dim, TensorSpec, contiguous_strides, dense_strides, fmt_range
+from .batch_capture import capture_batch
+from .batch_diff import diff_batch
+from .batch_structure import (
+    CONSTANT_TYPES, Constant, children, container_kind, dim_name, join, rebuild, resolve_device, show,
+)
+from .tensor_spec import Dim, TensorSpec
 
 __all__ = ["BatchSpec", "Dim", "TensorSpec"]
-
-_CONSTANT_TYPES = (bool, int, float, str, bytes, type(None))
-
-
-@dataclasses.dataclass(frozen=True)
-class _Constant:
-    value: Any
-
-
-# ---- structure walking ---------------------------------------------------------------------------------
-
-
-def _is_namedtuple(x) -> bool:
-    return isinstance(x, tuple) and hasattr(type(x), "_fields")
-
-
-def _join(path: str, key) -> str:
-    return f"{path}/{key}" if path else str(key)
-
-
-def _show(path: str) -> str:
-    return f"field '{path}'" if path else "the batch"
-
-
-def _container_kind(x) -> str | None:
-    if isinstance(x, Mapping):
-        return "mapping"
-    if _is_namedtuple(x):
-        return "namedtuple"
-    if isinstance(x, (list, tuple)):
-        return "sequence"
-    return None
-
-
-def _children(x) -> Iterator[tuple]:
-    if isinstance(x, Mapping):
-        yield from x.items()
-    else:
-        yield from enumerate(x)
-
-
-def _rebuild(template, values: list):
-    cls = type(template)
-    if isinstance(template, Mapping):
-        return cls(zip(template.keys(), values))
-    if _is_namedtuple(template):
-        return cls._make(values)
-    return cls(values)
-
-
-def _parse_dynamic_dims(dynamic_dims) -> dict:
-    """{path or '*': {dim: Dim}} from the user's shorthand."""
-    if dynamic_dims is None:
-        return {}
-    if not isinstance(dynamic_dims, Mapping):
-        raise InvalidArgumentError(
-            f"dynamic_dims must map a field path (or '*' for every tensor) to dims, got {type(dynamic_dims).__name__}; "
-            "e.g. {'*': 0} for a dynamic batch dimension"
-        )
-    out = {}
-    for path, spec in dynamic_dims.items():
-        if isinstance(spec, bool) or spec is None:
-            raise InvalidArgumentError(
-                f"dynamic_dims[{path!r}] = {spec!r}; give a dim index, a list or {{dim: Dim}}"
-            )
-        if isinstance(spec, int):
-            spec = {spec: None}
-        elif isinstance(spec, (list, tuple)):
-            spec = {d: None for d in spec}
-        elif not isinstance(spec, Mapping):
-            raise InvalidArgumentError(
-                f"dynamic_dims[{path!r}] = {spec!r}; give a dim index, a list or {{dim: Dim}}"
-            )
-        dims = {}
-        for d, v in spec.items():
-            if isinstance(v, tuple):
-                v = Dim(None, *v)
-            if v is not None and not isinstance(v, Dim):
-                raise InvalidArgumentError(
-                    f"dynamic_dims[{path!r}][{d}] = {v!r}; use a Dim, (min, max) or None"
-                )
-            dims[int(d)] = v
-        out[str(path).strip("/")] = dims
-    return out
 
 
 class BatchSpec:
@@ -138,130 +61,28 @@ class BatchSpec:
         and tuple items by index, ``"0"``) or ``"*"`` (every tensor with that dim) to a dim index, a list of
         them, or ``{dim: Dim(...) | (min, max) | None}``. Dims under ``"*"`` share one name per index (a
         batch dimension); a field's own dims are named ``"<path>:<dim>"`` unless the Dim has a name."""
-        dyn = _parse_dynamic_dims(dynamic_dims)
-        used = set()
-        seen_storage: dict = {}
-
-        def capture(x, path):
-            if isinstance(x, torch.Tensor):
-                return capture_tensor(x, path)
-            if isinstance(x, _CONSTANT_TYPES):
-                return _Constant(x)
-            kind = _container_kind(x)
-            if kind is None:
-                raise InvalidArgumentError(
-                    f"{_show(path)} is a {type(x).__name__}; a batch spec covers dicts, lists, tuples, namedtuples, "
-                    "tensors and Python constants (convert dataclasses to a dict)"
-                )
-            if isinstance(x, Mapping) and type(x) not in (dict,) and not _rebuildable_mapping(x):
-                raise InvalidArgumentError(
-                    f"{_show(path)} is a {type(x).__name__}; use a dict or OrderedDict"
-                )
-            return _rebuild(x, [capture(v, _join(path, k)) for k, v in _children(x)])
-
-        def capture_tensor(t, path):
-            if type(t) is not torch.Tensor:
-                raise InvalidArgumentError(
-                    f"{_show(path)} is a {type(t).__name__}; only plain torch.Tensor fields are supported "
-                    "(Dynamo guards on the Python type)"
-                )
-            if t.layout != torch.strided:
-                raise InvalidArgumentError(
-                    f"{_show(path)} has layout {t.layout}; only strided tensors are supported"
-                )
-            if t.numel() > 0 and t.device.type != "meta":
-                key = t.untyped_storage().data_ptr()
-                if key in seen_storage:
-                    raise InvalidArgumentError(
-                        f"fields '{seen_storage[key]}' and '{path}' share storage; Dynamo guards on aliasing and real "
-                        "batches from a DataLoader do not alias: copy one of them"
-                    )
-                seen_storage[key] = path
-            dims = {}
-            dims.update({d: v for d, v in dyn.get("*", {}).items() if d < t.dim()})
-            own = dyn.get(path)
-            if own is not None:
-                used.add(path)
-                for d in own:
-                    if d >= t.dim():
-                        raise InvalidArgumentError(
-                            f"dynamic_dims: {_show(path)} has {t.dim()} dims, no dim {d}"
-                        )
-                dims.update(own)
-            shape = []
-            for d, size in enumerate(t.shape):
-                if d not in dims:
-                    shape.append(int(size))
-                    continue
-                given = dims[d]
-                default_name = (
-                    f"*:{d}" if d in dyn.get("*", {}) and (own is None or d not in own) else f"{path}:{d}"
-                )
-                name = given.name if given is not None and given.name else default_name
-                lo = given.min if given is not None else 2
-                hi = given.max if given is not None else None
-                hint = given.hint if given is not None and given.hint is not None else int(size)
-                if hint < lo or (hi is not None and hint > hi):
-                    hint = lo
-                shape.append(Dim(name, lo, hi, hint))
-            strides = tuple(t.stride())
-            stride = dim_order = None
-            if strides != contiguous_strides(t.shape):
-                order = tuple(sorted(range(t.dim()), key=lambda d: (-strides[d], d)))
-                if dense_strides(t.shape, order) == strides:
-                    dim_order = order
-                else:
-                    if any(isinstance(s, Dim) for s in shape):
-                        raise InvalidArgumentError(
-                            f"{_show(path)} has strides {strides}, which are not a dense layout; its dims cannot "
-                            "be dynamic (make the tensor contiguous in the collate function)"
-                        )
-                    stride = strides
-            fill = None
-            if t.numel() > 0 and t.dtype != torch.bool and not t.is_complex() and t.device.type != "meta":
-                lo_v, hi_v = torch.aminmax(t.detach().reshape(-1))
-                lo_v, hi_v = lo_v.item(), hi_v.item()
-                if math.isfinite(lo_v) and math.isfinite(hi_v):
-                    fill = (lo_v, hi_v)
-            return TensorSpec(
-                shape,
-                t.dtype,
-                device=t.device,
-                stride=stride,
-                dim_order=dim_order,
-                fill_range=fill,
-                requires_grad=t.requires_grad,
-            )
-
-        structure = capture(batch, "")
-        unknown = set(dyn) - used - {"*"}
-        if unknown:
-            raise InvalidArgumentError(
-                f"dynamic_dims names {sorted(unknown)}, which are not tensor fields of the batch; "
-                "paths look like 'features/ids' (list and tuple items by index)"
-            )
-        return cls(structure)
+        return cls(capture_batch(batch, dynamic_dims))
 
     def _validate(self, x, path):
-        if isinstance(x, (TensorSpec, _Constant)):
+        if isinstance(x, (TensorSpec, Constant)):
             return
-        if isinstance(x, _CONSTANT_TYPES):
+        if isinstance(x, CONSTANT_TYPES):
             return
-        if _container_kind(x) is None:
+        if container_kind(x) is None:
             raise InvalidArgumentError(
-                f"{_show(path)} of the spec is a {type(x).__name__}; use TensorSpec, a constant, or a dict / list / "
+                f"{show(path)} of the spec is a {type(x).__name__}; use TensorSpec, a constant, or a dict / list / "
                 "tuple of them"
             )
-        for k, v in _children(x):
-            self._validate(v, _join(path, k))
+        for k, v in children(x):
+            self._validate(v, join(path, k))
 
     def _leaves(self, x=None, path="") -> Iterator[tuple]:
         x = self._structure if x is None and path == "" else x
-        if isinstance(x, (TensorSpec, _Constant, *_CONSTANT_TYPES)):
+        if isinstance(x, (TensorSpec, Constant, *CONSTANT_TYPES)):
             yield path, x
             return
-        for k, v in _children(x):
-            yield from self._leaves(v, _join(path, k))
+        for k, v in children(x):
+            yield from self._leaves(v, join(path, k))
 
     def _collect_dims(self) -> dict:
         dims: dict = {}
@@ -315,17 +136,16 @@ class BatchSpec:
         def build(x, path):
             if isinstance(x, TensorSpec):
                 return self._make_tensor(x, path, sizes, gen, soft)
-            if isinstance(x, _Constant):
+            if isinstance(x, Constant):
                 return x.value
-            if isinstance(x, _CONSTANT_TYPES):
+            if isinstance(x, CONSTANT_TYPES):
                 return x
-            return _rebuild(x, [build(v, _join(path, k)) for k, v in _children(x)])
+            return rebuild(x, [build(v, join(path, k)) for k, v in children(x)])
 
         return build(self._structure, "")
 
     def _dim_name(self, spec: TensorSpec, path: str, i: int) -> str:
-        d = spec.shape[i]
-        return d.name or f"{path}:{i}"
+        return dim_name(spec, path, i)
 
     def _make_tensor(
         self, spec: TensorSpec, path: str, sizes: dict, gen: torch.Generator, soft: bool = False
@@ -337,7 +157,7 @@ class BatchSpec:
         values = self._values(
             spec, shape if spec.stride is None else [_storage_size(shape, spec.stride)], gen
         )
-        device = _resolve_device(spec.device)
+        device = resolve_device(spec.device)
         if spec.stride is not None:
             t = values.to(device).as_strided(shape, spec.stride)
         elif spec.dim_order is not None:
@@ -379,130 +199,7 @@ class BatchSpec:
     def diff(self, batch: Any) -> list:
         """Every difference between ``batch`` and the spec that would fail a guard (or a declared value
         range), as readable sentences; empty when the batch matches."""
-        problems: list = []
-        dim_sizes: dict = {}  # dim name -> (size, path) seen first in this batch
-        storages: dict = {}
-
-        def walk(spec, x, path):
-            if isinstance(spec, TensorSpec):
-                tensor(spec, x, path)
-            elif isinstance(spec, (_Constant, *_CONSTANT_TYPES)):
-                expected = spec.value if isinstance(spec, _Constant) else spec
-                if type(x) is not type(expected) or not _same_constant(x, expected):
-                    problems.append(
-                        f"{_show(path)} is {x!r} ({type(x).__name__}); the spec has the constant {expected!r} "
-                        f"({type(expected).__name__}): Dynamo guards Python constants by value"
-                    )
-            else:
-                if type(x) is not type(spec):
-                    problems.append(
-                        f"{_show(path)} is a {type(x).__name__}; the spec expects a {type(spec).__name__}"
-                    )
-                    return
-                if isinstance(spec, Mapping):
-                    keys, want = list(x.keys()), list(spec.keys())
-                    if keys != want:
-                        if sorted(map(str, keys)) == sorted(map(str, want)):
-                            problems.append(
-                                f"{_show(path)} has keys {keys} in this order; the spec expects {want}: Dynamo guards "
-                                "on dict key order when the model iterates over the dict (build it in the same order)"
-                            )
-                        else:
-                            missing = [k for k in want if k not in x]
-                            extra = [k for k in keys if k not in spec]
-                            problems.append(
-                                f"{_show(path)} has keys {keys}; the spec expects {want}"
-                                + (f" (missing {missing})" if missing else "")
-                                + (f" (unexpected {extra})" if extra else "")
-                            )
-                        return
-                elif len(x) != len(spec):
-                    problems.append(f"{_show(path)} has {len(x)} items; the spec expects {len(spec)}")
-                    return
-                for (k, s), (_, v) in zip(_children(spec), _children(x)):
-                    walk(s, v, _join(path, k))
-
-        def tensor(spec: TensorSpec, t, path):
-            where = _show(path)
-            if not isinstance(t, torch.Tensor):
-                problems.append(
-                    f"{where} is a {type(t).__name__}; the spec expects a tensor {spec.describe()}"
-                )
-                return
-            if type(t) is not torch.Tensor:
-                problems.append(f"{where} is a {type(t).__name__}; the spec expects a plain torch.Tensor")
-            if t.dtype != spec.dtype:
-                problems.append(f"{where} has dtype {t.dtype}; the spec expects {spec.dtype}")
-            want_device = _resolve_device(spec.device)
-            if t.device != want_device:
-                problems.append(f"{where} is on {t.device}; the spec expects {want_device}")
-            if t.requires_grad != spec.requires_grad:
-                problems.append(
-                    f"{where} has requires_grad={t.requires_grad}; the spec expects {spec.requires_grad}"
-                )
-            if t.dim() != len(spec.shape):
-                problems.append(
-                    f"{where} has {t.dim()} dims {tuple(t.shape)}; the spec expects {len(spec.shape)}"
-                )
-                return
-            shape_ok = True
-            for i, (size, d) in enumerate(zip(t.shape, spec.shape)):
-                size = int(size)
-                if isinstance(d, Dim):
-                    name = self._dim_name(spec, path, i)
-                    if not d.contains(size):
-                        shape_ok = False
-                        problems.append(
-                            f"{where} has size {size} in dynamic dim {i} ({d.describe()}); sizes outside "
-                            f"[{d.min}, {'inf' if d.max is None else d.max}] compile a new graph"
-                        )
-                    elif name in dim_sizes and dim_sizes[name][0] != size:
-                        shape_ok = False
-                        problems.append(
-                            f"{where} has size {size} in dim {i} but {_show(dim_sizes[name][1])} has "
-                            f"{dim_sizes[name][0]}; both are Dim {name!r}, one symbol in the compiled graph"
-                        )
-                    else:
-                        dim_sizes.setdefault(name, (size, path))
-                elif size != d:
-                    shape_ok = False
-                    problems.append(
-                        f"{where} has size {size} in static dim {i}; the spec expects {d} (shape "
-                        f"{tuple(t.shape)} vs {spec.describe()})"
-                    )
-            if shape_ok and t.layout == torch.strided:
-                want = spec.stride if spec.stride is not None else dense_strides(t.shape, spec.dim_order)
-                if tuple(t.stride()) != tuple(want):
-                    layout = "contiguous" if spec.stride is None and spec.dim_order is None else f"{want}"
-                    problems.append(
-                        f"{where} has strides {tuple(t.stride())}; the spec expects {layout} strides {tuple(want)}: "
-                        "Dynamo guards on strides (call .contiguous() or declare the layout)"
-                    )
-            if t.numel() > 0 and t.layout == torch.strided and t.device.type != "meta":
-                key = t.untyped_storage().data_ptr()
-                if key in storages:
-                    problems.append(
-                        f"{where} shares storage with {_show(storages[key])}; the spec (and the fast batch) has no "
-                        "aliasing, which Dynamo guards on"
-                    )
-                storages.setdefault(key, path)
-            if (
-                spec.value_range is not None
-                and t.numel() > 0
-                and t.dtype != torch.bool
-                and not t.is_complex()
-                and t.device.type != "meta"
-            ):
-                lo, hi = torch.aminmax(t.detach().reshape(-1))
-                lo, hi = lo.item(), hi.item()
-                if lo < spec.value_range[0] or hi > spec.value_range[1]:
-                    problems.append(
-                        f"values of {where} range over {fmt_range(lo, hi)}; the spec allows "
-                        f"{fmt_range(*spec.value_range)}"
-                    )
-
-        walk(self._structure, batch, "")
-        return problems
+        return diff_batch(self._structure, batch)
 
     def check(self, batch: Any) -> None:
         """Raises :class:`ettkit.errors.BatchMismatchError` naming every field of ``batch`` that differs from the
@@ -528,7 +225,7 @@ class BatchSpec:
 
     def fields(self) -> dict:
         """Field path -> TensorSpec or constant, in batch order."""
-        return {p: (v.value if isinstance(v, _Constant) else v) for p, v in self._leaves()}
+        return {p: (v.value if isinstance(v, Constant) else v) for p, v in self._leaves()}
 
     def describe(self) -> str:
         """A stable one-line-per-field description (also used to fingerprint compile caches)."""
@@ -537,45 +234,25 @@ class BatchSpec:
             if isinstance(leaf, TensorSpec):
                 lines.append(f"{path or '<batch>'}: {leaf.describe()}")
             else:
-                value = leaf.value if isinstance(leaf, _Constant) else leaf
+                value = leaf.value if isinstance(leaf, Constant) else leaf
                 lines.append(f"{path or '<batch>'}: {type(value).__name__} {value!r}")
         containers = []
         self._describe_containers(self._structure, "", containers)
         return "\n".join(containers + lines)
 
     def _describe_containers(self, x, path, out):
-        if isinstance(x, (TensorSpec, _Constant, *_CONSTANT_TYPES)):
+        if isinstance(x, (TensorSpec, Constant, *CONSTANT_TYPES)):
             return
         keys = list(x.keys()) if isinstance(x, Mapping) else len(x)
         out.append(f"{path or '<batch>'}: {type(x).__module__}.{type(x).__qualname__} {keys!r}")
-        for k, v in _children(x):
-            self._describe_containers(v, _join(path, k), out)
+        for k, v in children(x):
+            self._describe_containers(v, join(path, k), out)
 
     def __repr__(self) -> str:
         return "BatchSpec(\n  " + self.describe().replace("\n", "\n  ") + "\n)"
-
-
-def _rebuildable_mapping(x) -> bool:
-    try:
-        type(x)(zip(x.keys(), x.values()))
-        return True
-    except Exception:  # noqa: BLE001 - any failure means we cannot rebuild it
-        return False
-
-
-def _same_constant(a, b) -> bool:
-    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
-        return True
-    return a == b
 
 
 def _storage_size(shape: Sequence[int], stride: Sequence[int]) -> int:
     if any(s == 0 for s in shape):
         return 0
     return 1 + sum((s - 1) * st for s, st in zip(shape, stride))
-
-
-def _resolve_device(device: torch.device) -> torch.device:
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
