@@ -16,7 +16,8 @@ import sys
 import pytest
 
 import ettkit
-from ettkit.checkpoint._flatten import TENSOR, MAX_NAMED, ShardedSlot, StatefulSlot, check_sharded
+from ettkit.checkpoint._restore import MAX_NAMED, check_sharded
+from ettkit.checkpoint._tensor_kinds import TENSOR, ShardedSlot, StatefulSlot
 
 WORKER = os.path.join(os.path.dirname(__file__), "fsdp2_worker.py")
 DURABLE_STEP, LAST_STEP = 4, 9  # fsdp2_worker.py

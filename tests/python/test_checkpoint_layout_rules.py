@@ -8,7 +8,8 @@ test_checkpoint_torchrec.py, test_checkpoint_mesh2d.py and test_checkpoint_shard
 import pytest
 
 import ettkit
-from ettkit.checkpoint._flatten import ShardedSlot, StatefulSlot, check_sharded, held_elsewhere, reconcile_moved
+from ettkit.checkpoint._restore import check_sharded, held_elsewhere, reconcile_moved
+from ettkit.checkpoint._tensor_kinds import ShardedSlot, StatefulSlot
 
 
 def slot(shards, size=(10, 4), dtype="torch.float32"):
@@ -47,7 +48,7 @@ def test_a_layout_alone_is_not_a_mismatch_but_a_size_or_dtype_is():
     # A plain tensor where the checkpoint has a sharded one (read whole from its pieces), and the other way round
     # (a replica read as shards): layouts too, whose global shape and dtype the C++ loader checks against the
     # files (test_checkpoint_layout_kinds.py). Something else where a sharded tensor was saved stays refused.
-    from ettkit.checkpoint._flatten import TENSOR
+    from ettkit.checkpoint._tensor_kinds import TENSOR
 
     check_sharded(state(TENSOR, {"emb.weight": {"m": slot(ROWS_0_5)}}), saved)
     check_sharded(state(slot(ROWS_0_5), {"emb.weight": {"m": slot(ROWS_0_5)}}),

@@ -25,7 +25,7 @@ import torch
 import ettkit
 from ettkit import _C
 from ettkit.checkpoint import AsyncCheckpointer
-from ettkit.checkpoint._flatten import TENSOR, ShardedSlot
+from ettkit.checkpoint._tensor_kinds import TENSOR, ShardedSlot
 from ettkit.checkpoint._skeleton_codec import (
     MAGIC,
     MAGIC_PICKLE,

@@ -280,7 +280,8 @@ def main() -> None:
         expected[k].view(torch.uint8), restored[k].view(torch.uint8)))
     report["changed_by_load"] = sorted(k for k in expected if not torch.equal(before[k], restored[k]))
     # What ettkit recorded for each ShardedTensor, against TorchRec's own ShardedTensor metadata.
-    from ettkit.checkpoint._flatten import ShardedSlot, flatten_state
+    from ettkit.checkpoint._flatten import flatten_state
+    from ettkit.checkpoint._tensor_kinds import ShardedSlot
 
     _, _, skeleton, _, _ = flatten_state(live_state(model))
     recorded = {}

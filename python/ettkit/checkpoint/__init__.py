@@ -24,10 +24,8 @@ docs/checkpoint.md; what a checkpoint directory is trusted with: docs/security.m
 
 from __future__ import annotations
 
-import operator
 import os
 import signal
-import sys
 import threading
 import time
 import weakref
@@ -38,26 +36,16 @@ import torch
 
 from .. import _C
 from ..errors import InvalidArgumentError
-from ._attach import Attachment, Fences, _listify
-from ._flatten import (
-    by_value_optimizer_prefixes,
-    check_by_value,
-    check_sharded,
-    check_unique,
-    find_captured_optimizer,
-    find_saved,
-    flatten_state,
-    global_shapes,
-    bounded,
-    live_sharded,
-    prune_to_live,
-    rebuild_named,
-    reconcile_moved,
-    restore_by_value,
-    unplaced_tensors,
-)
-from ._skeleton_codec import ExtraRecord, decode_extra, encode_extra, encode_skeleton
 from . import rng_state
+from ._attach import Attachment, Fences, as_list
+from ._captured_optimizer import find_captured_optimizer
+from ._directory import latest_step, report_nothing_to_restore
+from ._flatten import check_unique, flatten_state
+from ._interval_policy import parse_every, record_intervals, step_number
+from ._load_plan import LoadPlan
+from ._options import CheckpointerConfig, rank_world_store
+from ._preemption import Preemption
+from ._skeleton_codec import encode_extra, encode_skeleton
 from .data_position import DataPosition
 
 __all__ = ["AUTO_UNMEASURED_INTERVAL_S", "AsyncCheckpointer", "Attachment", "DataPosition", "DcpStager",
@@ -71,169 +59,6 @@ SaveHandle = _C.checkpoint.SaveHandle
 #: after the last save. The first save is made at once, to measure; this bounds the saves made while it is
 #: still persisting, or after it failed, to one per 10 minutes instead of one per step.
 AUTO_UNMEASURED_INTERVAL_S = _C.checkpoint.AUTO_UNMEASURED_INTERVAL_S
-
-
-def _overlap_name(overlap: Any) -> Any:
-    """``overlap=True``/``False`` as the C++ names ``"on"``/``"off"``; anything else as given, for the C++
-    options to check (``CheckpointerOptions.overlap``)."""
-    if overlap is True or overlap is False:
-        return "on" if overlap else "off"
-    return overlap
-
-
-def _step_number(step: Any) -> int:
-    """``step`` as an int, refusing what is not an integer: ``int(1.5)`` would silently save step 1 and
-    ``int("7")`` would parse text. Python and numpy integers and one-element integer tensors pass
-    (``operator.index``); the range is the C++ side's to check."""
-    if not isinstance(step, bool):
-        try:
-            return operator.index(step)
-        except TypeError:
-            pass
-    raise InvalidArgumentError(
-        f"step={step!r} ({type(step).__name__}) is not a step number: give an int (a numpy integer or a one-element "
-        f"integer tensor works too)"
-    )
-
-
-def _every(every: Any, field: str = "every") -> "_C.checkpoint.Every":
-    """The C++ interval of ``every=`` (``None``, an int of steps, or a string: a duration or ``"auto"``)."""
-    Every = _C.checkpoint.Every
-    if every is None:
-        return Every.never()
-    if isinstance(every, bool) or not isinstance(every, (int, str)):
-        raise InvalidArgumentError(f"{field}={every!r} is not valid: give steps (e.g. 100), a duration (e.g. '90s', "
-                                   f"'10min', '1h'), 'auto', or None ('never') to save only when asked")
-    if isinstance(every, int):
-        return Every.steps(every, field)
-    return Every.parse(every, field)
-
-
-def _record_intervals(recorder: Any, disk: "_C.checkpoint.Every", memory: "_C.checkpoint.Every") -> None:
-    """Records the policy's fixed intervals as the report's configured interval (``checkpoint_interval_steps``
-    or ``checkpoint_interval_s``; ``checkpoint_memory_*`` for the memory tier), so that a trainer does not
-    have to repeat ``every=`` in ``set_config``. ``"auto"`` changes with the measured costs: the report
-    infers it from the saves."""
-    for every, prefix in ((disk, "checkpoint"), (memory, "checkpoint_memory")):
-        if every.kind == "steps":
-            recorder.set_config(f"{prefix}_interval_steps", float(every.value))
-        elif every.kind == "seconds":
-            recorder.set_config(f"{prefix}_interval_s", float(every.value))
-
-
-def parse_every(every: Any) -> tuple[str, float]:
-    """``None`` -> ("never", 0); int n -> ("steps", n); "90s"/"5min"/"2h" -> ("seconds", s); "auto". The
-    parsing is the C++ ``Every::parse`` that C++ trainers use (include/ettkit/checkpoint/schedule.h)."""
-    e = _every(every)
-    return (e.kind, float(e.value))
-
-
-def latest_step(directory: str | os.PathLike) -> Optional[int]:
-    """The newest committed step of a checkpoint directory, or ``None`` when none is (or the directory does
-    not exist). Committed and newest as for :meth:`AsyncCheckpointer.load_latest` (``step-<N>/manifest.json``
-    decodes; ordered by commit, not by number). Read-only: no lock, nothing changed, only manifests read, so
-    it works beside a running writer and before any checkpointer exists, e.g. to position a data loader
-    before the restore (which may still fall back to an older step if this one's files fail verification)."""
-    return _C.checkpoint.latest_step(os.fspath(directory))
-
-
-def _memory_tier_root(memory_tier: Any) -> str:
-    """``memory_tier=``: None/False (off), True (``/dev/shm``) or a directory on a memory file system."""
-    if memory_tier is None or memory_tier is False:
-        return ""
-    if memory_tier is True:
-        return "/dev/shm"
-    if isinstance(memory_tier, (str, os.PathLike)) and os.fspath(memory_tier):
-        return os.fspath(memory_tier)
-    raise InvalidArgumentError(f"memory_tier={memory_tier!r} must be True (/dev/shm), a directory on a memory file "
-                               f"system, or None/False (off)")
-
-
-#: The most subdirectories of an empty checkpoint directory looked into for steps (a run directory has a few:
-#: ckpt/, ett/, compile-cache/); a directory with more is not searched further.
-MAX_SUBDIRECTORIES_SEARCHED = 64
-
-
-def _subdirectory_with_steps(directory: str) -> Optional[tuple[str, int]]:
-    """(path, newest committed step) of a direct subdirectory of ``directory`` that holds committed steps, when
-    ``directory`` itself holds no ``step-<N>`` entry; else None. Links are not followed and at most
-    :data:`MAX_SUBDIRECTORIES_SEARCHED` subdirectories are read (only their manifests, as
-    :func:`latest_step`); an unreadable directory is no finding."""
-    try:
-        with os.scandir(directory) as it:
-            entries = list(it)
-    except OSError:
-        return None
-    if any(e.name.startswith("step-") for e in entries):
-        return None
-    searched = 0
-    for e in sorted(entries, key=lambda e: e.name):
-        try:
-            if not e.is_dir(follow_symlinks=False):
-                continue
-        except OSError:
-            continue
-        searched += 1
-        if searched > MAX_SUBDIRECTORIES_SEARCHED:
-            break
-        try:
-            step = latest_step(e.path)
-        except Exception:  # a subdirectory we cannot read is not the one the user meant
-            step = None
-        if step is not None:
-            return e.path, int(step)
-    return None
-
-
-def _saved_states(slots: list, live: Any, value: Optional[ExtraRecord]) -> dict:
-    """``id(slot)`` -> the saved state dict skeleton of each Stateful of the state being loaded. Raises
-    :class:`InvalidArgumentError` (a mismatch: the load stops, naming the key) when the step has none for
-    one, or an optimizer's parameter groups differ from the saved ones."""
-    if not slots:
-        return {}
-    if value is None:
-        # A C++ checkpointer's step has no skeleton: restore from the live structure (tensors load in place).
-        return {id(s): s.skeleton for s in slots}
-    saved: dict = {}
-    find_saved(live, value.skeleton, saved)
-    for s in slots:
-        where = f"'{s.prefix}'" if s.prefix else "the root"
-        if id(s) not in saved:
-            raise InvalidArgumentError(f"the checkpoint has no state dict at {where} for the "
-                                       f"{type(s.obj).__qualname__} there (nothing saved there)")
-        sub = saved[id(s)]
-        if not isinstance(sub, (dict, list, tuple)):
-            raise InvalidArgumentError(f"the checkpoint has no state dict at {where} for the "
-                                       f"{type(s.obj).__qualname__} there (it holds a {type(sub).__name__})")
-        if isinstance(s.obj, torch.optim.Optimizer) and isinstance(s.state, dict) and "param_groups" in s.state:
-            # (TorchRec's KeyedOptimizer of fused tables has no param_groups in its state dict.)
-            groups = sub.get("param_groups") if isinstance(sub, dict) else None
-            want = [len(g["params"]) for g in s.obj.param_groups]
-            have = [len(g.get("params", ())) if isinstance(g, dict) else -1 for g in groups] \
-                if isinstance(groups, list) else None
-            if have != want:
-                raise InvalidArgumentError(
-                    f"the optimizer at {where} has parameter groups of sizes {want}; the checkpoint's has "
-                    f"{have}: it was saved from another model or optimizer")
-    return saved
-
-
-def _restore_stateful(slot, saved: Any, loaded: dict) -> None:
-    """Hands a Stateful its saved state dict (built from the saved skeleton: the tensors loaded in place
-    into its current state dict's, and the new ones) through its own ``load_state_dict``."""
-    state = rebuild_named(reconcile_moved(saved, slot.skeleton, slot.prefix, loaded), slot.prefix, loaded)
-    metadata = getattr(slot.state, "_metadata", None)
-    if metadata is not None:
-        # nn.Module versions its state dict layout (BatchNorm, ...): the live module's versions apply.
-        from collections import OrderedDict
-
-        state = OrderedDict(state)
-        state._metadata = metadata
-    slot.obj.load_state_dict(state)
-    if slot.captured is not None:
-        from ._flatten import refresh_captured, state_dict_of
-
-        refresh_captured(slot.captured, state_dict_of(slot.obj))
 
 
 class AsyncCheckpointer:
@@ -309,65 +134,52 @@ class AsyncCheckpointer:
                  verify_memory_tier: bool = True, peer_replica: bool = False, ranks_per_host: Optional[int] = None,
                  reshard_whole_from_rank0: bool = False, allow_pickle: bool = False,
                  cuda_gather_max_bytes: int = 0, rng_state: bool = True):
-        if allow_pickle is not True and allow_pickle is not False:
-            raise InvalidArgumentError(f"allow_pickle={allow_pickle!r} must be True or False")
-        if rng_state is not True and rng_state is not False:
-            raise InvalidArgumentError(f"rng_state={rng_state!r} must be True or False")
-        if memory_budget_bytes is not None and memory_budget_bytes <= 0:
-            raise InvalidArgumentError(f"memory_budget_bytes={memory_budget_bytes} must be positive (or None)")
-        if memory_tier_budget_bytes is not None and memory_tier_budget_bytes <= 0:
-            raise InvalidArgumentError(
-                f"memory_tier_budget_bytes={memory_tier_budget_bytes} must be positive (or None)")
-        memory_root = _memory_tier_root(memory_tier)
-        every_disk = _every(every)
-        every_mem = _every(every_memory, "every_memory")
-        if every_mem.kind != "never" and not memory_root:
-            raise InvalidArgumentError(f"every_memory={every_memory!r} needs a memory tier: pass memory_tier=True "
-                                       f"(/dev/shm) or a directory on a memory file system")
-        rank, world = 0, 1
-        if process_group is not None or (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            import torch.distributed as dist
-
-            rank = dist.get_rank(process_group)
-            world = dist.get_world_size(process_group)
-            if store is None and world > 1:
-                store = dist.distributed_c10d._get_default_store()  # keys are namespaced in C++
+        config = CheckpointerConfig(
+            directory=directory, keep_last=keep_last, memory_budget_bytes=memory_budget_bytes, on_busy=on_busy,
+            verify_on_load=verify_on_load, every=every, double_buffer=double_buffer, copy_threads=copy_threads,
+            commit_timeout_s=commit_timeout_s, metadata=metadata, preempt_signals=preempt_signals,
+            preempt_deadline_s=preempt_deadline_s, mtbf_prior_s=mtbf_prior_s, pin_memory=pin_memory,
+            overlap=overlap, unfenced_sync_max_bytes=unfenced_sync_max_bytes, read_only=read_only,
+            peer_timeout_s=peer_timeout_s, memory_tier=memory_tier, job_id=job_id,
+            memory_tier_budget_bytes=memory_tier_budget_bytes, every_memory=every_memory,
+            verify_memory_tier=verify_memory_tier, peer_replica=peer_replica, ranks_per_host=ranks_per_host,
+            reshard_whole_from_rank0=reshard_whole_from_rank0, allow_pickle=allow_pickle,
+            cuda_gather_max_bytes=cuda_gather_max_bytes, rng_state=rng_state)
+        every_disk, every_mem = config.intervals()
+        rank, world, store = rank_world_store(process_group, store)
         from ..ett.recorder import resolve
 
         recorder = resolve(recorder, "AsyncCheckpointer", stacklevel=2)  # "current": the innermost open one
         self._recorder = recorder
-        # Every check of these values is C++'s (the constructor, or the options' setters for the names): one
-        # place for C++ and Python callers, with the same messages.
-        options = _C.checkpoint.CheckpointerOptions()
-        options.directory = os.fspath(directory)
-        options.keep_last = int(keep_last)
-        options.on_busy = on_busy
-        options.overlap = _overlap_name(overlap)
-        options.unfenced_sync_max_bytes = int(unfenced_sync_max_bytes)
-        options.verify_on_load = bool(verify_on_load)
-        options.stager.memory_budget_bytes = int(memory_budget_bytes or 0)
-        options.stager.num_arenas = 2 if double_buffer else 1
-        options.stager.copy_threads = int(copy_threads)
-        options.stager.pin_memory = -1 if pin_memory is None else int(bool(pin_memory))
-        options.stager.cuda_gather_max_bytes = int(cuda_gather_max_bytes)
-        options.rank = rank
-        options.world_size = world
-        options.commit_timeout_s = float(commit_timeout_s)
-        options.peer_timeout_s = float(peer_timeout_s)
-        options.recorder = recorder
-        options.metadata = {str(k): str(v) for k, v in (metadata or {}).items()}
-        options.read_only = bool(read_only)
-        options.memory_tier.root = memory_root
-        options.memory_tier.job_id = str(job_id or "")
-        options.memory_tier.budget_bytes = int(memory_tier_budget_bytes or 0)
-        options.memory_tier.verify = bool(verify_memory_tier)
-        options.reshard_whole_from_rank0 = bool(reshard_whole_from_rank0)
-        if peer_replica:
-            # Before the directory is locked and the side group created: nothing to undo when it is refused.
-            ranks_per_host = self._ranks_per_host(options, ranks_per_host)
+        options = config.cpp_options(rank, world, recorder)
+        # Before the directory is locked and the side group created: nothing to undo when it is refused.
+        ranks_per_host = config.checked_ranks_per_host(options) if peer_replica else None
         self._c = _C.checkpoint.AsyncCheckpointer(options, store)
         if recorder is not None and not read_only:
-            _record_intervals(recorder, every_disk, every_mem)
+            record_intervals(recorder, every_disk, every_mem)
+        self._init_restore_figures()
+        self._replica_group = None
+        if peer_replica:
+            try:
+                self._replica_group = self._open_replica_group(store, rank, world, ranks_per_host,
+                                                               float(commit_timeout_s))
+            except BaseException:
+                self._c.close(False)
+                raise
+        self._init_saving(config)
+        # The interval policy (C++ CheckpointSchedule): "auto" is held against this job's failure history.
+        mtbf_s, restart_s = self._failure_history(mtbf_prior_s)
+        self._schedule = _C.checkpoint.CheckpointSchedule(every_disk, every_mem, mtbf_s, restart_s, self._clock())
+        if preempt_signals is None and (every_disk.kind != "never" or every_mem.kind != "never"):
+            preempt_signals = (signal.SIGTERM,)
+        self._preemption = Preemption(preempt_signals, preempt_deadline_s, self._handles)
+        self._closed = False
+        # A checkpointer nobody closed (a loop that raised outside a `with` block) still finishes its queued
+        # saves when it is collected or the interpreter exits; its writer never needs the GIL to do so.
+        # Not a clean end either: the memory tier stays for the restart.
+        self._finalizer = weakref.finalize(self, self._c.close, False)
+
+    def _init_restore_figures(self) -> None:
         self.restored_from: Optional[str] = None
         # With a peer replica: the rank that gave this rank's memory step back at the last load_latest.
         self.restored_from_rank: Optional[int] = None
@@ -378,14 +190,8 @@ class AsyncCheckpointer:
         self.reshard_bytes: Optional[dict] = None
         # Whether the last load_latest used prefetch()'s verification ({"reverified_bytes": n}) or not (None).
         self.restore_prefetched: Optional[dict] = None
-        self._replica_group = None
-        if peer_replica:
-            try:
-                self._replica_group = self._open_replica_group(store, rank, world, ranks_per_host,
-                                                               float(commit_timeout_s))
-            except BaseException:
-                self._c.close(False)
-                raise
+
+    def _init_saving(self, config: CheckpointerConfig) -> None:
         self._clock = time.monotonic  # the interval policy's clock (tests replace it)
         #: Tests set a function ``tier -> (committed, blocking_s, durable_s)`` to inject the costs ``"auto"``
         #: decides from; None: C++ reads this checkpointer's measured costs (``TierCosts::of``).
@@ -396,50 +202,12 @@ class AsyncCheckpointer:
         self._names: Optional[list] = None
         self._prepare_thread: Optional[threading.Thread] = None
         self._prepare_outcome: Any = None  # the bytes the last prepare() backed, or the exception it raised
-        self._allow_pickle = allow_pickle
-        self._rng_state = rng_state
+        self._allow_pickle = config.allow_pickle
+        self._rng_state = config.rng_state
         self._adopted: dict = {}  # id -> optimizer state dict passed by value that load_latest filled
         self._skeleton: Any = None
         self._skeleton_code = None  # the previous save's skeleton, encoded (_skeleton_codec.EncodedSkeleton)
         self._skeleton_comparable = False
-        # The interval policy (C++ CheckpointSchedule): "auto" is held against this job's failure history.
-        mtbf_s, restart_s = self._failure_history(mtbf_prior_s)
-        self._schedule = _C.checkpoint.CheckpointSchedule(every_disk, every_mem, mtbf_s, restart_s, self._clock())
-        self._preempt_signal: Optional[int] = None
-        self._preempt_time = 0.0
-        self._preempt_deadline_s = float(preempt_deadline_s)
-        self._old_handlers: dict = {}
-        if preempt_signals is None and (every_disk.kind != "never" or every_mem.kind != "never"):
-            preempt_signals = (signal.SIGTERM,)
-        if preempt_signals and threading.current_thread() is threading.main_thread():
-            for sig in preempt_signals:
-                self._old_handlers[sig] = signal.signal(sig, self._on_preempt_signal)
-        self._closed = False
-        # A checkpointer nobody closed (a loop that raised outside a `with` block) still finishes its queued
-        # saves when it is collected or the interpreter exits; its writer never needs the GIL to do so.
-        # Not a clean end either: the memory tier stays for the restart.
-        self._finalizer = weakref.finalize(self, self._c.close, False)
-
-    @staticmethod
-    def _ranks_per_host(options: "_C.checkpoint.CheckpointerOptions", ranks_per_host: Any) -> int:
-        """``ranks_per_host=`` (default: torchrun's ``LOCAL_WORLD_SIZE``) as an int, with the peer replica's
-        preconditions checked by C++ (``check_peer_replica``: a memory tier, world_size > 1, the range)."""
-        _C.checkpoint.check_peer_replica(options)  # the memory tier and world first: they need no ranks_per_host
-        if ranks_per_host is None:
-            local = os.environ.get("LOCAL_WORLD_SIZE")
-            if not local:
-                raise InvalidArgumentError("peer_replica=True needs ranks_per_host (the ranks each node runs): pass "
-                                           "ranks_per_host=..., or run under torchrun (LOCAL_WORLD_SIZE)")
-            try:
-                ranks_per_host = int(local)
-            except ValueError:
-                raise InvalidArgumentError(f"LOCAL_WORLD_SIZE={local!r} is not an int: pass ranks_per_host=...") \
-                    from None
-        if isinstance(ranks_per_host, bool) or not isinstance(ranks_per_host, int):
-            raise InvalidArgumentError(f"ranks_per_host={ranks_per_host!r} ({type(ranks_per_host).__name__}) must "
-                                       f"be an int: the ranks each node runs")
-        _C.checkpoint.check_peer_replica(options, ranks_per_host)
-        return ranks_per_host
 
     def _open_replica_group(self, store, rank: int, world: int, ranks_per_host: int, timeout_s: float):
         """The side gloo group that carries replicas (its own PrefixStore: no key of the training's groups)."""
@@ -479,7 +247,7 @@ class AsyncCheckpointer:
         # The blocking the ledger records is the whole call, from here (the walk and the encoding below block
         # the training thread as much as the copies do): the C++ save takes this start.
         call_begin_us = time.time_ns() // 1000
-        step = _step_number(step)
+        step = step_number(step)
         if tier is None:
             tier = self.due(step) or "disk"
         # Statefuls (modules, optimizers, ...) give a fresh state_dict() here, so the save holds the state an
@@ -488,9 +256,7 @@ class AsyncCheckpointer:
         # Names and the encoded skeleton are handed over again only when they changed: for a state dict of
         # 10^4 tensors converting the names and encoding the skeleton would dominate the blocking time. The
         # skeleton and extra= are encoded first, so that a value the format refuses changes nothing.
-        if not (comparable and self._skeleton_comparable and skeleton == self._skeleton):
-            code = encode_skeleton(skeleton, allow_pickle=self._allow_pickle)
-            self._skeleton, self._skeleton_code, self._skeleton_comparable = skeleton, code, comparable
+        self._encode_skeleton(skeleton, comparable)
         blob = encode_extra(self._skeleton_code, extra, self._c.world_size, allow_pickle=self._allow_pickle,
                             rng=rng_state.capture() if self._rng_state else None)
         if self._fences.attachments:
@@ -505,8 +271,8 @@ class AsyncCheckpointer:
         if not handle.skipped:
             self._schedule.saved(step, handle.tier, self._clock())
             self._handles.append(handle)
-        if self._preempt_signal is not None:
-            self._finish_preemption(handle)
+        if self._preemption.signal is not None:
+            self._preemption.finish(self.close)
         return handle
 
     def prepare(self, state_dict: Any, *, wait: bool = False) -> None:
@@ -527,9 +293,7 @@ class AsyncCheckpointer:
         # What the first save() would do on this thread for the Python side, done now: the skeleton encoded
         # and the names converted for C++ (for 10^4 tensors, milliseconds each), kept for the saves of the same
         # structure. The tensor references are dropped at once: prepare() keeps no tensor alive.
-        if not (comparable and self._skeleton_comparable and skeleton == self._skeleton):
-            code = encode_skeleton(skeleton, allow_pickle=self._allow_pickle)
-            self._skeleton, self._skeleton_code, self._skeleton_comparable = skeleton, code, comparable
+        self._encode_skeleton(skeleton, comparable)
         if names != self._names:
             self._tensor_list.set(names, tensors)
             self._tensor_list.clear_tensors()
@@ -542,6 +306,13 @@ class AsyncCheckpointer:
         self._prepare_thread = threading.Thread(target=self._run_prepare, args=(names, tensors),
                                                 name="ettkit-checkpoint-prepare", daemon=True)
         self._prepare_thread.start()
+
+    def _encode_skeleton(self, skeleton: Any, comparable: bool) -> None:
+        """Encodes the skeleton unless it equals the previous one (then its encoding is reused): a skeleton
+        whose leaves are all values (``comparable``) is compared with ``==``; any other is encoded again."""
+        if not (comparable and self._skeleton_comparable and skeleton == self._skeleton):
+            code = encode_skeleton(skeleton, allow_pickle=self._allow_pickle)
+            self._skeleton, self._skeleton_code, self._skeleton_comparable = skeleton, code, comparable
 
     @staticmethod
     def _prepare_list(names: list, tensors: list) -> Any:
@@ -593,7 +364,7 @@ class AsyncCheckpointer:
         The copies run buffers first, then what backward updates, then the rest, so the waits are short.
         Returns an :class:`Attachment` whose ``remove()`` takes the hooks out. Other writers: call
         :meth:`wait_for` before writing, or save with ``overlap=False``."""
-        att = self._fences.attach(list(objects) + _listify(model) + _listify(optimizer), in_backward)
+        att = self._fences.attach(list(objects) + as_list(model) + as_list(optimizer), in_backward)
         return att
 
     def wait_for(self, tensors: Iterable[torch.Tensor]) -> None:
@@ -619,8 +390,8 @@ class AsyncCheckpointer:
         """The tier the interval policy saves to at this step: ``"disk"`` when ``every`` is due (always once
         a preemption signal arrived), else ``"memory"`` when ``every_memory`` is, else ``None``. The two
         intervals run separately: a memory save does not reset the disk interval."""
-        step = _step_number(step)
-        if self._preempt_signal is not None:
+        step = step_number(step)
+        if self._preemption.signal is not None:
             return "disk"
         if self._injected_costs is not None:
             return self._schedule.due(step, self._clock(), self._injected_costs("disk"),
@@ -650,39 +421,6 @@ class AsyncCheckpointer:
         path = getattr(rec, "ledger_path", None) if rec is not None else None
         run_dir = os.path.dirname(os.path.dirname(path)) if path else ""
         return _C.checkpoint.failure_history(run_dir, float(prior))
-
-    # ---- preemption -------------------------------------------------------------------------------------
-    def _on_preempt_signal(self, signum, frame) -> None:
-        if self._preempt_signal is not None:
-            return
-        self._preempt_signal = signum
-        self._preempt_time = time.monotonic()
-        # Watchdog: exit by the deadline even if the loop never reaches a safe point.
-        t = threading.Thread(target=self._deadline_watchdog, daemon=True, name="ettkit-preempt-watchdog")
-        t.start()
-
-    def _deadline_watchdog(self) -> None:
-        deadline = self._preempt_time + self._preempt_deadline_s
-        # Finish the save in flight (if any) even if the loop never calls should_save again.
-        try:
-            for h in list(self._handles):
-                h.wait(max(deadline - time.monotonic(), 0.0))
-        except Exception:
-            pass
-        time.sleep(max(deadline - time.monotonic(), 0.0))
-        os._exit(128 + int(self._preempt_signal or signal.SIGTERM))
-
-    def _finish_preemption(self, handle) -> None:
-        remaining = self._preempt_deadline_s - (time.monotonic() - self._preempt_time)
-        try:
-            for h in list(self._handles):
-                h.wait(max(remaining, 0.0))
-        finally:
-            code = 128 + int(self._preempt_signal)
-            self.close()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
 
     # ---- loading ----------------------------------------------------------------------------------------
     def prefetch(self) -> list[int]:
@@ -720,53 +458,33 @@ class AsyncCheckpointer:
         holds must be in the step as in a full load; a Stateful, list or tuple it holds is loaded whole."""
         if partial is not True and partial is not False:
             raise InvalidArgumentError(f"partial={partial!r} must be True or False")
-        names, tensors, live, _, slots = flatten_state(state_dict, self._find_optimizer(), for_load=True)
-        check_unique(names)
-        decoded: dict = {}
-        # Names a partial load may leave unread: none inside what the state holds (a Stateful, list or tuple
-        # is loaded whole), only whole dict entries it lacks.
-        by_value_optim = by_value_optimizer_prefixes(live)
-        read_prefixes = [s.prefix for s in slots if not isinstance(s.obj, torch.nn.Module)] + by_value_optim
-
-        def decode(blob: bytes) -> Optional[ExtraRecord]:
-            value = decode_extra(blob, "the step's .extra file", allow_pickle=self._allow_pickle)
-            if partial and value is not None:
-                value = value._replace(skeleton=prune_to_live(value.skeleton, live))
-                left = unplaced_tensors(value.skeleton, live, names, read_prefixes)
-                if left:
-                    raise InvalidArgumentError(
-                        f"partial=True leaves out whole entries of the state's dicts only, not tensors inside what "
-                        f"the state holds: it lacks {bounded([repr(n) for n in left], ', ')}, which the step holds "
-                        f"there")
-            return value
-
-        def validate(blob: bytes) -> None:
-            # The C++ loader calls this for each candidate once its manifest, files, checksums and tensor names
-            # were checked, and before any tensor is copied: an extra that does not decode makes the step fall
-            # back like any corrupt step instead of failing after the tensors were overwritten; a Stateful the
-            # step cannot restore, or a pickle without allow_pickle=True, is a mismatch (InvalidArgumentError:
-            # no fallback to an older step, which would silently lose the newer one).
-            value = decode(blob)
-            if value is not None and value.rng is not None:
-                rng_state.check(value.rng, "the step's .extra file")
-            if value is not None:
-                check_sharded(live, value.skeleton,
-                              world_changed=value.world_size is not None and value.world_size != self._c.world_size)
-                # Every saved value either has a place in the state or the load is refused, before any copy.
-                check_by_value(live, value.skeleton)
-            saved = _saved_states(slots, live, value)
-            decoded.update(blob=blob, value=value, saved=saved)
-
+        plan = LoadPlan.make(state_dict, self._find_optimizer(), partial=partial, world_size=self._c.world_size,
+                             allow_pickle=self._allow_pickle)
         # Tensors under a Stateful that are not in its state_dict() yet (an optimizer before its first step)
         # come back as new CPU tensors for its load_state_dict(); a module's must all be there already. So do
         # those under the `state` of an optimizer's state dict passed by value, which the dict is given
-        # (read_prefixes, above).
+        # (plan.read_prefixes).
         self.restore_prefetched = None
-        res = self._c.load_latest(names, tensors, validate, read_prefixes, partial, global_shapes(live))
+        res = self._c.load_latest(plan.names, plan.tensors, plan.check, plan.read_prefixes, partial,
+                                  plan.global_shapes)
         if res is None:
-            self._nothing_to_restore()
+            report_nothing_to_restore(self._c.directory)
             return None
-        step, blob, tier = res.step, res.extra, res.tier
+        self._note_restore(res)
+        self._schedule.restored(int(res.step))
+        restored, filled = plan.apply(res, restore_rng=self._rng_state)
+        for d in filled:
+            # Once the caller has handed it to optimizer.load_state_dict and attached the optimizer, a save
+            # recognises the dict as that optimizer's and keeps it current, although its tensors (new CPU ones
+            # here) are not the optimizer's (load_state_dict copies them to the parameters' device). Held, so
+            # that the id names this dict as long as it is remembered.
+            self._adopted[id(d)] = d
+        return restored
+
+    def _note_restore(self, res: Any) -> None:
+        """Records where the load found its step (the attributes after ``load_latest``) and warns, at the caller
+        of ``load_latest``, about newer steps that failed validation or a memory tier that was not usable."""
+        step, tier = res.step, res.tier
         self.restored_from = tier
         self.restore_prefetched = {"reverified_bytes": int(res.prefetch_reverified_bytes)} if res.prefetched else None
         self.restored_from_rank = res.memory_from_rank if res.memory_from_rank >= 0 else None
@@ -781,57 +499,7 @@ class AsyncCheckpointer:
             if res.memory_fallback:
                 why += ("; " if why else "") + f"the memory tier was not usable ({res.memory_fallback})"
             warnings.warn(f"ettkit.checkpoint: {why}; loaded step {step} from the {tier} tier", RuntimeWarning,
-                          stacklevel=2)
-        if decoded.get("blob") == blob:
-            value, saved = decoded["value"], decoded["saved"]
-        else:
-            value = decode(blob)
-            saved = _saved_states(slots, live, value)
-        self._schedule.restored(int(step))
-        loaded = dict(zip(names, tensors))
-        loaded.update(res.read)
-        if slots:
-            live_sharded(live, loaded)  # a ShardedTensor goes back whole (its shards were loaded in place)
-            for slot in slots:
-                _restore_stateful(slot, saved[id(slot)], loaded)
-        if value is None:
-            # Written by the C++ AsyncCheckpointer: `extra` is its opaque bytes and there is no skeleton.
-            return int(step), bytes(blob)
-        if self._rng_state:
-            rng_state.restore(value.rng, world_changed=self.resharded_from is not None, step=int(step))
-        captured = frozenset(id(s.captured) for s in slots if s.captured is not None)
-        filled: list = []
-        restore_by_value(state_dict, value.skeleton, loaded, captured, filled)
-        for d in filled:
-            # Once the caller has handed it to optimizer.load_state_dict and attached the optimizer, a save
-            # recognises the dict as that optimizer's and keeps it current, although its tensors (new CPU ones
-            # here) are not the optimizer's (load_state_dict copies them to the parameters' device). Held, so
-            # that the id names this dict as long as it is remembered.
-            self._adopted[id(d)] = d
-        return int(step), value.extra
-
-    def _nothing_to_restore(self) -> None:
-        """A load that found no step: says so with the directory on the "ettkit" logger, so that a job that
-        starts from scratch by mistake (a wrong directory, a wiped one) shows it. WARNING on a restart
-        (``TORCHELASTIC_RESTART_COUNT`` > 0), where a checkpoint was expected; INFO on a first start, where
-        finding none is the normal case and a warning at every new job would teach people to ignore it. A
-        directory without steps whose direct subdirectory has some (``AsyncCheckpointer(run_dir)`` for steps
-        in ``run_dir/ckpt``) is warned about, naming the subdirectory, whatever the attempt."""
-        import logging
-        import warnings
-
-        directory = self._c.directory
-        logger = logging.getLogger("ettkit")
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0").strip() not in ("", "0")
-        logger.log(logging.WARNING if restart else logging.INFO,
-                   "checkpoint: no committed step in %s: starting from scratch", directory)
-        holder = _subdirectory_with_steps(directory)
-        if holder is not None:
-            sub, step = holder
-            warnings.warn(
-                f"ettkit.checkpoint: {directory} holds no checkpoint, but its subdirectory {sub} holds step {step}: "
-                f"the job starts from scratch. If that is this job's checkpoint directory, pass "
-                f"AsyncCheckpointer({sub!r})", RuntimeWarning, stacklevel=3)
+                          stacklevel=3)
 
     def _find_optimizer(self):
         return find_captured_optimizer(self._fences.optimizers, self._adopted)
@@ -851,10 +519,7 @@ class AsyncCheckpointer:
             att.remove()
         self._finalizer.detach()
         self._c.close(bool(discard_memory_tier))
-        if threading.current_thread() is threading.main_thread():
-            for sig, old in self._old_handlers.items():
-                if signal.getsignal(sig) == self._on_preempt_signal:
-                    signal.signal(sig, old)
+        self._preemption.uninstall()
 
     def __enter__(self) -> "AsyncCheckpointer":
         return self
@@ -898,3 +563,4 @@ def __getattr__(name: str):
 
         return EttkitStorageReader
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+

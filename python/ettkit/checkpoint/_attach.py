@@ -15,7 +15,7 @@ from typing import Any, Iterable
 import torch
 
 from ..errors import InvalidArgumentError
-from ._flatten import _dtensor_type, _sharded_tensor_type, owns_storage
+from ._tensor_kinds import dtensor_type, owns_storage, sharded_tensor_type
 
 # Copy classes (CopyPriority in C++): lower runs first.
 _BUFFERS, _IN_BACKWARD = 0, 1
@@ -34,7 +34,7 @@ class Attachment:
         self._handles = []
 
 
-def _listify(x: Any) -> list:
+def as_list(x: Any) -> list:
     if x is None:
         return []
     if isinstance(x, (list, tuple)):
@@ -53,8 +53,8 @@ def local_tensors(tensors: Iterable[torch.Tensor]) -> list:
         if owns_storage(t):
             out.append(t)
             continue
-        dt = dt or _dtensor_type()
-        st = st or _sharded_tensor_type()
+        dt = dt or dtensor_type()
+        st = st or sharded_tensor_type()
         if dt is not None and isinstance(t, dt):
             out.append(t._local_tensor)
         elif st is not None and isinstance(t, st):

@@ -4,10 +4,13 @@ lazily by ``ettkit.checkpoint`` (``torch.distributed.checkpoint`` is slow to imp
 from __future__ import annotations
 
 from collections import deque
-from typing import Optional
+from typing import Any, Optional
+
+import torch
 
 from .. import _C
-from ._flatten import check_unique, flatten, rebuild
+from ._flatten import check_unique, flatten
+from ._tensor_kinds import TENSOR, DTensorSlot, ShardedSlot
 
 
 def _async_stager_base():
@@ -76,3 +79,56 @@ class DcpStager(_async_stager_base()):
     arena_allocations = property(lambda self: self._stager.arena_allocations)
     pinned = property(lambda self: self._stager.pinned)
 
+
+# ---- rebuilding the staged state for DCP ----------------------------------------------------------------
+def rebuild(skeleton: Any, tensors: list) -> Any:
+    """The skeleton with its TENSOR placeholders replaced by ``tensors``, in flatten order."""
+    it = iter(tensors)
+
+    def build(x: Any) -> Any:
+        if x is TENSOR:
+            return next(it)
+        if isinstance(x, ShardedSlot):
+            return _sharded_like(x.live, [next(it) for _ in x.shards])
+        if isinstance(x, DTensorSlot):
+            return _dtensor_like(x.live, next(it))
+        if isinstance(x, dict):
+            return {k: build(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [build(v) for v in x]
+        if isinstance(x, tuple) and type(x) is not torch.Size:  # a torch.Size is a value, kept as it is
+            return tuple(build(v) for v in x)
+        return x
+
+    return build(skeleton)
+
+
+def _sharded_like(live: Any, tensors: list) -> Any:
+    """A ShardedTensor with ``live``'s global metadata whose local shards are ``tensors`` (staged host
+    copies): the placements' devices become the copies' (DCP reads offsets and sizes; a placement naming a
+    GPU would not validate against a host tensor). Built locally: no collective."""
+    import copy
+
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed.remote_device import _remote_device
+
+    md = copy.deepcopy(live.metadata())
+    md.tensor_properties.requires_grad = False  # a snapshot, also of a Parameter (nn.Parameter(sharded))
+    device = tensors[0].device if tensors else torch.device("cpu")
+    for m in md.shards_metadata:
+        if m.placement is not None:
+            m.placement = _remote_device(f"rank:{m.placement.rank()}/{device}")
+    local = []
+    for t, shard in zip(tensors, live.local_shards()):
+        m = copy.deepcopy(shard.metadata)
+        if m.placement is not None:
+            m.placement = _remote_device(f"rank:{m.placement.rank()}/{t.device}")
+        local.append(Shard(t, m))
+    return ShardedTensor._init_from_local_shards_and_global_metadata(local, md, process_group=live._process_group)
+
+
+def _dtensor_like(live: Any, local: torch.Tensor) -> Any:
+    """A DTensor with ``live``'s spec (mesh, placements, global shape) around the staged ``local``."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, live._spec, requires_grad=False)

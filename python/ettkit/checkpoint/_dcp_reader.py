@@ -28,6 +28,7 @@ from torch.futures import Future
 
 from .. import _C
 from ..errors import CorruptDataError, InvalidArgumentError
+from ._directory import latest_step
 
 # safetensors dtype strings (what ettkit writes) -> torch dtypes: the C++ table the writer and loader use
 # (include/ettkit/checkpoint/safetensors_dtypes.h), so that this reader takes exactly the dtypes ettkit saves.
@@ -41,8 +42,6 @@ def _step_dir(checkpoint_id: str | os.PathLike) -> str:
     path = os.path.abspath(os.fspath(checkpoint_id))
     if os.path.isfile(os.path.join(path, "manifest.json")):
         return path
-    from . import latest_step
-
     step = latest_step(path)
     if step is None:
         raise InvalidArgumentError(f"checkpoint_id '{path}' is neither an ettkit step directory (it has no "

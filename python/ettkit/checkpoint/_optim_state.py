@@ -18,7 +18,7 @@ import torch
 
 from .. import _C
 from ..errors import UnsupportedError
-from . import _flatten
+from ._tensor_kinds import owns_storage
 
 # The optimizer classes the rule knows, by exact type: a subclass may keep other state.
 _KNOWN = {torch.optim.Adam: "Adam", torch.optim.AdamW: "AdamW", torch.optim.SGD: "SGD",
@@ -49,7 +49,7 @@ def _has_sharded_parameter(opt: torch.optim.Optimizer, groups: list) -> bool:
     sizes = tuple(len(g["params"]) for g in groups)
     if _plain.get(opt) == sizes:
         return False
-    if any(not _flatten.owns_storage(p) for g in groups for p in g["params"]):
+    if any(not owns_storage(p) for g in groups for p in g["params"]):
         return True
     _plain[opt] = sizes
     return False

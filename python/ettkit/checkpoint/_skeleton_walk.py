@@ -1,0 +1,169 @@
+"""The one traversal of skeletons (everything but the save's hot path): :func:`walk` visits one skeleton,
+:func:`walk_pair` a live skeleton beside a saved one, and the queries built on them.
+
+A node's children are the same for every caller: a :class:`StatefulSlot`'s skeleton (under the slot's own
+name), a dict's values, a list's or tuple's items; a ``torch.Size`` is a value (a tuple of ints kept as it
+is), never walked into. Names are joined in one place (:func:`child_name`), as the save walk names tensors.
+The save walk (_flatten.py) stays hand-inlined: it runs once per tensor inside ``save()``, and issue #65
+moves it into C++.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+from ._tensor_kinds import TENSOR, ShardedSlot, StatefulSlot
+
+#: What :func:`walk_pair` hands a visitor for the side that has nothing at a place.
+ABSENT: Any = type("Absent", (), {"__repr__": lambda self: "<absent>", "__slots__": ()})()
+
+
+def child_name(name: str, key: Any) -> str:
+    """The name of ``key`` below ``name``, as the save walk names tensors (``model.layer.weight``)."""
+    return f"{name}.{key}" if name else str(key)
+
+
+def is_sequence(x: Any) -> bool:
+    """A list or tuple the walk descends into (a ``torch.Size`` is a value)."""
+    return isinstance(x, (list, tuple)) and type(x) is not torch.Size
+
+
+def children(x: Any, name: str) -> Iterator[tuple[Any, Any, str]]:
+    """``(key, child, its name)`` of a skeleton node; a Stateful's skeleton has the slot's name and key None."""
+    if isinstance(x, StatefulSlot):
+        yield None, x.skeleton, name
+    elif isinstance(x, dict):
+        for k, v in x.items():
+            yield k, v, child_name(name, k)
+    elif is_sequence(x):
+        for i, v in enumerate(x):
+            yield i, v, child_name(name, i)
+
+
+def walk(skeleton: Any, visit: Callable[[Any, str], bool], name: str = "") -> None:
+    """Calls ``visit(node, name)`` on every node, parents first; a node's children are visited when
+    ``visit`` returns True."""
+    if visit(skeleton, name):
+        for _, v, n in children(skeleton, name):
+            walk(v, visit, n)
+
+
+def walk_pair(live: Any, saved: Any, visit: Callable[[Any, Any, str], bool], name: str = "",
+              leave: Optional[Callable[[Any, str], None]] = None) -> None:
+    """Walks a live skeleton beside the saved one: ``visit(live, saved, name)`` at each place either side has
+    (:data:`ABSENT` for the side that has nothing there), descending when it returns True. Pairs: a Stateful's
+    skeleton with the saved node at its place; a dict's keys (the live ones in order, then those only the saved
+    dict has); a list's or tuple's items by the live one's indices. ``leave(live, name)`` runs after a node's
+    children, for a visitor that keeps context."""
+    if not visit(live, saved, name):
+        return
+    if isinstance(live, StatefulSlot):
+        walk_pair(live.skeleton, saved, visit, name, leave)
+    elif isinstance(live, dict):
+        sd = saved if isinstance(saved, dict) else {}
+        for k, v in live.items():
+            walk_pair(v, sd.get(k, ABSENT), visit, child_name(name, k), leave)
+        for k, v in sd.items():
+            if k not in live:
+                walk_pair(ABSENT, v, visit, child_name(name, k), leave)
+    elif is_sequence(live):
+        ss = saved if is_sequence(saved) else ()
+        for i, v in enumerate(live):
+            walk_pair(v, ss[i] if i < len(ss) else ABSENT, visit, child_name(name, i), leave)
+    if leave is not None:
+        leave(live, name)
+
+
+# ---- queries -----------------------------------------------------------------------------------------------
+def tensor_names(skeleton: Any, name: str = "") -> list:
+    """The names of the tensors a skeleton holds (a sharded tensor by its key)."""
+    out: list = []
+
+    def visit(x: Any, n: str) -> bool:
+        if x is TENSOR or isinstance(x, ShardedSlot):
+            out.append(n)
+            return False
+        return True
+
+    walk(skeleton, visit, name)
+    return out
+
+
+def sharded_slots(skeleton: Any) -> dict:
+    """``name`` -> :class:`ShardedSlot` for every sharded tensor of a skeleton, named as the save names them."""
+    out: dict = {}
+
+    def visit(x: Any, n: str) -> bool:
+        if isinstance(x, ShardedSlot):
+            out[n] = x
+            return False
+        return True
+
+    walk(skeleton, visit)
+    return out
+
+
+def live_sharded(skeleton: Any, out: dict) -> dict:
+    """``key`` -> live ShardedTensor for every :class:`ShardedSlot` of a skeleton from ``flatten_state``."""
+    for slot in sharded_slots(skeleton).values():
+        out[slot.key] = slot.live
+    return out
+
+
+def global_shapes(live: Any) -> dict:
+    """``key`` -> the global size of every sharded tensor of a live skeleton (from ``flatten_state``): what the
+    loader checks a tensor saved whole against before reading this rank's shards of it from that copy."""
+    return {slot.key: list(slot.size) for slot in sharded_slots(live).values()}
+
+
+def find_saved(live: Any, saved: Any) -> dict:
+    """Walks the live skeleton (with :class:`StatefulSlot` markers, from ``flatten_state(for_load=True)``)
+    beside the saved one; returns ``id(slot)`` -> the saved skeleton at the same place (absent: not saved)."""
+    out: dict = {}
+
+    def visit(x: Any, s: Any, n: str) -> bool:
+        if x is ABSENT or s is ABSENT:
+            return False
+        if isinstance(x, StatefulSlot):
+            out[id(x)] = s
+            return False
+        # Only where both sides are containers of the same kind do places correspond.
+        return (isinstance(x, dict) and isinstance(s, dict)) or (is_sequence(x) and is_sequence(s))
+
+    walk_pair(live, saved, visit)
+    return out
+
+
+def is_optimizer_dict(x: Any) -> bool:
+    """Whether a live skeleton node is an optimizer's ``state_dict()`` passed by value."""
+    return isinstance(x, dict) and isinstance(x.get("state"), dict) and isinstance(x.get("param_groups"), list)
+
+
+def by_value_optimizer_prefixes(live: Any) -> list[str]:
+    """The names of the ``state`` of every optimizer state dict passed by value (not a Stateful, not one
+    recognised as an attached optimizer's) in the live skeleton from ``flatten_state(for_load=True)``: the
+    saved per-parameter state a fresh optimizer's dict lacks (Adam creates it in its first ``step()``) is read
+    there into new tensors and put into the dict, for the caller's ``optimizer.load_state_dict(d)``."""
+    out: list[str] = []
+
+    def visit(x: Any, n: str) -> bool:
+        if is_optimizer_dict(x):
+            out.append(child_name(n, "state"))
+        return not isinstance(x, StatefulSlot)  # a Stateful's own state dict is its load_state_dict's
+
+    walk(live, visit)
+    return out
+
+
+def holds_values(x: Any) -> bool:
+    """Whether a skeleton node holds anything but tensors (the C++ name check reports those): a plain value
+    or an empty container is an entry that a load must restore or refuse."""
+    if x is TENSOR or isinstance(x, (ShardedSlot, StatefulSlot)):
+        return False
+    if isinstance(x, dict):
+        return not x or any(holds_values(v) for v in x.values())
+    if is_sequence(x):
+        return not x or any(holds_values(v) for v in x)
+    return True
