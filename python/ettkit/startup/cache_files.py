@@ -15,7 +15,7 @@ from pathlib import Path
 from . import cache_format
 from .cache_key import CacheKey
 from .cache_results import CacheLoadResult, CompileCacheWarning
-from .compiled_kernels import read_kernel_files
+from .compiled_kernels import read_kernel_files, restore_kernels
 from .trusted_files import CacheDirectory, UntrustedFileError
 
 __all__ = ["CacheFiles", "STALE_TEMPORARY_S"]
@@ -83,6 +83,19 @@ class CacheFiles:
                 path,
             )
         return file
+
+    def restore_kernels(self, file: cache_format.CacheFile, path: Path) -> int:
+        """Puts the compiled kernels ``file`` (read from ``path``) carries back under Inductor's cache dir
+        (with ``kernels=True``); how many. A directory it cannot write warns: the kernels are rebuilt from
+        their sources, slower, not wrong."""
+        try:
+            if self.kernels:
+                return restore_kernels(
+                    file.kernels, file.body, file.section_bytes, self.inductor_cache_dir(), self.trust_shared
+                )
+        except OSError as exc:  # a read-only or untrusted Inductor dir
+            warnings.warn(f"could not restore compiled kernels from {path}: {exc}", CompileCacheWarning, stacklevel=4)
+        return 0
 
     def kernel_blobs(self, kernel_files: list, path: Path) -> list:
         """(relative path, bytes) of the kernel files to bundle; an unreadable one warns and bundles none."""

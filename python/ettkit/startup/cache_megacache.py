@@ -17,7 +17,6 @@ from . import cache_format
 from .cache_files import CacheFiles
 from .cache_format import megacache_artifacts
 from .cache_results import CacheLoadResult, CacheSaveResult, CompileCacheWarning
-from .compiled_kernels import restore_kernels
 from .warm import compile_counters, counter_delta
 
 __all__ = ["MegacacheFile"]
@@ -80,7 +79,7 @@ class MegacacheFile:
             megacache_artifacts(megacache)  # before torch sees a key, and before any kernel is written
         except ValueError as exc:
             return files.ignored("corrupt", str(exc), t0, self.path)
-        restored = self._restore_kernels(file)
+        restored = self.files.restore_kernels(file, self.path)
         import torch._dynamo
 
         try:
@@ -97,22 +96,6 @@ class MegacacheFile:
             "hit", str(self.path), "loaded", artifacts=artifacts, bytes=len(file.body),
             seconds=time.perf_counter() - t0,
         )
-
-    def _restore_kernels(self, file: cache_format.CacheFile) -> int:
-        """Puts the file's compiled kernels back under Inductor's cache dir; how many."""
-        files = self.files
-        try:
-            if files.kernels:
-                return restore_kernels(
-                    file.kernels, file.body, file.section_bytes, files.inductor_cache_dir(), files.trust_shared
-                )
-        except OSError as exc:  # a read-only or untrusted Inductor dir: the compile is merely slower
-            warnings.warn(
-                f"could not restore compiled kernels from {self.path}: {exc}", CompileCacheWarning, stacklevel=4
-            )
-        return 0
-
-    # ---- save ----------------------------------------------------------------------------------------
 
     def save(self) -> CacheSaveResult:
         result = self._save()

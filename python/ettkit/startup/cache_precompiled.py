@@ -16,7 +16,6 @@ from typing import Any
 from . import cache_format
 from .cache_files import CacheFiles
 from .cache_results import CacheLoadResult, CacheSaveResult, CompileCacheWarning
-from .compiled_kernels import restore_kernels
 
 __all__ = ["PrecompiledFile"]
 
@@ -72,7 +71,7 @@ class PrecompiledFile:
             return files.ignored(
                 "stale", f"the Python source it was traced from has changed ({', '.join(changed[:5])})", t0, path
             ), None
-        restored = self._restore_kernels(file)
+        restored = self.files.restore_kernels(file, self.path)
         try:
             fn = precompiled.deserialize(file.body[: file.section_bytes])
         except Exception as exc:  # noqa: BLE001 - torch refusing an artifact must not stop the job
@@ -89,18 +88,6 @@ class PrecompiledFile:
             dynamic_dims_specialized=specialized if isinstance(specialized, str) else None,
         )
         return result, fn
-
-    def _restore_kernels(self, file: cache_format.CacheFile) -> int:
-        files = self.files
-        try:
-            if files.kernels:
-                return restore_kernels(
-                    file.kernels, file.body, file.section_bytes, files.inductor_cache_dir(), files.trust_shared
-                )
-        except OSError as exc:  # the kernels are rebuilt from the artifact's sources: slower, not wrong
-            warnings.warn(f"could not restore compiled kernels from {self.path}: {exc}", CompileCacheWarning,
-                          stacklevel=3)
-        return 0
 
     def save(self, fn: Any, dynamic_dims_specialized: str | None = None) -> CacheSaveResult:
         """Writes ``fn`` (an ``aot_compile`` result) with the kernels this process loaded and its sources'
