@@ -5,15 +5,13 @@ tests/python/integration_lightning_worker.py (real ``lightning``, CPU)."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
 
 import lightning.pytorch as L
 import pytest
 import torch
+from integration_runs import attempts, losses, report, run_worker
 
 from ettkit.errors import InvalidArgumentError
 from ettkit.integrations.lightning import EttkitCheckpointIO
@@ -23,14 +21,7 @@ KILL_STEP, SAVED_STEP, LAST_STEP = 12, 8, 24  # killed 4 steps into epoch 2; epo
 
 
 def run(run_dir, *args) -> int:
-    p = subprocess.run([sys.executable, WORKER, str(run_dir), *map(str, args)], capture_output=True, text=True,
-                       timeout=300)
-    assert p.returncode in (0, -signal.SIGKILL), p.stderr[-4000:]
-    return p.returncode
-
-
-def losses(run_dir) -> list[tuple[int, float]]:
-    return [(r["step"], r["loss"]) for r in map(json.loads, (run_dir / "losses.jsonl").read_text().splitlines())]
+    return run_worker(WORKER, run_dir, *args)
 
 
 @pytest.fixture(scope="module")
@@ -54,16 +45,12 @@ def test_a_run_killed_mid_epoch_resumes_with_the_losses_of_an_uninterrupted_run(
 
 def test_ettkit_report_reports_the_killed_and_the_resumed_attempt(runs):
     _, crash = runs
-    r = subprocess.run([sys.executable, "-m", "ettkit", "report", str(crash), "--json"], capture_output=True,
-                       text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    report = json.loads(r.stdout)
-    attempts = [(a["status"], a["first_step"], a["last_step"]) for a in report["attempts"]]
-    assert attempts == [("killed", 1, KILL_STEP), ("clean", SAVED_STEP + 1, LAST_STEP)]
-    assert report["failures"] == 1 and report["checkpoints"]["tiers"]["disk"]["restores"] == 1
-    assert report["checkpoints"]["count"] == 3  # step 8 in the killed attempt, 16 and 24 in the resumed one
-    assert {"launcher_init/pre_train", "eval/sanity_check"} <= set(report["substages"])
-    assert report["phases"]["wasted_training"] > 0 and report["phases"]["checkpoint_restore"] > 0
+    r = report(crash)
+    assert attempts(r) == [("killed", 1, KILL_STEP), ("clean", SAVED_STEP + 1, LAST_STEP)]
+    assert r["failures"] == 1 and r["checkpoints"]["tiers"]["disk"]["restores"] == 1
+    assert r["checkpoints"]["count"] == 3  # step 8 in the killed attempt, 16 and 24 in the resumed one
+    assert {"launcher_init/pre_train", "eval/sanity_check"} <= set(r["substages"])
+    assert r["phases"]["wasted_training"] > 0 and r["phases"]["checkpoint_restore"] > 0
 
 
 def test_the_checkpoint_io_loads_only_its_newest_step_and_keeps_lightnings_values(runs, tmp_path):

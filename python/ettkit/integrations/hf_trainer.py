@@ -29,9 +29,9 @@ from typing import Any, Optional
 
 from transformers import TrainerCallback
 
-from .. import ett
 from ..checkpoint import AsyncCheckpointer, latest_step
 from ..errors import InvalidArgumentError
+from ._phase_track import PhaseTrack
 from .hf_export import export_hf
 
 __all__ = ["EttkitTrainerCallback"]
@@ -60,9 +60,7 @@ class EttkitTrainerCallback(TrainerCallback):
         self._every = every
         self._options = checkpointer_options
         self._checkpointer: Optional[AsyncCheckpointer] = None
-        self._owned: Optional[ett.Recorder] = None
-        self._recorder: Optional[Any] = None
-        self._phase: Optional[Any] = None
+        self._track = PhaseTrack()
         self._resume_step: Optional[int] = None
 
     @property
@@ -72,23 +70,14 @@ class EttkitTrainerCallback(TrainerCallback):
             self._checkpointer = AsyncCheckpointer(self.directory, every=self._every, **self._options)
         return self._checkpointer
 
-    def _begin(self, name: str) -> None:
-        self._end()
-        if self._recorder is not None:
-            self._phase = self._recorder.phase(name)
-
-    def _end(self) -> None:
-        if self._phase is not None:
-            self._phase.end()
-            self._phase = None
-
     def resume_dir(self) -> Optional[str]:
         """The directory to pass as ``trainer.train(resume_from_checkpoint=...)``, made from the newest
         committed step (``DIRECTORY/hf-resume-<step>``); ``None`` when no step is committed yet."""
         step = latest_step(self.directory)
         if step is None:
             return None
-        scope = self._recorder.phase("checkpoint_restore") if self._recorder is not None else None
+        recorder = self._track.recorder
+        scope = recorder.phase("checkpoint_restore") if recorder is not None else None
         try:
             step_dir = os.path.join(self.directory, f"step-{step}")
             restored = self.checkpointer.load_latest({}, partial=True)  # reads the step's extra only
@@ -109,15 +98,12 @@ class EttkitTrainerCallback(TrainerCallback):
         return out
 
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._recorder = ett.current()
-        if self._recorder is None and self.run_dir is not None:
-            self._owned = self._recorder = ett.Recorder(self.run_dir, rank=args.process_index,
-                                                        world_size=args.world_size)
-        self._begin("pre_train")
+        self._track.open(self.run_dir, rank=args.process_index, world_size=args.world_size)
+        self._track.begin("pre_train")
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        lr_scheduler: Any = None, **kwargs: Any) -> None:
-        self._end()
+        self._track.end()
         if self._resume_step is not None:
             restored = self.checkpointer.load_latest({"optimizer": optimizer, "scheduler": lr_scheduler},
                                                      partial=True)
@@ -132,15 +118,11 @@ class EttkitTrainerCallback(TrainerCallback):
         if self.checkpointer.should_save(step):
             self.checkpointer.save(step, {"model": model, "optimizer": optimizer, "scheduler": lr_scheduler},
                                    extra={"trainer_state": _state_json(state)})
-        if self._recorder is not None:
-            self._recorder.step(step)
+        self._track.step(step)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._begin("shutdown")
+        self._track.begin("shutdown")
         if self._checkpointer is not None:
             self._checkpointer.close()  # waits until the last save is durable
             self._checkpointer = None
-        self._end()
-        if self._owned is not None:
-            self._owned.close("clean")
-            self._owned = self._recorder = None
+        self._track.close("clean")

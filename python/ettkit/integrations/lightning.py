@@ -30,10 +30,10 @@ from typing import Any, Optional
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import CheckpointIO
 
-from .. import ett
 from ..checkpoint import AsyncCheckpointer, latest_step
 from ..errors import InvalidArgumentError
 from ._captured_state import CapturedState
+from ._phase_track import PhaseTrack
 
 __all__ = ["EttCallback", "EttkitCheckpointIO"]
 
@@ -114,64 +114,45 @@ class EttCallback(Callback):
         super().__init__()
         self.run_dir = None if run_dir is None else os.fspath(run_dir)
         self._options = recorder_options
-        self._owned: Optional[ett.Recorder] = None
-        self._recorder: Optional[Any] = None
-        self._phase: Optional[Any] = None
-
-    def _begin(self, name: str) -> None:
-        self._end()
-        if self._recorder is not None:
-            self._phase = self._recorder.phase(name)
-
-    def _end(self) -> None:
-        if self._phase is not None:
-            self._phase.end()
-            self._phase = None
+        self._track = PhaseTrack()
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        self._recorder = ett.current()
-        if self._recorder is None and self.run_dir is not None:
-            options = dict(self._options)
-            options.setdefault("rank", trainer.global_rank)
-            options.setdefault("world_size", trainer.world_size)
-            self._owned = self._recorder = ett.Recorder(self.run_dir, **options)
-        self._begin("pre_train")
+        options = dict(self._options)
+        options.setdefault("rank", trainer.global_rank)
+        options.setdefault("world_size", trainer.world_size)
+        self._track.open(self.run_dir, **options)
+        self._track.begin("pre_train")
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        self._end()
+        self._track.end()
 
     def on_sanity_check_start(self, trainer: Any, pl_module: Any) -> None:
-        self._begin("eval/sanity_check")
+        self._track.begin("eval/sanity_check")
 
     def on_sanity_check_end(self, trainer: Any, pl_module: Any) -> None:
-        self._end()
+        self._track.end()
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         if not trainer.sanity_checking:
-            self._begin("eval")
+            self._track.begin("eval")
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         if not trainer.sanity_checking:
-            self._end()
+            self._track.end()
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self._recorder is not None:
-            self._recorder.step(trainer.global_step)
+        self._track.step(trainer.global_step)
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
-        self._begin("shutdown")
+        self._track.begin("shutdown")
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        self._end()
-        if self._owned is not None:
-            self._owned.close("exception", type(exception).__name__)
-            self._owned = self._recorder = None
+        self._track.close("exception", type(exception).__name__)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        self._end()
-        # The checkpoint IO's own teardown (waiting for the last saves) may come after this: it records
-        # into the recorder while open, so only a recorder this callback made is closed, and last.
-        if self._owned is not None and stage == "fit":
+        self._track.end()
+        # The checkpoint IO's own teardown (waiting for the last saves) may come after this one, and records
+        # into the recorder: a recorder this callback made is closed only after it, here.
+        if self._track.owns_recorder and stage == "fit":
             trainer.strategy.checkpoint_io.teardown()
-            self._owned.close("clean")
-            self._owned = self._recorder = None
+            self._track.close("clean")
