@@ -240,7 +240,8 @@ def test_a_cycle_through_a_function_level_import_or_a_package_init_is_found(tmp_
     (package / "sub" / "walk.py").write_text("from . import kinds\nfrom ..errors import Error\n")
     (package / "sub" / "kinds.py").write_text("def f():\n    from .walk import g\n")
     (package / "sub" / "plan.py").write_text(
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import kinds\nfrom ettkit.sub import walk\n")
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import kinds\n"
+        "from ettkit.sub import walk\n")
     graph = _import_graph(package)
     assert graph["ettkit.sub.walk"] == {"ettkit.sub.kinds", "ettkit.errors"}
     assert graph["ettkit.sub.plan"] == {"ettkit.sub.walk"}
