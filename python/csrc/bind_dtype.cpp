@@ -1,6 +1,8 @@
-// The checkpoint's one dtype table (ettkit/checkpoint/safetensors_dtypes.h) for Python: the DCP reader
-// (python/ettkit/checkpoint/_dcp_reader.py) maps the dtype strings of a step's headers through it, so that
-// it reads exactly the dtypes the C++ writer writes.
+// The rules of a step's files that Python's DCP reader (python/ettkit/checkpoint/_dcp_reader.py) takes from
+// C++ instead of keeping copies: the checkpoint's one dtype table (ettkit/checkpoint/safetensors_dtypes.h),
+// through which it maps the dtype strings of a step's headers, so that it reads exactly the dtypes the C++
+// writer writes; and the names of what a step saved (ettkit/checkpoint/shard_names.h: the shard-name grammar
+// and the whole-tensor digest key).
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -10,6 +12,7 @@
 
 #include "bindings.h"
 #include "ettkit/checkpoint/safetensors_dtypes.h"
+#include "ettkit/checkpoint/shard_names.h"
 
 namespace py = pybind11;
 
@@ -26,6 +29,10 @@ void bind_dtype(py::module_& m) {
         return out;
       },
       "Every dtype an ettkit checkpoint holds, as (safetensors dtype string, torch.dtype) pairs.");
+  m.def("split_shard_name", &checkpoint::split_shard_name, py::arg("name"),
+        "(key, offsets) of a saved tensor name: 'emb.w@24,0' -> ('emb.w', [24, 0]); a whole tensor's name -> "
+        "(name, None).");
+  m.attr("WHOLE_TENSOR_DIGEST_PREFIX") = checkpoint::kWholeTensorDigestPrefix;
 }
 
 }  // namespace ettkit::python

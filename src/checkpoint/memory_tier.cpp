@@ -3,7 +3,6 @@
 // never adopted").
 #include "checkpoint/memory_tier.h"
 
-#include <dirent.h>
 #include <fcntl.h>
 #include <sys/file.h>
 #include <sys/stat.h>
@@ -18,8 +17,8 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 
+#include "checkpoint/memory_tier_entries.h"
 #include "common/logging.h"
-#include "common/remove_tree.h"
 #include "ettkit/common/error.h"
 
 using nlohmann::json;
@@ -27,6 +26,14 @@ using nlohmann::json;
 namespace ettkit::checkpoint::detail {
 
 namespace {
+
+using tier_entries::Entry;
+using tier_entries::entries_of;
+using tier_entries::lock_held;
+using tier_entries::open_directory_at;
+using tier_entries::rank_dirs;
+using tier_entries::read_bounded_file_at;
+using tier_entries::remove_quietly_at;
 
 constexpr const char* kTierPrefix = "ettkit-mem-";
 constexpr const char* kReplicaPrefix = "replica-of-rank-";
@@ -51,10 +58,6 @@ std::string mode_text(mode_t mode) {
 bool is_hex16(const std::string& s) {
   auto hex = [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); };
   return s.size() == 16 && std::all_of(s.begin(), s.end(), hex);
-}
-
-int open_directory_at(int parent, const std::string& name) {
-  return ::openat(parent, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
 }
 
 /// The refusal of a directory this user did not create (memory_tier.h: created, never adopted).
@@ -152,84 +155,10 @@ Dir open_root(const std::string& root) {
   return dir;
 }
 
-struct Entry {
-  std::string name;
-  bool directory = false;  // a directory, not a link to one
-};
-
-/// The entries of `dir` (without "." and ".."), read through a descriptor of their own (a dup would share
-/// readdir's position with `dir`). Throws IoError.
-std::vector<Entry> entries_of(const Dir& dir) {
-  int fd = ::openat(dir.fd(), ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  ETTKIT_CHECK(fd >= 0, IoError, "checkpoint memory tier: listing '", dir.path(), "' failed: ", std::strerror(errno));
-  DIR* d = ::fdopendir(fd);
-  if (d == nullptr) {
-    const int err = errno;
-    ::close(fd);
-    ETTKIT_THROW(IoError, "checkpoint memory tier: listing '", dir.path(), "' failed: ", std::strerror(err));
-  }
-  std::vector<Entry> out;
-  while (const dirent* e = ::readdir(d)) {
-    Entry entry{e->d_name, e->d_type == DT_DIR};
-    if (entry.name == "." || entry.name == "..") continue;
-    if (e->d_type == DT_UNKNOWN) {
-      struct stat st {};
-      entry.directory = ::fstatat(dir.fd(), e->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISDIR(st.st_mode);
-    }
-    out.push_back(std::move(entry));
-  }
-  ::closedir(d);
-  return out;
-}
-
 /// Writes `text` into the new file `name` of `dir`: mode 0600, never through a link (write_file_durably's
 /// O_CREAT | O_EXCL | O_NOFOLLOW relative to the handle), fsynced. Throws IoError.
 void write_private_file_at(const Dir& dir, const std::string& name, const std::string& text) {
   write_file_durably(dir, name, {ConstBuffer{text.data(), text.size()}}, MemoryTier::kFileMode);
-}
-
-/// The regular file `name` of `dir` read whole when it has at most `limit` bytes (nullopt otherwise, or when
-/// it is missing or a link).
-std::optional<std::string> read_bounded_file_at(const Dir& dir, const std::string& name, uint64_t limit) {
-  const int fd = ::openat(dir.fd(), name.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
-  if (fd < 0) return std::nullopt;
-  ReadFile f(fd, dir.path_of(name));
-  struct stat st {};
-  if (::fstat(f.fd(), &st) != 0 || !S_ISREG(st.st_mode) || static_cast<uint64_t>(st.st_size) > limit) {
-    return std::nullopt;
-  }
-  try {
-    return f.read_all(limit);
-  } catch (const Error&) {
-    return std::nullopt;
-  }
-}
-
-void remove_quietly_at(const Dir& dir, const std::string& name) noexcept {
-  if (int err = ettkit::detail::remove_tree_at(dir.fd(), name.c_str()); err != 0) {
-    ETTKIT_LOG_WARN("checkpoint memory tier: could not remove '", dir.path_of(name), "': ", std::strerror(err));
-  }
-}
-
-/// Whether some process holds the flock of the rank directory `rank` of the tier `job` (no lock file:
-/// nobody).
-bool lock_held(const Dir& job, const std::string& rank) {
-  const int dfd = open_directory_at(job.fd(), rank);
-  if (dfd < 0) return false;
-  Dir dir(dfd, job.path_of(rank));
-  const int fd = ::openat(dir.fd(), ".lock", O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
-  if (fd < 0) return false;
-  ReadFile lock(fd, dir.path_of(".lock"));  // closing it releases the probe's lock, if it got one
-  return ::flock(lock.fd(), LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK;
-}
-
-/// The rank directories ("rank-<r>") of the tier `job`.
-std::vector<std::string> rank_dirs(const Dir& job) {
-  std::vector<std::string> out;
-  for (const Entry& e : entries_of(job)) {
-    if (e.name.rfind("rank-", 0) == 0) out.push_back(e.name);
-  }
-  return out;
 }
 
 /// Rename first, as on disk: a half-deleted step-<N> must never look committed.

@@ -6,6 +6,27 @@
 
 #include "ettkit/common/error.h"
 
+namespace ettkit::checkpoint {
+
+std::pair<std::string, std::optional<std::vector<int64_t>>> split_shard_name(const std::string& name) {
+  size_t at = name.rfind('@');
+  if (at == std::string::npos || at + 1 == name.size()) return {name, std::nullopt};
+  std::vector<int64_t> offsets;
+  size_t i = at + 1;
+  for (;;) {
+    size_t j = i;
+    while (j < name.size() && name[j] >= '0' && name[j] <= '9') ++j;
+    if (j == i || j - i > 18) return {name, std::nullopt};
+    offsets.push_back(std::stoll(name.substr(i, j - i)));
+    if (j == name.size()) break;
+    if (name[j] != ',') return {name, std::nullopt};
+    i = j + 1;
+  }
+  return {name.substr(0, at), offsets};
+}
+
+}  // namespace ettkit::checkpoint
+
 namespace ettkit::checkpoint::detail {
 
 namespace {
@@ -152,23 +173,6 @@ std::vector<CopyRange> plan_reshard(const std::string& name, const std::vector<i
   return merged;
 }
 
-std::pair<std::string, std::optional<std::vector<int64_t>>> split_shard_name(const std::string& name) {
-  size_t at = name.rfind('@');
-  if (at == std::string::npos || at + 1 == name.size()) return {name, std::nullopt};
-  std::vector<int64_t> offsets;
-  size_t i = at + 1;
-  for (;;) {
-    size_t j = i;
-    while (j < name.size() && name[j] >= '0' && name[j] <= '9') ++j;
-    if (j == i || j - i > 18) return {name, std::nullopt};
-    offsets.push_back(std::stoll(name.substr(i, j - i)));
-    if (j == name.size()) break;
-    if (name[j] != ',') return {name, std::nullopt};
-    i = j + 1;
-  }
-  return {name.substr(0, at), offsets};
-}
-
 void add_piece_keys(const SafetensorsIndex& index, std::set<std::string>& out) {
   for (const auto& entry : index.tensors) {
     auto [key, offsets] = split_shard_name(entry.first);
@@ -176,18 +180,24 @@ void add_piece_keys(const SafetensorsIndex& index, std::set<std::string>& out) {
   }
 }
 
-std::vector<CopyRange> plan_destination(const std::string& name, const std::vector<int64_t>& shape,
-                                        const std::string& dtype, const std::vector<const SafetensorsIndex*>& indexes,
-                                        const std::vector<int64_t>* global_shape) {
-  auto [key, offsets] = split_shard_name(name);
-  const uint64_t elem = static_cast<uint64_t>(safetensors_dtype_size(dtype));
-  ETTKIT_EXPECTS(elem > 0, "'", name, "': dtype ", dtype, " cannot be resharded");
-  // What the step holds of `key`: its saved pieces ("key@offsets"), and the first old rank's copy of it
-  // saved whole. A destination of the same kind reads what is of its kind; one of the other kind reads the
-  // other (a layout change: a sharded tensor read whole, or a tensor saved whole read as a shard).
+namespace {
+
+/// What the step holds of `key`: its saved pieces ("key@offsets"), the first old rank's copy of it saved
+/// whole, and the global shape the pieces make up. `name`, `shape` and `dtype` are the state's tensor's, for
+/// the checks and their messages.
+struct SavedOfKey {
   std::vector<SavedPiece> pieces;
   std::optional<SavedPiece> whole;
-  std::vector<int64_t> extent(shape.size(), 0);  // of the pieces: the global shape they make up
+  std::vector<int64_t> extent;  // of the pieces: the global shape they make up
+};
+
+SavedOfKey saved_of_key(const std::string& key, const std::string& name, const std::vector<int64_t>& shape,
+                        const std::string& dtype, const std::vector<const SafetensorsIndex*>& indexes) {
+  SavedOfKey saved;
+  saved.extent.assign(shape.size(), 0);
+  std::vector<SavedPiece>& pieces = saved.pieces;
+  std::optional<SavedPiece>& whole = saved.whole;
+  std::vector<int64_t>& extent = saved.extent;
   for (size_t r = 0; r < indexes.size(); ++r) {
     for (const auto& [saved_name, e] : indexes[r]->tensors) {
       auto [saved_key, saved_offsets] = split_shard_name(saved_name);
@@ -217,6 +227,20 @@ std::vector<CopyRange> plan_destination(const std::string& name, const std::vect
       }
     }
   }
+  return saved;
+}
+
+}  // namespace
+
+std::vector<CopyRange> plan_destination(const std::string& name, const std::vector<int64_t>& shape,
+                                        const std::string& dtype, const std::vector<const SafetensorsIndex*>& indexes,
+                                        const std::vector<int64_t>* global_shape) {
+  auto [key, offsets] = split_shard_name(name);
+  const uint64_t elem = static_cast<uint64_t>(safetensors_dtype_size(dtype));
+  ETTKIT_EXPECTS(elem > 0, "'", name, "': dtype ", dtype, " cannot be resharded");
+  // A destination of the same kind reads what is of its kind; one of the other kind reads the other (a layout
+  // change: a sharded tensor read whole, or a tensor saved whole read as a shard).
+  auto [pieces, whole, extent] = saved_of_key(key, name, shape, dtype, indexes);
   Box want;
   want.sizes = shape;
   want.offsets = offsets.value_or(std::vector<int64_t>(shape.size(), 0));

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "checkpoint/storage.h"
+#include "ettkit/checkpoint/shard_names.h"
 
 #pragma GCC visibility push(default)
 
@@ -55,10 +56,8 @@ std::vector<CopyRange> plan_reshard(const std::string& name, const std::vector<i
 /// Bytes the plan reads in all (the sum of its lengths; equals want.numel() * element_size).
 uint64_t planned_bytes(const std::vector<CopyRange>& plan);
 
-/// A saved tensor name split into the tensor it belongs to and, for a local shard of a sharded tensor
-/// ("emb.t1.weight@24,0", the Python layer's names for a ShardedTensor's shards), its offsets in it. A name
-/// without '@' (or whose suffix is not a list of integers) is a whole tensor: no offsets.
-std::pair<std::string, std::optional<std::vector<int64_t>>> split_shard_name(const std::string& name);
+/// The grammar of the names parsed here is ettkit/checkpoint/shard_names.h's.
+using ettkit::checkpoint::split_shard_name;
 
 /// Adds to `out` the key of every piece ("key@offsets") `index` holds: the tensors it saved sharded.
 void add_piece_keys(const SafetensorsIndex& index, std::set<std::string>& out);

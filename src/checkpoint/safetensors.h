@@ -9,9 +9,12 @@
 #include <vector>
 
 #include "checkpoint/file_io.h"
+#include "ettkit/checkpoint/shard_names.h"  // kWholeTensorDigestPrefix: the digests a header carries
 
 #pragma GCC visibility push(default)
 namespace ettkit::checkpoint::detail {
+
+using ettkit::checkpoint::kWholeTensorDigestPrefix;  // its home: ettkit/checkpoint/shard_names.h
 
 struct SafetensorsEntry {
   std::string name;
@@ -33,12 +36,6 @@ struct SafetensorsIndex {
   std::map<std::string, SafetensorsEntry> tensors;
   std::map<std::string, std::string> metadata;  // the header's __metadata__ (strings to strings)
 };
-/// The __metadata__ key under which a disk save records the XXH3-64 (hex) of a tensor it saved whole (no
-/// `@offsets` in its name): "ettkit.xxh3.<name>". Why: a step resharded onto another number of ranks gives
-/// every new rank one old rank's copy of such a tensor, which is right only when every old rank held the
-/// same bytes (a DDP replica); these digests prove it, or show the tensor was per-rank state, from the
-/// headers alone.
-inline constexpr const char* kWholeTensorDigestPrefix = "ettkit.xxh3.";
 /// Parses and validates the header of the safetensors file `path` whose size is `file_size`: offsets in
 /// range, non-overlapping, element counts match dtype and shape. Throws CorruptData naming the file.
 SafetensorsIndex read_safetensors_index(const std::string& path, uint64_t file_size);

@@ -11,7 +11,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import re
 import warnings
 from typing import Any, Optional
 
@@ -33,7 +32,6 @@ from ._directory import latest_step
 # safetensors dtype strings (what ettkit writes) -> torch dtypes: the C++ table the writer and loader use
 # (include/ettkit/checkpoint/safetensors_dtypes.h), so that this reader takes exactly the dtypes ettkit saves.
 _DTYPES: dict[str, torch.dtype] = dict(_C.checkpoint.safetensors_dtypes())
-_SHARD = re.compile(r"^(.*)@(\d+(?:,\d+)*)$")
 
 
 def _step_dir(checkpoint_id: str | os.PathLike) -> str:
@@ -49,8 +47,10 @@ def _step_dir(checkpoint_id: str | os.PathLike) -> str:
     return os.path.join(path, f"step-{step}")
 
 
-# Where an ettkit disk save records the XXH3 of each tensor it saved whole (src/checkpoint/storage.h).
-_WHOLE_DIGEST = "ettkit.xxh3."
+# The names of what a step saved are C++'s (include/ettkit/checkpoint/shard_names.h): a shard's
+# "<key>@<offsets>" (split_shard_name) and where a disk save records the XXH3 of each tensor it saved whole.
+_split_shard_name = _C.checkpoint.split_shard_name
+_WHOLE_DIGEST = _C.checkpoint.WHOLE_TENSOR_DIGEST_PREFIX
 # A manifest lists a few files per rank: 16 MiB is far beyond any real one. A safetensors header: the
 # format's own cap.
 _MAX_MANIFEST_BYTES = 16 << 20
@@ -176,13 +176,12 @@ class EttkitStorageReader(StorageReader):
             path = os.path.join(self._path, f"rank-{rank}.safetensors")
             data_offset, header, meta, size = _header(path)
             for name, e in header.items():
-                m = _SHARD.match(name)
-                key = m.group(1) if m else name
+                key, shard_offsets = _split_shard_name(name)
                 dtype, shape, begin, end = _entry(path, name, e, size - data_offset)
-                offsets = [int(o) for o in m.group(2).split(",")] if m else [0] * len(shape)
+                offsets = shard_offsets if shard_offsets is not None else [0] * len(shape)
                 if len(offsets) != len(shape):
                     raise CorruptDataError(f"'{path}': '{name}' has {len(offsets)} offsets for {len(shape)} dims")
-                if not m:
+                if shard_offsets is None:
                     # A whole tensor is read from one copy: right only when every old rank held the same
                     # bytes (the digests say so; a step without them is taken as replicated).
                     digest = meta.get(_WHOLE_DIGEST + name)
