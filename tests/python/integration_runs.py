@@ -32,3 +32,16 @@ def report(run_dir) -> dict:
 
 def attempts(report: dict) -> list[tuple[str, int, int]]:
     return [(a["status"], a["first_step"], a["last_step"]) for a in report["attempts"]]
+
+
+def reference_and_resumed(tmp, worker: str, kill_step: int, after_kill=None):
+    """Runs ``worker`` uninterrupted in ``tmp/ref``, then in ``tmp/crash`` killed at ``kill_step`` (it must die
+    of that SIGKILL, not earlier), ``after_kill(crash)`` if given, then again in ``tmp/crash`` (it resumes).
+    Returns the two run directories."""
+    ref, crash = tmp / "ref", tmp / "crash"
+    assert run_worker(worker, ref) == 0
+    assert run_worker(worker, crash, kill_step) == -signal.SIGKILL
+    if after_kill is not None:
+        after_kill(crash)
+    assert run_worker(worker, crash) == 0
+    return ref, crash

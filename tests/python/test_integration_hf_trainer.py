@@ -7,29 +7,23 @@ reports both attempts. The runs are tests/python/integration_hf_trainer_worker.p
 from __future__ import annotations
 
 import os
-import signal
 
 import pytest
-from integration_runs import attempts, losses, report, run_worker
+from integration_runs import attempts, losses, reference_and_resumed, report
 from transformers import TrainerState
 
 WORKER = os.path.join(os.path.dirname(__file__), "integration_hf_trainer_worker.py")
 KILL_STEP, SAVED_STEP, LAST_STEP = 8, 6, 12  # saves every 3 steps; 8 steps per epoch
 
 
-def run(run_dir, *args) -> int:
-    return run_worker(WORKER, run_dir, *args)
+def saved_before_the_kill(crash) -> None:
+    steps = sorted(f for f in os.listdir(crash / "ckpt") if f.startswith("step-"))
+    assert steps == ["step-3", f"step-{SAVED_STEP}"], steps
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("hf-trainer")
-    assert run(tmp / "ref") == 0
-    assert run(tmp / "crash", KILL_STEP) == -signal.SIGKILL  # died as planned, not earlier
-    assert sorted(f for f in os.listdir(tmp / "crash" / "ckpt") if f.startswith("step-")) == ["step-3",
-                                                                                         f"step-{SAVED_STEP}"]
-    assert run(tmp / "crash") == 0
-    return tmp / "ref", tmp / "crash"
+    return reference_and_resumed(tmp_path_factory.mktemp("hf-trainer"), WORKER, KILL_STEP, saved_before_the_kill)
 
 
 def test_a_killed_trainer_run_resumes_mid_epoch_with_the_losses_of_an_uninterrupted_run(runs):

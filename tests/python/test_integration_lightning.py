@@ -6,12 +6,11 @@ tests/python/integration_lightning_worker.py (real ``lightning``, CPU)."""
 from __future__ import annotations
 
 import os
-import signal
 
 import lightning.pytorch as L
 import pytest
 import torch
-from integration_runs import attempts, losses, report, run_worker
+from integration_runs import attempts, losses, reference_and_resumed, report
 
 from ettkit.errors import InvalidArgumentError
 from ettkit.integrations.lightning import EttkitCheckpointIO
@@ -20,17 +19,9 @@ WORKER = os.path.join(os.path.dirname(__file__), "integration_lightning_worker.p
 KILL_STEP, SAVED_STEP, LAST_STEP = 12, 8, 24  # killed 4 steps into epoch 2; epoch 1 ended at step 8
 
 
-def run(run_dir, *args) -> int:
-    return run_worker(WORKER, run_dir, *args)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("lightning")
-    assert run(tmp / "ref") == 0
-    assert run(tmp / "crash", KILL_STEP) == -signal.SIGKILL  # died as planned, not earlier
-    assert os.listdir(tmp / "crash" / "ckpt") and run(tmp / "crash") == 0
-    return tmp / "ref", tmp / "crash"
+    return reference_and_resumed(tmp_path_factory.mktemp("lightning"), WORKER, KILL_STEP)
 
 
 def test_a_run_killed_mid_epoch_resumes_with_the_losses_of_an_uninterrupted_run(runs):
