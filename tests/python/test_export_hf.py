@@ -129,3 +129,49 @@ def test_bad_input_is_refused_naming_the_file_or_field(fsdp2_step, tmp_path):
     export_hf(step, tmp_path / "twice", overwrite=True)
     with pytest.raises(InvalidArgumentError, match="max_shard_size='lots'"):
         export_hf(step, tmp_path / "x", max_shard_size="lots")
+
+
+def hand_made_step(tmp_path, pieces: dict[int, dict[str, torch.Tensor]]):
+    """A committed step written by hand: ``{rank: {name: tensor}}`` as each rank's safetensors file, and a
+    manifest with the chunk checksums a save computes (XXH3-64 per 4 MiB chunk)."""
+    from safetensors.torch import save_file
+
+    from ettkit import _C
+
+    step = tmp_path / "ckpt" / "step-1"
+    step.mkdir(parents=True)
+    files = {}
+    for rank, tensors in pieces.items():
+        save_file(tensors, str(step / f"rank-{rank}.safetensors"))
+        data = (step / f"rank-{rank}.safetensors").read_bytes()
+        chunks = [_C.xxh3_hex(data[i:i + (4 << 20)]) for i in range(0, len(data), 4 << 20)]
+        files[f"rank-{rank}.safetensors"] = {"size": len(data), "chunk_bytes": 4 << 20, "chunks": chunks,
+                                             "xxh3": chunks[0]}
+    (step / "manifest.json").write_text(json.dumps({"format": "ettkit-checkpoint", "version": 1, "step": 1,
+                                                    "world_size": len(pieces), "files": files}))
+    return step
+
+
+def test_pieces_that_are_not_rows_are_put_together_and_overlaps_refused(tmp_path):
+    # A column split (Shard(1)) over 2 ranks, and a 2 x 2 grid of a 2-D mesh's (Shard(0), Shard(1)) pieces
+    # with rank 3 repeating rank 0's box (a replica): the export is each whole tensor, bit for bit.
+    whole = torch.arange(20.0).reshape(4, 5)
+    grid = torch.arange(24, dtype=torch.bfloat16).reshape(4, 6)
+    step = hand_made_step(tmp_path, {
+        0: {"model.w@0,0": whole[:, :2].contiguous(), "model.g@0,0": grid[:2, :3].contiguous()},
+        1: {"model.w@0,2": whole[:, 2:].contiguous(), "model.g@0,3": grid[:2, 3:].contiguous(),
+            "model.g@2,0": grid[2:, :3].contiguous()},
+        2: {"model.g@2,3": grid[2:, 3:].contiguous()},
+        3: {"model.g@0,0": grid[:2, :3].contiguous()},
+    })
+    r = export_hf(step, tmp_path / "out")
+    from safetensors.torch import load_file
+
+    out = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert torch.equal(out["w"], whole) and torch.equal(out["g"], grid) and out["g"].dtype == torch.bfloat16
+    assert r.total_bytes == whole.nbytes + grid.nbytes
+
+    overlap = hand_made_step(tmp_path / "o", {0: {"model.w@0,0": whole[:3].contiguous()},
+                                              1: {"model.w@2,0": whole[2:].contiguous()}})
+    with pytest.raises(CorruptDataError, match="pieces of 'model.w' hold 25 elements of its \\[4, 5\\]"):
+        export_hf(overlap, tmp_path / "o" / "out")
