@@ -150,6 +150,22 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_arguments(ex: argparse.ArgumentParser) -> None:
+    """The arguments of ``ettkit export``."""
+    ex.add_argument("step_dir", help="a step directory (CKPT/step-<N>), or a checkpoint directory: its newest step")
+    ex.add_argument("out_dir", help="the model directory to write (from_pretrained(OUT_DIR) loads it)")
+    ex.add_argument("--format", required=True, choices=["hf"], help="hf: model.safetensors (+ index when sharded)")
+    ex.add_argument("--config", metavar="CONFIG.json", help="the model's config.json, copied into OUT_DIR")
+    ex.add_argument("--strip-prefix", default="model.", metavar="PREFIX",
+                    help="export the tensors under PREFIX, PREFIX removed (default 'model.'; '' for all)")
+    ex.add_argument("--add-prefix", default="", metavar="PREFIX", help="put PREFIX before every exported name")
+    ex.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                    help="split into model-0000k-of-0000n.safetensors past SIZE (default 5GB; e.g. 500MB, 512MiB)")
+    ex.add_argument("--no-tie", action="store_true",
+                    help="write tied weights (lm_head.weight) too, not once (default: once when the config ties)")
+    ex.add_argument("--overwrite", action="store_true", help="replace model files an earlier export left in OUT_DIR")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the command line; returns the exit status (see the module docstring)."""
     try:
@@ -239,19 +255,8 @@ def _main(argv: list[str] | None) -> int:
                          "cache (CompileCache(shared_dir=...)), so that the jobs of that model start without "
                          "compiling. Needs $ETTKIT_COMPILE_CACHE_SECRET.")
     _precompile_arguments(pre)
-    ex = sub.add_parser("export", help="a committed step as a Hugging Face model directory (docs/integrations.md)")
-    ex.add_argument("step_dir", help="a step directory (CKPT/step-<N>), or a checkpoint directory: its newest step")
-    ex.add_argument("out_dir", help="the model directory to write (from_pretrained(OUT_DIR) loads it)")
-    ex.add_argument("--format", required=True, choices=["hf"], help="hf: model.safetensors (+ index when sharded)")
-    ex.add_argument("--config", metavar="CONFIG.json", help="the model's config.json, copied into OUT_DIR")
-    ex.add_argument("--strip-prefix", default="model.", metavar="PREFIX",
-                    help="export the tensors under PREFIX, PREFIX removed (default 'model.'; '' for all)")
-    ex.add_argument("--add-prefix", default="", metavar="PREFIX", help="put PREFIX before every exported name")
-    ex.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
-                    help="split into model-0000k-of-0000n.safetensors past SIZE (default 5GB; e.g. 500MB, 512MiB)")
-    ex.add_argument("--no-tie", action="store_true",
-                    help="write tied weights (lm_head.weight) too, not once (default: once when the config ties)")
-    ex.add_argument("--overwrite", action="store_true", help="replace model files an earlier export left in OUT_DIR")
+    _export_arguments(sub.add_parser("export", help="a committed step as a Hugging Face model directory "
+                                                    "(docs/integrations.md)"))
     args = parser.parse_args(argv)
     if args.command == "precompile":
         from .startup import precompile_job  # imports torch: only for this command
