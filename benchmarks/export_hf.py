@@ -1,6 +1,6 @@
 """``ettkit export --format hf`` against DCP's consolidations, on the same 2-rank FSDP2 GPT-2 state (#67).
 
-python benchmarks/export_hf.py [--layers 6] [--embd 768] [--runs 3] [--dir /tmp/export-bench]
+python benchmarks/export_hf.py [--layers 6] [--embd 768] [--runs 3] [--dir /tmp/export-bench] [--quick] [--json F]
 
 Two gloo ranks build one GPT-2 (``GPT2LMHeadModel`` from a ``GPT2Config``: vocab 50257, ``--layers`` blocks of
 ``--embd``), shard it with FSDP2 and save its state dict three ways: an ettkit step (``AsyncCheckpointer``),
@@ -16,7 +16,8 @@ import alone is ~650 MB of RSS here, the same for every case):
 - ``consolidate_safetensors_files(HF_DIR, OUT, ...)`` (``torch.distributed.checkpoint._consolidate_hf_safetensors``,
   private in torch 2.14: DCP's safetensors consolidation, one process).
 
-Prints one JSON line per conversion with the medians and every run.
+Prints one JSON line per conversion with the medians and every run; ``--json`` writes them as one list.
+``--quick`` (``make bench``): 2 blocks of 192, one run per conversion.
 """
 
 from __future__ import annotations
@@ -95,13 +96,18 @@ def child(case: str, src: str, out: str, mapping: str) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--embd", type=int, default=768)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--dir", default="/tmp/ettkit-export-bench")
     ap.add_argument("--reuse", action="store_true", help="convert the states an earlier run saved in --dir")
+    ap.add_argument("--quick", action="store_true", help="2 blocks of width 192, one run per conversion")
+    ap.add_argument("--json", help="write the conversions' records here")
     args = ap.parse_args()
+    if args.quick:
+        args.layers, args.embd, args.runs = 2, 192, 1  # 12 heads: the width a multiple of 12
+    records = []
     root = args.dir
     if not (args.reuse and os.path.exists(os.path.join(root, "names.json"))):
         shutil.rmtree(root, ignore_errors=True)
@@ -128,11 +134,15 @@ def main() -> None:
             runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
         written = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(out) for f in fs) \
             if os.path.isdir(out) else os.path.getsize(out)
-        print(json.dumps({"case": name, "state_bytes": size, "written_bytes": written,
-                          "median_s": round(statistics.median(r["s"] for r in runs), 3),
-                          "median_peak_mb": round(statistics.median(r["peak_above_start_bytes"] for r in runs) / 2**20),
-                          "runs_s": [round(r["s"], 3) for r in runs],
-                          "runs_peak_mb": [round(r["peak_above_start_bytes"] / 2**20) for r in runs]}), flush=True)
+        records.append({"case": name, "state_bytes": size, "written_bytes": written,
+                        "median_s": round(statistics.median(r["s"] for r in runs), 3),
+                        "median_peak_mb": round(statistics.median(r["peak_above_start_bytes"] for r in runs) / 2**20),
+                        "runs_s": [round(r["s"], 3) for r in runs],
+                        "runs_peak_mb": [round(r["peak_above_start_bytes"] / 2**20) for r in runs]})
+        print(json.dumps(records[-1]), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
 
 
 if __name__ == "__main__":
