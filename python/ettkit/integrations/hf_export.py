@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import struct
 import time
 from dataclasses import dataclass
@@ -153,9 +154,12 @@ def _digest(step: StepTensors, t: SavedTensor) -> bytes:
 
 def _write_durably(path: str, chunks) -> int:
     """Writes the byte strings to ``path`` through a temporary file renamed into place; returns the bytes."""
-    tmp = f"{path}.tmp-{os.getpid()}"
+    # A fresh, unguessable name created exclusively and never through a link: in an output directory others can
+    # write, a planted symbolic link or FIFO at the temporary's name is refused instead of followed or blocked on.
+    tmp = f"{path}.tmp-{secrets.token_hex(8)}"
     written = 0
-    with open(tmp, "wb") as f:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    with os.fdopen(fd, "wb") as f:
         for c in chunks:
             f.write(c)
             written += len(c)
