@@ -33,6 +33,9 @@ NamedTensors zip(const std::vector<std::string>& names, const std::vector<at::Te
 /// every save would cost milliseconds of blocking time. Tensors are replaced on every save.
 struct TensorList {
   NamedTensors items;
+  /// A bound state's list (python/ettkit/checkpoint/_state_binding.py): its tensors stay between saves, as
+  /// the binding holds them anyway, so that a bound save hands nothing over per tensor.
+  bool keep = false;
 
   void set(const py::object& names, const py::list& tensors) {
     size_t n = tensors.size();
@@ -310,6 +313,7 @@ void bind_checkpoint(py::module_& m) {
       .def("set", &TensorList::set, py::arg("names"), py::arg("tensors"),
            "names: a list, or None to keep the previous names; tensors: a list of tensors")
       .def("clear_tensors", &TensorList::clear_tensors, "drops the tensor references; the names stay")
+      .def_readwrite("keep", &TensorList::keep, "True: save() keeps the tensors (a bound state's)")
       .def("__len__", [](const TensorList& l) { return l.items.size(); });
 
   py::class_<SaveHandle>(m, "SaveHandle", py::release_gil_before_calling_cpp_dtor())
@@ -348,7 +352,7 @@ void bind_checkpoint(py::module_& m) {
               py::gil_scoped_release nogil;
               h.emplace(c.save(step, list.items, blob, t, call_begin_us));
             }
-            list.clear_tensors();  // the snapshot holds what it still needs
+            if (!list.keep) list.clear_tensors();  // the snapshot holds what it still needs
             return *h;
           },
           py::arg("step"), py::arg("tensors"), py::arg("extra") = py::bytes(), py::arg("tier") = "disk",

@@ -19,4 +19,5 @@ PYBIND11_MODULE(_C, m) {
   auto checkpoint = m.def_submodule("checkpoint", "async checkpoint stager and checkpointer");
   ettkit::python::bind_checkpoint(checkpoint);
   ettkit::python::bind_dtype(checkpoint);
+  ettkit::python::bind_state_guard(checkpoint);
 }

@@ -57,7 +57,8 @@ def test_the_first_save_after_prepare_uses_its_arena_and_takes_no_page_fault_for
 def test_prepare_also_does_the_python_side_of_the_first_save(tmp_path):
     """The skeleton encoded and the names converted for C++ at prepare() time, on the caller's thread, are
     what the first save() reuses (for 10^4 tensors each costs milliseconds of that save's blocking); and
-    prepare() keeps no reference to a tensor of the state."""
+    prepare() binds the state (_state_binding.py), whose references last until a save binds another state:
+    a tensor replaced in between is freed by that save, with no cyclic collection needed."""
     with AsyncCheckpointer(tmp_path, recorder=None, preempt_signals=()) as ck:
         state = {"model": {f"t{i}": torch.full((8,), float(i)) for i in range(2000)}}
         ck.prepare(state)
@@ -67,9 +68,10 @@ def test_prepare_also_does_the_python_side_of_the_first_save(tmp_path):
         probe = torch.zeros(8)
         ref = weakref.ref(probe)
         ck.prepare({"model": {**state["model"], "t0": probe}}, wait=True)  # same structure, another tensor
+        assert ck._bound.binding is not None
         del probe
-        assert ref() is None  # prepare() let go of it, with no cyclic collection needed
-        ck.save(1, state).wait()
+        ck.save(1, state).wait()  # another state than the bound one: walked, and bound in its place
+        assert ref() is None  # the save let go of the tensor prepare() had bound
         assert ck._skeleton_code is code and ck._names is names  # the first save re-encoded nothing
 
 

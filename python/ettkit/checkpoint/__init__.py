@@ -46,6 +46,7 @@ from ._load_plan import LoadPlan
 from ._options import CheckpointerConfig, rank_world_store
 from ._preemption import Preemption
 from ._skeleton_codec import encode_extra, encode_skeleton
+from ._state_binding import BoundSaves
 from .data_position import DataPosition
 
 __all__ = ["AUTO_UNMEASURED_INTERVAL_S", "AsyncCheckpointer", "Attachment", "DataPosition", "DcpStager",
@@ -208,6 +209,7 @@ class AsyncCheckpointer:
         self._skeleton: Any = None
         self._skeleton_code = None  # the previous save's skeleton, encoded (_skeleton_codec.EncodedSkeleton)
         self._skeleton_comparable = False
+        self._bound = BoundSaves(allow_pickle=config.allow_pickle)
 
     def _open_replica_group(self, store, rank: int, world: int, ranks_per_host: int, timeout_s: float):
         """The side gloo group that carries replicas (its own PrefixStore: no key of the training's groups)."""
@@ -250,23 +252,27 @@ class AsyncCheckpointer:
         step = step_number(step)
         if tier is None:
             tier = self.due(step) or "disk"
-        # Statefuls (modules, optimizers, ...) give a fresh state_dict() here, so the save holds the state an
-        # optimizer created since the last one; so does a dict captured from an attached optimizer.
-        names, tensors, skeleton, comparable, _ = flatten_state(state_dict, self._find_optimizer())
-        # Names and the encoded skeleton are handed over again only when they changed: for a state dict of
-        # 10^4 tensors converting the names and encoding the skeleton would dominate the blocking time. The
-        # skeleton and extra= are encoded first, so that a value the format refuses changes nothing.
-        self._encode_skeleton(skeleton, comparable)
-        blob = encode_extra(self._skeleton_code, extra, self._c.world_size, allow_pickle=self._allow_pickle,
+        # A bound state (_state_binding.py) is checked, not walked: its names and tensors are the binding's,
+        # and only its tensor-free parts are taken afresh. Otherwise Statefuls (modules, optimizers, ...) give
+        # a fresh state_dict() here, so the save holds the state an optimizer created since the last one; so
+        # does a dict captured from an attached optimizer.
+        find_optimizer = self._find_optimizer()
+        _, code = self._bound.take(state_dict, find_optimizer)
+        walked = code is None
+        if walked:
+            names, tensors, skeleton, comparable, _ = flatten_state(state_dict, find_optimizer)
+            # The encoded skeleton (and names, below) are made again only when they changed: for a state dict
+            # of 10^4 tensors converting the names and encoding the skeleton would dominate the blocking time.
+            # The skeleton and extra= are encoded first, so that a value the format refuses changes nothing.
+            self._encode_skeleton(skeleton, comparable)
+            code = self._skeleton_code
+        blob = encode_extra(code, extra, self._c.world_size, allow_pickle=self._allow_pickle,
                             rng=rng_state.capture() if self._rng_state else None)
         if self._fences.attachments:
             self._c.set_copy_priority(*self._fences.priority())
-        if names == self._names:
-            self._tensor_list.set(None, tensors)
-        else:
-            check_unique(names)
-            self._tensor_list.set(names, tensors)
-            self._names = names
+        if walked:
+            self._hand_over(state_dict, names, tensors, skeleton, code, find_optimizer)
+        # else: the tensor list holds the binding's tensors, kept since it was bound (nothing per tensor).
         handle = self._c.save(step, self._tensor_list, blob, tier, call_begin_us=call_begin_us)
         if not handle.skipped:
             self._schedule.saved(step, handle.tier, self._clock())
@@ -294,10 +300,16 @@ class AsyncCheckpointer:
         # and the names converted for C++ (for 10^4 tensors, milliseconds each), kept for the saves of the same
         # structure. The tensor references are dropped at once: prepare() keeps no tensor alive.
         self._encode_skeleton(skeleton, comparable)
-        if names != self._names:
+        if names == self._names:
+            self._tensor_list.set(None, tensors)
+        else:
             self._tensor_list.set(names, tensors)
-            self._tensor_list.clear_tensors()
             self._names = names
+        # The state is bound now, so that the first save is checked, not walked. Unbound, no tensor is kept.
+        self._bound.bind(state_dict, names, tensors, skeleton, self._skeleton_code, self._find_optimizer())
+        self._tensor_list.keep = self._bound.binding is not None
+        if not self._tensor_list.keep:
+            self._tensor_list.clear_tensors()
         self.wait_prepared()  # one at a time
         if wait:
             self._prepare_outcome = self._c.prepare(self._prepare_list(names, tensors))
@@ -306,6 +318,21 @@ class AsyncCheckpointer:
         self._prepare_thread = threading.Thread(target=self._run_prepare, args=(names, tensors),
                                                 name="ettkit-checkpoint-prepare", daemon=True)
         self._prepare_thread.start()
+
+    def _hand_over(self, state: Any, names: list, tensors: list, skeleton: Any, code: Any, find_optimizer: Any) -> None:
+        """Gives a walked save's names (when they changed) and tensors to the C++ list, and binds the state
+        when its names are those of the save before (_state_binding.BoundSaves). A binding exists only while
+        the list holds its tensors: it is made after they are handed over, and the list keeps them."""
+        tensor_list = self._tensor_list
+        if names == self._names:
+            tensor_list.set(None, tensors)
+            self._bound.walked(state, names, tensors, skeleton, code, find_optimizer)
+        else:
+            check_unique(names)
+            tensor_list.set(names, tensors)
+            self._names = names
+            self._bound.drop()
+        tensor_list.keep = self._bound.binding is not None
 
     def _encode_skeleton(self, skeleton: Any, comparable: bool) -> None:
         """Encodes the skeleton unless it equals the previous one (then its encoding is reused): a skeleton
@@ -518,6 +545,9 @@ class AsyncCheckpointer:
         for att in self._fences.attachments:
             att.remove()
         self._finalizer.detach()
+        self._bound.drop()
+        self._tensor_list.keep = False
+        self._tensor_list.clear_tensors()
         self._c.close(bool(discard_memory_tier))
         self._preemption.uninstall()
 

@@ -29,13 +29,14 @@ class _Encoder:
     format has no tag for (raising :class:`Refused`); an int pickles such a value when its pickle takes at
     most that many bytes (and only when the restricted unpickler would build it back)."""
 
-    __slots__ = ("out", "nodes", "arrays", "pickle_limit", "key_sets")
+    __slots__ = ("out", "nodes", "arrays", "pickle_limit", "key_sets", "holes")
 
     def __init__(self, pickle_limit: Optional[int]):
         self.out = bytearray()
         self.nodes = self.arrays = 0
         self.pickle_limit = pickle_limit
         self.key_sets: dict = {}  # the key tuple of each K dict written -> its number, for R
+        self.holes: list = []  # (offset, depth, index) of each Hole met (encode_template)
 
     def value(self, obj: Any, depth: int) -> None:
         out = self.out
@@ -169,6 +170,9 @@ class _Encoder:
             self.value((tuple(obj.size), obj.dtype, tuple(obj.shards)), depth + 1)
         elif (t is torch.Tensor or t is torch.nn.Parameter) and _plain_array(obj):
             self._array(obj)
+        elif t is Hole:
+            self.nodes -= 1  # the value filled in counts its own
+            self.holes.append((len(out), depth, obj.index))
         else:
             self._pickled(obj, depth)
 
@@ -299,6 +303,51 @@ def encode_skeleton(skeleton: Any, *, allow_pickle: bool) -> EncodedSkeleton:
     except Refused as e:
         raise _refusal(e, field_name(["skeleton", *e.path[::-1]]), SAVE_VALID, "or a tensor or a Stateful") from None
     return EncodedSkeleton(bytes(enc.out), enc.nodes)
+
+
+class Hole:
+    """Where a bound state's tensor-free part goes in a :class:`SkeletonTemplate` (_state_binding.py)."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+class SkeletonTemplate:
+    """A skeleton's encoding with holes: the bytes around them, encoded once, and each hole's depth. A
+    tensor-free part of a state (a step count, an LR scheduler, an optimizer's ``param_groups``) is encoded
+    on its own at every save and put in its hole, which makes the same bytes as encoding the whole skeleton:
+    such a part writes no K/R key set (those hold placeholders, which a tensor-free part has none of), so its
+    encoding does not depend on what was written before it, nor what follows on it."""
+
+    __slots__ = ("fragments", "depths", "nodes", "pickle_limit")
+
+    def __init__(self, template: Any, *, allow_pickle: bool):
+        enc = _Encoder(MAX_LEAF_BYTES if allow_pickle else None)
+        enc.value(template, 1)
+        data = bytes(enc.out)
+        cuts = [h[0] for h in enc.holes]
+        if [h[2] for h in enc.holes] != list(range(len(enc.holes))):
+            raise AssertionError("a skeleton template's holes are not met in order")
+        self.fragments = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)])]
+        self.depths = [h[1] for h in enc.holes]
+        self.nodes = enc.nodes
+        self.pickle_limit = enc.pickle_limit
+
+    def fill(self, parts: list) -> EncodedSkeleton:
+        """The encoding of the skeleton with ``parts`` (skeletons, in hole order) in the holes. Raises
+        :class:`Refused` for a part the format refuses (the caller encodes the whole skeleton again, which
+        raises the error naming its key)."""
+        out = [self.fragments[0]]
+        nodes = self.nodes
+        for part, depth, after in zip(parts, self.depths, self.fragments[1:]):
+            enc = _Encoder(self.pickle_limit)
+            enc.value(part, depth)
+            nodes += enc.nodes
+            out.append(enc.out)
+            out.append(after)
+        return EncodedSkeleton(b"".join(out), nodes)
 
 
 def encode_extra(skeleton: EncodedSkeleton, extra: Any, world_size: int, *, allow_pickle: bool,
