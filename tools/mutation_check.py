@@ -83,6 +83,7 @@ class Mutation:
 MANY = "checkpoint_integrity_many_chunks_test"
 ARENA = "checkpoint_memory_tier_arena_test"
 FUSED = "checkpoint_fused_digest_test"
+BOUND = "tests/python/test_checkpoint_bound_save.py::"
 
 # The table. Each entry is a plausible one-line bug that leaves every good checkpoint loading, so that only a
 # test with the right corrupt input sees it. Keep `original` exact (the check refuses a snippet that is not
@@ -330,6 +331,48 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a tensor copied on the caller's thread is reported (and hashed at once) before its copy: the disk tier's "
         "whole-tensor digest is of the arena's previous bytes (#68 audit)",
         (Test(FUSED, "FusedDigestStager.TensorsCopiedOnTheCallersThreadAreHashedAsCopiedEveryRound"),)),
+    # The bound save (#65): each check that keeps a stale binding from saving the wrong tensors or skeleton.
+    Mutation(
+        "bound-entry-identity", "python/ettkit/checkpoint/_state_binding.py",
+        "checked.append(type(child) is not Hole)\n            out[k] = child",
+        "checked.append(False)\n            out[k] = child",
+        "a bound dict's values are not compared: a tensor replaced in the state is saved as the old one",
+        (Test(pytest=BOUND + "test_a_plain_state_changed_between_saves_is_saved_as_a_walk_would[tensor_replaced]"),
+         Test(pytest=BOUND + "test_a_plain_state_changed_between_saves_is_saved_as_a_walk_would"
+                             "[value_where_a_tensor_was]"))),
+    Mutation(
+        "bound-island-grew-tensors", "python/ettkit/checkpoint/_state_binding.py",
+        "if walk.names:  # a tensor where there was none",
+        "if False:  # a tensor where there was none",
+        "a tensor-free part of a bound state that now holds a tensor is encoded as a placeholder of no tensor",
+        (Test(pytest=BOUND + "test_a_plain_state_changed_between_saves_is_saved_as_a_walk_would"
+                             "[tensor_where_a_value_was]"),)),
+    Mutation(
+        "bound-module-persistent-set", "python/ettkit/checkpoint/_state_binding.py",
+        "self.guard.set(tables[3], list(tables[3]))",
+        "pass",
+        "a module's non-persistent buffer names are not pinned: a buffer made persistent is left out of saves",
+        (Test(pytest=BOUND + "test_a_module_and_optimizer_changed_between_saves_are_saved_as_a_walk_would"
+                             "[buffer_made_persistent]"),)),
+    Mutation(
+        "bound-module-hooks", "python/ettkit/checkpoint/_state_binding.py",
+        "for hooks in tables[4:]:",
+        "for hooks in tables[6:]:",
+        "a module's state-dict hook tables are not pinned: a hook registered after the state was bound is never run",
+        (Test(pytest=BOUND + "test_a_state_dict_hook_registered_later_unbinds_the_state_for_good[module_hook]"),)),
+    Mutation(
+        "bound-optimizer-params", "python/ettkit/checkpoint/_state_binding.py",
+        "self.guard.sequence(params, list(params), [True] * len(params))",
+        "pass",
+        "an optimizer group's parameter list is not pinned: its packed parameter numbers go stale",
+        (Test(pytest=BOUND + "test_a_module_and_optimizer_changed_between_saves_are_saved_as_a_walk_would"
+                             "[params_list_edited]"),)),
+    Mutation(
+        "skeleton-reuse-ignores-order", "python/ettkit/checkpoint/__init__.py",
+        "self._skeleton_comparable and names == self._names and skeleton == self._skeleton",
+        "self._skeleton_comparable and skeleton == self._skeleton",
+        "keys reordered around tensors keep the previous skeleton's order (dict == ignores order)",
+        (Test(pytest=BOUND + "test_a_plain_state_changed_between_saves_is_saved_as_a_walk_would[keys_reordered]"),)),
 )
 
 # A subset for CI, one per integrity layer that compiles fastest (file_checksums.cpp, step_files.cpp and

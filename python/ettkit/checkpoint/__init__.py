@@ -264,7 +264,7 @@ class AsyncCheckpointer:
             # The encoded skeleton (and names, below) are made again only when they changed: for a state dict
             # of 10^4 tensors converting the names and encoding the skeleton would dominate the blocking time.
             # The skeleton and extra= are encoded first, so that a value the format refuses changes nothing.
-            self._encode_skeleton(skeleton, comparable)
+            self._encode_skeleton(skeleton, comparable, names)
             code = self._skeleton_code
         blob = encode_extra(code, extra, self._c.world_size, allow_pickle=self._allow_pickle,
                             rng=rng_state.capture() if self._rng_state else None)
@@ -299,7 +299,7 @@ class AsyncCheckpointer:
         # What the first save() would do on this thread for the Python side, done now: the skeleton encoded
         # and the names converted for C++ (for 10^4 tensors, milliseconds each), kept for the saves of the same
         # structure. The tensor references are dropped at once: prepare() keeps no tensor alive.
-        self._encode_skeleton(skeleton, comparable)
+        self._encode_skeleton(skeleton, comparable, names)
         if names == self._names:
             self._tensor_list.set(None, tensors)
         else:
@@ -334,10 +334,13 @@ class AsyncCheckpointer:
             self._bound.drop()
         tensor_list.keep = self._bound.binding is not None
 
-    def _encode_skeleton(self, skeleton: Any, comparable: bool) -> None:
+    def _encode_skeleton(self, skeleton: Any, comparable: bool, names: list) -> None:
         """Encodes the skeleton unless it equals the previous one (then its encoding is reused): a skeleton
-        whose leaves are all values (``comparable``) is compared with ``==``; any other is encoded again."""
-        if not (comparable and self._skeleton_comparable and skeleton == self._skeleton):
+        whose leaves are all values (``comparable``) is compared with ``==``; any other is encoded again.
+        ``==`` on dicts ignores their order, which the encoding keeps: the names (the tensors' keys in the
+        walk's order) must be the previous save's too, so that keys reordered around tensors are encoded in
+        their new order, as a walk of a new checkpointer encodes them."""
+        if not (comparable and self._skeleton_comparable and names == self._names and skeleton == self._skeleton):
             code = encode_skeleton(skeleton, allow_pickle=self._allow_pickle)
             self._skeleton, self._skeleton_code, self._skeleton_comparable = skeleton, code, comparable
 

@@ -105,11 +105,12 @@ class BoundSaves:
     whose tensors are new objects each time) makes the checkpointer wait 2, 4, ... 64 saves before it binds
     again, so that such a state pays for a bind once in a while, not at every save."""
 
-    __slots__ = ("binding", "allow_pickle", "misses", "wait")
+    __slots__ = ("binding", "allow_pickle", "misses", "wait", "saves")
 
     def __init__(self, *, allow_pickle: bool):
         self.binding: Optional[StateBinding] = None
         self.allow_pickle = allow_pickle
+        self.saves = 0  # saves made through a binding (tests read it)
         self.misses = 0  # bindings in a row that no save used
         self.wait = 0  # walked saves to let pass before binding again
 
@@ -127,6 +128,7 @@ class BoundSaves:
             self.binding = None
             return None, None
         self.misses = 0
+        self.saves += 1
         return b.tensors, code
 
     def walked(self, state: Any, names: list, tensors: list, skeleton: Any, code: EncodedSkeleton,
