@@ -252,18 +252,16 @@ class AsyncCheckpointer:
         step = step_number(step)
         if tier is None:
             tier = self.due(step) or "disk"
-        # A bound state (_state_binding.py) is checked, not walked: its names and tensors are the binding's,
-        # and only its tensor-free parts are taken afresh. Otherwise Statefuls (modules, optimizers, ...) give
-        # a fresh state_dict() here, so the save holds the state an optimizer created since the last one; so
-        # does a dict captured from an attached optimizer.
+        # A bound state (_state_binding.py) is checked, not walked. Otherwise Statefuls (modules, optimizers,
+        # ...) give a fresh state_dict() here, so the save holds the state an optimizer created since the last
+        # one; so does a dict captured from an attached optimizer.
         find_optimizer = self._find_optimizer()
         _, code = self._bound.take(state_dict, find_optimizer)
         walked = code is None
         if walked:
             names, tensors, skeleton, comparable, _ = flatten_state(state_dict, find_optimizer)
-            # The encoded skeleton (and names, below) are made again only when they changed: for a state dict
-            # of 10^4 tensors converting the names and encoding the skeleton would dominate the blocking time.
-            # The skeleton and extra= are encoded first, so that a value the format refuses changes nothing.
+            # The encoded skeleton (and names, below) are made again only when they changed. The skeleton and
+            # extra= are encoded first, so that a value the format refuses changes nothing.
             self._encode_skeleton(skeleton, comparable, names)
             code = self._skeleton_code
         blob = encode_extra(code, extra, self._c.world_size, allow_pickle=self._allow_pickle,
@@ -291,14 +289,16 @@ class AsyncCheckpointer:
         thread and raises what it raises. In the background, an error (the state beyond
         ``memory_budget_bytes``, a dtype safetensors cannot store) is raised by :meth:`wait_prepared`, and
         the first ``save()`` raises it too. A state whose structure changes later (an optimizer's lazy
-        state) is planned again at its save, as without ``prepare``."""
+        state) is planned again at its save, as without ``prepare``. It also binds the state
+        (docs/checkpoint.md, "The bound save"): the first save checks it instead of walking it, and the
+        binding keeps references to the state's containers and tensors until a save binds another."""
         if self._closed:
             raise InvalidArgumentError("prepare() on a closed checkpointer")
         names, tensors, skeleton, comparable, _ = flatten_state(state_dict, self._find_optimizer())
         check_unique(names)
         # What the first save() would do on this thread for the Python side, done now: the skeleton encoded
         # and the names converted for C++ (for 10^4 tensors, milliseconds each), kept for the saves of the same
-        # structure. The tensor references are dropped at once: prepare() keeps no tensor alive.
+        # structure. The tensors are kept only by a binding (below): unbound, prepare() keeps none alive.
         self._encode_skeleton(skeleton, comparable, names)
         if names == self._names:
             self._tensor_list.set(None, tensors)
