@@ -60,10 +60,11 @@ class _Island:
     walk starts from there (from the state passed to this save for an entry of the root, which may be a new
     dict at every save; from the bound container, which the guard proved is still the one, below it) (a value, a container, a Stateful), ``prefix`` its key."""
 
-    __slots__ = ("source", "prefix")
+    __slots__ = ("source", "prefix", "inside")
 
-    def __init__(self, source: Callable[[Any], Any], prefix: str):
-        self.source, self.prefix = source, prefix
+    def __init__(self, source: Callable[[Any], Any], prefix: str, inside: bool):
+        # inside: the part lies in a Stateful's state dict, which the walk trusts as current (_SaveWalk.inside)
+        self.source, self.prefix, self.inside = source, prefix, inside
 
 
 class StateBinding:
@@ -86,6 +87,7 @@ class StateBinding:
         parts = []
         for island in self.islands:
             walk = _SaveWalk(True, find_optimizer, False)
+            walk.inside = island.inside
             part = walk.node(island.source(state), island.prefix)
             if walk.names:  # a tensor where there was none: the structure changed
                 return None
@@ -199,9 +201,10 @@ class _Binder:
         self.guard = _C.checkpoint.StateGuard()
         self.islands: list[_Island] = []
         self.find_optimizer = find_optimizer
+        self.inside = 0  # > 0 while binding an optimizer's state dict
 
     def island(self, source: Callable[[Any], Any], prefix: str) -> Hole:
-        self.islands.append(_Island(source, prefix))
+        self.islands.append(_Island(source, prefix, self.inside > 0))
         return Hole(len(self.islands) - 1)
 
     def node(self, live: Any, skel: Any, prefix: str, source: Optional[Callable[[Any], Any]],
@@ -222,7 +225,11 @@ class _Binder:
         if isinstance(live, _Module):
             return self.module(live, skel)
         if isinstance(live, _Optimizer):
-            return self.optimizer(live, skel, prefix)
+            self.inside += 1
+            try:
+                return self.optimizer(live, skel, prefix)
+            finally:
+                self.inside -= 1
         raise _Unbindable(prefix)
 
     def dict(self, live: dict, skel: Any, prefix: str, root: bool) -> dict:
