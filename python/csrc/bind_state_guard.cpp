@@ -6,13 +6,22 @@
 // order, the identity of each key and of each value that must not change. check() answers whether every node
 // still holds exactly that. It compares pointers only: it runs no Python code (no __eq__, no __hash__ but a
 // str's cached one), so nothing can change a container while it looks, and it takes ~10 ns per entry
-// (20,001 tensors: well under a millisecond).
+// (20,001 tensors: well under a millisecond). A dict that was not modified since it last held is not even
+// scanned where CPython still keeps a dict version (PEP 509's ma_version_tag, up to 3.13): a global counter
+// stamped on every change, so an equal stamp on a dict the guard keeps alive means the same contents.
 //
 // Ownership: the guard holds a strong reference to every container, key and value it names. That is what
 // makes identity a proof: an object the guard references cannot be freed, so no new object can reuse its
 // address and pass for it. The price, documented for users, is that a tensor replaced in the state stays
 // alive until the next save rebinds (or the checkpointer closes).
 #include <Python.h>
+
+// PEP 509's dict version: deprecated in 3.12, gone in 3.14 (then every dict is scanned).
+#if PY_VERSION_HEX < 0x030E0000
+#define ETTKIT_DICT_VERSION 1
+#else
+#define ETTKIT_DICT_VERSION 0
+#endif
 
 #include <algorithm>
 #include <vector>
@@ -76,7 +85,20 @@ class StateGuard {
     PyTypeObject* type;
     bool root;
     size_t begin, end;  // its entries: entries_[begin, end)
+    // The dict's version when it last held (0: not known). Only check() writes it, under the GIL.
+    mutable uint64_t version = 0;
   };
+
+#if ETTKIT_DICT_VERSION
+#if defined(__GNUC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+#endif
+  static uint64_t dict_version(PyObject* d) { return reinterpret_cast<PyDictObject*>(d)->ma_version_tag; }
+#if defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif
+#endif
 
   void add(Kind kind, const py::handle& obj, const py::list& keys, const py::list& values, const py::list& checked,
            bool root) {
@@ -105,6 +127,11 @@ class StateGuard {
     const auto count = static_cast<Py_ssize_t>(n.end - n.begin);
     switch (n.kind) {
       case Kind::kDict: {
+#if ETTKIT_DICT_VERSION
+        // Not for the root: that may be another dict at every save (its stamp would differ anyway).
+        const uint64_t version = dict_version(o);
+        if (!n.root && n.version != 0 && version == n.version) return true;
+#endif
         if (PyDict_GET_SIZE(o) != count) return false;
         Py_ssize_t pos = 0;
         PyObject* k;
@@ -113,6 +140,9 @@ class StateGuard {
           if (!PyDict_Next(o, &pos, &k, &v)) return false;
           if (k != e->key.ptr() || (e->value && v != e->value.ptr())) return false;
         }
+#if ETTKIT_DICT_VERSION
+        if (!n.root) n.version = version;
+#endif
         return true;
       }
       case Kind::kAttrs:
