@@ -354,3 +354,16 @@ def test_the_binding_lets_go_of_the_state_at_close(tmp_path):
     ck.close()
     gc.collect()
     assert ref() is None
+
+
+def test_an_attached_model_and_optimizer_are_bound_and_their_saves_overlap_training(pair):
+    """attach(): the saves return before their copies are done, the fences order the writers, and a bound
+    save of an attached model and optimizer writes what a walk writes, step after step."""
+    model, opt, sched = training()
+    train_step(model, opt, sched)
+    pair.ck.attach(model=model, optimizer=opt)
+    state = {"model": model, "optim": opt, "sched": sched}
+    pair.ck.prepare(state, wait=True)
+    for _ in range(4):
+        assert pair.save(state)
+        train_step(model, opt, sched)
