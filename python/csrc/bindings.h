@@ -26,6 +26,9 @@ void bind_startup(pybind11::module_& m);
 void bind_checkpoint(pybind11::module_& m);
 /// The checkpoint's dtype table, into the checkpoint submodule (bind_dtype.cpp).
 void bind_dtype(pybind11::module_& m);
+/// The rules of a step's files (safetensors header, manifest world_size, message caps), into the checkpoint
+/// submodule (bind_step_files.cpp).
+void bind_step_files(pybind11::module_& m);
 /// The StateGuard of a bound save, into the checkpoint submodule (bind_state_guard.cpp).
 void bind_state_guard(pybind11::module_& m);
 void bind_logging(pybind11::module_& m);

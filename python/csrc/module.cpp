@@ -19,5 +19,6 @@ PYBIND11_MODULE(_C, m) {
   auto checkpoint = m.def_submodule("checkpoint", "async checkpoint stager and checkpointer");
   ettkit::python::bind_checkpoint(checkpoint);
   ettkit::python::bind_dtype(checkpoint);
+  ettkit::python::bind_step_files(checkpoint);
   ettkit::python::bind_state_guard(checkpoint);
 }

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "checkpoint/identifiers.h"
+#include "ettkit/checkpoint/step_format.h"  // kMaxWorldSize, checked_world_size
 #include "ettkit/common/error.h"
 
 namespace ettkit::checkpoint::detail {
@@ -138,13 +139,14 @@ uint64_t manifest_decodes() { return g_decodes.load(std::memory_order_relaxed); 
 Manifest decode_manifest(const std::string& text, const std::string& source) {
   g_decodes.fetch_add(1, std::memory_order_relaxed);
   json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  ETTKIT_CHECK(!j.is_discarded(), CorruptData, "manifest '", source, "' is not valid JSON");
   ETTKIT_CHECK(j.is_object(), CorruptData, "manifest '", source, "' is not a JSON object");
   const std::string where = "manifest '" + source + "'";
   JsonFields r{where};
   check_format_and_version(r, j);
   Manifest m;
   m.step = r.integer(*r.find(j, "step", true), "step", 0, kMaxStep);
-  m.world_size = static_cast<int>(r.integer(*r.find(j, "world_size", true), "world_size", 1, INT_MAX));
+  m.world_size = static_cast<int>(r.integer(*r.find(j, "world_size", true), "world_size", 1, kMaxWorldSize));
   if (const json* v = r.find(j, "created_unix_us", false)) {
     m.created_unix_us = r.integer(*v, "created_unix_us", 0, INT64_MAX);
   }
@@ -173,3 +175,15 @@ std::string manifest_run_id(const Manifest& m, const std::string& source) {
 }
 
 }  // namespace ettkit::checkpoint::detail
+
+namespace ettkit::checkpoint {
+
+int checked_world_size(const std::string& value_json, const std::string& source) {
+  const std::string where = "manifest '" + source + "'";
+  detail::JsonFields r{where};
+  nlohmann::json v = nlohmann::json::parse(value_json, nullptr, /*allow_exceptions=*/false);
+  if (v.is_discarded()) r.bad("world_size", nullptr, "an integer");
+  return static_cast<int>(r.integer(v, "world_size", 1, kMaxWorldSize));
+}
+
+}  // namespace ettkit::checkpoint

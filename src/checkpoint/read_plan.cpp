@@ -9,6 +9,7 @@
 #include "checkpoint/file_checksums.h"
 #include "common/logging.h"
 #include "ettkit/checkpoint/safetensors_dtypes.h"
+#include "ettkit/checkpoint/step_format.h"  // kMaxListedInMessage
 
 namespace ettkit::checkpoint::detail {
 
@@ -34,10 +35,11 @@ bool under_prefix(const std::string& name, const std::vector<std::string>& prefi
 }
 
 namespace {
-/// The first kShown of `items`, each written by `put`, joined by `sep`, and how many more there are.
+/// The first kShown of `items`, each written by `put`, joined by `sep`, and how many more there are (the cap
+/// is step_format.h's, which Python's messages take too).
 template <class Put>
 std::string bounded_list(const std::vector<std::string>& items, const char* sep, Put put) {
-  constexpr size_t kShown = 12;
+  constexpr size_t kShown = kMaxListedInMessage;
   std::string out;
   for (size_t i = 0; i < std::min(items.size(), kShown); ++i) out += (i ? sep : "") + put(items[i]);
   if (items.size() > kShown) out += sep + std::string("... (") + std::to_string(items.size() - kShown) + " more)";

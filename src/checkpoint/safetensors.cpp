@@ -225,19 +225,68 @@ SafetensorsIndex read_safetensors_index(const ReadFile& file) {
   const std::string& path = file.path();
   const uint64_t size = file.size();
   ETTKIT_CHECK(size >= 8, CorruptData, "safetensors file '", path, "' has ", size, " bytes; at least 8 needed");
-  unsigned char len_bytes[8];
+  char len_bytes[8];
   read_exact(file.fd(), len_bytes, 8, 0, path);
+  const uint64_t n = safetensors_header_length(path, std::string_view(len_bytes, 8), size);
+  std::string text(n, '\0');
+  read_exact(file.fd(), text.data(), n, 8, path);
+  return parse_safetensors_header(path, text, size);
+}
+
+namespace {
+/// The entry `raw` checked: a dtype of the table, dimensions whose byte count does not overflow, a byte range
+/// inside the data section of exactly that many bytes.
+SafetensorsEntry checked_entry(const std::string& path, RawSafetensorsEntry& raw, uint64_t data_size) {
+  SafetensorsEntry e;
+  e.name = std::move(raw.name);
+  e.dtype = std::move(raw.dtype);
+  int es = safetensors_dtype_size(e.dtype);
+  ETTKIT_CHECK(es > 0, CorruptData, "safetensors file '", path, "': entry '", e.name, "' has unknown dtype '",
+               e.dtype, "'");
+  uint64_t bytes = static_cast<uint64_t>(es);
+  e.shape.reserve(raw.shape.size());
+  for (uint64_t d : raw.shape) {
+    // A dimension must fit int64 (torch sizes) and the byte count must not overflow: a product that wraps
+    // would let a huge shape pass the size check below.
+    bool dim_ok = d <= static_cast<uint64_t>(INT64_MAX) && !__builtin_mul_overflow(bytes, d, &bytes);
+    ETTKIT_CHECK(dim_ok, CorruptData, "safetensors file '", path, "': entry '", e.name, "' has a bad shape (",
+                 "dimension ", d, " overflows)");
+    e.shape.push_back(static_cast<int64_t>(d));
+  }
+  e.begin = raw.offsets[0];
+  e.end = raw.offsets[1];
+  ETTKIT_CHECK(e.begin <= e.end && e.end <= data_size && e.end - e.begin == bytes, CorruptData,
+               "safetensors file '", path, "': entry '", e.name, "' has data_offsets [", e.begin, ", ", e.end,
+               "], not a range inside the file's ", data_size, " data bytes of its shape's ", bytes, " bytes");
+  return e;
+}
+}  // namespace
+
+}  // namespace ettkit::checkpoint::detail
+
+namespace ettkit::checkpoint {
+
+uint64_t safetensors_header_length(const std::string& path, std::string_view first8, uint64_t size) {
+  using detail::kMaxSafetensorsHeaderBytes;
+  ETTKIT_CHECK(size >= 8 && first8.size() == 8, CorruptData, "safetensors file '", path, "' has ", size,
+               " bytes; at least 8 needed");
   uint64_t n = 0;
-  for (int i = 7; i >= 0; --i) n = (n << 8) | len_bytes[i];
+  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>(first8[static_cast<size_t>(i)]);
   ETTKIT_CHECK(n <= size - 8 && n <= kMaxSafetensorsHeaderBytes, CorruptData, "safetensors file '", path,
                "' declares a header of ", n, " bytes but the file has ", size, " bytes (the format's limit is ",
                kMaxSafetensorsHeaderBytes, ")");
-  std::string text(n, '\0');
-  read_exact(file.fd(), text.data(), n, 8, path);
+  return n;
+}
+
+SafetensorsIndex parse_safetensors_header(const std::string& path, std::string_view text, uint64_t size) {
+  const uint64_t n = text.size();
+  using detail::kMaxSafetensorsHeaderBytes;
+  ETTKIT_CHECK(size >= 8 && n <= size - 8 && n <= kMaxSafetensorsHeaderBytes, CorruptData, "safetensors file '",
+               path, "' has a header of ", n, " bytes but the file has ", size, " bytes");
   // Decoded token by token against the format's layout (SafetensorsHeaderDecoder): no JSON tree, and no
   // typed nlohmann getter that could throw its own exception or silently convert a value.
-  SafetensorsHeaderDecoder decoder;
-  if (!json::sax_parse(text, &decoder)) {
+  detail::SafetensorsHeaderDecoder decoder;
+  if (!nlohmann::json::sax_parse(text, &decoder)) {
     ETTKIT_THROW(CorruptData, "safetensors file '", path, "' has a malformed header: ",
                  decoder.error().empty() ? std::string("the header is not a JSON object") : decoder.error());
   }
@@ -247,27 +296,7 @@ SafetensorsIndex read_safetensors_index(const ReadFile& file) {
   idx.metadata = std::move(decoder.metadata());
   std::vector<std::pair<uint64_t, uint64_t>> ranges;
   for (auto& raw : decoder.entries()) {
-    SafetensorsEntry e;
-    e.name = std::move(raw.name);
-    e.dtype = std::move(raw.dtype);
-    int es = safetensors_dtype_size(e.dtype);
-    ETTKIT_CHECK(es > 0, CorruptData, "safetensors file '", path, "': entry '", e.name, "' has unknown dtype '",
-                 e.dtype, "'");
-    uint64_t bytes = static_cast<uint64_t>(es);
-    e.shape.reserve(raw.shape.size());
-    for (uint64_t d : raw.shape) {
-      // A dimension must fit int64 (torch sizes) and the byte count must not overflow: a product that wraps
-      // would let a huge shape pass the size check below.
-      bool dim_ok = d <= static_cast<uint64_t>(INT64_MAX) && !__builtin_mul_overflow(bytes, d, &bytes);
-      ETTKIT_CHECK(dim_ok, CorruptData, "safetensors file '", path, "': entry '", e.name, "' has a bad shape (",
-                   "dimension ", d, " overflows)");
-      e.shape.push_back(static_cast<int64_t>(d));
-    }
-    e.begin = raw.offsets[0];
-    e.end = raw.offsets[1];
-    ETTKIT_CHECK(e.begin <= e.end && e.end <= idx.data_size && e.end - e.begin == bytes, CorruptData,
-                 "safetensors file '", path, "': entry '", e.name, "' has data_offsets [", e.begin, ", ", e.end,
-                 "] inconsistent with its shape or the data size ", idx.data_size);
+    SafetensorsEntry e = detail::checked_entry(path, raw, idx.data_size);
     ranges.emplace_back(e.begin, e.end);
     std::string name = e.name;
     ETTKIT_CHECK(idx.tensors.emplace(name, std::move(e)).second, CorruptData, "safetensors file '", path,
@@ -276,9 +305,10 @@ SafetensorsIndex read_safetensors_index(const ReadFile& file) {
   std::sort(ranges.begin(), ranges.end());
   for (size_t i = 1; i < ranges.size(); ++i) {
     ETTKIT_CHECK(ranges[i].first >= ranges[i - 1].second, CorruptData, "safetensors file '", path,
-                 "' has overlapping tensors");
+                 "' has overlapping tensors (data_offsets [", ranges[i - 1].first, ", ", ranges[i - 1].second,
+                 "] and [", ranges[i].first, ", ", ranges[i].second, "])");
   }
   return idx;
 }
 
-}  // namespace ettkit::checkpoint::detail
+}  // namespace ettkit::checkpoint

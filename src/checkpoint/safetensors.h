@@ -10,19 +10,17 @@
 
 #include "checkpoint/file_io.h"
 #include "ettkit/checkpoint/shard_names.h"  // kWholeTensorDigestPrefix: the digests a header carries
+#include "ettkit/checkpoint/step_format.h"  // SafetensorsEntry, SafetensorsIndex and the header's parse
 
 #pragma GCC visibility push(default)
 namespace ettkit::checkpoint::detail {
 
 using ettkit::checkpoint::kWholeTensorDigestPrefix;  // its home: ettkit/checkpoint/shard_names.h
 
-struct SafetensorsEntry {
-  std::string name;
-  std::string dtype;  // "F32", "BF16", ...
-  std::vector<int64_t> shape;
-  uint64_t begin = 0;  // relative to the data section
-  uint64_t end = 0;
-};
+// The index of a file's tensors and its parse from bytes are public (ettkit/checkpoint/step_format.h), so that
+// Python's readers apply the same rules through ettkit._C.checkpoint.
+using ettkit::checkpoint::SafetensorsEntry;
+using ettkit::checkpoint::SafetensorsIndex;
 /// The 8-byte little-endian length + JSON header padded with spaces to a multiple of 8.
 std::string encode_safetensors_header(const std::vector<SafetensorsEntry>& entries,
                                       const std::map<std::string, std::string>& metadata);
@@ -30,14 +28,8 @@ std::string encode_safetensors_header(const std::vector<SafetensorsEntry>& entri
 /// rewritten: what a file whose data section starts at `total` carries (the format allows trailing
 /// whitespace). InvalidArgument when it does not fit or `total` is not a multiple of 8.
 std::string pad_safetensors_header(std::string header, size_t total);
-struct SafetensorsIndex {
-  uint64_t data_offset = 0;  // where the data section starts in the file
-  uint64_t data_size = 0;
-  std::map<std::string, SafetensorsEntry> tensors;
-  std::map<std::string, std::string> metadata;  // the header's __metadata__ (strings to strings)
-};
-/// Parses and validates the header of the safetensors file `path` whose size is `file_size`: offsets in
-/// range, non-overlapping, element counts match dtype and shape. Throws CorruptData naming the file.
+/// Reads, parses and validates the header of the safetensors file `path` whose size is `file_size`
+/// (parse_safetensors_header's rules). Throws CorruptData naming the file.
 SafetensorsIndex read_safetensors_index(const std::string& path, uint64_t file_size);
 SafetensorsIndex read_safetensors_index(const ReadFile& file);
 /// Bytes per element of a safetensors dtype string, or 0 when unknown (the one dtype table's answer:

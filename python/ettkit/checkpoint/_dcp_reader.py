@@ -51,10 +51,10 @@ def _step_dir(checkpoint_id: str | os.PathLike) -> str:
 # "<key>@<offsets>" (split_shard_name) and where a disk save records the XXH3 of each tensor it saved whole.
 _split_shard_name = _C.checkpoint.split_shard_name
 _WHOLE_DIGEST = _C.checkpoint.WHOLE_TENSOR_DIGEST_PREFIX
-# A manifest lists a few files per rank: 16 MiB is far beyond any real one. A safetensors header: the
-# format's own cap.
+# A manifest lists a few files per rank: 16 MiB is far beyond any real one.
 _MAX_MANIFEST_BYTES = 16 << 20
-_MAX_HEADER_BYTES = 100 << 20
+# How many names a message lists: the C++ loader's cap (step_format.h).
+_LISTED = _C.checkpoint.MAX_LISTED_IN_MESSAGE
 
 
 def _open(path: str) -> Any:
@@ -76,47 +76,33 @@ def _json(path: str, data: bytes) -> Any:
         raise CorruptDataError(f"'{path}' is not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
 
 
+# The safetensors header's rules (the format's layout and cap, dtypes, sizes, ranges inside the data and not
+# overlapping) are C++'s (include/ettkit/checkpoint/step_format.h), the C++ loader's own: one owner.
 def _header(path: str) -> tuple[int, dict, dict, int]:
-    """(data offset, {name: entry}, ``__metadata__``, file size) of a safetensors file."""
+    """(data offset, {name: (dtype string, shape, begin, end)}, ``__metadata__``, file size) of a safetensors
+    file, parsed and checked by C++."""
     with _open(path) as f:
         size = os.fstat(f.fileno()).st_size
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise CorruptDataError(f"'{path}' is shorter than a safetensors header")
-        n = int.from_bytes(raw, "little")
-        if n > min(_MAX_HEADER_BYTES, size - 8):
-            raise CorruptDataError(f"'{path}' declares a {n}-byte safetensors header in a {size}-byte file")
-        header = _json(path, f.read(n))
-    if type(header) is not dict:
-        raise CorruptDataError(f"'{path}': the safetensors header is a {type(header).__name__}, not an object")
-    meta = header.pop("__metadata__", None) or {}
-    if type(meta) is not dict or any(type(v) is not str for v in meta.values()):
-        raise CorruptDataError(f"'{path}': the safetensors __metadata__ is not an object of strings")
-    return 8 + n, header, meta, size
+        n = _C.checkpoint.safetensors_header_length(path, f.read(8), size)
+        data_offset, entries, meta = _C.checkpoint.parse_safetensors_header(path, f.read(n), size)
+    return data_offset, entries, meta, size
+
+
+def _dtype(path: str, name: str, dtype: str) -> torch.dtype:
+    """The torch dtype DCP reads for a header's dtype string (the table this reader was given)."""
+    got = _DTYPES.get(dtype)
+    if got is None:
+        raise CorruptDataError(f"'{path}': tensor '{name}' has dtype {dtype!r}, which DCP cannot read")
+    return got
 
 
 def _entry(path: str, name: str, e: Any, data_bytes: int) -> tuple[torch.dtype, list, int, int]:
-    """(dtype, shape, begin, end) of one safetensors entry, every field checked: the dtype one DCP reads, the
-    shape non-negative ints, the byte range inside the file's data and of the shape's size."""
-    if type(e) is not dict:
-        raise CorruptDataError(f"'{path}': the entry of '{name}' is not an object")
-    dtype = _DTYPES.get(e.get("dtype")) if type(e.get("dtype")) is str else None
-    if dtype is None:
-        raise CorruptDataError(f"'{path}': tensor '{name}' has dtype {e.get('dtype')!r}, which DCP cannot read")
-    shape, offsets = e.get("shape"), e.get("data_offsets")
-    if type(shape) is not list or any(type(s) is not int or s < 0 for s in shape) or len(shape) > 64:
-        raise CorruptDataError(f"'{path}': tensor '{name}' has shape {shape!r}, not a list of sizes")
-    if type(offsets) is not list or len(offsets) != 2 or any(type(o) is not int for o in offsets) \
-            or not 0 <= offsets[0] <= offsets[1] <= data_bytes:
-        raise CorruptDataError(f"'{path}': tensor '{name}' has data_offsets {offsets!r}, not a range inside the "
-                               f"file's {data_bytes} data bytes")
-    numel = 1
-    for s in shape:
-        numel *= s
-    if numel * dtype.itemsize != offsets[1] - offsets[0]:
-        raise CorruptDataError(f"'{path}': tensor '{name}' of shape {shape} and dtype {dtype} takes "
-                               f"{numel * dtype.itemsize} bytes, not the {offsets[1] - offsets[0]} of its range")
-    return dtype, shape, offsets[0], offsets[1]
+    """(dtype, shape, begin, end) of one safetensors entry ``e`` of a file with ``data_bytes`` data bytes,
+    checked by the C++ header parser as part of a header of that one entry."""
+    text = json.dumps({name: e}).encode()
+    _, entries, _ = _C.checkpoint.parse_safetensors_header(path, text, 8 + len(text) + data_bytes)
+    dtype, shape, begin, end = entries[name]
+    return _dtype(path, name, dtype), shape, begin, end
 
 
 class EttkitStorageReader(StorageReader):
@@ -165,19 +151,19 @@ class EttkitStorageReader(StorageReader):
         if len(data) > _MAX_MANIFEST_BYTES:
             raise CorruptDataError(f"'{mpath}' is larger than {_MAX_MANIFEST_BYTES} bytes: not an ettkit manifest")
         manifest = _json(mpath, data)
-        world = manifest.get("world_size") if type(manifest) is dict else None
-        if type(world) is not int or not 1 <= world <= 1 << 24:
-            raise CorruptDataError(f"'{mpath}' has no valid world_size (an int in [1, 2^24])")
+        # The range is the C++ loader's (MAX_WORLD_SIZE), checked there.
+        world = _C.checkpoint.checked_world_size(
+            json.dumps(manifest.get("world_size") if type(manifest) is dict else None), mpath)
         metadata: dict = {}
         storage: dict = {}
         self._per_rank = {}
         whole: dict = {}  # a tensor saved whole -> (the first old rank that holds it, its digest)
         for rank in range(world):
             path = os.path.join(self._path, f"rank-{rank}.safetensors")
-            data_offset, header, meta, size = _header(path)
-            for name, e in header.items():
+            data_offset, header, meta, _ = _header(path)
+            for name, (dtype_name, shape, begin, end) in header.items():
                 key, shard_offsets = _split_shard_name(name)
-                dtype, shape, begin, end = _entry(path, name, e, size - data_offset)
+                dtype = _dtype(path, name, dtype_name)
                 offsets = shard_offsets if shard_offsets is not None else [0] * len(shape)
                 if len(offsets) != len(shape):
                     raise CorruptDataError(f"'{path}': '{name}' has {len(offsets)} offsets for {len(shape)} dims")
@@ -212,14 +198,14 @@ class EttkitStorageReader(StorageReader):
         asked = sorted({item.storage_index.fqn for item in plan.items} & self._per_rank.keys())
         if asked and self._whole_from_rank0:
             warnings.warn(f"'{self._path}': {len(asked)} tensor(s) saved whole differ between old ranks "
-                          f"({asked[:12]}); old rank 0's copy is read (whole_from_rank0=True)", RuntimeWarning,
+                          f"({asked[:_LISTED]}); old rank 0's copy is read (whole_from_rank0=True)", RuntimeWarning,
                           stacklevel=2)
         elif asked:
             key = asked[0]
             a, b = self._per_rank[key]
             raise InvalidArgumentError(
                 f"'{key}' was saved whole and differs between old ranks {a} and {b} of '{self._path}' "
-                f"({len(asked)} such tensor(s) asked for: {asked[:12]}): per-rank state cannot be read as one "
+                f"({len(asked)} such tensor(s) asked for: {asked[:_LISTED]}): per-rank state cannot be read as one "
                 f"tensor (only a tensor every rank holds the same, such as a DDP replica, can); save it as a "
                 f"DTensor or ShardedTensor, leave it out of the state dict given to dcp.load, or, when old rank 0's "
                 f"copy is the right one (a DDP model's buffers), pass EttkitStorageReader(..., whole_from_rank0=True)")

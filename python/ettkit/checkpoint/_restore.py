@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 import torch
 
+from .. import _C
 from ..errors import InvalidArgumentError
 from ._captured_optimizer import refresh_captured
 from ._skeleton_walk import (
@@ -28,8 +29,9 @@ from ._skeleton_walk import (
 from ._tensor_kinds import TENSOR, ShardedSlot, StatefulSlot, is_plain_optimizer, is_stateful, state_dict_of
 
 #: The most mismatches one error message describes; the rest are counted, so that a wrong model of 10^4
-#: tensors gives a message a person reads rather than pages of keys.
-MAX_NAMED = 10
+#: tensors gives a message a person reads rather than pages of keys. The C++ loader's cap, one for both
+#: languages (include/ettkit/checkpoint/step_format.h).
+MAX_NAMED = _C.checkpoint.MAX_LISTED_IN_MESSAGE
 
 
 def bounded(items: list, sep: str = "; ") -> str:

@@ -28,15 +28,15 @@ from typing import Iterator, Optional
 from .. import _C
 from ..errors import CorruptCheckpointError, CorruptDataError, InvalidArgumentError
 
-# A manifest lists a few files per rank: 16 MiB is far beyond any real one. A safetensors header: the
-# format's own cap (100 MB).
+# A manifest lists a few files per rank: 16 MiB is far beyond any real one.
 MAX_MANIFEST_BYTES = 16 << 20
-MAX_HEADER_BYTES = 100 << 20
-MAX_WORLD_SIZE = 1 << 24
-_SHARD_NAME = re.compile(r"^(.*)@(\d+(?:,\d+)*)$")
+# The rules that the C++ loader owns and this reader applies through ettkit._C.checkpoint (one owner each,
+# include/ettkit/checkpoint/step_format.h and shard_names.h): the manifest's world_size range, the safetensors
+# header's parse and checks (overlapping ranges included), the shard-name grammar and the whole-tensor digest key.
+MAX_WORLD_SIZE = _C.checkpoint.MAX_WORLD_SIZE
+_split_shard_name = _C.checkpoint.split_shard_name
+_WHOLE_DIGEST = _C.checkpoint.WHOLE_TENSOR_DIGEST_PREFIX
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
-# Where an ettkit disk save records the XXH3 of each tensor it saved whole (src/checkpoint/storage.h).
-_WHOLE_DIGEST = "ettkit.xxh3."
 # The dtypes ettkit writes (safetensors names) and their element sizes: the C++ table the writer uses.
 _ITEMSIZE: dict[str, int] = {name: dtype.itemsize for name, dtype in _C.checkpoint.safetensors_dtypes()}
 
@@ -203,9 +203,8 @@ class StepTensors:
         manifest = _json(mpath, data)
         if type(manifest) is not dict or manifest.get("format") != "ettkit-checkpoint":
             raise CorruptDataError(f"'{mpath}' has no \"format\": \"ettkit-checkpoint\": not an ettkit manifest")
-        world, files, step = manifest.get("world_size"), manifest.get("files"), manifest.get("step")
-        if type(world) is not int or not 1 <= world <= MAX_WORLD_SIZE:
-            raise CorruptDataError(f"'{mpath}' has world_size {world!r}, not an int in [1, 2^24]")
+        files, step = manifest.get("files"), manifest.get("step")
+        world = _C.checkpoint.checked_world_size(json.dumps(manifest.get("world_size")), mpath)
         if type(files) is not dict:
             raise CorruptDataError(f"'{mpath}' has no \"files\" object")
         self.step = step if type(step) is int else None
@@ -240,30 +239,20 @@ class StepTensors:
         return sum(f.bytes_verified for f in self.files)
 
     def _add_rank(self, rank: int, vf: VerifiedFile) -> None:
-        path = vf.path
-        if vf.sums.size < 8:
-            raise CorruptDataError(f"'{path}' is shorter than a safetensors header")
-        n = int.from_bytes(vf.read(0, 8), "little")
-        if n > min(MAX_HEADER_BYTES, vf.sums.size - 8):
-            raise CorruptDataError(f"'{path}' declares a {n}-byte safetensors header in a {vf.sums.size}-byte file")
-        header = _json(path, vf.read(8, 8 + n))
-        if type(header) is not dict:
-            raise CorruptDataError(f"'{path}': the safetensors header is a {type(header).__name__}, not an object")
-        meta = header.pop("__metadata__", None) or {}
-        if type(meta) is not dict or any(type(v) is not str for v in meta.values()):
-            raise CorruptDataError(f"'{path}': the safetensors __metadata__ is not an object of strings")
-        data_begin, data_bytes = 8 + n, vf.sums.size - 8 - n
-        for entry_name, e in header.items():
-            m = _SHARD_NAME.match(entry_name)
-            key = m.group(1) if m else entry_name
-            dtype, shape, begin, end = _entry(path, entry_name, e, data_bytes)
-            offsets = tuple(int(o) for o in m.group(2).split(",")) if m else (0,) * len(shape)
+        path, size = vf.path, vf.sums.size
+        # The bytes handed to the C++ parser are the verified ones (VerifiedFile.read).
+        n = _C.checkpoint.safetensors_header_length(path, vf.read(0, min(8, size)), size)
+        data_begin, header, meta = _C.checkpoint.parse_safetensors_header(path, vf.read(8, 8 + n), size)
+        for entry_name, (dtype, shape, begin, end) in header.items():
+            key, shard_offsets = _split_shard_name(entry_name)
+            m = shard_offsets is not None
+            offsets = tuple(shard_offsets) if m else (0,) * len(shape)
             if len(offsets) != len(shape):
                 raise CorruptDataError(f"'{path}': '{entry_name}' has {len(offsets)} offsets for {len(shape)} dims")
             t = self.tensors.get(key)
             if t is None:
-                t = self.tensors[key] = SavedTensor(key, dtype, (0,) * len(shape), sharded=bool(m))
-            if t.dtype != dtype or len(t.shape) != len(shape) or t.sharded != bool(m):
+                t = self.tensors[key] = SavedTensor(key, dtype, (0,) * len(shape), sharded=m)
+            if t.dtype != dtype or len(t.shape) != len(shape) or t.sharded != m:
                 raise CorruptDataError(f"'{path}': '{entry_name}' ({dtype}, {len(shape)} dims, "
                                        f"{'a piece' if m else 'whole'}) does not match another rank's "
                                        f"'{key}' ({t.dtype}, {len(t.shape)} dims, "
@@ -313,24 +302,3 @@ class StepTensors:
             whole[tuple(slice(o, o + s) for o, s in zip(p.offsets, p.shape))] = piece
         yield whole.view(torch.uint8).numpy().tobytes() if whole.numel() else b""
 
-
-def _entry(path: str, name: str, e: object, data_bytes: int) -> tuple[str, list[int], int, int]:
-    """(dtype, shape, begin, end) of one safetensors entry, every field checked: a dtype ettkit writes, the
-    shape non-negative ints, the byte range inside the file's data and of the shape's size."""
-    if type(e) is not dict:
-        raise CorruptDataError(f"'{path}': the entry of '{name}' is not an object")
-    dtype, shape, offsets = e.get("dtype"), e.get("shape"), e.get("data_offsets")
-    if type(dtype) is not str or dtype not in _ITEMSIZE:
-        raise CorruptDataError(f"'{path}': tensor '{name}' has dtype {dtype!r}, not one ettkit writes "
-                               f"({', '.join(sorted(_ITEMSIZE))})")
-    if type(shape) is not list or len(shape) > 64 or any(type(s) is not int or s < 0 for s in shape):
-        raise CorruptDataError(f"'{path}': tensor '{name}' has shape {shape!r}, not a list of sizes")
-    if type(offsets) is not list or len(offsets) != 2 or any(type(o) is not int for o in offsets) \
-            or not 0 <= offsets[0] <= offsets[1] <= data_bytes:
-        raise CorruptDataError(f"'{path}': tensor '{name}' has data_offsets {offsets!r}, not a range inside the "
-                               f"file's {data_bytes} data bytes")
-    if math.prod(shape) * _ITEMSIZE[dtype] != offsets[1] - offsets[0]:
-        raise CorruptDataError(f"'{path}': tensor '{name}' of shape {shape} and dtype {dtype} takes "
-                               f"{math.prod(shape) * _ITEMSIZE[dtype]} bytes, not the {offsets[1] - offsets[0]} "
-                               f"of its range")
-    return dtype, shape, offsets[0], offsets[1]
