@@ -6,7 +6,7 @@ value right but the masks: every step after a restore differed, silently. Accele
 the same generators by default.
 
 What is saved (each rank its own, in its ``rank-<r>.extra`` record, field ``rng``): Python's ``random``, NumPy's
-global generator (only when NumPy is already imported: nothing here imports it), torch's CPU generator, and the
+global generator (only when ``numpy.random`` is already imported: nothing here imports it), torch's CPU generator, and the
 generator of every CUDA device when CUDA is initialized (``torch.cuda.get_rng_state_all``). The states are
 packed as bytes: a few KiB a save, encoded in microseconds.
 
@@ -39,9 +39,12 @@ def capture() -> dict:
         "python": [version, array.array("I", words).tobytes(), gauss],
         "torch": torch.get_rng_state().numpy().tobytes(),
     }
-    np = sys.modules.get("numpy")
-    if np is not None:
-        name, keys, pos, has_gauss, cached = np.random.get_state()
+    # numpy.random, not numpy: torch imports NumPy but not its lazily loaded random module, and touching
+    # np.random imported it inside the first save of every process (40 ms, 8x the demo's median save, #65).
+    # A global generator whose module was never imported was never drawn from: nothing to save.
+    np_random = sys.modules.get("numpy.random")
+    if np_random is not None:
+        name, keys, pos, has_gauss, cached = np_random.get_state()
         state["numpy"] = [name, keys.astype("<u4").tobytes(), int(pos), int(has_gauss), float(cached)]
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = [s.numpy().tobytes() for s in torch.cuda.get_rng_state_all()]
