@@ -53,15 +53,24 @@ struct Stager::Impl {
   // The disk tier's header of the current plan (set_disk_header_planner), asked once per plan.
   std::function<DiskHeaderPlan(const std::vector<PlanEntry>&)> disk_header_planner;
   DiskHeaderPlan disk_header;
+  // The arena ranges of disk_header.whole: the same for every save of the plan, so made once per plan, not
+  // per save on the caller's thread (issue #65).
+  std::vector<std::pair<uint64_t, uint64_t>> disk_ranges;
   /// disk_header for `plan` (mu held); nothing planned when there is no planner or it fails.
   void plan_disk_header() {
     disk_header = {};
+    disk_ranges.clear();
     if (!disk_header_planner || !plan) return;
     try {
       disk_header = disk_header_planner(*plan);
     } catch (const std::exception&) {
       // A dtype the header cannot name: the writer reports it as the save's error, as before.
       disk_header = {};
+    }
+    disk_ranges.reserve(disk_header.whole.size());
+    for (size_t i : disk_header.whole) {
+      const PlanEntry& e = (*plan)[i];
+      disk_ranges.emplace_back(static_cast<uint64_t>(e.offset), static_cast<uint64_t>(e.offset + e.nbytes));
     }
   }
   uint64_t publish_seq = 0;
@@ -453,13 +462,7 @@ std::shared_ptr<Snapshot> Stager::stage(const NamedTensors& tensors, OnBusy on_b
     const uint64_t file = im.disk_header.bytes + static_cast<uint64_t>(im.plan_total);
     digest = detail::InOrderDigest::for_file(base, im.disk_header.bytes, static_cast<uint64_t>(im.plan_total),
                                              detail::disk_chunk_bytes(file));
-    std::vector<std::pair<uint64_t, uint64_t>> ranges;
-    ranges.reserve(im.disk_header.whole.size());
-    for (size_t i : im.disk_header.whole) {
-      const PlanEntry& e = (*plan)[i];
-      ranges.emplace_back(static_cast<uint64_t>(e.offset), static_cast<uint64_t>(e.offset + e.nbytes));
-    }
-    tensor_digest = detail::InOrderDigest::for_tensors(base, ranges);
+    tensor_digest = detail::InOrderDigest::for_tensors(base, im.disk_ranges);
   }
   lk.unlock();
 
