@@ -101,8 +101,10 @@ class MemoryTier {
   /// Where this rank keeps rank `src`'s replicas: <dir()>/replica-of-rank-<src>.
   std::string replica_dir(int src) const;
 
-  /// Marks a run's snapshots as this process's lineage: its own run (at the first begin()) and the run of
-  /// a memory step it restored. Snapshots of other runs are other timelines, retired by the next begin().
+  /// Marks a run's snapshots as this process's lineage: its own run (when the checkpointer opens the tier,
+  /// so that the partner's replicas of it are kept before this rank's first begin(); begin() adopts its run
+  /// too) and the run of a memory step it restored. Snapshots of other runs are other timelines, retired by
+  /// the next begin() and by a disk commit (Writer::retire_superseded_memory).
   void adopt(const std::string& run_id) {
     std::lock_guard<std::mutex> lk(lineage_mu_);
     lineage_.insert(run_id);

@@ -92,6 +92,10 @@ void open_memory_tier(Session& s) {
   s.job_id = MemoryTier::job_id_from_environment(mt.job_id);
   s.memory = std::make_unique<MemoryTier>(mt.root, s.job_id, s.opt.directory, s.rank, mt.budget_bytes);
   s.memory_dir = s.memory->dir();
+  // This run's snapshots are this process's timeline from the start, not only from its first memory save:
+  // the partner's replicas of this run can arrive before it, and a disk commit in between retires what is
+  // not of the lineage (Writer::retire_superseded_memory).
+  s.memory->adopt(s.run_id);
   if (auto holder = s.memory->try_lock()) {
     throw checkpoint::DirectoryLocked(
         ettkit::detail::concat("the memory tier '", s.memory->dir(), "' of job '", s.job_id, "' is in use: ", *holder,

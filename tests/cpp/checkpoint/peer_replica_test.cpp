@@ -45,12 +45,66 @@ NamedTensors state(int rank, int64_t step) {
 }
 NamedTensors zeros_like_state() { return {{"w", at::zeros({1 << 15})}, {"i", at::zeros({77}, at::kLong)}}; }
 
+/// One rank's client of a shared Store whose get() of a key ending in `held_suffix` waits, once, until the
+/// test releases it: a rank's writer stopped at a chosen point of a save's protocol, with every other key
+/// (heartbeats, the peer replica's announcements and acknowledgements) served as usual.
+class HeldStore : public c10d::Store {
+ public:
+  HeldStore(c10::intrusive_ptr<c10d::Store> inner, std::string held_suffix)
+      : inner_(std::move(inner)), suffix_(std::move(held_suffix)) {}
+  /// Blocks until a get() of the held key waits.
+  void wait_until_held() {
+    std::unique_lock<std::mutex> lk(mu_);
+    cv_.wait(lk, [&] { return holding_; });
+  }
+  void release() {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      released_ = true;
+    }
+    cv_.notify_all();
+  }
+
+  std::vector<uint8_t> get(const std::string& key) override {
+    if (key.size() >= suffix_.size() && key.compare(key.size() - suffix_.size(), suffix_.size(), suffix_) == 0) {
+      std::unique_lock<std::mutex> lk(mu_);
+      holding_ = true;
+      cv_.notify_all();
+      cv_.wait(lk, [&] { return released_; });
+    }
+    return inner_->get(key);
+  }
+  c10::intrusive_ptr<c10d::Store> clone() override { return inner_->clone(); }
+  void set(const std::string& key, const std::vector<uint8_t>& value) override { inner_->set(key, value); }
+  std::vector<uint8_t> compareSet(const std::string& key, const std::vector<uint8_t>& current,
+                                  const std::vector<uint8_t>& value) override {
+    return inner_->compareSet(key, current, value);
+  }
+  int64_t add(const std::string& key, int64_t value) override { return inner_->add(key, value); }
+  bool deleteKey(const std::string& key) override { return inner_->deleteKey(key); }
+  bool check(const std::vector<std::string>& keys) override { return inner_->check(keys); }
+  int64_t getNumKeys() override { return inner_->getNumKeys(); }
+  void wait(const std::vector<std::string>& keys) override { inner_->wait(keys); }
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
+    inner_->wait(keys, timeout);
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::Store> inner_;
+  std::string suffix_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool holding_ = false;
+  bool released_ = false;
+};
+
 /// Two ranks ("nodes": one memory root each) of one job, opened together.
 struct Pair {
   const TempDir& dir;
   c10::intrusive_ptr<c10d::Store> store = c10::make_intrusive<c10d::HashStore>();
   std::shared_ptr<Mailbox> box = std::make_shared<Mailbox>();
   std::unique_ptr<AsyncCheckpointer> ck[2];
+  c10::intrusive_ptr<c10d::Store> rank_store[2];  // a rank's own client of `store`, when a test gives one
 
   explicit Pair(const TempDir& d) : dir(d) {}
 
@@ -69,7 +123,7 @@ struct Pair {
         o.memory_tier.root = root(r);
         o.memory_tier.job_id = "replica-test";
         fs::create_directories(o.memory_tier.root);
-        ck[r] = std::make_unique<AsyncCheckpointer>(o, store);
+        ck[r] = std::make_unique<AsyncCheckpointer>(o, rank_store[r] ? rank_store[r] : store);
         if (replica) ck[r]->enable_peer_replica(c10::make_intrusive<FakeP2PBackend>(r, 2, box), 1);
       });
     }
@@ -87,9 +141,15 @@ struct Pair {
     ck[0].reset();
     ck[1].reset();
   }
+  /// Rank r's memory-tier directory, by the tier's own naming (not "the first entry of the root": a listing's
+  /// order is the file system's).
   std::string rank_dir(int r) const {
-    for (const auto& e : fs::directory_iterator(root(r))) return e.path().string() + "/rank-" + std::to_string(r);
-    return "";
+    const std::string directory = fs::canonical(dir.str() + "/ck").string();
+    return root(r) + "/" + ckd::MemoryTier::job_dir_name("replica-test", directory) + "/rank-" + std::to_string(r);
+  }
+  /// Where rank `holder` keeps its partner's replicas.
+  std::string replica_shelf(int holder) const {
+    return rank_dir(holder) + "/replica-of-rank-" + std::to_string(1 - holder);
   }
 };
 
@@ -116,7 +176,7 @@ TEST(PeerReplica, ARankWhoseTierIsGoneGetsItsStepBackFromItsPartner) {
   // wait() returned after the partner committed its copy.
   for (int r = 0; r < 2; ++r) {
     EXPECT_EQ(p.ck[r]->replicas_sent(), 1);
-    EXPECT_EQ(ckd::list_step_dirs(p.rank_dir(r) + "/replica-of-rank-" + std::to_string(1 - r)), std::vector<int64_t>{4});
+    EXPECT_EQ(ckd::list_step_dirs(p.replica_shelf(r)), std::vector<int64_t>{4});
   }
   p.close(/*discard=*/false);
   ettkit::detail::remove_tree(p.root(1));  // rank 1's node is lost (not remove_all: common/remove_tree.h)
@@ -138,6 +198,46 @@ TEST(PeerReplica, ARankWhoseTierIsGoneGetsItsStepBackFromItsPartner) {
   EXPECT_EQ(ckd::list_step_dirs(p.rank_dir(1)), std::vector<int64_t>{4});
   p.close(/*discard=*/true);
   EXPECT_TRUE(fs::is_empty(p.root(0)) && fs::is_empty(p.root(1)));
+}
+
+// The interleaving that made the test above flaky, held in place: rank 1's disk commit of step 2 is
+// decided, but its writer has not yet retired the memory snapshots that step supersedes, when rank 0's
+// memory save of step 4 is committed and its replica committed on rank 1. That replica is of this run and
+// newer than step 2: the retirement keeps it. (It dropped it as another run's: rank 1 had made no memory
+// snapshot yet, and its tier counted this run as its own only from its first one.)
+TEST(PeerReplica, AReplicaThatArrivesBeforeTheHoldersFirstMemorySaveOutlivesItsDiskCommit) {
+  TempDir d;
+  Pair p(d);
+  // Rank 1's writer stops where it reads rank 0's commit result for its first save (seq 0): after the
+  // decision, before retire_superseded_memory.
+  auto held = c10::make_intrusive<HeldStore>(p.store, "/save/0/result");
+  p.rank_store[1] = held;
+  p.open();
+  std::thread rank1([&] {
+    EXPECT_TRUE(p.ck[1]->save(2, state(1, 2)).wait());
+    EXPECT_TRUE(p.ck[1]->save(4, state(1, 4), "x1", Tier::kMemory).wait());
+  });
+  // Rank 1 goes on and is joined however this scope ends (a failed ASSERT returns early).
+  struct Join {
+    HeldStore& held;
+    std::thread& t;
+    ~Join() {
+      held.release();
+      if (t.joinable()) t.join();
+    }
+  } join_rank1{*held, rank1};
+  ASSERT_TRUE(p.ck[0]->save(2, state(0, 2)).wait());
+  held->wait_until_held();
+  // wait() returns once rank 1 has committed the replica (its acknowledgement).
+  EXPECT_TRUE(p.ck[0]->save(4, state(0, 4), "x0", Tier::kMemory).wait());
+  EXPECT_EQ(ckd::list_step_dirs(p.replica_shelf(1)), std::vector<int64_t>{4});
+  held->release();
+  rank1.join();  // its retirement has run
+  EXPECT_EQ(ckd::list_step_dirs(p.replica_shelf(1)), std::vector<int64_t>{4})
+      << "rank 1's disk commit of step 2 retired rank 0's replica of step 4 (of this same run)";
+  EXPECT_EQ(ckd::list_step_dirs(p.replica_shelf(0)), std::vector<int64_t>{4});
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(p.ck[r]->replicas_sent(), 1);
+  p.close(/*discard=*/true);
 }
 
 TEST(PeerReplica, ACorruptReplicaSendsBothRanksToTheDiskTier) {
