@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <deque>
+#include <optional>
 
 #include "checkpoint/host_arena.h"
 #include "checkpoint/loader.h"
@@ -65,10 +66,18 @@ void check_save_arguments(int64_t step, const NamedTensors& tensors, bool read_o
 }
 
 void check_save_names_and_dtypes(const NamedTensors& tensors) {
+  // Once per tensor per save (issue #65): a string == string compares sizes first (not a strlen and a
+  // compare per name), and a dtype is looked up in the table only when it differs from the one before.
+  static const std::string kReserved = "__metadata__";
+  std::optional<at::ScalarType> checked;
   for (const auto& [name, t] : tensors) {
-    ETTKIT_EXPECTS(name != "__metadata__", "state dict key '__metadata__' is reserved: safetensors keeps the "
+    ETTKIT_EXPECTS(!(name == kReserved), "state dict key '__metadata__' is reserved: safetensors keeps the "
                    "file's metadata under that name, so a tensor saved as it could never be read back; rename it");
-    safetensors_dtype(t.scalar_type(), name);
+    const at::ScalarType type = t.scalar_type();
+    if (checked != type) {
+      safetensors_dtype(type, name);
+      checked = type;
+    }
   }
 }
 
