@@ -60,11 +60,14 @@ class _Island:
     walk starts from there (from the state passed to this save for an entry of the root, which may be a new
     dict at every save; from the bound container, which the guard proved is still the one, below it) (a value, a container, a Stateful), ``prefix`` its key."""
 
-    __slots__ = ("source", "prefix", "inside")
+    __slots__ = ("source", "prefix", "inside", "walk")
 
-    def __init__(self, source: Callable[[Any], Any], prefix: str, inside: bool):
-        # inside: the part lies in a Stateful's state dict, which the walk trusts as current (_SaveWalk.inside)
-        self.source, self.prefix, self.inside = source, prefix, inside
+    def __init__(self, source: Callable[[Any], Any], prefix: str, inside: bool,
+                 walk: Optional[Callable[[_SaveWalk], Any]] = None):
+        # inside: the part lies in a Stateful's state dict, which the walk trusts as current (_SaveWalk.inside).
+        # walk: the part's own walk, in place of walking source(state) (an optimizer's param_groups, whose
+        # parameter numbers are fixed while the guard holds: walking them would cost a call per parameter).
+        self.source, self.prefix, self.inside, self.walk = source, prefix, inside, walk
 
 
 class StateBinding:
@@ -88,7 +91,7 @@ class StateBinding:
         for island in self.islands:
             walk = _SaveWalk(True, find_optimizer, False)
             walk.inside = island.inside
-            part = walk.node(island.source(state), island.prefix)
+            part = island.walk(walk) if island.walk else walk.node(island.source(state), island.prefix)
             if walk.names:  # a tensor where there was none: the structure changed
                 return None
             parts.append(part)
@@ -203,8 +206,9 @@ class _Binder:
         self.find_optimizer = find_optimizer
         self.inside = 0  # > 0 while binding an optimizer's state dict
 
-    def island(self, source: Callable[[Any], Any], prefix: str) -> Hole:
-        self.islands.append(_Island(source, prefix, self.inside > 0))
+    def island(self, source: Optional[Callable[[Any], Any]], prefix: str,
+               walk: Optional[Callable[[_SaveWalk], Any]] = None) -> Hole:
+        self.islands.append(_Island(source, prefix, self.inside > 0, walk))
         return Hole(len(self.islands) - 1)
 
     def node(self, live: Any, skel: Any, prefix: str, source: Optional[Callable[[Any], Any]],
@@ -315,7 +319,8 @@ class _Binder:
                 raise _Unbindable(prefix)
             self.guard.dict(g, list(g), list(g.values()), [k == "params" for k in g])
             self.guard.sequence(params, list(params), [True] * len(params))
-        hole = self.island(lambda state: _packed_groups(groups, indices), _key(prefix, "param_groups"))
+        where = _key(prefix, "param_groups")
+        hole = self.island(None, where, lambda walk: _walk_groups(walk, groups, indices, where))
         return {"state": out_state, "param_groups": hole}
 
 
@@ -333,12 +338,13 @@ def _param_indices(groups: list) -> list:
     return out
 
 
-def _packed_groups(groups: list, indices: list) -> list:
-    """``Optimizer.state_dict()["param_groups"]`` without its per-parameter work: each group's entries but
-    ``params``, then ``params`` as numbers (checked against the real one when the state is bound)."""
+def _walk_groups(walk: _SaveWalk, groups: list, indices: list, prefix: str) -> list:
+    """The skeleton of ``Optimizer.state_dict()["param_groups"]`` without its per-parameter work: each group's
+    entries but ``params`` walked, then ``params`` as the numbers fixed at the bind (packed as torch packs
+    them: ``params`` last; the whole is checked against the walk's when the state is bound)."""
     out = []
-    for g, numbers in zip(groups, indices):
-        packed = {k: v for k, v in g.items() if k != "params"}
+    for i, (g, numbers) in enumerate(zip(groups, indices)):
+        packed = {k: walk.node(v, f"{prefix}.{i}.{k}") for k, v in g.items() if k != "params"}
         packed["params"] = numbers
         out.append(packed)
     return out
