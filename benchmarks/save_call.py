@@ -11,7 +11,9 @@ one state over and over; each save is waited for before the next, outside the ti
 - `per_tensor_us[shape=S]:bound|walked`: the slope between the smallest and the largest state, in µs per
   added tensor (#65's target for `bound`: at most 0.05);
 - `first_over_later[shape=S,tensors=N]:bound`: the first save after `prepare()` against the median of the
-  later ones.
+  later ones;
+- `cpp_save_ms[shape=S,tensors=N]:bound|walked`: the share of the call spent in the C++
+  `AsyncCheckpointer::save` (timed by a thin proxy around it); the rest is the Python side.
 Shapes, 256 MB in all: `plain`, a dict of parameters and a dict of two Adam moments each
 (tensors = 3 per parameter: 12, 2,001, 20,001); `module`, an `nn.Module` of Linear layers, AdamW (after one
 step: two moments and a step count per parameter) and an LR scheduler, as `{"model": m, "optim": o,
@@ -71,6 +73,23 @@ def module_state(tensors: int, total: int):
     return model, opt, sched
 
 
+class _TimedCore:
+    """The C++ checkpointer with its save() timed: the split between the Python side and C++."""
+
+    def __init__(self, core):
+        self._core, self.times = core, []
+
+    def __getattr__(self, name):
+        return getattr(self._core, name)
+
+    def save(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return self._core.save(*args, **kwargs)
+        finally:
+            self.times.append(time.perf_counter() - t0)
+
+
 def run(shape: str, tensors: int, total: int, saves: int, root: str) -> dict:
     from ettkit.checkpoint import AsyncCheckpointer
 
@@ -81,7 +100,8 @@ def run(shape: str, tensors: int, total: int, saves: int, root: str) -> dict:
         model, opt, sched = module_state(tensors, total)
         make = lambda i: {"model": model, "optim": opt, "sched": sched, "step": i}  # noqa: E731
     times: dict = {"bound": [], "walked": []}
-    cks = {}
+    cks: dict = {}
+    cpp: dict = {}
     try:
         for variant in times:
             d = os.path.join(root, f"{shape}-{tensors}-{variant}")
@@ -91,6 +111,7 @@ def run(shape: str, tensors: int, total: int, saves: int, root: str) -> dict:
             if variant == "walked":  # the binding off: every save walks (a private switch, for this baseline)
                 cks[variant]._bound.drop()
                 cks[variant]._bound.wait = 1 << 62
+            cks[variant]._c = _TimedCore(cks[variant]._c)
         for i in range(1, saves + 1):
             order = list(times) if i % 2 else list(times)[::-1]
             for variant in order:
@@ -105,10 +126,15 @@ def run(shape: str, tensors: int, total: int, saves: int, root: str) -> dict:
                 h.wait()
     finally:
         for ck in cks.values():
+            if isinstance(ck._c, _TimedCore):
+                cpp[id(ck)] = ck._c.times
+                ck._c = ck._c._core
             ck.close()
     out = {}
     for variant, ts in times.items():
         out[f"save_call_ms[shape={shape},tensors={tensors}]:{variant}"] = statistics.median(ts[1:]) * 1e3
+        out[f"cpp_save_ms[shape={shape},tensors={tensors}]:{variant}"] = (
+            statistics.median(cpp[id(cks[variant])][1:]) * 1e3)
     out[f"first_over_later[shape={shape},tensors={tensors}]:bound"] = (
         times["bound"][0] / statistics.median(times["bound"][1:]))
     return out
