@@ -221,8 +221,8 @@ MUTATIONS: tuple[Mutation, ...] = (
               "MemoryTierSecurity.AnOwnDirectoryOthersMayReadOrEnterIsRefusedAndItsModeKept"),)),
     Mutation(
         "fused-digest-unreported-tail", "src/checkpoint/in_order_digest.cpp",
-        "if (from < s.end) s.stream.update(",
-        "if (from < s.end && !s.pending.empty()) s.stream.update(",
+        "if (from < s.end) s.stream().update(",
+        "if (from < s.end && !s.pending.empty()) s.stream().update(",
         "the in-order digest's finish hashes the rest of a chunk only when a piece waits in it: a tail nobody "
         "reported after a prefix hashed at once is left out of the chunk's checksum (#68)",
         (Test(FUSED, "InOrderDigest.AnUnreportedTailWithNothingPendingIsHashedByFinish"),)),

@@ -56,6 +56,7 @@ def test_each_mutation_names_a_unique_line_and_tests_that_exist(m):
             assert fnmatch.filter(names, t.filter), f"{m.name}: --gtest_filter={t.filter} selects none of {names}"
         else:
             path, _, func = t.pytest.partition("::")
+            func = func.split("[", 1)[0]  # a parametrized test's id names the function before its brackets
             body = open(os.path.join(REPO, path)).read()
             assert re.search(rf"^def {re.escape(func)}\(", body, re.M), f"{m.name}: no {t.pytest}"
 
