@@ -161,11 +161,18 @@ MUTATIONS: tuple[Mutation, ...] = (
         "the stager stages into an arena that a committed memory step still links: the step's bytes change",
         (Test(ARENA, "MemoryTierArena.LaterSavesNeverWriteIntoACommittedStep"),)),
     Mutation(
-        "arena-reclaim-newest", "src/checkpoint/stager.cpp",
-        "if (oldest < 0 || oldest == newest) return -1;",
-        "if (oldest < 0) return -1;",
+        "arena-reclaim-newest", "src/checkpoint/host_arena.cpp",
+        "return oldest == newest ? -1 : oldest;",
+        "return oldest;",
         "a save beside a persisting one reclaims the newest memory step: a crash then leaves no memory step",
         (Test(ARENA, "MemoryTierArena.AHeldSaveStagesIntoTheOlderArenaAndTheNewestStepStays"),)),
+    Mutation(
+        "arena-spare-unused", "src/checkpoint/stager.cpp",
+        "if (spare.fd >= 0 && spare.size == a.size && spare.reserve == a.reserve) {",
+        "if (false && spare.fd >= 0 && spare.size == a.size && spare.reserve == a.reserve) {",
+        "a reclaimed arena that another link keeps is replaced inside the save by a new file, which the save's "
+        "copies fault in, although one was backed after the commit before (#65)",
+        (Test(ARENA, "MemoryTierArena.AnArenaAStepStillLinksIsReplacedByOneBackedAfterTheCommitNotInTheSave"),)),
     Mutation(
         "arena-publish-before-commit", "src/checkpoint/step_writer.cpp",
         "  link(data_file);\n  if (hooks.after_data) hooks.after_data();",

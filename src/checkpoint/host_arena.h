@@ -9,6 +9,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace ettkit::checkpoint::detail {
 
@@ -60,8 +61,15 @@ struct Arena {
   void populate();
   /// Whether a memory step links this arena's file now (its link count is above one). False for anonymous
   /// memory and when the count cannot be read.
-  bool linked() const;
+  bool linked() const { return links() > 1; }
+  /// The file's link count (its arena name, the step that links it, any other link); 0 for anonymous memory
+  /// and when the count cannot be read.
+  uint64_t links() const;
   void free() noexcept;
 };
+
+/// The arena a save reclaims when none of `arenas` is free (Stager: free_or_reclaimed): the oldest published
+/// one that is not busy, unless it is also the newest (the step a restart restores stays); -1 when none.
+int reclaim_candidate(const std::vector<Arena>& arenas);
 
 }  // namespace ettkit::checkpoint::detail

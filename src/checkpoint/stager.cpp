@@ -74,6 +74,11 @@ struct Stager::Impl {
     }
   }
   uint64_t publish_seq = 0;
+  // A memory-tier arena backed after a commit for the next save's reclaim, when the arena that save will
+  // reclaim is linked by more than its step and so stays linked (back_spare). Guarded by mu; freed by
+  // set_arena_files() (the tier's callbacks must outlive it) or taken by free_or_reclaimed().
+  Arena spare;
+  bool spare_backing = false;  // a thread is backing the spare with mu released: set_arena_files() waits
 #if ETTKIT_WITH_CUDA
   std::mutex stream_mu;  // guards copy_stream: stage() uses it outside mu, prepare() warms it under mu
   std::optional<c10::cuda::CUDAStream> copy_stream;
@@ -96,6 +101,10 @@ struct Stager::Impl {
   /// An arena a new save may stage into (mu held), reclaiming a published one that is not the newest
   /// memory step when no other is free; -1 when none.
   int free_or_reclaimed();
+  /// After a commit (mu held through `lk`, released while it works): when the arena the next save will
+  /// reclaim has a link besides its name and its step's data file, the reclaim leaves it linked and that
+  /// save needs another file; it is made and backed here, so that the save's copies fault nothing in.
+  void back_spare(std::unique_lock<std::mutex>& lk);
   /// Waits on cv (mu held through `lk`) until `ready`, counting the time as busy_wait_s.
   template <typename Ready>
   void wait_busy(std::unique_lock<std::mutex>& lk, Ready ready) {
@@ -167,25 +176,28 @@ void Stager::release_arena(int arena) {
 }
 
 void Stager::publish_arena(int arena, int64_t step) {
-  {
-    std::lock_guard<std::mutex> lk(impl_->mu);
-    Arena& a = impl_->arenas[static_cast<size_t>(arena)];
-    a.busy = false;
-    a.published = a.fd >= 0;
-    a.published_step = step;
-    a.published_seq = ++impl_->publish_seq;
-  }
+  std::unique_lock<std::mutex> lk(impl_->mu);
+  Arena& a = impl_->arenas[static_cast<size_t>(arena)];
+  a.busy = false;
+  a.published = a.fd >= 0;
+  a.published_step = step;
+  a.published_seq = ++impl_->publish_seq;
   impl_->cv.notify_all();
+  // On the writer's thread, after the commit: whatever the next save's reclaim will need is made now, not
+  // inside that save (#65).
+  impl_->back_spare(lk);
 }
 
 void Stager::set_arena_files(std::shared_ptr<detail::ArenaFiles> files) {
   std::unique_lock<std::mutex> lk(impl_->mu);
   // Not wait_busy: this is no save waiting for an arena (busy_wait_s counts those).
   impl_->cv.wait(lk, [&] {
-    return std::none_of(impl_->arenas.begin(), impl_->arenas.end(), [](const Arena& a) { return a.busy; });
+    return !impl_->spare_backing &&
+           std::none_of(impl_->arenas.begin(), impl_->arenas.end(), [](const Arena& a) { return a.busy; });
   });
   for (Arena& a : impl_->arenas) a.free();
   impl_->arenas.clear();
+  impl_->spare.free();
   impl_->files = std::move(files);
 }
 
@@ -311,6 +323,9 @@ PlanPtr Stager::Impl::replan(const NamedTensors& tensors, OnBusy on_busy, std::u
 int Stager::Impl::free_or_reclaimed() {
   // An arena is free once no step links it (the tier retired the one that did); its bytes are then nobody's.
   // A linked arena is never staged into, whatever else is known of it.
+  if (spare.fd >= 0 && (arenas.empty() || spare.size != arenas[0].size || spare.reserve != arenas[0].reserve)) {
+    spare.free();  // backed for arenas the state has outgrown (fit_arenas replaced them)
+  }
   for (size_t i = 0; i < arenas.size(); ++i) {
     Arena& a = arenas[i];
     if (a.busy || a.linked()) continue;
@@ -319,30 +334,64 @@ int Stager::Impl::free_or_reclaimed() {
   }
   // Every arena is busy or holds a memory step. The newest memory step stays (it is what a restart
   // restores); an older one is retired now, as the tier's retention would at the next memory save.
-  int newest = -1;
-  int oldest = -1;
-  for (size_t i = 0; i < arenas.size(); ++i) {
-    const Arena& a = arenas[i];
-    if (a.busy || !a.published) continue;
-    if (newest < 0 || a.published_seq > arenas[static_cast<size_t>(newest)].published_seq) newest = static_cast<int>(i);
-    if (oldest < 0 || a.published_seq < arenas[static_cast<size_t>(oldest)].published_seq) oldest = static_cast<int>(i);
-  }
-  if (oldest < 0 || oldest == newest) return -1;
+  const int oldest = detail::reclaim_candidate(arenas);
+  if (oldest < 0) return -1;
   Arena& a = arenas[static_cast<size_t>(oldest)];
   files->reclaim(a.published_step);
   if (a.linked()) {
-    // The step could not be retired (or another step links the file): leave the file to it and stage into
-    // a new one, whose pages are faulted in by this save's copies.
-    ETTKIT_LOG_INFO("checkpoint memory tier: step ", a.published_step, " still links arena '", a.file,
-                    "'; a new arena is allocated for the next save");
-    Arena fresh;
-    fresh.allocate_file(files, a.size, a.reserve, pin);  // throws with `a` untouched (still linked, never taken)
+    // The step could not be retired (or another link holds the file): leave the file to it and stage into
+    // another. back_spare() made and backed one after the last commit when it saw the extra link; without
+    // it (a link made since, a retire that failed) a new file, whose pages this save's copies fault in.
+    Arena other;
+    if (spare.fd >= 0 && spare.size == a.size && spare.reserve == a.reserve) {
+      other = spare;
+      spare = Arena{};
+    } else {
+      ETTKIT_LOG_INFO("checkpoint memory tier: step ", a.published_step, " still links arena '", a.file,
+                      "'; a new arena is allocated for the next save");
+      other.allocate_file(files, a.size, a.reserve, pin);  // throws with `a` untouched (still linked, never taken)
+      ++arena_allocations;
+    }
     a.free();
-    a = fresh;
-    ++arena_allocations;
+    a = other;
   }
   a.published = false;
   return oldest;
+}
+
+void Stager::Impl::back_spare(std::unique_lock<std::mutex>& lk) {
+  const int next = detail::reclaim_candidate(arenas);
+  if (!files || spare_backing || next < 0) return;
+  const Arena& a = arenas[static_cast<size_t>(next)];
+  // Its arena name and its step's data file are two links; a third (a hard link made by someone else, a
+  // step of another name) survives the reclaim.
+  if (a.links() <= 2) return;
+  if (spare.fd >= 0) {
+    if (spare.size == a.size && spare.reserve == a.reserve) return;  // made for this one already
+    spare.free();  // the state was replanned since: of another size
+  }
+  const std::shared_ptr<detail::ArenaFiles> from = files;
+  const Arena like = a;
+  spare_backing = true;
+  lk.unlock();
+  // mu released: the next save stages meanwhile (into the free arena, or, reclaiming this one, into a new
+  // file as before). The writer's thread pays for the pages, after the step it committed.
+  Arena made;
+  try {
+    made.allocate_file(from, like.size, like.reserve, pin);
+    made.populate();
+  } catch (const std::exception& e) {
+    made.free();
+    ETTKIT_LOG_WARN("checkpoint memory tier: backing an arena for the next save failed (", e.what(),
+                    "); that save stages into a new one");
+  }
+  lk.lock();
+  spare_backing = false;
+  if (made.fd >= 0) {
+    spare = made;
+    ++arena_allocations;
+  }
+  cv.notify_all();
 }
 
 int Stager::Impl::take_free_arena(OnBusy on_busy, std::unique_lock<std::mutex>& lk) {

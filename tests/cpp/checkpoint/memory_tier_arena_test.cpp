@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -255,4 +256,41 @@ TEST(MemoryTierArena, PrepareBacksBothTierArenasBeforeTheFirstSave) {
   ASSERT_TRUE(ck.save(1, state(1), "", Tier::kMemory).wait());
   EXPECT_EQ(ck.stager().arena_allocations(), 2);
   EXPECT_EQ(stat_of(data_file(dir, 1)).st_nlink, 2u);
+}
+
+namespace {
+long minor_faults() {
+  struct rusage ru {};
+  ::getrusage(RUSAGE_SELF, &ru);  // every thread's: the copies run on the pool
+  return ru.ru_minflt;
+}
+}  // namespace
+
+TEST(MemoryTierArena, AnArenaAStepStillLinksIsReplacedByOneBackedAfterTheCommitNotInTheSave) {
+  // #65: when the arena the next save reclaims has a link besides its step's (here a hard link made by
+  // someone else), the reclaim leaves it linked and that save stages into another file. That file is made
+  // and backed on the writer's thread after the commit before, not faulted in by the save's copies.
+  TempDir d;
+  CheckpointerOptions o = options(d);
+  AsyncCheckpointer ck(o);
+  const std::string dir = ck.memory_tier_directory();
+  constexpr int64_t kBig = 4 << 20;  // 16 MiB: 4,096 small pages for a save's copies to fault in
+  auto big = [](int64_t step) { return NamedTensors{{"w", at::full({kBig}, static_cast<double>(step))}}; };
+  ASSERT_TRUE(ck.save(1, big(1), "", Tier::kMemory).wait());
+  const std::string kept = o.memory_tier.root + "/kept-by-someone";
+  ASSERT_EQ(::link(data_file(dir, 1).c_str(), kept.c_str()), 0);
+  ASSERT_TRUE(ck.save(2, big(2), "", Tier::kMemory).wait());
+  // Committing step 2 saw that step 1's arena, the next save's to reclaim, would stay linked.
+  EXPECT_EQ(ck.stager().arena_allocations(), 3);
+  NamedTensors third = big(3);  // allocated (and faulted in) before the count
+  const long before = minor_faults();
+  ASSERT_TRUE(ck.save(3, third, "", Tier::kMemory).wait());
+  const long faults = minor_faults() - before;
+  EXPECT_EQ(ck.stager().arena_allocations(), 3);  // the save took the spare, allocated nothing
+  EXPECT_LT(faults, kBig * 4 / 4096 / 4) << "the save faulted in the arena it staged into";
+  EXPECT_EQ(ckd::list_step_dirs(dir), (std::vector<int64_t>{3, 2}));
+  EXPECT_TRUE(at::equal(read_entry(data_file(dir, 2), "w"), at::full({kBig}, 2.0)));
+  EXPECT_TRUE(at::equal(read_entry(data_file(dir, 3), "w"), at::full({kBig}, 3.0)));
+  EXPECT_TRUE(at::equal(read_entry(kept, "w"), at::full({kBig}, 1.0)));  // step 1's bytes, left to the link
+  EXPECT_EQ(arena_names(dir).size(), 2u);  // the replaced arena's name is gone
 }
