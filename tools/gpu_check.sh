@@ -14,6 +14,10 @@
 #   ctest         every C++ test, ETTKIT_REQUIRE_CUDA=1 (a missing GPU or a skipped CUDA test fails)
 #   pytest_cuda   the needs_cuda Python tests, ETTKIT_REQUIRE_CUDA=1
 #   bench_*       the GPU benchmarks (checkpoint, ETT CUDA-event timer, sharding over NCCL, start-up compile)
+#   batched_*     issue #65's batched CUDA copy path (StagerOptions::cuda_copy="batched", through ETTKIT_CUDA_COPY):
+#                 the CUDA stager tests on it, then benchmarks/checkpoint.py's 256MB_small case (20,001 tensors)
+#                 on it, with cudaMemcpyBatchAsync and with its fallback loop (ETTKIT_CUDA_MEMCPY_BATCH=0); each
+#                 run has DCP's DefaultStager beside it, and bench_checkpoint has the old per-tensor path
 #   report        gpu.json (docs/benchmarks.md layout), summary.md
 #
 # Output ($OUT when set, else build/gpu/; at most 8 files, which the device tool brings back):
@@ -192,6 +196,21 @@ step_bench_checkpoint() {
     --json "$WORK/bench/checkpoint.json"
 }
 
+# The batched path (issue #65) against the per-tensor one of bench_checkpoint, on the same machine in this call.
+step_batched_ctest() {
+  local ctest
+  ctest=$(command -v ctest || "$PY" -c "import cmake, os; print(os.path.join(cmake.CMAKE_BIN_DIR, 'ctest'))")
+  ETTKIT_CUDA_COPY=batched ETTKIT_REQUIRE_CUDA=1 "$ctest" --test-dir "$BUILD" -j "$JOBS" --output-on-failure \
+    --timeout 120 -R 'Cuda|DeviceStager|Checkpointer[.]'
+}
+
+step_batched_bench() {
+  ETTKIT_CUDA_COPY=batched "$PY" benchmarks/checkpoint.py --device cuda $(bench_flags) --cases 256MB_small \
+    --dir "$WORK/ckpt-bench" --json "$WORK/bench/checkpoint_batched.json"
+  ETTKIT_CUDA_COPY=batched ETTKIT_CUDA_MEMCPY_BATCH=0 "$PY" benchmarks/checkpoint.py --device cuda $(bench_flags) \
+    --cases 256MB_small --dir "$WORK/ckpt-bench" --json "$WORK/bench/checkpoint_batched_loop.json"
+}
+
 step_bench_ett() {
   # The C++ half (ett_event_bench) is in this script's build tree, not in build/py where `make build` puts it.
   ETTKIT_BUILD_DIR="$BUILD" "$PY" benchmarks/ett_overhead.py --device cuda $(bench_flags) --json "$WORK/bench/ett_overhead.json"
@@ -206,7 +225,7 @@ step_bench_startup() {
 }
 
 export -f step_probe step_wheels step_build step_ctest step_pytest_cuda step_bench_checkpoint step_bench_ett \
-  step_bench_sharding step_bench_startup bench_flags
+  step_bench_sharding step_bench_startup step_batched_ctest step_batched_bench bench_flags
 
 # ---- the driver ------------------------------------------------------------------------------------------------
 n=0
@@ -257,6 +276,8 @@ run_step build 330 wheels
 run_step ctest 120 build
 run_step pytest_cuda 150 build
 run_step bench_checkpoint 150 build
+run_step batched_ctest 60 build
+run_step batched_bench 150 build
 run_step bench_ett 60 build
 run_step bench_sharding 60 build
 run_step bench_startup 210 build

@@ -142,7 +142,8 @@ void bind_options(py::module_& m) {
       .def_readwrite("copy_threads", &StagerOptions::copy_threads)
       .def_readwrite("sync_copy_max_bytes", &StagerOptions::sync_copy_max_bytes)
       .def_readwrite("pin_memory", &StagerOptions::pin_memory)
-      .def_readwrite("cuda_gather_max_bytes", &StagerOptions::cuda_gather_max_bytes);
+      .def_readwrite("cuda_gather_max_bytes", &StagerOptions::cuda_gather_max_bytes)
+      .def_readwrite("cuda_copy", &StagerOptions::cuda_copy);
   py::class_<MemoryTierOptions>(m, "MemoryTierOptions", "include/ettkit/checkpoint/checkpointer.h: MemoryTierOptions")
       .def(py::init<>())
       .def_readwrite("root", &MemoryTierOptions::root)

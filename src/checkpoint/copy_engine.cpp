@@ -73,7 +73,7 @@ void copy_now(const at::Tensor& t, const PlanEntry& e, uint8_t* dst) {
 }  // namespace
 
 PendingCopies copy_small_now(const NamedTensors& tensors, const std::vector<PlanEntry>& plan, const CopyOrder& order,
-                             uint8_t* base, int64_t sync_max, SnapshotState& state) {
+                             uint8_t* base, int64_t sync_max, SnapshotState& state, c10::DeviceType device_type) {
   PendingCopies pending;
   for (size_t i : order.order) {
     const at::Tensor& t = tensors[i].second;
@@ -86,7 +86,7 @@ PendingCopies copy_small_now(const NamedTensors& tensors, const std::vector<Plan
       state.versions[i] = t.unsafeGetTensorImpl()->version_counter();
       state.version_at_save[i] = state.versions[i].current_version();
     }
-    if (t.device().is_cuda()) {
+    if (t.device().type() == device_type) {
       ETTKIT_EXPECTS(!inference, "state dict entry '", tensors[i].first,
                      "' is a CUDA inference tensor; clone it outside inference mode to checkpoint it");
       pending.cuda.push_back(i);

@@ -63,9 +63,11 @@ struct PendingCopies {
 /// Records each entry's storage and version counter in `state` and copies, now, the CPU tensors of at most
 /// `sync_max` bytes and the inference tensors (which have no version counter to check); when `state` hashes,
 /// it reports them without hashing (the training thread does not pay for it). Returns the rest.
-/// InvalidArgument for a CUDA inference tensor.
+/// InvalidArgument for a CUDA inference tensor. `device_type`: the tensors that go to `cuda` (kCUDA; a test of
+/// the batched device path, device_stager.h, sends its fake backend's kCPU tensors there).
 PendingCopies copy_small_now(const NamedTensors& tensors, const std::vector<PlanEntry>& plan, const CopyOrder& order,
-                             uint8_t* base, int64_t sync_max, SnapshotState& state);
+                             uint8_t* base, int64_t sync_max, SnapshotState& state,
+                             c10::DeviceType device_type = c10::kCUDA);
 
 #if ETTKIT_WITH_CUDA
 /// Queues the copies of the CUDA entries `cuda` (in copy order) on `copy_stream` (taken from the pool on

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "checkpoint/device_stager.h"
 #include "checkpoint/snapshot_state.h"
 #include "checkpoint/stage_plan.h"
 #include "ettkit/checkpoint/checkpointer.h"
@@ -42,7 +43,8 @@ void Snapshot::wait_copies() const {
   State& st = *state_;
   {
     std::unique_lock<std::mutex> lk(st.mu);
-    st.wait(lk, [&] { return st.pending_jobs == 0; });
+    // The batched device copies: the staging thread marks them done once it saw them complete.
+    st.wait(lk, [&] { return st.pending_jobs == 0 && st.device.done; });
   }
 #if ETTKIT_WITH_CUDA
   if (!st.cuda_events.empty()) st.cuda_events.back()->synchronize();
@@ -66,6 +68,7 @@ void Snapshot::wait_staged() {
 
 void Snapshot::wait_staged_on_current_stream() {
   State& st = *state_;
+  detail::DeviceStager::fence(st, -1);  // the batched device copies, if any: a GPU-side wait too
 #if ETTKIT_WITH_CUDA
   if (!st.cuda_events.empty()) {
     // GPU-side wait: the compute stream waits on the copy completion; the host does not block.
@@ -96,9 +99,13 @@ bool Snapshot::wait_for(const std::vector<at::Tensor>& tensors) {
   }
   if (entries.empty()) return false;
   bool waited = false;
-#if ETTKIT_WITH_CUDA
   int cls = -1;
   for (int i : entries) cls = std::max<int>(cls, st.cuda_class[static_cast<size_t>(i)]);
+  if (cls >= 0 && st.device.stager) {  // set before the snapshot was returned, constant since
+    waited = detail::DeviceStager::fence(st, cls);
+    cls = -1;
+  }
+#if ETTKIT_WITH_CUDA
   if (cls >= 0) {
     CudaEvent& ev = *st.cuda_events[static_cast<size_t>(cls)];
     waited = !ev.query();
@@ -131,15 +138,20 @@ std::vector<std::string> Snapshot::changed_entries() {
 void Snapshot::drop_sources() {
   State& st = *state_;
   std::vector<at::Tensor> dropped;
+  detail::DeviceProgress device;
   {
     std::unique_lock<std::mutex> lk(st.mu);
-    st.wait(lk, [&] { return st.pending_jobs == 0; });  // CPU jobs read the sources until then
+    // CPU jobs read the sources until then, the batched device copies the storages their slot holds.
+    st.wait(lk, [&] { return st.pending_jobs == 0 && st.device.done; });
+    device = st.device;
     // On the owner thread this is a fence (program order): decide what is still undecided while here.
     if (std::this_thread::get_id() == st.owner) {
       for (size_t i = 0; i < st.verdict.size(); ++i) st.decide(i);
     }
     dropped.swap(st.sources);
   }
+  // The device copies' storages (unless a later save holds their slot) are let go on this thread too.
+  if (device.stager) device.stager->release_held(device.slot, device.generation);
   // `dropped` dies here, outside the lock, on the calling thread.
 }
 

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "checkpoint/cuda_event.h"
+#include "checkpoint/device_copy_backend.h"
 #include "checkpoint/in_order_digest.h"
 #include "ettkit/checkpoint/checkpointer.h"
 #include "ettkit/common/config.h"
@@ -50,6 +51,8 @@ struct SnapshotState {
 #if ETTKIT_WITH_CUDA
   std::vector<std::unique_ptr<CudaEvent>> cuda_events;  // one per copy class, in stream order
 #endif
+  // Or the batched device path's progress (device_stager.h; mu): cuda_class then indexes its classes.
+  DeviceProgress device;
   // What the copies hash as they write (Stager::stage's `digests`; in_order_digest.h), for the writer to
   // finish: the data file's chunks (`digest`), and on the disk tier the whole tensors' digests. Set before
   // any copy starts, never reset.
@@ -101,6 +104,7 @@ struct SnapshotState {
     entry_waiters.fetch_sub(1);
   }
   bool cuda_finished() const {
+    if (!device.done) return false;  // mu held
 #if ETTKIT_WITH_CUDA
     return cuda_events.empty() || cuda_events.back()->query();
 #else

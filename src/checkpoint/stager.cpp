@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "checkpoint/copy_engine.h"
+#include "checkpoint/device_stager.h"
 #include "checkpoint/host_arena.h"
 #include "checkpoint/snapshot_state.h"
 #include "checkpoint/stage_plan.h"
@@ -39,6 +40,7 @@ struct Stager::Impl {
   StagerOptions opt;
   bool pin = false;
   std::unique_ptr<detail::CopyPool> pool;
+  std::unique_ptr<detail::DeviceStager> device;  // the "batched" CUDA path (StagerOptions::cuda_copy), else none
   mutable std::mutex mu;  // guards arenas[].busy, plan, counters
   std::condition_variable cv;
   std::vector<Arena> arenas;
@@ -131,6 +133,7 @@ Stager::Stager(StagerOptions options) : impl_(std::make_unique<Impl>()) {
   int threads = options.copy_threads > 0 ? options.copy_threads
                                          : std::clamp(static_cast<int>(std::thread::hardware_concurrency()), 1, 4);
   impl_->pool = std::make_unique<detail::CopyPool>(threads);
+  impl_->device = detail::make_device_stager(options.cuda_copy, options.device_copy_backend);
 }
 
 Stager::~Stager() {
@@ -417,7 +420,11 @@ void Stager::Impl::copy(const NamedTensors& tensors, const std::vector<PlanEntry
   const detail::CopyOrder order = detail::copy_order(tensors, priority);
   detail::PendingCopies pending;
   try {
-    pending = detail::copy_small_now(tensors, plan, order, base, sync_max, *state);
+    pending = detail::copy_small_now(tensors, plan, order, base, sync_max, *state,
+                                     device ? device->device_type() : c10::kCUDA);
+    // The batched device path: one device call here; the device stager's thread queues the copies.
+    if (device && !pending.cuda.empty())
+      device->submit(snap.arena_, snap.shared_plan(), tensors, order, pending.cuda, base, *state);
   } catch (...) {
     snap.release();
     throw;
@@ -426,7 +433,7 @@ void Stager::Impl::copy(const NamedTensors& tensors, const std::vector<PlanEntry
     state->sources.reserve(tensors.size());
     for (const auto& item : tensors) state->sources.push_back(item.second);
   }
-  if (!pending.cuda.empty()) {
+  if (!pending.cuda.empty() && !device) {
 #if ETTKIT_WITH_CUDA
     std::lock_guard<std::mutex> g(stream_mu);
     detail::issue_cuda_copies(tensors, plan, order, pending.cuda, base, opt.cuda_gather_max_bytes, copy_stream, *state);
@@ -458,6 +465,9 @@ int64_t Stager::prepare(const NamedTensors& tensors) {
     im.replan(tensors, OnBusy::kWait, lk);
   }
   const bool allocated_now = im.arena_allocations != allocations_before;
+  for (size_t k = 0; im.device && im.plan && k < im.arenas.size(); ++k) {  // the batch arrays, sized now
+    if (!im.arenas[k].busy) im.device->bind(static_cast<int>(k), im.plan);
+  }
 #if ETTKIT_WITH_CUDA
   if (im.pin && im.plan) detail::warm_gather_table(*im.plan, im.opt.cuda_gather_max_bytes);
   if (im.plan) {

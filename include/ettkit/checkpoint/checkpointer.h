@@ -132,6 +132,10 @@ struct ETTKIT_API MemoryTierOptions {
   bool verify = true;
 };
 
+namespace detail {
+class DeviceCopyBackend;
+}  // namespace detail
+
 struct ETTKIT_API StagerOptions {
   /// Upper bound on host arena bytes (all arenas together); <= 0: no bound.
   int64_t memory_budget_bytes = 0;
@@ -152,6 +156,15 @@ struct ETTKIT_API StagerOptions {
   /// 100 ms), for a reason not yet found; hence off. The kernel runs on the SMs; cudaMemcpyAsync uses the
   /// copy engine only.
   int64_t cuda_gather_max_bytes = 0;
+  /// How CUDA tensors are copied (issue #65): "per_tensor", a cudaMemcpyAsync and a recordStream each on the
+  /// caller's thread (measured on an H200: ~5 us a tensor); "batched", one event recorded on the caller's
+  /// stream and the copies queued as a batch by a staging thread (cudaMemcpyBatchAsync on CUDA >= 12.8), the
+  /// sources' storages held until the copies are seen complete (src/checkpoint/device_stager.h). "" (the
+  /// default): the environment's ETTKIT_CUDA_COPY, else "per_tensor" — "batched" is proven on a fake device
+  /// in the C++ tests, not yet measured on a GPU (docs/checkpoint.md).
+  std::string cuda_copy;
+  /// Internal, for tests: the device backend of the "batched" path (nullptr: CUDA's).
+  std::shared_ptr<detail::DeviceCopyBackend> device_copy_backend;
 };
 
 /// The order in which the copies run: class 0 first (e.g. buffers a forward pass writes), then 1 (e.g.
