@@ -24,6 +24,8 @@ before and after the variants); rss_growth_MB = RSS after the last save - after 
 first_blocking_ms = the first save's blocking, first_over_later = it over the median of the later saves'
 (the ettkit variants call prepare(state) when they start, beside the first step's compute, so the arena is
 faulted in before the first save; `--variants ettkit_unprepared` is `ettkit` without it);
+first_beside_prepare = 1 when prepare() was still backing an arena at the first save (the memory tier's
+second file), 0 when it had ended;
 persist_idle_GBps = the same save -> committed throughput with no training beside it (the RSS loop),
 next to a disk probe taken just before it. restore_s = load_latest of a committed step into the state's
 tensors (verified, unverified, cold cache) beside dcp.load, torch.load(mmap=True) + copy_ and a memcpy of
@@ -304,9 +306,14 @@ def run_variant(variant: str, state, directory: str, saves: int, base_step_s: fl
         ck.prepare(state)
     rss0 = None
     prev = None
+    beside_prepare = None
     try:
         for i in range(1, saves + 1):
             tr.compute()
+            if i == 1 and ck is not None and variant != "ettkit_unprepared":
+                # Whether the first save came while prepare() was still backing an arena (the memory tier's
+                # two files take longer than one step): first_over_later is then read beside that work.
+                beside_prepare = ck.wait_prepared(timeout=0) is None
             t0 = time.perf_counter()
             path = os.path.join(directory, f"step-{i}")
             if variant.startswith("ettkit"):
@@ -369,6 +376,8 @@ def run_variant(variant: str, state, directory: str, saves: int, base_step_s: fl
     if len(blocking) > 1:  # the first save of a run against the others: what a fresh arena (or first plan) costs
         first = {"first_blocking_ms": blocking[0] * 1e3,
                  "first_over_later": blocking[0] / statistics.median(blocking[1:])}
+        if beside_prepare is not None:
+            first["first_beside_prepare"] = float(beside_prepare)
     return {
         "blocking_ms": statistics.median(blocking) * 1e3,
         **first,
