@@ -1,18 +1,45 @@
 // The rules of a step's files that Python's readers (the DCP StorageReader, python/ettkit/checkpoint/
-// _dcp_reader.py, and export's python/ettkit/integrations/step_reader.py) take from C++ instead of keeping
-// copies (ettkit/checkpoint/step_format.h): the safetensors header's parse and checks (overlap included), the
-// manifest's world_size range, and the cap on how many items an error message lists. A C++ CorruptData
-// reaches Python as ettkit.CorruptDataError (bind_errors.cpp) with the same text the C++ loader gives.
+// _dcp_reader.py, and export's python/ettkit/integrations/step_reader.py) and its load checks
+// (python/ettkit/checkpoint/_restore.py) take from C++ instead of keeping copies
+// (ettkit/checkpoint/step_format.h): the safetensors header's parse and checks (overlap included), the
+// manifest's world_size range and file entries, the cap on how many items an error message lists, and the
+// moved verdict (whether a rank's shards are where the state wants them); and the interval config records,
+// which the C++ ledger adaptor writes for C++ trainers and Python alike. A C++ CorruptData reaches Python
+// as ettkit.CorruptDataError (bind_errors.cpp) with the same text the C++ loader gives.
 #include <pybind11/stl.h>
 
+#include <map>
+#include <optional>
+#include <set>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "bindings.h"
+#include "ettkit/checkpoint/schedule.h"
 #include "ettkit/checkpoint/step_format.h"
+#include "ettkit/ett/recorder.h"
 
 namespace py = pybind11;
 
 namespace ettkit::python {
+namespace {
+
+/// A side's sharded tensors as Python gives them: key -> ((offsets, sizes, placement or None), ...).
+using PyBoxes = std::map<std::string, std::vector<std::tuple<std::vector<int64_t>, std::vector<int64_t>,
+                                                             std::optional<std::string>>>>;
+
+checkpoint::ShardLayout layout_of(const PyBoxes& sharded, std::set<std::string> whole) {
+  checkpoint::ShardLayout out;
+  out.whole = std::move(whole);
+  for (const auto& [key, boxes] : sharded) {
+    std::vector<checkpoint::ShardBox>& mine = out.sharded[key];  // an empty list stays: a key with no box here
+    for (const auto& [offsets, sizes, placement] : boxes) mine.push_back({offsets, sizes, placement});
+  }
+  return out;
+}
+
+}  // namespace
 
 void bind_step_files(py::module_& m) {
   m.attr("MAX_WORLD_SIZE") = checkpoint::kMaxWorldSize;
@@ -48,6 +75,36 @@ void bind_step_files(py::module_& m) {
   m.def("checked_world_size", &checkpoint::checked_world_size, py::arg("value_json"), py::arg("source"),
         "A manifest's world_size given as its JSON text, checked as the C++ loader checks it: an int in [1, "
         "MAX_WORLD_SIZE] (CorruptDataError naming the manifest otherwise).");
+  m.def(
+      "decode_manifest_file_entry",
+      [](const std::string& entry_json, const std::string& source, const std::string& field) {
+        checkpoint::ManifestFileEntry e = checkpoint::decode_manifest_file_entry(entry_json, source, field);
+        return py::make_tuple(e.size, e.xxh3, e.chunk_bytes, e.chunks);
+      },
+      py::arg("entry_json"), py::arg("source"), py::arg("field"),
+      "(size, xxh3, chunk_bytes, chunks) of a manifest's file entry given as its JSON text, checked as the C++ "
+      "loader checks each entry (chunk_bytes 0 and no chunks in a manifest older than chunk checksums): "
+      "CorruptDataError \"manifest '<source>': field '<field>.<key>' is ...; expected ...\" otherwise.");
+  m.def(
+      "record_intervals",
+      [](const checkpoint::CheckpointSchedule& schedule, ett::Recorder& recorder) {
+        schedule.record_intervals(recorder);
+      },
+      py::arg("schedule"), py::arg("recorder"),
+      "CheckpointSchedule::record_intervals: the schedule's fixed intervals into `recorder` as the report's "
+      "configured checkpoint interval (the C++ ledger adaptor writes them, for C++ trainers and Python alike).");
+  m.def(
+      "first_moved_shard",
+      [](const PyBoxes& saved, const PyBoxes& wanted, bool partial, std::set<std::string> saved_whole,
+         std::set<std::string> wanted_whole) {
+        return checkpoint::first_moved_shard(layout_of(saved, std::move(saved_whole)),
+                                             layout_of(wanted, std::move(wanted_whole)), partial);
+      },
+      py::arg("saved"), py::arg("wanted"), py::arg("partial") = false, py::arg("saved_whole") = std::set<std::string>{},
+      py::arg("wanted_whole") = std::set<std::string>{},
+      "The C++ loader's moved verdict (step_format.h): the first difference between this rank's saved layout "
+      "and the wanted one, each {key: ((offsets, sizes, placement or None), ...)} with the names held whole "
+      "beside; '' when this rank's shards are where the state wants them.");
 }
 
 }  // namespace ettkit::python

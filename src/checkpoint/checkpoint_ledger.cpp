@@ -2,6 +2,7 @@
 
 #include <cstdio>
 #include <string>
+#include <utility>
 
 #include "ettkit/common/error.h"
 #include "ettkit/ett/phases.h"
@@ -14,6 +15,16 @@ int index_of(Tier t) { return static_cast<int>(t); }
 double seconds(int64_t begin_us, int64_t end_us) { return static_cast<double>(end_us - begin_us) * 1e-6; }
 double mean(double sum, int64_t n) { return n ? sum / static_cast<double>(n) : 0.0; }
 }  // namespace
+
+void record_interval_config(ett::Recorder& recorder, const Every& disk, const Every& memory) {
+  for (const auto& [every, prefix] : {std::pair{&disk, "checkpoint"}, std::pair{&memory, "checkpoint_memory"}}) {
+    if (every->kind == Every::Kind::kSteps) {
+      recorder.set_config(std::string(prefix) + "_interval_steps", every->value);
+    } else if (every->kind == Every::Kind::kSeconds) {
+      recorder.set_config(std::string(prefix) + "_interval_s", every->value);
+    }
+  }
+}
 
 void CheckpointLedger::attach(ett::Recorder* recorder) {
   recorder_ = recorder;

@@ -12,12 +12,20 @@
 #include <mutex>
 
 #include "ettkit/checkpoint/checkpointer.h"
+#include "ettkit/checkpoint/schedule.h"
 
 namespace ettkit::ett {
 class Recorder;
 }
 
 namespace ettkit::checkpoint::detail {
+
+/// The interval policy's fixed intervals as the report's configured interval: a config record per tier whose
+/// interval is a number of steps (checkpoint_interval_steps; checkpoint_memory_interval_steps) or a duration
+/// (checkpoint_interval_s; checkpoint_memory_interval_s). "auto" and "never" record nothing. Written here,
+/// beside the checkpointer's other records, for CheckpointSchedule::record_intervals (C++ trainers and the
+/// Python AsyncCheckpointer alike).
+void record_interval_config(ett::Recorder& recorder, const Every& disk, const Every& memory);
 
 class CheckpointLedger {
  public:

@@ -186,4 +186,13 @@ int checked_world_size(const std::string& value_json, const std::string& source)
   return static_cast<int>(r.integer(v, "world_size", 1, kMaxWorldSize));
 }
 
+ManifestFileEntry decode_manifest_file_entry(const std::string& entry_json, const std::string& source,
+                                             const std::string& field) {
+  const std::string where = "manifest '" + source + "'";
+  nlohmann::json v = nlohmann::json::parse(entry_json, nullptr, /*allow_exceptions=*/false);
+  if (v.is_discarded()) detail::JsonFields{where}.bad(field, nullptr, "an object {size, xxh3}");
+  detail::FileDigest d = detail::decode_file_digest(v, where, field);
+  return {d.size, std::move(d.xxh3), d.chunk_bytes, std::move(d.chunks)};
+}
+
 }  // namespace ettkit::checkpoint

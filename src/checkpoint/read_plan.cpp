@@ -200,33 +200,34 @@ ReadPlan judge_same_world(ReadPlan p, int64_t step, const LoadRequest& req) {
   return p;
 }
 
-/// The first shard (a "key@offsets" name, reshard.h) in which this rank's file and the state differ: one the
-/// state wants that the file lacks or holds at another size, or one the file holds that the state does not
-/// want; or a tensor the state wants whole that the file holds in pieces. Each means the step was saved under
-/// another layout (another plan, mesh shape or placements), since a shard's name is its box's offsets and its
-/// shape the box's size: the same name and shape are the same elements. "" when every shard is where the
-/// state wants it (whole tensors are judged by match_names).
-std::string first_moved_shard(const SafetensorsIndex& index, const LoadRequest& req) {
-  std::set<std::string> wanted, wanted_keys, piece_keys;
-  add_piece_keys(index, piece_keys);
-  for (const auto& [name, t] : req.tensors) {
-    auto [key, offsets] = split_shard_name(name);
-    // A whole tensor the file holds in pieces: saved sharded, wanted whole (a layout change).
-    if (!offsets && !index.tensors.count(name) && piece_keys.count(name)) return name;
-    if (!offsets) continue;
-    wanted.insert(name);
-    wanted_keys.insert(key);
-    auto it = index.tensors.find(name);
-    if (it == index.tensors.end()) return name;
-    const std::vector<int64_t>& shape = it->second.shape;
-    if (!std::equal(shape.begin(), shape.end(), t.sizes().begin(), t.sizes().end())) return name;
-  }
+/// This rank's file and the state, as the moved verdict (first_moved_shard, step_format.h) compares them: a
+/// name "key@offsets" is a box of `key` at those offsets whose size is the entry's shape (a shard's name is
+/// its box's offsets and its shape the box's size: the same name and shape are the same elements); a file
+/// records no placements.
+ShardLayout layout_of(const SafetensorsIndex& index) {
+  ShardLayout out;
   for (const auto& [name, entry] : index.tensors) {
     auto [key, offsets] = split_shard_name(name);
-    // A partial load leaves a sharded tensor that the state does not hold where it is.
-    if (offsets && !wanted.count(name) && !(req.partial && !wanted_keys.count(key))) return name;
+    if (!offsets) {
+      out.whole.insert(name);
+    } else {
+      out.sharded[key].push_back({std::move(*offsets), entry.shape, std::nullopt});
+    }
   }
-  return {};
+  return out;
+}
+
+ShardLayout layout_of(const NamedTensors& tensors) {
+  ShardLayout out;
+  for (const auto& [name, t] : tensors) {
+    auto [key, offsets] = split_shard_name(name);
+    if (!offsets) {
+      out.whole.insert(name);
+    } else {
+      out.sharded[key].push_back({std::move(*offsets), t.sizes().vec(), std::nullopt});
+    }
+  }
+  return out;
 }
 
 /// Whether the state wants whole a tensor that this rank's file of a judged plan holds no copy of.
@@ -256,7 +257,8 @@ ReadPlan plan_same_world(const StepDirectory& step_dir, int64_t step, const Load
   } catch (const Error& e) {
     return refused(std::move(p), Verdict::kBad, e.message());
   }
-  if (std::string moved = first_moved_shard(p.indexes.front(), req); !moved.empty()) {
+  if (std::string moved = first_moved_shard(layout_of(p.indexes.front()), layout_of(req.tensors), req.partial);
+      !moved.empty()) {
     if (!req.reads_other_ranks) {
       return refused(std::move(p), Verdict::kBad,
                      ettkit::detail::concat("this rank's snapshot of step ", step, " holds its shards of another layout "

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <string>
 
+#include "checkpoint/checkpoint_ledger.h"
 #include "common/logging.h"
 #include "ettkit/common/error.h"
 #include "ettkit/ett/interval.h"
@@ -182,5 +183,9 @@ void CheckpointSchedule::saved(int64_t step, Tier tier, double now) {
 }
 
 void CheckpointSchedule::restored(int64_t step) { disk_.last_step = memory_.last_step = step; }
+
+void CheckpointSchedule::record_intervals(ett::Recorder& recorder) const {
+  detail::record_interval_config(recorder, disk_.every, memory_.every);
+}
 
 }  // namespace ettkit::checkpoint

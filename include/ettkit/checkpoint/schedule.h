@@ -13,6 +13,8 @@
 //       when.saved(step, *tier);
 //     }
 //   }
+//
+// when.record_intervals(recorder) puts fixed intervals into the ETT report as the configured interval.
 
 #include <cstdint>
 #include <optional>
@@ -21,6 +23,10 @@
 
 #include "ettkit/checkpoint/checkpointer.h"
 #include "ettkit/common/export.h"
+
+namespace ettkit::ett {
+class Recorder;
+}
 
 namespace ettkit::checkpoint {
 
@@ -100,6 +106,13 @@ class ETTKIT_API CheckpointSchedule {
   double auto_interval_s(const TierCosts& costs) const;
   /// The same for `tier` with the checkpointer's own measured costs.
   double auto_interval_s(const AsyncCheckpointer& ck, Tier tier) const;
+
+  /// Records the fixed intervals into `recorder` as the run's configured checkpoint interval (the ETT config
+  /// records checkpoint_interval_steps or checkpoint_interval_s, checkpoint_memory_* for the memory tier;
+  /// docs/ett.md, "interval in use"), so that a trainer need not repeat them in set_config. "auto" and "never"
+  /// record nothing: the report infers "auto"'s interval from the saves. A trainer calls it once, with the
+  /// recorder its checkpointer records into (the Python AsyncCheckpointer does, unless read_only).
+  void record_intervals(ett::Recorder& recorder) const;
 
   const Every& every(Tier tier) const { return state(tier).every; }
   const FailureHistory& history() const { return history_; }

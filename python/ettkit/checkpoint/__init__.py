@@ -41,7 +41,7 @@ from ._attach import Attachment, Fences, as_list
 from ._captured_optimizer import find_captured_optimizer
 from ._directory import latest_step, report_nothing_to_restore
 from ._flatten import check_unique, flatten_state
-from ._interval_policy import parse_every, record_intervals, step_number
+from ._interval_policy import parse_every, step_number
 from ._load_plan import LoadPlan
 from ._options import CheckpointerConfig, rank_world_store
 from ._preemption import Preemption
@@ -156,8 +156,6 @@ class AsyncCheckpointer:
         # Before the directory is locked and the side group created: nothing to undo when it is refused.
         ranks_per_host = config.checked_ranks_per_host(options) if peer_replica else None
         self._c = _C.checkpoint.AsyncCheckpointer(options, store)
-        if recorder is not None and not read_only:
-            record_intervals(recorder, every_disk, every_mem)
         self._init_restore_figures()
         self._replica_group = None
         if peer_replica:
@@ -171,6 +169,8 @@ class AsyncCheckpointer:
         # The interval policy (C++ CheckpointSchedule): "auto" is held against this job's failure history.
         mtbf_s, restart_s = self._failure_history(mtbf_prior_s)
         self._schedule = _C.checkpoint.CheckpointSchedule(every_disk, every_mem, mtbf_s, restart_s, self._clock())
+        if recorder is not None and not read_only:
+            _C.checkpoint.record_intervals(self._schedule, recorder)  # the C++ ledger adaptor's config records
         if preempt_signals is None and (every_disk.kind != "never" or every_mem.kind != "never"):
             preempt_signals = (signal.SIGTERM,)
         self._preemption = Preemption(preempt_signals, preempt_deadline_s, self._handles)

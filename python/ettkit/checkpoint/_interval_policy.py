@@ -1,5 +1,6 @@
-"""The interval policy's inputs from Python: ``every=`` values as C++ ``Every``s, step numbers checked, and the
-configured intervals recorded for the report. The policy itself is C++'s ``CheckpointSchedule``."""
+"""The interval policy's inputs from Python: ``every=`` values as C++ ``Every``s and step numbers checked. The
+policy itself is C++'s ``CheckpointSchedule``, which also records its fixed intervals as the report's configured
+interval (``_C.checkpoint.record_intervals``, the C++ ledger adaptor's records)."""
 
 from __future__ import annotations
 
@@ -35,18 +36,6 @@ def every_of(every: Any, field: str = "every") -> "_C.checkpoint.Every":
     if isinstance(every, int):
         return Every.steps(every, field)
     return Every.parse(every, field)
-
-
-def record_intervals(recorder: Any, disk: "_C.checkpoint.Every", memory: "_C.checkpoint.Every") -> None:
-    """Records the policy's fixed intervals as the report's configured interval (``checkpoint_interval_steps``
-    or ``checkpoint_interval_s``; ``checkpoint_memory_*`` for the memory tier), so that a trainer does not
-    have to repeat ``every=`` in ``set_config``. ``"auto"`` changes with the measured costs: the report
-    infers it from the saves."""
-    for every, prefix in ((disk, "checkpoint"), (memory, "checkpoint_memory")):
-        if every.kind == "steps":
-            recorder.set_config(f"{prefix}_interval_steps", float(every.value))
-        elif every.kind == "seconds":
-            recorder.set_config(f"{prefix}_interval_s", float(every.value))
 
 
 def parse_every(every: Any) -> tuple[str, float]:

@@ -59,9 +59,11 @@ class _ShardedCheck:
         self.stack: list[tuple[str, str, Optional[str]]] = []  # (name, kind, param) of the containers entered
         self.in_plain_optimizer = [False]
         live_slots, saved_slots = sharded_slots(live), sharded_slots(saved)
-        # Whether this rank's shards moved: then each side may hold per-rank sharded state the other lacks.
-        self.moved = world_changed or live_slots.keys() != saved_slots.keys() or any(
-            saved_slots[k].shards != x.shards for k, x in live_slots.items())
+        # Whether this rank's shards moved: then each side may hold per-rank sharded state the other lacks. The
+        # verdict is the C++ loader's (step_format.h): the skeletons add the keys this rank holds no shard of
+        # and the placements, which a file lacks.
+        self.moved = world_changed or bool(_C.checkpoint.first_moved_shard(
+            {k: x.shards for k, x in saved_slots.items()}, {k: x.shards for k, x in live_slots.items()}))
         self.shardless = [k for k, x in live_slots.items() if not x.shards]  # no shard of these here now
         self.plain_names = [n for n in tensor_names(live) if n not in live_slots]
 

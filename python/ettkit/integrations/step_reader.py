@@ -21,7 +21,6 @@ import errno
 import json
 import math
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
@@ -31,12 +30,12 @@ from ..errors import CorruptCheckpointError, CorruptDataError, InvalidArgumentEr
 # A manifest lists a few files per rank: 16 MiB is far beyond any real one.
 MAX_MANIFEST_BYTES = 16 << 20
 # The rules that the C++ loader owns and this reader applies through ettkit._C.checkpoint (one owner each,
-# include/ettkit/checkpoint/step_format.h and shard_names.h): the manifest's world_size range, the safetensors
-# header's parse and checks (overlapping ranges included), the shard-name grammar and the whole-tensor digest key.
+# include/ettkit/checkpoint/step_format.h and shard_names.h): the manifest's world_size range and file entries
+# (FileChecksums.decode), the safetensors header's parse and checks (overlapping ranges included), the
+# shard-name grammar and the whole-tensor digest key.
 MAX_WORLD_SIZE = _C.checkpoint.MAX_WORLD_SIZE
 _split_shard_name = _C.checkpoint.split_shard_name
 _WHOLE_DIGEST = _C.checkpoint.WHOLE_TENSOR_DIGEST_PREFIX
-_HEX16 = re.compile(r"^[0-9a-f]{16}$")
 # The dtypes ettkit writes (safetensors names) and their element sizes: the C++ table the writer uses.
 _ITEMSIZE: dict[str, int] = {name: dtype.itemsize for name, dtype in _C.checkpoint.safetensors_dtypes()}
 
@@ -82,19 +81,15 @@ class FileChecksums:
 
     @staticmethod
     def decode(manifest_path: str, name: str, entry: object) -> "FileChecksums":
-        where = f"'{manifest_path}': files['{name}']"
-        if type(entry) is not dict:
-            raise CorruptDataError(f"{where} is not an object")
-        size, chunk_bytes, chunks = entry.get("size"), entry.get("chunk_bytes"), entry.get("chunks")
-        if type(size) is not int or size < 0:
-            raise CorruptDataError(f"{where}.size is {size!r}, not a byte count")
-        if type(chunk_bytes) is not int or not 1 <= chunk_bytes <= 1 << 40:
-            raise CorruptDataError(f"{where}.chunk_bytes is {chunk_bytes!r}, not a chunk size")
-        if type(chunks) is not list or any(type(c) is not str or not _HEX16.match(c) for c in chunks):
-            raise CorruptDataError(f"{where}.chunks is not a list of 16-hex-digit XXH3 checksums")
-        if len(chunks) != max(1, math.ceil(size / chunk_bytes)) and not (size == 0 and not chunks):
-            raise CorruptDataError(f"{where}.chunks has {len(chunks)} checksums for {size} bytes in "
-                                   f"{chunk_bytes}-byte chunks")
+        """The entry, decoded and checked by the C++ loader's decoder (step_format.h), which names the field
+        ``files['<name>'].<key>``; export then needs its chunk checksums, which verify every byte it reads."""
+        field = f"files['{name}']"
+        size, _, chunk_bytes, chunks = _C.checkpoint.decode_manifest_file_entry(json.dumps(entry), manifest_path,
+                                                                              field)
+        if not chunks and size:
+            raise CorruptDataError(f"manifest '{manifest_path}': field '{field}' has no chunk checksums (a step "
+                                   f"saved before ettkit wrote them): export verifies every byte against them; "
+                                   f"load it with load_latest and save it again to export it")
         return FileChecksums(size, chunk_bytes, tuple(chunks))
 
 

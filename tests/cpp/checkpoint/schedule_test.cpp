@@ -6,14 +6,20 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
+
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "ett/test_dir.h"
 #include "ettkit/common/error.h"
 #include "ettkit/ett/interval.h"
+#include "ettkit/ett/recorder.h"
+#include "ettkit/ett/report.h"
 
 namespace ck = ettkit::checkpoint;
 using ck::Every;
@@ -164,4 +170,46 @@ TEST(Schedule, DueReadsEachTiersCostsFromTheCheckpointer) {
   EXPECT_FALSE(s.due(2, disk * 0.5, c));
   EXPECT_EQ(s.due(3, disk, c), Tier::kDisk);
   c.close();
+}
+
+// A C++-only trainer (no Python anywhere) gets the configured interval into its ETT report from the schedule
+// it saves by: the ledger adaptor writes the config records that the Python AsyncCheckpointer writes through
+// the same call. "auto" and "never" write none (the report infers "auto"'s interval from the saves).
+TEST(Schedule, ACppTrainerRecordsItsFixedIntervalsForTheReport) {
+  ettkit::testing::TempDir d;
+  std::string ledger;
+  {
+    ettkit::ett::RecorderOptions ro;
+    ro.run_dir = d.str();
+    ro.rank = 0;
+    ro.world_size = 1;
+    ro.launcher_phases_from_env = false;
+    ettkit::ett::Recorder rec(ro);
+    ledger = rec.ledger_path();
+    ck::CheckpointerOptions o;
+    o.directory = d.str() + "/ck";
+    o.recorder = &rec;
+    ck::AsyncCheckpointer c(o);
+    ck::CheckpointSchedule when(Every::steps(2), Every::parse("90s"), {}, 0.0);  // the memory tier: never due at 0
+    when.record_intervals(rec);
+    ck::CheckpointSchedule(Every::automatic(), Every{}).record_intervals(rec);  // records nothing
+    for (int64_t step = 1; step <= 4; ++step) {
+      if (auto tier = when.due(step, 0.0, c); tier == Tier::kDisk) {
+        ASSERT_TRUE(c.save(step, {{"w", at::full({4}, static_cast<double>(step))}}).wait());
+        when.saved(step, *tier, 0.0);
+      }
+      rec.step(step);
+    }
+    c.close();
+    rec.close();
+  }
+  std::vector<std::pair<std::string, double>> config;
+  for (const std::string& line : ettkit::testing::read_lines(ledger)) {
+    auto j = nlohmann::json::parse(line, nullptr, false);
+    if (j.is_object() && j["t"] == "config") config.emplace_back(j["key"], j["value"]);
+  }
+  EXPECT_EQ(config, (std::vector<std::pair<std::string, double>>{{"checkpoint_interval_steps", 2.0},
+                                                                 {"checkpoint_memory_interval_s", 90.0}}));
+  auto report = nlohmann::json::parse(ettkit::ett::build_report_json(d.str()));
+  EXPECT_EQ(report["checkpoints"]["interval_source"], "configured_steps") << report["checkpoints"].dump();
 }
