@@ -380,6 +380,29 @@ MUTATIONS: tuple[Mutation, ...] = (
         "self._skeleton_comparable and skeleton == self._skeleton",
         "keys reordered around tensors keep the previous skeleton's order (dict == ignores order)",
         (Test(pytest=BOUND + "test_a_plain_state_changed_between_saves_is_saved_as_a_walk_would[keys_reordered]"),)),
+    # The C++ side of the bound save (#65, SaveBinding): a names token spares the name compares, a held list
+    # the per-tensor references.
+    Mutation(
+        "bound-names-token-any", "src/checkpoint/stager.cpp",
+        "const bool names_known = binding.names_token != 0 && binding.names_token == plan_token;",
+        "const bool names_known = binding.names_token != 0;",
+        "any names token skips the name compares: a list of other names (same count, dtypes, shapes) is saved "
+        "under the plan's old names",
+        (Test("checkpoint_save_repeat_test", "SaveBinding.NewNamesUnderANewTokenAreSavedUnderTheNewNames"),)),
+    Mutation(
+        "bound-names-token-kept-on-replan", "src/checkpoint/stager.cpp",
+        "plan_names_token = names_token;  // the plan's names are this list's",
+        "(void)names_token;",
+        "a replan for another list keeps the previous list's token: that list's next save skips the name "
+        "compares against a plan of other names",
+        (Test("checkpoint_save_repeat_test", "SaveBinding.ATokenIsForgottenOnceAnotherListIsPlanned"),)),
+    Mutation(
+        "bound-held-list-not-kept", "src/checkpoint/stager.cpp",
+        "      state->held = held;",
+        "      (void)held;",
+        "a bound save holds neither its list nor its tensors: a strided copy reads a source nobody keeps alive",
+        (Test("checkpoint_save_repeat_test",
+              "SaveBinding.AHeldListIsKeptUntilItsCopiesAreDoneAndAConjViewIsSavedResolved"),)),
 )
 
 # A subset for CI, one per integrity layer that compiles fastest (file_checksums.cpp, step_files.cpp and

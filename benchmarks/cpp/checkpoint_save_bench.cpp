@@ -3,6 +3,8 @@
 // moments), planned and backed by prepare(), then saved again and again with overlap on and nothing copied
 // synchronously. Reports the time of the save() call alone (the wait for the commit is outside it): what
 // stays per tensor there is the plan check and the version capture, and the copies are the pool's.
+// The second argument: 1 saves as the Python bound save does (SaveBinding: a names token and the list held
+// as one reference), 0 as a plain C++ caller (names compared, a reference per tensor).
 //   build/py/benchmarks/cpp/checkpoint_save_bench --benchmark_repetitions=5 --benchmark_report_aggregates_only
 #include <benchmark/benchmark.h>
 
@@ -12,6 +14,7 @@
 
 #include <chrono>
 #include <filesystem>
+#include <memory>
 #include <string>
 
 #include "common/remove_tree.h"
@@ -34,7 +37,9 @@ ck::NamedTensors state_of(int64_t n, int64_t total_bytes) {
 
 void BM_RepeatSaveCall(benchmark::State& state) {
   const int64_t n = state.range(0);
-  const ck::NamedTensors tensors = state_of(n, int64_t{256} << 20);
+  const auto list = std::make_shared<const ck::NamedTensors>(state_of(n, int64_t{256} << 20));
+  const ck::NamedTensors& tensors = *list;
+  const ck::SaveBinding binding = state.range(1) ? ck::SaveBinding{ck::new_names_token(), list} : ck::SaveBinding{};
   const std::filesystem::path dir = std::filesystem::temp_directory_path() /
                                     ("ettkit_save_bench_" + std::to_string(::getpid()));
   ettkit::detail::remove_tree(std::string(dir));  // not std::filesystem::remove_all: test_source_rules.py
@@ -48,10 +53,10 @@ void BM_RepeatSaveCall(benchmark::State& state) {
     ck::AsyncCheckpointer c(opt);
     c.prepare(tensors);
     int64_t step = 0;
-    c.save(step++, tensors).wait();  // the first save of a structure is not what this measures
+    c.save(step++, tensors, {}, ck::Tier::kDisk, -1, binding).wait();  // not the first save of a structure
     for (auto _ : state) {
       const auto t0 = std::chrono::steady_clock::now();
-      ck::SaveHandle h = c.save(step++, tensors);
+      ck::SaveHandle h = c.save(step++, tensors, {}, ck::Tier::kDisk, -1, binding);
       const auto t1 = std::chrono::steady_clock::now();
       state.SetIterationTime(std::chrono::duration<double>(t1 - t0).count());
       h.wait();
@@ -62,7 +67,10 @@ void BM_RepeatSaveCall(benchmark::State& state) {
   }
   ettkit::detail::remove_tree(std::string(dir));  // not std::filesystem::remove_all: test_source_rules.py
 }
-BENCHMARK(BM_RepeatSaveCall)->Arg(2001)->Arg(20001)->UseManualTime()->Unit(benchmark::kMicrosecond)->Iterations(8);
+BENCHMARK(BM_RepeatSaveCall)
+    ->ArgsProduct({{2001, 20001}, {0, 1}})
+    ->ArgNames({"tensors", "bound"})
+    ->UseManualTime()->Unit(benchmark::kMicrosecond)->Iterations(8);
 
 }  // namespace
 

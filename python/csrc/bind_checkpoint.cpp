@@ -5,6 +5,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/utils/pybind.h>
 
+#include <atomic>
 #include <optional>
 
 #include "bindings.h"
@@ -32,20 +33,41 @@ NamedTensors zip(const std::vector<std::string>& names, const std::vector<at::Te
 /// dict's structure does, so Python passes them only then: converting ~10^4 names to std::string on
 /// every save would cost milliseconds of blocking time. Tensors are replaced on every save.
 struct TensorList {
-  NamedTensors items;
+  /// The list itself, shared with the saves whose copies still read it (SaveBinding::held): copy-on-write,
+  /// so a save never sees it change (mutable() copies it while a save holds it).
+  std::shared_ptr<NamedTensors> shared = std::make_shared<NamedTensors>();
+  /// Names the current names (SaveBinding::names_token): a new token whenever they are set.
+  uint64_t names_token = checkpoint::new_names_token();
   /// A bound state's list (python/ettkit/checkpoint/_state_binding.py): its tensors stay between saves, as
   /// the binding holds them anyway, so that a bound save hands nothing over per tensor.
   bool keep = false;
+
+  const NamedTensors& items() const { return *shared; }
+  /// The list to modify: a copy when a save still holds this one.
+  NamedTensors& mutable_items() {
+    if (shared.use_count() > 1) {
+      shared = std::make_shared<NamedTensors>(*shared);
+    } else {
+      // Only holders that drop it could have read it: their reads happen before the decrement this count saw.
+      std::atomic_thread_fence(std::memory_order_acquire);
+    }
+    return *shared;
+  }
+  /// What a save of this list is vouched: its names token, and the list itself only when kept (an unkept
+  /// list is cleared right after the save, which would copy it while the save holds it).
+  checkpoint::SaveBinding binding() const { return {names_token, keep ? shared : nullptr}; }
 
   void set(const py::object& names, const py::list& tensors) {
     size_t n = tensors.size();
     if (!names.is_none()) {
       auto list = names.cast<std::vector<std::string>>();
       ETTKIT_EXPECTS(list.size() == n, "got ", list.size(), " names for ", n, " tensors");
-      items.clear();
-      items.reserve(n);
-      for (auto& name : list) items.emplace_back(std::move(name), at::Tensor());
+      shared = std::make_shared<NamedTensors>();  // a fresh list: a save may hold the old one
+      shared->reserve(n);
+      for (auto& name : list) shared->emplace_back(std::move(name), at::Tensor());
+      names_token = checkpoint::new_names_token();
     }
+    NamedTensors& items = mutable_items();
     ETTKIT_EXPECTS(items.size() == n, "got ", n, " tensors for the ", items.size(),
                    " names of the previous save; pass names when the state dict's structure changes");
     for (size_t i = 0; i < n; ++i) {
@@ -58,7 +80,7 @@ struct TensorList {
   }
   /// Drops the tensor references (the names stay for the next save).
   void clear_tensors() {
-    for (auto& item : items) item.second = at::Tensor();
+    for (auto& item : mutable_items()) item.second = at::Tensor();
   }
 };
 
@@ -288,7 +310,7 @@ void bind_checkpoint(py::module_& m) {
             std::shared_ptr<Snapshot> snap;
             {
               py::gil_scoped_release nogil;
-              snap = self.cast<Stager&>().stage(list.items, ob);
+              snap = self.cast<Stager&>().stage(list.items(), ob);
             }
             list.clear_tensors();
             return snapshot_keeping_alive(std::move(snap), self);
@@ -315,7 +337,7 @@ void bind_checkpoint(py::module_& m) {
            "names: a list, or None to keep the previous names; tensors: a list of tensors")
       .def("clear_tensors", &TensorList::clear_tensors, "drops the tensor references; the names stay")
       .def_readwrite("keep", &TensorList::keep, "True: save() keeps the tensors (a bound state's)")
-      .def("__len__", [](const TensorList& l) { return l.items.size(); });
+      .def("__len__", [](const TensorList& l) { return l.items().size(); });
 
   py::class_<SaveHandle>(m, "SaveHandle", py::release_gil_before_calling_cpp_dtor())
       .def_property_readonly("step", &SaveHandle::step)
@@ -351,7 +373,7 @@ void bind_checkpoint(py::module_& m) {
             std::optional<SaveHandle> h;
             {
               py::gil_scoped_release nogil;
-              h.emplace(c.save(step, list.items, blob, t, call_begin_us));
+              h.emplace(c.save(step, list.items(), blob, t, call_begin_us, list.binding()));
             }
             if (!list.keep) list.clear_tensors();  // the snapshot holds what it still needs
             return *h;
@@ -360,7 +382,7 @@ void bind_checkpoint(py::module_& m) {
           py::arg("call_begin_us") = -1)
       .def("prepare", [](AsyncCheckpointer& c, const TensorList& list) {
              py::gil_scoped_release nogil;
-             return c.prepare(list.items);
+             return c.prepare(list.items());
            },
            py::arg("tensors"), "sizes, allocates and backs the arenas for this structure (GIL released)")
       .def("wait_staged_on_current_stream", &AsyncCheckpointer::wait_staged_on_current_stream,

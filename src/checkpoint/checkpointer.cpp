@@ -53,23 +53,28 @@ const char* tier_name(Tier t) { return t == Tier::kMemory ? "memory" : "disk"; }
 
 namespace {
 
-void check_save_names_and_dtypes(const NamedTensors& tensors);
+bool check_save_names_and_dtypes(const NamedTensors& tensors);
+bool shows_other_values(const at::Tensor& t) { return t.is_conj() || t.is_neg(); }
 
 /// save()'s argument checks that need no stager: the step's range (step-<N> names have at most 18
 /// digits), the name safetensors reserves for its metadata, and dtypes. The only place they are made: the
-/// Python layer relies on them.
-void check_save_arguments(int64_t step, const NamedTensors& tensors, bool read_only) {
+/// Python layer relies on them. Returns whether a tensor is a conjugate or negative-bit view
+/// (with_views_resolved), found in the same pass.
+bool check_save_arguments(int64_t step, const NamedTensors& tensors, bool read_only) {
   ETTKIT_EXPECTS(!read_only, "save(step=", step, ") on a read_only checkpointer: it only loads");
   ETTKIT_EXPECTS(step >= 0 && step <= kMaxStep, "step=", step,
                  " must be >= 0 and < 10^18 (step-<N> names have at most 18 digits)");
-  check_save_names_and_dtypes(tensors);
+  return check_save_names_and_dtypes(tensors);
 }
 
-void check_save_names_and_dtypes(const NamedTensors& tensors) {
+/// Returns whether a tensor shows other values than its storage holds (shows_other_values): one pass over
+/// the tensors for both.
+bool check_save_names_and_dtypes(const NamedTensors& tensors) {
   // Once per tensor per save (issue #65): a string == string compares sizes first (not a strlen and a
   // compare per name), and a dtype is looked up in the table only when it differs from the one before.
   static const std::string kReserved = "__metadata__";
   std::optional<at::ScalarType> checked;
+  bool views = false;
   for (const auto& [name, t] : tensors) {
     ETTKIT_EXPECTS(!(name == kReserved), "state dict key '__metadata__' is reserved: safetensors keeps the "
                    "file's metadata under that name, so a tensor saved as it could never be read back; rename it");
@@ -78,19 +83,17 @@ void check_save_names_and_dtypes(const NamedTensors& tensors) {
       safetensors_dtype(type, name);
       checked = type;
     }
+    views = views || shows_other_values(t);
   }
+  return views;
 }
-
-bool shows_other_values(const at::Tensor& t) { return t.is_conj() || t.is_neg(); }
 
 /// `tensors` with each conjugate or negative-bit view replaced by a resolved copy (its storage holds other
 /// values than it shows, and staging copies storage bytes: the file must hold what it shows). The one place
-/// that policy lives, for C++ and Python callers. Returns `tensors` itself, uncopied, when none is a view:
-/// two bit tests per tensor, no copy of 10^4 names on every save.
-const NamedTensors& with_views_resolved(const NamedTensors& tensors, NamedTensors& resolved) {
-  if (std::none_of(tensors.begin(), tensors.end(), [](const auto& e) { return shows_other_values(e.second); })) {
-    return tensors;
-  }
+/// that policy lives, for C++ and Python callers. Returns `tensors` itself, uncopied, when `views` is false
+/// (check_save_arguments found none): no copy of 10^4 names on every save.
+const NamedTensors& with_views_resolved(const NamedTensors& tensors, bool views, NamedTensors& resolved) {
+  if (!views) return tensors;
   resolved.reserve(tensors.size());
   for (const auto& [name, t] : tensors) {
     resolved.emplace_back(name, shows_other_values(t) ? t.detach().resolve_conj().resolve_neg() : t);
@@ -157,7 +160,9 @@ struct AsyncCheckpointer::Impl : detail::Session {
     if (active == snap) active = nullptr;
   }
 
-  void collect_sources(bool all) {
+  /// Drops the sources of the saves whose copies are done (`all`: of every save, waiting). `retired`: where
+  /// the snapshots go afterwards (to be freed on the writer's thread), instead of being let go here.
+  void collect_sources(bool all, std::vector<std::shared_ptr<Snapshot>>* retired = nullptr) {
     std::deque<std::shared_ptr<Snapshot>> done;
     {
       std::lock_guard<std::mutex> lk(sources_mu);
@@ -168,6 +173,9 @@ struct AsyncCheckpointer::Impl : detail::Session {
       }
     }
     for (auto& s : done) s->drop_sources();
+    if (retired) {
+      for (auto& s : done) retired->push_back(std::move(s));
+    }
   }
 
   /// save() may go on: not closed, no peer lost. Returns the copy priority of this save.
@@ -222,6 +230,8 @@ struct AsyncCheckpointer::Impl : detail::Session {
     {
       std::lock_guard<std::mutex> lk(mu);
       last = job.handle;
+      // The previous save's snapshot goes with this job: freed on the writer's thread if it is the last holder.
+      if (active) job.retired.push_back(std::move(active));
       active = overlapped_save ? job.snapshot : nullptr;
     }
     ledger.count_save(job.tier);
@@ -248,8 +258,13 @@ AsyncCheckpointer::~AsyncCheckpointer() {
   }
 }
 
+uint64_t new_names_token() {
+  static std::atomic<uint64_t> next{0};
+  return ++next;  // never 0 (no token)
+}
+
 SaveHandle AsyncCheckpointer::save(int64_t step, const NamedTensors& tensors, const std::string& extra, Tier tier,
-                                   int64_t call_begin_us) {
+                                   int64_t call_begin_us, const SaveBinding& binding) {
   Impl& im = *impl_;
   ETTKIT_EXPECTS(tier != Tier::kMemory || im.memory, "save(step=", step, ", tier='memory') needs a memory tier: "
                  "construct the checkpointer with memory_tier (e.g. root \"/dev/shm\")");
@@ -259,9 +274,11 @@ SaveHandle AsyncCheckpointer::save(int64_t step, const NamedTensors& tensors, co
   const bool caller = call_begin_us >= 0 && call_begin_us <= now && now - call_begin_us < 3'600'000'000LL;
   int64_t b = caller ? call_begin_us : now;
   CopyPriority priority = im.admit(step);
-  check_save_arguments(step, tensors, im.opt.read_only);
+  const bool views = check_save_arguments(step, tensors, im.opt.read_only);
   NamedTensors resolved;
-  const NamedTensors& staged = with_views_resolved(tensors, resolved);
+  const NamedTensors& staged = with_views_resolved(tensors, views, resolved);
+  // The names are the same in `resolved`; its tensors are not the caller's list (no `held`).
+  const SaveBinding bound = views ? SaveBinding{binding.names_token, nullptr} : binding;
   ETTKIT_EXPECTS(extra.size() <= kMaxExtraBytes, "save(step=", step, "): extra holds ", extra.size(),
                  " bytes; at most ", kMaxExtraBytes, " (256 MiB) are kept, since a load reads them whole: put "
                  "large state in tensors");
@@ -269,14 +286,15 @@ SaveHandle AsyncCheckpointer::save(int64_t step, const NamedTensors& tensors, co
   // memory-tier snapshot's pages alive (tmpfs frees them at the last close).
   im.loader.cancel_prefetch();
   im.decide_previous_save();
-  im.collect_sources(/*all=*/false);
+  std::vector<std::shared_ptr<Snapshot>> retired;
+  im.collect_sources(/*all=*/false, &retired);
   auto hs = std::make_shared<SaveHandle::State>();
   hs->step = step;
   hs->tier = tier;
   const bool overlap = im.overlapped();
   std::shared_ptr<Snapshot> snap =
       im.stager->stage(staged, im.opt.on_busy, priority, overlap ? im.unfenced_sync_max_bytes.load() : 0,
-                       tier == Tier::kMemory ? StageHashing::kMemoryTier : StageHashing::kDiskTier);
+                       tier == Tier::kMemory ? StageHashing::kMemoryTier : StageHashing::kDiskTier, bound);
   if (!snap) {
     hs->skipped = true;
     ETTKIT_LOG_INFO("checkpoint step ", step, " skipped: the previous save is still persisting (on_busy='skip')");
@@ -284,7 +302,7 @@ SaveHandle AsyncCheckpointer::save(int64_t step, const NamedTensors& tensors, co
   }
   im.hand_over_sources(snap, overlap);
   hs->snapshot = snap;
-  im.queue_save(WriteJob{step, tier, 0, b, snap, extra, hs}, overlap);
+  im.queue_save(WriteJob{step, tier, 0, b, snap, extra, hs, std::move(retired)}, overlap);
   int64_t e = epoch_us();
   hs->blocking_s = static_cast<double>(e - b) * 1e-6;
   im.ledger.record_blocking(b, e, step);
@@ -295,7 +313,7 @@ int64_t AsyncCheckpointer::prepare(const NamedTensors& tensors) {
   ETTKIT_EXPECTS(!impl_->opt.read_only, "prepare() on a read_only checkpointer: it only loads");
   // What save() would refuse is refused now, before arenas are sized for it. A conjugate or negative-bit view
   // is staged as a resolved copy of the same dtype and shape, so the plan is the same without resolving it.
-  check_save_names_and_dtypes(tensors);
+  (void)check_save_names_and_dtypes(tensors);
   return impl_->stager->prepare(tensors);
 }
 

@@ -303,7 +303,7 @@ void submit_cpu_copies(CopyPool& pool, std::vector<std::vector<Slice>> groups, c
       std::exception_ptr err;
       try {
         at::NoGradGuard no_grad;
-        const at::Tensor& src = state->sources[i];  // not touched by the owner while jobs are pending
+        const at::Tensor& src = state->source(i);  // not touched by the owner while jobs are pending
         at::from_blob(dst, shape, src.options()).copy_(src);
         if (state->hashes()) state->report(dst, nbytes);
       } catch (...) {

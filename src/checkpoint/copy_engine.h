@@ -105,7 +105,7 @@ inline constexpr size_t kFusedPieceBytes = size_t{256} << 10;
 /// `state` hashes, a group job copies kFusedPieceBytes at a time and hashes each piece after its copy, and
 /// a strided job reports its entry when copied. Jobs hold
 /// the state (not the tensors: a job's closure may die on the pool thread, and the last reference of a
-/// Python-owned tensor must not); a strided job reads its source from `state->sources`.
+/// Python-owned tensor must not); a strided job reads its source from `state->source(i)`.
 void submit_cpu_copies(CopyPool& pool, std::vector<std::vector<Slice>> groups, const std::vector<size_t>& strided,
                        const std::vector<PlanEntry>& plan, uint8_t* base, const std::shared_ptr<SnapshotState>& state);
 

@@ -138,6 +138,7 @@ std::vector<std::string> Snapshot::changed_entries() {
 void Snapshot::drop_sources() {
   State& st = *state_;
   std::vector<at::Tensor> dropped;
+  std::shared_ptr<const NamedTensors> held;
   detail::DeviceProgress device;
   {
     std::unique_lock<std::mutex> lk(st.mu);
@@ -149,10 +150,11 @@ void Snapshot::drop_sources() {
       for (size_t i = 0; i < st.verdict.size(); ++i) st.decide(i);
     }
     dropped.swap(st.sources);
+    held.swap(st.held);
   }
   // The device copies' storages (unless a later save holds their slot) are let go on this thread too.
   if (device.stager) device.stager->release_held(device.slot, device.generation);
-  // `dropped` dies here, outside the lock, on the calling thread.
+  // `dropped` and `held` die here, outside the lock, on the calling thread.
 }
 
 bool Snapshot::all_decided() const {

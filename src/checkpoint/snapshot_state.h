@@ -48,6 +48,10 @@ struct SnapshotState {
   std::vector<int8_t> cuda_class;      // index into cuda_events; -1 for CPU entries
   std::vector<const void*> storages;   // storage_key per entry
   std::vector<at::Tensor> sources;     // the caller's tensors, until drop_sources() on the owner thread
+  // Or, instead of `sources`, the caller's own list (SaveBinding::held, unchanged while held), until then.
+  std::shared_ptr<const NamedTensors> held;
+  /// Entry i's source tensor, while the sources are held.
+  const at::Tensor& source(size_t i) const { return held ? (*held)[i].second : sources[i]; }
 #if ETTKIT_WITH_CUDA
   std::vector<std::unique_ptr<CudaEvent>> cuda_events;  // one per copy class, in stream order
 #endif

@@ -67,14 +67,34 @@ std::string why_not_plain_dense(const at::Tensor& t) {
 
 }  // namespace
 
+namespace {
+/// check_stageable's test of one tensor: InvalidArgument naming it unless it can be staged.
+void check_stageable_one(const std::string& name, const at::Tensor& t) {
+  ETTKIT_EXPECTS(t.defined(), "state dict entry '", name, "' is an undefined tensor");
+  ETTKIT_EXPECTS(t.device().is_cpu() || t.device().is_cuda(), "state dict entry '", name, "' is on device ",
+                 t.device(), "; only CPU and CUDA tensors can be staged");
+  ETTKIT_EXPECTS(is_plain_dense(t), "state dict entry '", name, "' cannot be staged: it is ",
+                 why_not_plain_dense(t), "; ettkit stages plain dense CPU or CUDA tensors");
+}
+}  // namespace
+
 void check_stageable(const NamedTensors& tensors) {
-  for (const auto& [name, t] : tensors) {
-    ETTKIT_EXPECTS(t.defined(), "state dict entry '", name, "' is an undefined tensor");
-    ETTKIT_EXPECTS(t.device().is_cpu() || t.device().is_cuda(), "state dict entry '", name, "' is on device ",
-                   t.device(), "; only CPU and CUDA tensors can be staged");
-    ETTKIT_EXPECTS(is_plain_dense(t), "state dict entry '", name, "' cannot be staged: it is ",
-                   why_not_plain_dense(t), "; ettkit stages plain dense CPU or CUDA tensors");
+  for (const auto& [name, t] : tensors) check_stageable_one(name, t);
+}
+
+bool check_and_match(const std::vector<PlanEntry>* plan, const NamedTensors& tensors, bool names_known) {
+  bool match = plan != nullptr && plan->size() == tensors.size();
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i].second;
+    check_stageable_one(tensors[i].first, t);
+    if (!match) continue;
+    const PlanEntry& e = (*plan)[i];
+    // The name last: with a names token it is not compared at all (two heap strings per tensor).
+    match = e.dtype == t.scalar_type() && e.device == t.device() &&
+            std::equal(e.shape.begin(), e.shape.end(), t.sizes().begin(), t.sizes().end()) &&
+            (names_known || e.name == tensors[i].first);
   }
+  return match;
 }
 
 const void* storage_key(const at::Tensor& t) {

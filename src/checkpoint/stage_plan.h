@@ -24,6 +24,12 @@ const void* storage_key(const at::Tensor& t);
 /// Whether the cached `plan` still describes `tensors` (same names, dtypes, shapes and devices, in order).
 bool same_structure(const std::vector<PlanEntry>& plan, const NamedTensors& tensors);
 
+/// check_stageable() and same_structure() in one pass over the tensors (each tensor is read once per save on
+/// the caller's thread, issue #65): throws as check_stageable(); returns whether `plan` (nullptr: none) still
+/// describes `tensors`. `names_known`: the caller vouches that the names are the plan's (a names token that
+/// matched, SaveBinding), and they are not compared; dtypes, shapes and devices always are.
+bool check_and_match(const std::vector<PlanEntry>* plan, const NamedTensors& tensors, bool names_known);
+
 /// A fresh plan: the tensors back to back, in order.
 struct Layout {
   std::shared_ptr<std::vector<PlanEntry>> entries;

@@ -45,6 +45,9 @@ struct Stager::Impl {
   std::condition_variable cv;
   std::vector<Arena> arenas;
   PlanPtr plan;
+  // The names token (SaveBinding) of the last list whose names were found to be the plan's: a save with that
+  // token does not compare names. 0: none. Reset with every new plan.
+  uint64_t plan_names_token = 0;
   int64_t plan_total = 0;
   int64_t plan_builds = 0;
   int64_t arena_allocations = 0;
@@ -88,7 +91,8 @@ struct Stager::Impl {
 
   /// A new plan for `tensors`, with arenas that hold it (mu held through `lk`); nullptr: on_busy is kSkip
   /// and the arenas, which must be reallocated, are still in use.
-  PlanPtr replan(const NamedTensors& tensors, OnBusy on_busy, std::unique_lock<std::mutex>& lk);
+  PlanPtr replan(const NamedTensors& tensors, OnBusy on_busy, std::unique_lock<std::mutex>& lk,
+                 uint64_t names_token = 0);
   /// How many arenas of `need` bytes the budget allows (InvalidArgument when not even one).
   int arenas_within_budget(int64_t need) const;
   /// Whether the arenas for `need` bytes are memory-tier files: a tier is set and two of them fit the budget
@@ -116,7 +120,8 @@ struct Stager::Impl {
   }
   /// Starts every copy of `tensors` into `base`; releases `snap` when a copy cannot be started.
   void copy(const NamedTensors& tensors, const std::vector<PlanEntry>& plan, const CopyPriority& priority,
-            uint8_t* base, int64_t sync_max, Snapshot& snap, const std::shared_ptr<Snapshot::State>& state);
+            uint8_t* base, int64_t sync_max, Snapshot& snap, const std::shared_ptr<Snapshot::State>& state,
+            const std::shared_ptr<const NamedTensors>& held);
 };
 
 Stager::Stager(StagerOptions options) : impl_(std::make_unique<Impl>()) {
@@ -308,7 +313,8 @@ size_t header_room_for(const std::vector<PlanEntry>& entries) {
 }
 }  // namespace
 
-PlanPtr Stager::Impl::replan(const NamedTensors& tensors, OnBusy on_busy, std::unique_lock<std::mutex>& lk) {
+PlanPtr Stager::Impl::replan(const NamedTensors& tensors, OnBusy on_busy, std::unique_lock<std::mutex>& lk,
+                             uint64_t names_token) {
   detail::Layout fresh = detail::lay_out(tensors);
   const size_t room_before = header_room;
   header_room = header_room_for(*fresh.entries);
@@ -317,6 +323,7 @@ PlanPtr Stager::Impl::replan(const NamedTensors& tensors, OnBusy on_busy, std::u
     return nullptr;
   }
   plan = fresh.entries;
+  plan_names_token = names_token;  // the plan's names are this list's
   plan_total = fresh.total_bytes;
   ++plan_builds;
   plan_disk_header();
@@ -414,7 +421,8 @@ int Stager::Impl::take_free_arena(OnBusy on_busy, std::unique_lock<std::mutex>& 
 
 void Stager::Impl::copy(const NamedTensors& tensors, const std::vector<PlanEntry>& plan, const CopyPriority& priority,
                         uint8_t* base, int64_t sync_max, Snapshot& snap,
-                        const std::shared_ptr<Snapshot::State>& state) {
+                        const std::shared_ptr<Snapshot::State>& state,
+                        const std::shared_ptr<const NamedTensors>& held) {
   // Small and inference tensors now, synchronously; big CPU tensors by the pool; CUDA tensors on the copy
   // stream.
   const detail::CopyOrder order = detail::copy_order(tensors, priority);
@@ -430,8 +438,14 @@ void Stager::Impl::copy(const NamedTensors& tensors, const std::vector<PlanEntry
     throw;
   }
   if (!pending.empty()) {
-    state->sources.reserve(tensors.size());
-    for (const auto& item : tensors) state->sources.push_back(item.second);
+    if (held && held.get() == &tensors) {
+      // The caller's list, unchanged while held (SaveBinding::held): one reference keeps every tensor, not
+      // 20,001 reference counts up now and down at drop_sources (issue #65).
+      state->held = held;
+    } else {
+      state->sources.reserve(tensors.size());
+      for (const auto& item : tensors) state->sources.push_back(item.second);
+    }
   }
   if (!pending.cuda.empty() && !device) {
 #if ETTKIT_WITH_CUDA
@@ -517,18 +531,29 @@ int64_t Stager::prepare(const NamedTensors& tensors) {
 }
 
 std::shared_ptr<Snapshot> Stager::stage(const NamedTensors& tensors, OnBusy on_busy, const CopyPriority& priority,
-                                        int64_t sync_copy_max_bytes, StageHashing hashing) {
+                                        int64_t sync_copy_max_bytes, StageHashing hashing, const SaveBinding& binding) {
   Impl& im = *impl_;
   int64_t begin_us = epoch_us();
   // The copies read storage; they must not become autograd history (callers pass parameters as they are).
   at::NoGradGuard no_grad;
-  detail::check_stageable(tensors);
+  // 1) Plan: reuse the cached one unless the structure changed. The tensors are checked against it in one
+  // pass, outside mu (the plan is immutable; a prepare() that replaced it meanwhile is seen below).
+  PlanPtr plan;
+  uint64_t plan_token = 0;
+  {
+    std::lock_guard<std::mutex> g(im.mu);
+    plan = im.plan;
+    plan_token = im.plan_names_token;
+  }
+  const bool names_known = binding.names_token != 0 && binding.names_token == plan_token;
+  const bool same = detail::check_and_match(plan.get(), tensors, names_known);
   std::unique_lock<std::mutex> lk(im.mu);
-  // 1) Plan: reuse the cached one unless the structure changed.
-  PlanPtr plan = im.plan;
-  if (!plan || !detail::same_structure(*plan, tensors) || im.arenas.empty()) {
-    plan = im.replan(tensors, on_busy, lk);
+  if (!same || plan != im.plan || im.arenas.empty()) {
+    plan = im.replan(tensors, on_busy, lk, binding.names_token);
     if (!plan) return nullptr;
+  } else {
+    // The names were compared (or vouched for by this very token): later saves with it need not compare them.
+    if (binding.names_token != 0) im.plan_names_token = binding.names_token;
   }
   // 2) A free arena.
   const int arena = im.take_free_arena(on_busy, lk);
@@ -565,7 +590,8 @@ std::shared_ptr<Snapshot> Stager::stage(const NamedTensors& tensors, OnBusy on_b
   state->digest = std::move(digest);
   state->tensor_digest = std::move(tensor_digest);
   // 3) The copies, in the order `priority` gives.
-  im.copy(tensors, *plan, priority, base, std::max(im.opt.sync_copy_max_bytes, sync_copy_max_bytes), *snap, state);
+  im.copy(tensors, *plan, priority, base, std::max(im.opt.sync_copy_max_bytes, sync_copy_max_bytes), *snap, state,
+          binding.held);
   return snap;
 }
 

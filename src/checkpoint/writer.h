@@ -35,6 +35,10 @@ struct WriteJob {
   std::shared_ptr<Snapshot> snapshot;
   std::string extra;
   std::shared_ptr<SaveHandle::State> handle;
+  // Earlier saves' snapshots the caller's thread let go of (their sources already dropped there): when one
+  // is the last reference, its per-entry state (10^4 version counters, digest segments) is freed with this
+  // job, on the writer's thread, not inside the caller's next save() (issue #65).
+  std::vector<std::shared_ptr<Snapshot>> retired;
 };
 
 class Writer {

@@ -109,6 +109,20 @@ ETTKIT_API OnBusy parse_on_busy(const std::string& s);
 
 using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
+/// What a caller that hands over the same list save after save (the Python bound save's TensorList) may
+/// vouch for, so that the save does less per tensor on its thread (issue #65). Empty: nothing is vouched for.
+struct SaveBinding {
+  /// Nonzero: the names of the list saved are exactly those of every earlier save with the same token (a
+  /// token is never reused for other names: new_names_token()). The names are then not compared with the
+  /// plan's; dtypes, shapes, devices and storages are checked every save all the same.
+  uint64_t names_token = 0;
+  /// The list saved itself (`&*held == &tensors`), not modified while anyone holds it (copy-on-write): the
+  /// save keeps this one reference until its copies are done instead of one per tensor.
+  std::shared_ptr<const NamedTensors> held;
+};
+/// A names token no other call returned (SaveBinding::names_token).
+ETTKIT_API uint64_t new_names_token();
+
 /// Where a save is committed.
 enum class Tier : uint8_t {
   kDisk,    ///< CKPT_DIR: durable, all ranks commit together (the default)
@@ -284,7 +298,7 @@ class ETTKIT_API Stager {
   /// chunks; kDiskTier, when a disk header planner is set, the disk data file's chunks and its whole tensors.
   std::shared_ptr<Snapshot> stage(const NamedTensors& tensors, OnBusy on_busy,
                                   const CopyPriority& priority = {}, int64_t sync_copy_max_bytes = 0,
-                                  StageHashing hashing = StageHashing::kNone);
+                                  StageHashing hashing = StageHashing::kNone, const SaveBinding& binding = {});
   /// Does now what the first stage() of `tensors`' structure (names, dtypes, shapes) would: builds the plan,
   /// allocates the arenas and backs every page of them, so that the first save blocks like the later ones
   /// (faulting in a fresh arena costs about as much as the copy itself). For a thread other than the
@@ -440,8 +454,9 @@ class ETTKIT_API AsyncCheckpointer {
   /// `call_begin_us` (epoch µs, -1: now): when the caller's save began. A binding that flattens and encodes the
   /// state before this call (the Python AsyncCheckpointer) passes its own start, so that the blocking recorded
   /// is the whole call the training thread made, not only this part of it.
+  /// `binding`: what the caller vouches for about `tensors` (SaveBinding), to save per-tensor work.
   SaveHandle save(int64_t step, const NamedTensors& tensors, const std::string& extra = {}, Tier tier = Tier::kDisk,
-                  int64_t call_begin_us = -1);
+                  int64_t call_begin_us = -1, const SaveBinding& binding = {});
   /// Sizes, allocates and backs the host arenas for `tensors` now (Stager::prepare): the first save() of
   /// that structure then blocks like the later ones instead of paying for the arena's page faults. Call it
   /// from a thread other than the training thread once the state exists (e.g. beside the compile); a
