@@ -403,6 +403,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a bound save holds neither its list nor its tensors: a strided copy reads a source nobody keeps alive",
         (Test("checkpoint_save_repeat_test",
               "SaveBinding.AHeldListIsKeptUntilItsCopiesAreDoneAndAConjViewIsSavedResolved"),)),
+    Mutation(
+        "read-storages-not-held", "src/checkpoint/copy_engine.cpp",
+        "  for (const Slice& s : pending.contiguous) state.read_storages.push_back(tensors[s.entry].second.storage());",
+        "  (void)tensors;",
+        "the pool's jobs read a storage nobody holds: `p.data = x` right after save() frees it under the copy",
+        (Test("checkpoint_save_repeat_test", "SaveRepeat.AStorageSwappedRightAfterSaveReturnsIsReadAsItWasAtSave"),)),
 )
 
 # A subset for CI, one per integrity layer that compiles fastest (file_checksums.cpp, step_files.cpp and

@@ -270,6 +270,13 @@ std::vector<std::vector<Slice>> cut_into_jobs(const std::vector<Slice>& contiguo
   return groups;
 }
 
+void hold_read_storages(const NamedTensors& tensors, const PendingCopies& pending, SnapshotState& state) {
+  state.read_storages.reserve(pending.contiguous.size());
+  for (const Slice& s : pending.contiguous) state.read_storages.push_back(tensors[s.entry].second.storage());
+  state.strided_views.reserve(pending.strided.size());
+  for (size_t i : pending.strided) state.strided_views.push_back(tensors[i].second.alias());
+}
+
 void submit_cpu_copies(CopyPool& pool, std::vector<std::vector<Slice>> groups, const std::vector<size_t>& strided,
                        const std::vector<PlanEntry>& plan, uint8_t* base, const std::shared_ptr<SnapshotState>& state) {
   {
@@ -296,14 +303,17 @@ void submit_cpu_copies(CopyPool& pool, std::vector<std::vector<Slice>> groups, c
       state->job_done(nullptr);
     });
   }
-  for (size_t i : strided) {
+  for (size_t k = 0; k < strided.size(); ++k) {
+    const size_t i = strided[k];
     const PlanEntry& e = plan[i];
     uint8_t* dst = base + e.offset;
-    pool.submit([state, i, dst, shape = e.shape, nbytes = static_cast<size_t>(e.nbytes)] {
+    pool.submit([state, i, k, dst, shape = e.shape, nbytes = static_cast<size_t>(e.nbytes)] {
       std::exception_ptr err;
       try {
         at::NoGradGuard no_grad;
-        const at::Tensor& src = state->source(i);  // not touched by the owner while jobs are pending
+        // The alias made at save() (not touched by the owner while jobs are pending): the source's storage
+        // then, whatever the caller swapped in since.
+        const at::Tensor& src = state->strided_views[k];
         at::from_blob(dst, shape, src.options()).copy_(src);
         if (state->hashes()) state->report(dst, nbytes);
       } catch (...) {

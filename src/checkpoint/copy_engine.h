@@ -101,11 +101,16 @@ std::vector<std::vector<Slice>> cut_into_jobs(const std::vector<Slice>& contiguo
 /// core's cache right after the copy (256 KiB measured best, checkpoint_hash_bench).
 inline constexpr size_t kFusedPieceBytes = size_t{256} << 10;
 
+/// Holds in `state` what the jobs of `pending` will read, as it is now (SnapshotState::read_storages): one
+/// reference per contiguous entry's storage, one alias per strided entry. Called on the caller's thread
+/// before the jobs are submitted.
+void hold_read_storages(const NamedTensors& tensors, const PendingCopies& pending, SnapshotState& state);
+
 /// Submits one pool job per group and per strided entry; `state` counts them as pending first. When
 /// `state` hashes, a group job copies kFusedPieceBytes at a time and hashes each piece after its copy, and
 /// a strided job reports its entry when copied. Jobs hold
 /// the state (not the tensors: a job's closure may die on the pool thread, and the last reference of a
-/// Python-owned tensor must not); a strided job reads its source from `state->source(i)`.
+/// Python-owned tensor must not); a strided job reads its source from `state->strided_views`.
 void submit_cpu_copies(CopyPool& pool, std::vector<std::vector<Slice>> groups, const std::vector<size_t>& strided,
                        const std::vector<PlanEntry>& plan, uint8_t* base, const std::shared_ptr<SnapshotState>& state);
 

@@ -138,6 +138,8 @@ std::vector<std::string> Snapshot::changed_entries() {
 void Snapshot::drop_sources() {
   State& st = *state_;
   std::vector<at::Tensor> dropped;
+  std::vector<at::Tensor> views;
+  std::vector<c10::Storage> storages;
   std::shared_ptr<const NamedTensors> held;
   detail::DeviceProgress device;
   {
@@ -150,11 +152,13 @@ void Snapshot::drop_sources() {
       for (size_t i = 0; i < st.verdict.size(); ++i) st.decide(i);
     }
     dropped.swap(st.sources);
+    views.swap(st.strided_views);
+    storages.swap(st.read_storages);
     held.swap(st.held);
   }
   // The device copies' storages (unless a later save holds their slot) are let go on this thread too.
   if (device.stager) device.stager->release_held(device.slot, device.generation);
-  // `dropped` and `held` die here, outside the lock, on the calling thread.
+  // `dropped`, `views`, `storages` and `held` die here, outside the lock, on the calling thread.
 }
 
 bool Snapshot::all_decided() const {

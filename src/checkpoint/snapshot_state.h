@@ -52,6 +52,12 @@ struct SnapshotState {
   std::shared_ptr<const NamedTensors> held;
   /// Entry i's source tensor, while the sources are held.
   const at::Tensor& source(size_t i) const { return held ? (*held)[i].second : sources[i]; }
+  // What the pool's jobs read, as it was at save(): the storages of the contiguous entries and an alias of
+  // each strided one (hold_read_storages). A tensor keeps the storage it has now, not the one save() saw:
+  // `p.data = x` or `set_` right after save() would free the storage a job still reads. Until
+  // drop_sources(), on the owner thread (a storage's last reference may run a Python deleter).
+  std::vector<c10::Storage> read_storages;
+  std::vector<at::Tensor> strided_views;  // in the order of PendingCopies::strided
 #if ETTKIT_WITH_CUDA
   std::vector<std::unique_ptr<CudaEvent>> cuda_events;  // one per copy class, in stream order
 #endif

@@ -438,6 +438,7 @@ void Stager::Impl::copy(const NamedTensors& tensors, const std::vector<PlanEntry
     throw;
   }
   if (!pending.empty()) {
+    detail::hold_read_storages(tensors, pending, *state);
     if (held && held.get() == &tensors) {
       // The caller's list, unchanged while held (SaveBinding::held): one reference keeps every tensor, not
       // 20,001 reference counts up now and down at drop_sources (issue #65).

@@ -129,6 +129,42 @@ struct BoundList {
 BoundList bound(NamedTensors state) { return {std::make_shared<NamedTensors>(std::move(state))}; }
 }  // namespace
 
+// `p.data = x` (set_data) right after save() returns swaps the storage of the tensor save() was given; it
+// does not move the version counter, so nothing would call the save torn. The copies, still pending with
+// overlap on, must read the storage save() saw, alive, not freed memory (a tensor alone keeps only the
+// storage it has now). Deterministic: without the hold the old storages are freed at set_data.
+TEST(SaveRepeat, AStorageSwappedRightAfterSaveReturnsIsReadAsItWasAtSave) {
+  const std::string dir = fresh_dir("swap_after");
+  at::Tensor big = at::full({1 << 20}, 1.0f);                       // a contiguous pool job
+  // A strided pool job, and no view of another tensor (a view's base would keep its storage alive anyway).
+  at::Tensor strided = at::empty_strided({256, 256}, {1, 256});
+  strided.copy_(at::arange(1 << 16, at::kFloat).view({256, 256}));
+  const at::Tensor strided_at_save = strided.contiguous();
+  NamedTensors state{{"big", big}, {"strided", strided}};
+  {
+    AsyncCheckpointer c(options_for(dir));
+    c.prepare(state);
+    c.save(0, state).wait();
+    auto weak_big = big.storage().getWeakStorageImpl();
+    auto weak_strided = strided.storage().getWeakStorageImpl();
+    c.hold_commits_for_testing(true);
+    SaveHandle h = c.save(1, state);
+    big.set_data(at::full({1 << 20}, 7.0f));
+    strided.set_data(at::full({256, 256}, 9.0f));
+    EXPECT_FALSE(weak_big.expired()) << "the storage save() saw was freed before its copy was done";
+    EXPECT_FALSE(weak_strided.expired()) << "the strided entry's storage was freed before its copy";
+    c.hold_commits_for_testing(false);
+    h.wait();
+    c.close();
+    EXPECT_TRUE(weak_big.expired()) << "and is let go once the copies are done";
+    EXPECT_TRUE(weak_strided.expired());
+  }
+  NamedTensors back = load_into(dir, {{"big", at::zeros({1 << 20})}, {"strided", at::zeros({256, 256})}});
+  EXPECT_TRUE(at::equal(back[0].second, at::full({1 << 20}, 1.0f)));
+  EXPECT_TRUE(at::equal(back[1].second, strided_at_save));
+  ettkit::detail::remove_tree(std::string(dir));  // not std::filesystem::remove_all: test_source_rules.py
+}
+
 TEST(SaveBinding, NewNamesUnderANewTokenAreSavedUnderTheNewNames) {
   const std::string dir = fresh_dir("token");
   BoundList first = bound({{"a", at::full({8}, 1.0f)}, {"b", at::full({8}, 2.0f)}});
