@@ -26,10 +26,14 @@
 #include "checkpoint/snapshot_state.h"
 #include "ettkit/checkpoint/checkpointer.h"
 
-// Allocations made by the calling thread (the caller's side of a save must make none).
+// Allocations made by the calling thread (the caller's side of a save must make none). Not under the
+// sanitizers: they own operator new/delete, and replacing them here was reported as an alloc-dealloc
+// mismatch (ASan, CI 2026-12-06); the plain build counts.
 namespace {
 thread_local int64_t t_allocations = 0;
 }  // namespace
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+#define ETTKIT_TEST_COUNTS_ALLOCATIONS 1
 void* operator new(std::size_t n) {
   ++t_allocations;
   if (void* p = std::malloc(n ? n : 1)) return p;
@@ -37,6 +41,7 @@ void* operator new(std::size_t n) {
 }
 void operator delete(void* p) noexcept { std::free(p); }
 void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+#endif
 
 using namespace ettkit::checkpoint;
 using fakes::FakeDeviceBackend;
@@ -189,6 +194,9 @@ TEST(DeviceStager, FencesWaitOnTheStreamForTheirClassAndEntriesAreStagedOnlyAfte
 }
 
 TEST(DeviceStager, SubmitAllocatesNothingOnTheCallersThreadOncePrepared) {
+#ifndef ETTKIT_TEST_COUNTS_ALLOCATIONS
+  GTEST_SKIP() << "allocations are counted in the plain build (the sanitizers own operator new)";
+#endif
   auto fake = std::make_shared<FakeDeviceBackend>();
   ettkit::checkpoint::detail::DeviceStager device(fake);
   const int n = 64;

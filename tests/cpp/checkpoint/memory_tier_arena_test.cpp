@@ -287,7 +287,12 @@ TEST(MemoryTierArena, AnArenaAStepStillLinksIsReplacedByOneBackedAfterTheCommitN
   ASSERT_TRUE(ck.save(3, third, "", Tier::kMemory).wait());
   const long faults = minor_faults() - before;
   EXPECT_EQ(ck.stager().arena_allocations(), 3);  // the save took the spare, allocated nothing
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+  // Sanitizers fault in shadow memory for every page the copies touch (1,110 faults under ASan in CI).
   EXPECT_LT(faults, kBig * 4 / 4096 / 4) << "the save faulted in the arena it staged into";
+#else
+  (void)faults;
+#endif
   EXPECT_EQ(ckd::list_step_dirs(dir), (std::vector<int64_t>{3, 2}));
   EXPECT_TRUE(at::equal(read_entry(data_file(dir, 2), "w"), at::full({kBig}, 2.0)));
   EXPECT_TRUE(at::equal(read_entry(data_file(dir, 3), "w"), at::full({kBig}, 3.0)));
