@@ -1,7 +1,11 @@
 """The load's checks and merges on skeletons: what the live state and the saved step must agree on before any
 tensor is copied (:func:`check_sharded`, :func:`check_by_value`, :func:`saved_states`), and how the saved
 state goes back into the live one afterwards (:func:`restore_by_value`, :func:`restore_stateful`). The load
-plan (_load_plan.py) calls them in order; every traversal here is :mod:`._skeleton_walk`'s.
+plan (_load_plan.py) calls them in order. The checks and queries are :mod:`._skeleton_walk`'s walks
+(``walk``, ``walk_pair``, ``rebuild``); the three merges of a saved skeleton into a live one
+(:func:`prune_to_live`, :func:`reconcile_moved`, :func:`restore_by_value`) recurse themselves, since each
+builds or fills containers place by place, but take their node kinds and names from it (``is_sequence``,
+``child_name``). tests/python/test_checkpoint_skeleton_walk.py lists every recursion of the package.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from ._skeleton_walk import (
     holds_values,
     is_optimizer_dict,
     is_sequence,
+    only_sharded,
+    rebuild,
     sharded_slots,
     tensor_names,
     walk,
@@ -287,7 +293,7 @@ def rebuild_named(skeleton: Any, prefix: str, tensors: dict) -> Any:
     """The skeleton with each TENSOR placeholder replaced by ``tensors[name]``, names made as the save makes
     them under ``prefix``."""
 
-    def build(x: Any, name: str) -> Any:
+    def leaf(x: Any, name: str) -> Any:
         if x is TENSOR:
             return tensors[name]
         if isinstance(x, ShardedSlot):
@@ -297,14 +303,9 @@ def rebuild_named(skeleton: Any, prefix: str, tensors: dict) -> Any:
                     f"the checkpoint has a {x.kind} at '{name}' ({x.describe()}); the state being "
                     f"loaded has no {x.kind} there to load it into")
             return tensors[name]
-        if isinstance(x, dict):
-            return {k: build(v, child_name(name, k)) for k, v in x.items()}
-        if is_sequence(x):
-            items = [build(v, child_name(name, i)) for i, v in enumerate(x)]
-            return items if isinstance(x, list) else tuple(items)
         return x
 
-    return build(skeleton, prefix)
+    return rebuild(skeleton, leaf, prefix)
 
 
 def restore_by_value(target: Any, saved: Any, tensors: dict, skip: Any = frozenset(),
@@ -349,17 +350,7 @@ def held_elsewhere(saved: Any, name: str, loaded: dict) -> bool:
     """Whether a saved skeleton node holds only sharded tensors that this rank did not load: per-rank sharded
     state (TorchRec's fused optimizer state of a table) that its old self kept and, after a re-plan, another
     rank holds (:func:`check_sharded` allowed it)."""
-    if isinstance(saved, ShardedSlot):
-        return name not in loaded
-    if isinstance(saved, dict):
-        return bool(saved) and all(held_elsewhere(v, child_name(name, k), loaded) for k, v in saved.items())
-    return False
-
-
-def _only_sharded(live: Any) -> bool:
-    if isinstance(live, ShardedSlot):
-        return True
-    return isinstance(live, dict) and bool(live) and all(_only_sharded(v) for v in live.values())
+    return only_sharded(saved, name, loaded)
 
 
 def reconcile_moved(saved: Any, live: Any, name: str, loaded: dict) -> Any:
@@ -377,7 +368,7 @@ def reconcile_moved(saved: Any, live: Any, name: str, loaded: dict) -> Any:
         elif not held_elsewhere(v, key, loaded):
             out[k] = v
     for k, v in live.items():
-        if k not in saved and _only_sharded(v):
+        if k not in saved and only_sharded(v):
             out[k] = v
     return out
 

@@ -4,8 +4,9 @@
 A node's children are the same for every caller: a :class:`StatefulSlot`'s skeleton (under the slot's own
 name), a dict's values, a list's or tuple's items; a ``torch.Size`` is a value (a tuple of ints kept as it
 is), never walked into. Names are joined in one place (:func:`child_name`), as the save walk names tensors.
-The save walk (_flatten.py) stays hand-inlined: it runs once per tensor inside ``save()``, and issue #65
-moves it into C++.
+:func:`rebuild` is the walk that returns a new skeleton (a map over the leaves). The save walk (_flatten.py)
+stays hand-inlined: it runs once per tensor inside ``save()`` (issue #65 binds a state's repeat saves in C++),
+and tests/python/test_checkpoint_skeleton_walk.py holds it to the names and the order :func:`walk` gives.
 """
 
 from __future__ import annotations
@@ -74,6 +75,18 @@ def walk_pair(live: Any, saved: Any, visit: Callable[[Any, Any, str], bool], nam
             walk_pair(v, ss[i] if i < len(ss) else ABSENT, visit, child_name(name, i), leave)
     if leave is not None:
         leave(live, name)
+
+
+def rebuild(skeleton: Any, leaf: Callable[[Any, str], Any], name: str = "") -> Any:
+    """A new skeleton: each dict, list and tuple rebuilt (a dict as a dict, a list as a list, any other
+    sequence as a tuple) around ``leaf(node, name)`` of each node that is none of those (a placeholder, a
+    sharded slot, a Stateful's slot, a ``torch.Size``, a value)."""
+    if isinstance(skeleton, dict):
+        return {k: rebuild(v, leaf, n) for k, v, n in children(skeleton, name)}
+    if is_sequence(skeleton):
+        items = [rebuild(v, leaf, n) for _, v, n in children(skeleton, name)]
+        return items if isinstance(skeleton, list) else tuple(items)
+    return leaf(skeleton, name)
 
 
 # ---- queries -----------------------------------------------------------------------------------------------
@@ -160,10 +173,36 @@ def by_value_optimizer_prefixes(live: Any) -> list[str]:
 def holds_values(x: Any) -> bool:
     """Whether a skeleton node holds anything but tensors (the C++ name check reports those): a plain value
     or an empty container is an entry that a load must restore or refuse."""
-    if x is TENSOR or isinstance(x, (ShardedSlot, StatefulSlot)):
+    found: list = []
+
+    def visit(node: Any, _: str) -> bool:
+        if found or node is TENSOR or isinstance(node, (ShardedSlot, StatefulSlot)):
+            return False
+        if (isinstance(node, dict) or is_sequence(node)) and node:
+            return True
+        found.append(node)  # a value, or an empty container
         return False
-    if isinstance(x, dict):
-        return not x or any(holds_values(v) for v in x.values())
-    if is_sequence(x):
-        return not x or any(holds_values(v) for v in x)
-    return True
+
+    walk(x, visit)
+    return bool(found)
+
+
+def only_sharded(x: Any, name: str = "", loaded: Any = ()) -> bool:
+    """Whether a skeleton node is a sharded slot, or a non-empty dict of dicts whose leaves are all sharded
+    slots, none of them named in ``loaded``: per-rank sharded state (TorchRec's fused optimizer state of a
+    table), which a re-plan may move from one rank to another."""
+    ok = [True]
+
+    def visit(node: Any, n: str) -> bool:
+        if not ok[0]:
+            return False
+        if isinstance(node, ShardedSlot):
+            ok[0] = n not in loaded
+            return False
+        if isinstance(node, dict) and node:
+            return True
+        ok[0] = False
+        return False
+
+    walk(x, visit, name)
+    return ok[0]
