@@ -118,6 +118,14 @@ std::optional<std::string> DirectoryLock::try_acquire(const std::string& dir, un
     ETTKIT_THROW(CorruptData, "the checkpoint directory lock '", path, "' is not a regular file: remove it (the lock "
                  "is a plain file that the next checkpointer creates)");
   }
+  // One link only: the lock is never linked, so a second name means a hard link planted under ".lock" (or a
+  // backup made with hard links), and emptying it for the holder's record below would empty the other file.
+  if (st.st_nlink != 1) {
+    ::close(fd);
+    ETTKIT_THROW(CorruptData, "the checkpoint directory lock '", path, "' is a hard link (", st.st_nlink,
+                 " links): ettkit never writes through one. Remove it (the lock is a plain file of one link that "
+                 "the next checkpointer creates); the file it is linked to is left as it is");
+  }
   if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
     int err = errno;
     if (err == EWOULDBLOCK) {

@@ -433,39 +433,6 @@ void MemoryTier::commit_in(const std::string& shelf, const std::string& tmp, Man
   fsync_directory(shelf_dir);
 }
 
-int MemoryTier::create_arena(uint64_t bytes, std::string& name) {
-  name = ".arena-" + random_id();
-  const int fd = ::openat(rank_dir_.fd(), name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,
-                          static_cast<mode_t>(kFileMode));
-  ETTKIT_CHECK(fd >= 0, IoError, "checkpoint memory tier: creating the arena '", rank_dir_.path_of(name),
-               "' failed: ", std::strerror(errno));
-  if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
-    const int err = errno;
-    ::close(fd);
-    ::unlinkat(rank_dir_.fd(), name.c_str(), 0);
-    ETTKIT_THROW(IoError, "checkpoint memory tier: sizing the arena '", rank_dir_.path_of(name), "' to ", bytes,
-                 " bytes failed: ", std::strerror(err));
-  }
-  return fd;
-}
-
-void MemoryTier::remove_arena(const std::string& name) noexcept {
-  if (name.rfind(".arena-", 0) != 0 || !is_plain_file_name(name)) return;
-  ::unlinkat(rank_dir_.fd(), name.c_str(), 0);
-}
-
-void MemoryTier::link_arena(const std::string& arena, const std::string& tmp, const std::string& file) {
-  ETTKIT_EXPECTS(arena.rfind(".arena-", 0) == 0 && is_plain_file_name(arena) && is_plain_file_name(file),
-                 "link_arena('", arena, "', '", file, "'): not an arena and a plain file name");
-  const std::string tmp_name = entry_of(dir_, tmp);
-  const int fd = open_directory_at(rank_dir_.fd(), tmp_name);
-  ETTKIT_CHECK(fd >= 0, IoError, "checkpoint memory tier: opening '", tmp, "' failed: ", std::strerror(errno));
-  const Dir tmp_dir(fd, tmp);
-  ETTKIT_CHECK(::linkat(rank_dir_.fd(), arena.c_str(), tmp_dir.fd(), file.c_str(), 0) == 0, IoError,
-               "checkpoint memory tier: linking the arena '", rank_dir_.path_of(arena), "' as '",
-               tmp_dir.path_of(file), "' failed: ", std::strerror(errno));
-}
-
 void MemoryTier::abort(const std::string& tmp) noexcept {
   try {
     // A temporary directory of this rank's own shelf, or of a replica shelf in it: nothing else.

@@ -141,9 +141,16 @@ class MemoryTier {
   /// restore that supersedes snapshots supersedes the replicas kept of them too.
   void retire_everywhere(const std::function<bool(const MemoryStep&)>& drop);
   /// The stager's arenas as this tier's files (host_arena.h, ArenaFiles): a new file `.arena-<random>` in
-  /// dir(), created O_EXCL with mode 0600 through the rank directory's handle and sized to `bytes`. Returns
-  /// its descriptor (the caller owns it) and its name in `name`. IoError naming the path.
+  /// dir(), created O_CREAT | O_EXCL | O_NOFOLLOW with mode 0600 through the rank directory's handle and sized
+  /// to `bytes` (memory_tier_arenas.cpp). A name that is taken (a link, a FIFO, a file, a directory: whatever
+  /// it is) is never opened nor removed: another random name is tried, up to kArenaNameAttempts. Returns its
+  /// descriptor (the caller owns it) and its name in `name`. IoError naming the path, and what was found there
+  /// when every name tried was taken.
   int create_arena(uint64_t bytes, std::string& name);
+  static constexpr int kArenaNameAttempts = 8;
+  /// Where every tier's arena names after ".arena-" come from, process-wide (random_id() when empty). For
+  /// tests, which plant entries under the names a tier will try, also behind an AsyncCheckpointer.
+  static void set_arena_names_for_testing(std::function<std::string()> next);
   /// Removes the arena name (never throws; a step linking the file keeps its bytes).
   void remove_arena(const std::string& name) noexcept;
   /// Links the arena file `arena` into the temporary directory `tmp` (begin()'s) as `file`: the memory

@@ -45,7 +45,9 @@ std::vector<Entry> entries_of(const Dir& dir) {
 }
 
 std::optional<std::string> read_bounded_file_at(const Dir& dir, const std::string& name, uint64_t limit) {
-  const int fd = ::openat(dir.fd(), name.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  // O_NONBLOCK: a FIFO under the name (a tier of this uid whose mode let others in) cannot block the open;
+  // fstat then refuses it as not a regular file.
+  const int fd = ::openat(dir.fd(), name.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0) return std::nullopt;
   ReadFile f(fd, dir.path_of(name));
   struct stat st {};
@@ -69,9 +71,13 @@ bool lock_held(const Dir& job, const std::string& rank) {
   const int dfd = open_directory_at(job.fd(), rank);
   if (dfd < 0) return false;
   Dir dir(dfd, job.path_of(rank));
-  const int fd = ::openat(dir.fd(), ".lock", O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  // O_NONBLOCK: a FIFO planted as the lock (in a stale tier whose mode let another user in) would block
+  // this probe, and with it every start of this job, for good. Only a regular file is a lock.
+  const int fd = ::openat(dir.fd(), ".lock", O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0) return false;
   ReadFile lock(fd, dir.path_of(".lock"));  // closing it releases the probe's lock, if it got one
+  struct stat st {};
+  if (::fstat(lock.fd(), &st) != 0 || !S_ISREG(st.st_mode)) return false;
   return ::flock(lock.fd(), LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK;
 }
 
