@@ -82,6 +82,8 @@ class Mutation:
 
 MANY = "checkpoint_integrity_many_chunks_test"
 ARENA = "checkpoint_memory_tier_arena_test"
+ARENA_SEC = "checkpoint_memory_tier_arena_security_test"
+PREPARE = "tests/python/test_checkpoint_prepare.py::"
 FUSED = "checkpoint_fused_digest_test"
 BOUND = "tests/python/test_checkpoint_bound_save.py::"
 
@@ -409,6 +411,46 @@ MUTATIONS: tuple[Mutation, ...] = (
         "  (void)tensors;",
         "the pool's jobs read a storage nobody holds: `p.data = x` right after save() frees it under the copy",
         (Test("checkpoint_save_repeat_test", "SaveRepeat.AStorageSwappedRightAfterSaveReturnsIsReadAsItWasAtSave"),)),
+    # The memory tier's arena files, the spare the writer thread makes included, and its locks (#65's audit).
+    Mutation(
+        "memory-tier-arena-exclusive", "src/checkpoint/memory_tier_arenas.cpp",
+        "O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC",
+        "O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC",
+        "an arena (the spare too) opens whatever is at its name: a stale file is sized and written over, a "
+        "planted link fails the arena instead of another name being taken",
+        (Test(ARENA_SEC, "MemoryTierArenaSecurity.TakenArenaNamesAreNeverOpenedAndTheArenaTakesAFreshOne"),
+         Test(ARENA_SEC, "MemoryTierArenaSecurity.TheSpareArenaPassesOverPlantedEntriesAndTheSavesStayExact"))),
+    Mutation(
+        "memory-tier-arena-follows-links", "src/checkpoint/memory_tier_arenas.cpp",
+        "O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC",
+        "O_RDWR | O_CREAT | O_CLOEXEC",
+        "an arena is opened through a link planted at its name: the link's target is truncated to the arena's "
+        "size and the save's bytes written into it",
+        (Test(ARENA_SEC, "MemoryTierArenaSecurity.TakenArenaNamesAreNeverOpenedAndTheArenaTakesAFreshOne"),)),
+    Mutation(
+        "directory-lock-one-link", "src/checkpoint/directory_lock.cpp",
+        "if (st.st_nlink != 1) {",
+        "if (false) {",
+        "a lock file that is a hard link is emptied and written with the holder's record: the file it shares "
+        "its inode with is overwritten",
+        (Test(ARENA_SEC, "MemoryTierArenaSecurity.ALockThatIsAHardLinkIsRefusedAndItsOtherFileKept"),)),
+    Mutation(
+        "memory-tier-lock-probe-nonblock", "src/checkpoint/memory_tier_entries.cpp",
+        'const int fd = ::openat(dir.fd(), ".lock", O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);',
+        'const int fd = ::openat(dir.fd(), ".lock", O_RDONLY | O_NOFOLLOW | O_CLOEXEC);',
+        "the stale-tier sweep probes a lock without O_NONBLOCK: a FIFO planted as a stale tier's lock blocks "
+        "every start of the job",
+        (Test(ARENA_SEC, "MemoryTierArenaSecurity.AFifoAsAStaleTiersLockOrOwnerRecordDoesNotBlockTheStart"),)),
+    Mutation(
+        "arena-populate-skipped", "src/checkpoint/host_arena.cpp",
+        "if (!ptr || populated) return;",
+        "if (!ptr || populated || size > 0) return;",
+        "prepare() and the spare's backing leave the arena's pages to the first save's copies (the page faults "
+        "they were meant to take off that save)",
+        (Test(ARENA, "MemoryTierArena.AnArenaAStepStillLinksIsReplacedByOneBackedAfterTheCommitNotInTheSave"),
+         Test(ARENA, "MemoryTierArena.PrepareBacksBothTierArenasBeforeTheFirstSave"),
+         Test(pytest=PREPARE + "test_the_first_save_after_prepare_uses_the_arena_prepare_backed"),
+         Test(pytest=PREPARE + "test_the_memory_tiers_second_arena_is_backed_by_prepare_too"))),
 )
 
 # A subset for CI, one per integrity layer that compiles fastest (file_checksums.cpp, step_files.cpp and
