@@ -2,6 +2,7 @@
 #include "checkpoint/reshard.h"
 
 #include <algorithm>
+#include <map>
 #include <optional>
 
 #include "ettkit/common/error.h"
@@ -173,113 +174,75 @@ std::vector<CopyRange> plan_reshard(const std::string& name, const std::vector<i
   return merged;
 }
 
-void add_piece_keys(const SafetensorsIndex& index, std::set<std::string>& out) {
-  for (const auto& entry : index.tensors) {
-    auto [key, offsets] = split_shard_name(entry.first);
-    if (offsets) out.insert(std::move(key));
-  }
-}
-
 namespace {
 
-/// What the step holds of `key`: its saved pieces ("key@offsets"), the first old rank's copy of it saved
-/// whole, and the global shape the pieces make up. `name`, `shape` and `dtype` are the state's tensor's, for
-/// the checks and their messages.
-struct SavedOfKey {
-  std::vector<SavedPiece> pieces;
-  std::optional<SavedPiece> whole;
-  std::vector<int64_t> extent;  // of the pieces: the global shape they make up
-};
-
-SavedOfKey saved_of_key(const std::string& key, const std::string& name, const std::vector<int64_t>& shape,
-                        const std::string& dtype, const std::vector<const SafetensorsIndex*>& indexes) {
-  SavedOfKey saved;
-  saved.extent.assign(shape.size(), 0);
-  std::vector<SavedPiece>& pieces = saved.pieces;
-  std::optional<SavedPiece>& whole = saved.whole;
-  std::vector<int64_t>& extent = saved.extent;
-  for (size_t r = 0; r < indexes.size(); ++r) {
-    for (const auto& [saved_name, e] : indexes[r]->tensors) {
-      auto [saved_key, saved_offsets] = split_shard_name(saved_name);
-      if (saved_key != key || (!saved_offsets && whole)) continue;
-      ETTKIT_EXPECTS(e.dtype == dtype, "'", saved_name, "' is ", e.dtype, " in old rank ", r, "'s file; the state's '",
-                     name, "' is ", dtype);
-      SavedPiece p;
-      p.source = static_cast<int>(r);
-      p.box.sizes = e.shape;
-      p.box.offsets = saved_offsets.value_or(std::vector<int64_t>(e.shape.size(), 0));
-      ETTKIT_EXPECTS(p.box.offsets.size() == shape.size() && e.shape.size() == shape.size(), "'", saved_name,
-                     "' has ", e.shape.size(), " dimensions; the state's '", name, "' has ", shape.size());
-      // The offsets come from the file's tensor names and the sizes from its header: where they end must be
-      // a number (a dimension of size 0 passes the header's byte check with any other dimension).
-      for (size_t d = 0; d < shape.size(); ++d) {
-        int64_t end = 0;
-        ETTKIT_CHECK(!__builtin_add_overflow(p.box.offsets[d], p.box.sizes[d], &end), CorruptData, "'", saved_name,
-                     "' in old rank ", r, "'s file ends beyond 2^63 in dimension ", d, " (offset ", p.box.offsets[d],
-                     ", size ", p.box.sizes[d], ")");
-        if (saved_offsets) extent[d] = std::max(extent[d], end);
-      }
-      p.byte_offset = indexes[r]->data_offset + e.begin;
-      if (saved_offsets) {
-        pieces.push_back(std::move(p));
-      } else {
-        whole = std::move(p);  // one copy is enough
-      }
-    }
-  }
-  return saved;
-}
+SavedPiece saved_piece(const StepPiece& p) { return {p.rank, Box{p.offsets, p.sizes}, p.begin}; }
 
 }  // namespace
 
 std::vector<CopyRange> plan_destination(const std::string& name, const std::vector<int64_t>& shape,
-                                        const std::string& dtype, const std::vector<const SafetensorsIndex*>& indexes,
+                                        const std::string& dtype, const StepTensor* saved,
                                         const std::vector<int64_t>* global_shape) {
   auto [key, offsets] = split_shard_name(name);
   const uint64_t elem = static_cast<uint64_t>(safetensors_dtype_size(dtype));
   ETTKIT_EXPECTS(elem > 0, "'", name, "': dtype ", dtype, " cannot be resharded");
-  // A destination of the same kind reads what is of its kind; one of the other kind reads the other (a layout
-  // change: a sharded tensor read whole, or a tensor saved whole read as a shard).
-  auto [pieces, whole, extent] = saved_of_key(key, name, shape, dtype, indexes);
+  ETTKIT_EXPECTS(saved != nullptr, "'", name, "': no rank of the checkpoint saved ", offsets ? "a piece of '" : "'",
+                 key, "'");
+  // Which copy and which boxes are read is step_tensors' (the replica rule); what is checked here is that they
+  // are this state's tensor.
+  const int rank = saved->pieces.empty() ? 0 : saved->pieces.front().rank;
+  ETTKIT_EXPECTS(saved->dtype == dtype, "'", key, "' is ", saved->dtype, " in old rank ", rank,
+                 "'s file; the state's '", name, "' is ", dtype);
+  ETTKIT_EXPECTS(saved->shape.size() == shape.size(), "'", key, "' has ", saved->shape.size(),
+                 " dimensions in old rank ", rank, "'s file; the state's '", name, "' has ", shape.size());
   Box want;
   want.sizes = shape;
   want.offsets = offsets.value_or(std::vector<int64_t>(shape.size(), 0));
   ETTKIT_EXPECTS(want.offsets.size() == shape.size(), "'", name, "': ", want.offsets.size(),
                  " offsets for a tensor of ", shape.size(), " dimensions");
-  if (!offsets && whole) {
-    // A whole tensor: every copy must be the whole tensor.
-    ETTKIT_EXPECTS(whole->box.sizes == shape, "'", name, "' is ", show(whole->box.sizes), " in old rank ",
-                   whole->source, "'s file; the state's is ", show(shape));
-    return plan_reshard(key, shape, {*whole}, want, elem);
-  }
-  if (!offsets && !pieces.empty()) {
-    // Saved sharded, wanted whole (one rank's plain model, a data-parallel table): the pieces must make up
-    // exactly this tensor, not a larger one of which it would be a corner.
-    ETTKIT_EXPECTS(extent == shape, "'", name, "' is ", show(shape), " in the state; the checkpoint saved it sharded, "
-                   "its pieces making up ", show(extent), " (another global shape)");
+  std::vector<SavedPiece> pieces;
+  for (const StepPiece& p : saved->pieces) pieces.push_back(saved_piece(p));
+  if (!saved->sharded && !offsets) {
+    // A whole tensor: the copy read must be the whole tensor.
+    ETTKIT_EXPECTS(saved->shape == shape, "'", name, "' is ", show(saved->shape), " in old rank ", rank,
+                   "'s file; the state's is ", show(shape));
     return plan_reshard(key, shape, pieces, want, elem);
   }
-  if (offsets && pieces.empty() && whole) {
+  if (!offsets) {
+    // Saved sharded, wanted whole (one rank's plain model, a data-parallel table): the pieces must make up
+    // exactly this tensor, not a larger one of which it would be a corner.
+    ETTKIT_EXPECTS(saved->shape == shape, "'", name, "' is ", show(shape), " in the state; the checkpoint saved it "
+                   "sharded, its pieces making up ", show(saved->shape), " (another global shape)");
+    return plan_reshard(key, shape, pieces, want, elem);
+  }
+  if (!saved->sharded) {
     // Saved whole, wanted as a shard: the whole copy must be the state's global tensor, which the shard's
     // box alone does not tell.
     ETTKIT_EXPECTS(global_shape != nullptr, "'", key, "' was saved whole and the state holds it sharded ('", name,
                    "'): its global shape is needed to check it is the same tensor (load_latest's global_shapes)");
-    ETTKIT_EXPECTS(whole->box.sizes == *global_shape, "'", key, "' is ", show(*global_shape),
-                   " in the state (sharded); the checkpoint saved it whole as ", show(whole->box.sizes),
-                   " in old rank ", whole->source, "'s file (another global shape)");
-    return plan_reshard(key, *global_shape, {*whole}, want, elem);
+    ETTKIT_EXPECTS(saved->shape == *global_shape, "'", key, "' is ", show(*global_shape),
+                   " in the state (sharded); the checkpoint saved it whole as ", show(saved->shape), " in old rank ",
+                   rank, "'s file (another global shape)");
+    return plan_reshard(key, *global_shape, pieces, want, elem);
   }
-  ETTKIT_EXPECTS(!pieces.empty(), "'", name, "': no rank of the checkpoint saved ", offsets ? "a piece of '" : "'",
-                 key, "'");
-  std::vector<int64_t> global = extent;
+  std::vector<int64_t> global = saved->shape;
   if (global_shape) {
     ETTKIT_EXPECTS(global_shape->size() == shape.size(), "'", key, "': its global shape ", show(*global_shape),
                    " has ", global_shape->size(), " dimensions; the state's shard '", name, "' has ", shape.size());
-    ETTKIT_EXPECTS(extent == *global_shape, "'", key, "' is ", show(*global_shape),
-                   " in the state; the checkpoint's pieces of it make up ", show(extent), " (another global shape)");
+    ETTKIT_EXPECTS(saved->shape == *global_shape, "'", key, "' is ", show(*global_shape),
+                   " in the state; the checkpoint's pieces of it make up ", show(saved->shape),
+                   " (another global shape)");
   }
   for (size_t d = 0; d < shape.size(); ++d) global[d] = std::max(global[d], want.offsets[d] + want.sizes[d]);
   return plan_reshard(key, global, pieces, want, elem);
+}
+
+std::vector<CopyRange> plan_destination(const std::string& name, const std::vector<int64_t>& shape,
+                                        const std::string& dtype, const std::vector<const SafetensorsIndex*>& indexes,
+                                        const std::vector<int64_t>* global_shape) {
+  const std::map<std::string, StepTensor> saved = step_tensors(indexes, "");
+  auto it = saved.find(split_shard_name(name).first);
+  return plan_destination(name, shape, dtype, it == saved.end() ? nullptr : &it->second, global_shape);
 }
 
 uint64_t planned_bytes(const std::vector<CopyRange>& plan) {

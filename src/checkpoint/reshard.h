@@ -9,17 +9,20 @@
 // Torch-free: boxes, element sizes and byte offsets only; the caller maps dtypes and files.
 #include <cstdint>
 #include <optional>
-#include <set>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "checkpoint/storage.h"
 #include "ettkit/checkpoint/shard_names.h"
+#include "ettkit/checkpoint/step_pieces.h"
 
 #pragma GCC visibility push(default)
 
 namespace ettkit::checkpoint::detail {
+
+using ettkit::checkpoint::StepPiece;
+using ettkit::checkpoint::StepTensor;
 
 /// An N-dimensional box of a global tensor: where it starts and how large it is, per dimension.
 struct Box {
@@ -59,20 +62,23 @@ uint64_t planned_bytes(const std::vector<CopyRange>& plan);
 /// The grammar of the names parsed here is ettkit/checkpoint/shard_names.h's.
 using ettkit::checkpoint::split_shard_name;
 
-/// Adds to `out` the key of every piece ("key@offsets") `index` holds: the tensors it saved sharded.
-void add_piece_keys(const SafetensorsIndex& index, std::set<std::string>& out);
-
-/// The reads that fill the destination tensor `name` (shape `shape`, safetensors dtype `dtype`) from the
-/// files of a step written at another world size or layout, `indexes[r]` being old rank r's safetensors index
-/// (the CopyRange sources are old ranks; src_offset is from the start of that file). A shard name reads the
-/// pieces of the same tensor that overlap it; the global shape is the extent of the saved pieces (which
-/// must cover the wanted box). A whole-tensor name reads the first old rank's copy that has it (a tensor
-/// saved without shards is taken as replicated: the same on every rank). Across kinds (a layout change):
-/// a whole-tensor name of a tensor saved only in pieces reads them all, and they must make up exactly
-/// `shape`; a shard name of a tensor saved only whole reads its box of the first copy, which must be
-/// `*global_shape` (required then: the box alone does not say which tensor it is a part of). `global_shape`,
-/// when given for a shard name, must also equal the extent of the saved pieces. InvalidArgument naming the
-/// tensor when no old rank saved it, a dtype or global shape differs, or the pieces do not cover it.
+/// The reads that fill the destination tensor `name` (shape `shape`, safetensors dtype `dtype`) from what a
+/// step written at another world size or layout saved of its key, `saved` (step_tensors, step_pieces.h: the
+/// replica rule's one owner; nullptr when no old rank saved it). The CopyRange sources are old ranks;
+/// src_offset is from the start of that file. A shard name reads the pieces of the same tensor that overlap
+/// it; the global shape is the extent of the saved pieces (which must cover the wanted box). A whole-tensor
+/// name reads the copy step_tensors chose (the lowest old rank's: a tensor saved without shards is taken as
+/// replicated). Across kinds (a layout change): a whole-tensor name of a tensor saved in pieces reads them
+/// all, and they must make up exactly `shape`; a shard name of a tensor saved whole reads its box of that
+/// copy, which must be `*global_shape` (required then: the box alone does not say which tensor it is a part
+/// of). `global_shape`, when given for a shard name, must also equal the extent of the saved pieces.
+/// InvalidArgument naming the tensor when no old rank saved it, a dtype or global shape differs, or the
+/// pieces do not cover it.
+std::vector<CopyRange> plan_destination(const std::string& name, const std::vector<int64_t>& shape,
+                                        const std::string& dtype, const StepTensor* saved,
+                                        const std::vector<int64_t>* global_shape = nullptr);
+/// The same, `indexes[r]` being old rank r's safetensors index (step_tensors of them: CorruptData for a
+/// hostile index).
 std::vector<CopyRange> plan_destination(const std::string& name, const std::vector<int64_t>& shape,
                                         const std::string& dtype, const std::vector<const SafetensorsIndex*>& indexes,
                                         const std::vector<int64_t>* global_shape = nullptr);

@@ -7,6 +7,8 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <map>
+#include <optional>
 #include <set>
 
 #include "checkpoint/file_checksums.h"
@@ -38,47 +40,54 @@ struct ReshardFindings {
   std::vector<std::string> differing;  // saved whole, differing, taken from old rank 0 anyway (whole_from_rank0)
 };
 
+/// What the old ranks saved, per key (step_tensors, step_pieces.h: the replica rule's one owner).
+using SavedTensors = std::map<std::string, StepTensor>;
+
 /// A tensor saved whole is read from one old rank's copy, which is right only for a replica: the same bytes
 /// on every old rank that saved it. The digests in the old headers prove it (or show per-rank state, which
-/// is refused rather than silently replaced by old rank 0's values). Steps saved before the digests existed
-/// cannot prove it: they load as before, with a warning.
-void check_replicated(const ReadPlan& p, const std::string& name, bool whole_from_rank0, ReshardFindings& out) {
-  const std::string key = kWholeTensorDigestPrefix + name;
-  std::optional<std::pair<size_t, std::string>> first;
-  for (size_t r = 0; r < p.indexes.size(); ++r) {
-    if (!p.indexes[r].tensors.count(name)) continue;
-    auto d = p.indexes[r].metadata.find(key);
-    if (d == p.indexes[r].metadata.end()) {
-      out.unproven.push_back(name);
-      return;
-    }
-    if (!first) {
-      first.emplace(r, d->second);
-    } else if (d->second != first->second) {
-      if (whole_from_rank0) {
-        out.differing.push_back(name);
-      } else {
-        out.problems.push_back(ettkit::detail::concat(
-            "'", name, "' was saved whole and differs between old ranks ", first->first, " and ", r,
-            ": per-rank state cannot be mapped onto another number of ranks (only a tensor every rank holds the "
-            "same, such as a DDP replica, can); save it as a DTensor or ShardedTensor, keep it out of the "
-            "checkpoint, or, when old rank 0's copy is the right one (a DDP model's buffers with "
-            "broadcast_buffers), load with reshard_whole_from_rank0"));
-      }
-      return;
-    }
+/// is refused rather than silently replaced by old rank 0's values); step_tensors compared them. Steps saved
+/// before the digests existed cannot prove it: they load as before, with a warning.
+void check_replicated(const SavedTensors& saved, const std::string& name, bool whole_from_rank0,
+                      ReshardFindings& out) {
+  auto it = saved.find(name);
+  if (it == saved.end() || it->second.sharded) return;
+  const StepTensor& t = it->second;
+  if (!t.differs && t.unproven) {
+    out.unproven.push_back(name);
+  } else if (t.differs && whole_from_rank0) {
+    out.differing.push_back(name);
+  } else if (t.differs) {
+    out.problems.push_back(ettkit::detail::concat(
+        "'", name, "' was saved whole and differs between old ranks ", t.differs->first, " and ", t.differs->second,
+        ": per-rank state cannot be mapped onto another number of ranks (only a tensor every rank holds the "
+        "same, such as a DDP replica, can); save it as a DTensor or ShardedTensor, keep it out of the "
+        "checkpoint, or, when old rank 0's copy is the right one (a DDP model's buffers with "
+        "broadcast_buffers), load with reshard_whole_from_rank0"));
   }
 }
 
+/// This rank's own copy of `name`, saved whole in its file `home` (a same-world load keeps per-rank state):
+/// nullopt when its file has no such tensor.
+std::optional<StepTensor> own_copy(const SafetensorsIndex& home, int rank, const std::string& name) {
+  auto e = home.tensors.find(name);
+  if (e == home.tensors.end()) return std::nullopt;
+  StepTensor t;
+  t.dtype = e->second.dtype;
+  t.shape = e->second.shape;
+  t.pieces.push_back({rank, std::vector<int64_t>(t.shape.size(), 0), t.shape, home.data_offset + e->second.begin,
+                      home.data_offset + e->second.end});
+  return t;
+}
+
 /// Each destination's reads, and the whole tensors that are proven (or not) replicas.
-void plan_fills(ReadPlan& p, const LoadRequest& req, std::set<std::string>& wanted_keys, ReshardFindings& out) {
-  std::vector<const SafetensorsIndex*> indexes;
-  for (const SafetensorsIndex& i : p.indexes) indexes.push_back(&i);
+void plan_fills(ReadPlan& p, const LoadRequest& req, const SavedTensors& saved, std::set<std::string>& wanted_keys,
+                ReshardFindings& out) {
   const bool same_world = p.saved_world == req.world;
   const SafetensorsIndex& home = p.indexes[static_cast<size_t>(p.home)];
-  std::set<std::string> sharded;  // the keys some old rank saved in pieces
-  for (const SafetensorsIndex& i : p.indexes) add_piece_keys(i, sharded);
-  auto saved_in_pieces = [&sharded](const std::string& key) { return sharded.count(key) != 0; };
+  auto saved_in_pieces = [&saved](const std::string& key) {
+    auto it = saved.find(key);
+    return it != saved.end() && it->second.sharded;
+  };
   std::set<std::string> from_whole;  // shards read from a tensor saved whole: it must be a replica
   for (const auto& [name, t] : req.tensors) {
     auto [key, offsets] = split_shard_name(name);
@@ -88,17 +97,18 @@ void plan_fills(ReadPlan& p, const LoadRequest& req, std::set<std::string>& want
       auto g = req.global_shapes->find(key);
       if (g != req.global_shapes->end()) global = &g->second;
     }
+    const std::string dtype = safetensors_dtype(t.scalar_type(), name);
     try {
       if (same_world && !offsets && (home.tensors.count(name) || !saved_in_pieces(key))) {
         // This rank's own copy (its per-rank state), not the first rank's that has one. (A tensor every old
         // rank saved in pieces is read from them all below: a layout change.)
-        p.fills.push_back(plan_destination(name, t.sizes().vec(), safetensors_dtype(t.scalar_type(), name),
-                                           {indexes[static_cast<size_t>(p.home)]}));
-        for (CopyRange& c : p.fills.back()) c.source = p.home;
+        std::optional<StepTensor> own = own_copy(home, p.home, name);
+        p.fills.push_back(plan_destination(name, t.sizes().vec(), dtype, own ? &*own : nullptr));
       } else {
+        auto it = saved.find(key);
         p.fills.push_back(
-            plan_destination(name, t.sizes().vec(), safetensors_dtype(t.scalar_type(), name), indexes, global));
-        if (offsets && !saved_in_pieces(key)) from_whole.insert(key);
+            plan_destination(name, t.sizes().vec(), dtype, it == saved.end() ? nullptr : &it->second, global));
+        if (offsets && it != saved.end() && !it->second.sharded) from_whole.insert(key);
       }
       p.planned += planned_bytes(p.fills.back());
     } catch (const InvalidArgument& e) {
@@ -110,16 +120,16 @@ void plan_fills(ReadPlan& p, const LoadRequest& req, std::set<std::string>& want
     auto [key, offsets] = split_shard_name(name);
     // A whole destination at another world size reads one old rank's copy, and so does every shard of a
     // tensor saved whole, at any world size: right only for a replica.
-    if (!same_world && !offsets && !saved_in_pieces(key)) check_replicated(p, name, req.whole_from_rank0, out);
+    if (!same_world && !offsets && !saved_in_pieces(key)) check_replicated(saved, name, req.whole_from_rank0, out);
   }
-  for (const std::string& key : from_whole) check_replicated(p, key, req.whole_from_rank0, out);
+  for (const std::string& key : from_whole) check_replicated(saved, key, req.whole_from_rank0, out);
 }
 
 /// What no destination asks for. A piece of a sharded tensor: another rank's now (a rank may hold no shard
 /// of a table; the caller checks that the state has the sharded tensor). A whole tensor under a read prefix
 /// (lazily created state): the home rank's copy. Any other whole tensor: a mismatch, as at the same world size.
-void plan_unplaced(ReadPlan& p, const LoadRequest& req, const std::set<std::string>& wanted_keys,
-                   ReshardFindings& out) {
+void plan_unplaced(ReadPlan& p, const LoadRequest& req, const SavedTensors& saved,
+                   const std::set<std::string>& wanted_keys, ReshardFindings& out) {
   std::vector<std::string> unexpected;
   for (size_t r = 0; r < p.indexes.size(); ++r) {
     for (const auto& [name, entry] : p.indexes[r].tensors) {
@@ -129,7 +139,7 @@ void plan_unplaced(ReadPlan& p, const LoadRequest& req, const std::set<std::stri
         if (r == static_cast<size_t>(p.home)) {
           p.to_read.push_back(&entry);
           p.planned += entry.end - entry.begin;
-          if (p.saved_world != req.world) check_replicated(p, name, req.whole_from_rank0, out);
+          if (p.saved_world != req.world) check_replicated(saved, name, req.whole_from_rank0, out);
         }
       } else if (!req.partial && std::find(unexpected.begin(), unexpected.end(), key) == unexpected.end()) {
         unexpected.push_back(key);
@@ -195,18 +205,22 @@ ReadPlan plan_reshard_read(const StepDirectory& step_dir, int64_t step, const Lo
   p.reshard = true;
   p.saved_world = step_dir.manifest().world_size;
   p.home = p.saved_world == req.world ? req.rank : 0;
+  SavedTensors saved;
   try {
     if (!open_old_ranks(p, step_dir, req)) {
       return refused(std::move(p), Verdict::kVanished,
                      "step " + std::to_string(step) + " was removed while it was being loaded");
     }
+    std::vector<const SafetensorsIndex*> indexes;
+    for (const SafetensorsIndex& i : p.indexes) indexes.push_back(&i);
+    saved = step_tensors(indexes, step_dir.path());
   } catch (const Error& e) {
     return refused(std::move(p), Verdict::kBad, e.message());
   }
   ReshardFindings found;
   std::set<std::string> wanted_keys;
-  plan_fills(p, req, wanted_keys, found);
-  plan_unplaced(p, req, wanted_keys, found);
+  plan_fills(p, req, saved, wanted_keys, found);
+  plan_unplaced(p, req, saved, wanted_keys, found);
   // The names are checked: the non-tensor state may be decoded now.
   std::string extra_mismatch;
   if (std::string why = undecodable_extra(req.validate_extra, p.extra,

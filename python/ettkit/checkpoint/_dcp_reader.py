@@ -47,10 +47,6 @@ def _step_dir(checkpoint_id: str | os.PathLike) -> str:
     return os.path.join(path, f"step-{step}")
 
 
-# The names of what a step saved are C++'s (include/ettkit/checkpoint/shard_names.h): a shard's
-# "<key>@<offsets>" (split_shard_name) and where a disk save records the XXH3 of each tensor it saved whole.
-_split_shard_name = _C.checkpoint.split_shard_name
-_WHOLE_DIGEST = _C.checkpoint.WHOLE_TENSOR_DIGEST_PREFIX
 # A manifest lists a few files per rank: 16 MiB is far beyond any real one.
 _MAX_MANIFEST_BYTES = 16 << 20
 # How many names a message lists: the C++ loader's cap (step_format.h).
@@ -77,15 +73,15 @@ def _json(path: str, data: bytes) -> Any:
 
 
 # The safetensors header's rules (the format's layout and cap, dtypes, sizes, ranges inside the data and not
-# overlapping) are C++'s (include/ettkit/checkpoint/step_format.h), the C++ loader's own: one owner.
-def _header(path: str) -> tuple[int, dict, dict, int]:
-    """(data offset, {name: (dtype string, shape, begin, end)}, ``__metadata__``, file size) of a safetensors
-    file, parsed and checked by C++."""
+# overlapping) and the replica rule (which old rank's copy of a tensor saved whole is read, which boxes of a
+# sharded one count, and that they tile it) are C++'s (include/ettkit/checkpoint/step_format.h, step_pieces.h),
+# the C++ loader's own: one owner each. This module translates what C++ decided into DCP's metadata.
+def _header_text(path: str) -> tuple[bytes, int]:
+    """(the header's JSON, the file's size) of a safetensors file, its length checked by C++."""
     with _open(path) as f:
         size = os.fstat(f.fileno()).st_size
         n = _C.checkpoint.safetensors_header_length(path, f.read(8), size)
-        data_offset, entries, meta = _C.checkpoint.parse_safetensors_header(path, f.read(n), size)
-    return data_offset, entries, meta, size
+        return f.read(n), size
 
 
 def _dtype(path: str, name: str, dtype: str) -> torch.dtype:
@@ -112,9 +108,10 @@ class EttkitStorageReader(StorageReader):
         dcp.load(state_dict, storage_reader=EttkitStorageReader("ckpt/step-300"))
 
     Every rank's ``rank-<r>.safetensors`` header is read; a ShardedTensor's or DTensor's local shard saved
-    as ``<key>@<offsets>`` becomes a chunk of ``<key>`` at those offsets, and a whole tensor one chunk of
-    itself (old rank 0's copy, once the digests in the headers show every old rank saved the same bytes:
-    per-rank state is refused with ``InvalidArgumentError``). DCP's planner then reads, on each
+    as ``<key>@<offsets>`` becomes a chunk of ``<key>`` at those offsets (one copy of a box several old ranks
+    saved), and a whole tensor one chunk of itself (old rank 0's copy, once the digests in the headers show
+    every old rank saved the same bytes: per-rank state is refused with ``InvalidArgumentError``); which copy
+    and which boxes are C++'s rule, the loader's (``_C.checkpoint.step_tensors``). DCP's planner then reads, on each
     rank, the chunks that overlap its state. Tensors only: the non-tensor state in ``rank-<r>.extra`` is for
     ettkit's own ``load_latest`` and is never read here. ettkit's checksums are not checked on this path (DCP
     has no place for them): ``AsyncCheckpointer.load_latest`` is the verified load."""
@@ -124,9 +121,7 @@ class EttkitStorageReader(StorageReader):
         self._whole_from_rank0 = bool(whole_from_rank0)  # as AsyncCheckpointer's reshard_whole_from_rank0
         self._path: Optional[str] = None
         self._storage: dict = {}
-        # Tensors saved whole whose copies differ between old ranks -> two ranks that disagree (refused when
-        # the plan asks for them).
-        self._per_rank: dict = {}
+        self._per_rank: dict = {}  # see read_metadata
         if checkpoint_id is not None:
             self.reset(checkpoint_id)
 
@@ -154,40 +149,24 @@ class EttkitStorageReader(StorageReader):
         # The range is the C++ loader's (MAX_WORLD_SIZE), checked there.
         world = _C.checkpoint.checked_world_size(
             json.dumps(manifest.get("world_size") if type(manifest) is dict else None), mpath)
-        metadata: dict = {}
-        storage: dict = {}
-        self._per_rank = {}
-        whole: dict = {}  # a tensor saved whole -> (the first old rank that holds it, its digest)
+        files = []
         for rank in range(world):
             path = os.path.join(self._path, f"rank-{rank}.safetensors")
-            data_offset, header, meta, _ = _header(path)
-            for name, (dtype_name, shape, begin, end) in header.items():
-                key, shard_offsets = _split_shard_name(name)
-                dtype = _dtype(path, name, dtype_name)
-                offsets = shard_offsets if shard_offsets is not None else [0] * len(shape)
-                if len(offsets) != len(shape):
-                    raise CorruptDataError(f"'{path}': '{name}' has {len(offsets)} offsets for {len(shape)} dims")
-                if shard_offsets is None:
-                    # A whole tensor is read from one copy: right only when every old rank held the same
-                    # bytes (the digests say so; a step without them is taken as replicated).
-                    digest = meta.get(_WHOLE_DIGEST + name)
-                    first = whole.setdefault(key, (rank, digest))
-                    if digest is not None and first[1] is not None and digest != first[1]:
-                        self._per_rank.setdefault(key, (first[0], rank))
-                    if key in metadata:
-                        continue  # old rank 0's copy
-                md = metadata.get(key)
-                if md is None:
-                    md = metadata[key] = TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(shape), [])
-                if md.properties.dtype != dtype:
-                    raise CorruptDataError(f"'{path}': '{name}' is {dtype}; another piece of '{key}' is "
-                                           f"{md.properties.dtype}")
-                if any(s == 0 for s in shape):
-                    continue
-                md.chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(shape)))
-                # The whole tensor's size: the extent of its pieces.
-                md.size = torch.Size(max(a, o + s) for a, o, s in zip(md.size, offsets, shape))
-                storage[MetadataIndex(key, offsets)] = (path, data_offset + begin, end - begin, dtype, shape)
+            files.append((path, *_header_text(path)))
+        metadata: dict = {}
+        storage: dict = {}
+        # Tensors saved whole whose copies differ between old ranks -> the two ranks (refused when asked for).
+        self._per_rank = {}
+        for key, (dtype_name, shape, _, pieces, differs, _) in _C.checkpoint.step_tensors(files, self._path).items():
+            dtype = _dtype(files[pieces[0][0]][0] if pieces else mpath, key, dtype_name)
+            md = metadata[key] = TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(shape), [])
+            if differs is not None:
+                self._per_rank[key] = tuple(differs)
+            for rank, offsets, sizes, begin, end in pieces:
+                if 0 in sizes:
+                    continue  # a DCP chunk holds elements: an empty tensor has none
+                md.chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
+                storage[MetadataIndex(key, offsets)] = (files[rank][0], begin, end - begin, dtype, sizes)
         self._storage = storage
         return Metadata(state_dict_metadata=metadata, storage_data=storage)
 

@@ -9,10 +9,12 @@ out (headers included) lies in a manifest checksum chunk whose XXH3-64 was recom
 ``<key>@<offsets>`` (FSDP2's and other DTensors' shards, ShardedTensors' local shards) are put together
 into the whole tensor ``<key>``; a piece that several ranks saved (replicated mesh dimensions) is read once;
 pieces that do not tile the whole tensor exactly are refused. A tensor saved whole is read from old rank 0,
-once the headers' digests show every rank saved the same bytes (as ``load_latest`` and
-``EttkitStorageReader`` decide it). Memory: a tensor whose pieces are rows of it (whole tensors, ``Shard(0)``)
-streams in pieces of at most one checksum chunk (4-32 MiB); any other layout is put together in one buffer
-of the tensor's size. Nothing is unpickled and ``rank-<r>.extra`` is never opened.
+once the headers' digests show every rank saved the same bytes. These are the C++ loader's rules, applied by
+the one function ``load_latest`` and ``EttkitStorageReader`` read a step through
+(``_C.checkpoint.step_tensors``). Memory: a tensor whose pieces are rows of it (whole tensors, ``Shard(0)``)
+streams in pieces of at most one checksum chunk (4-32 MiB); any other layout is put together by C++
+(``_C.checkpoint.assemble_pieces``, the loader's resharding plan) in one buffer of the tensor's size.
+Nothing is unpickled and ``rank-<r>.extra`` is never opened.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Iterator
 
 from .. import _C
 from ..errors import CorruptCheckpointError, CorruptDataError, InvalidArgumentError
@@ -30,12 +32,11 @@ from ..errors import CorruptCheckpointError, CorruptDataError, InvalidArgumentEr
 # A manifest lists a few files per rank: 16 MiB is far beyond any real one.
 MAX_MANIFEST_BYTES = 16 << 20
 # The rules that the C++ loader owns and this reader applies through ettkit._C.checkpoint (one owner each,
-# include/ettkit/checkpoint/step_format.h and shard_names.h): the manifest's world_size range and file entries
-# (FileChecksums.decode), the safetensors header's parse and checks (overlapping ranges included), the
-# shard-name grammar and the whole-tensor digest key.
+# include/ettkit/checkpoint/step_format.h and step_pieces.h): the manifest's world_size range and file entries
+# (FileChecksums.decode), the safetensors header's parse and checks (overlapping ranges included), and the
+# replica rule with the pieces (step_tensors: which copy of a tensor saved whole is read, which boxes of a
+# sharded one, that they tile it) and how pieces are put together (assemble_pieces).
 MAX_WORLD_SIZE = _C.checkpoint.MAX_WORLD_SIZE
-_split_shard_name = _C.checkpoint.split_shard_name
-_WHOLE_DIGEST = _C.checkpoint.WHOLE_TENSOR_DIGEST_PREFIX
 # The dtypes ettkit writes (safetensors names) and their element sizes: the C++ table the writer uses.
 _ITEMSIZE: dict[str, int] = {name: dtype.itemsize for name, dtype in _C.checkpoint.safetensors_dtypes()}
 
@@ -162,14 +163,14 @@ class Piece:
 @dataclass
 class SavedTensor:
     """A tensor of the step: its name in the step (without ``@<offsets>``), its safetensors dtype, its whole
-    shape (the extent of its pieces) and the pieces to read it from (one per distinct box)."""
+    shape (the extent of its pieces) and the pieces to read it from (one per distinct box), as
+    ``_C.checkpoint.step_tensors`` chose them."""
 
     name: str
     dtype: str
     shape: tuple[int, ...] = ()
     pieces: list[Piece] = field(default_factory=list)
     sharded: bool = False
-    digest: Optional[str] = None  # whole tensors: the XXH3 its save recorded
 
     @property
     def nbytes(self) -> int:
@@ -207,14 +208,15 @@ class StepTensors:
         self.files: list[VerifiedFile] = []
         self.tensors: dict[str, SavedTensor] = {}
         try:
+            headers = []
             for rank in range(world):
                 name = f"rank-{rank}.safetensors"
                 if name not in files:
                     raise CorruptDataError(f"'{mpath}': files has no entry for '{name}' (world_size {world})")
                 vf = VerifiedFile(os.path.join(self.step_dir, name), FileChecksums.decode(mpath, name, files[name]))
                 self.files.append(vf)
-                self._add_rank(rank, vf)
-            self._check_tiling()
+                headers.append(self._header(vf))
+            self._add_tensors(_C.checkpoint.step_tensors(headers, self.step_dir))
         except BaseException:
             self.close()
             raise
@@ -233,51 +235,22 @@ class StepTensors:
     def bytes_verified(self) -> int:
         return sum(f.bytes_verified for f in self.files)
 
-    def _add_rank(self, rank: int, vf: VerifiedFile) -> None:
+    @staticmethod
+    def _header(vf: VerifiedFile) -> tuple[str, bytes, int]:
+        """(path, header JSON, size) of a rank file: the bytes handed to the C++ parser are the verified ones."""
         path, size = vf.path, vf.sums.size
-        # The bytes handed to the C++ parser are the verified ones (VerifiedFile.read).
         n = _C.checkpoint.safetensors_header_length(path, vf.read(0, min(8, size)), size)
-        data_begin, header, meta = _C.checkpoint.parse_safetensors_header(path, vf.read(8, 8 + n), size)
-        for entry_name, (dtype, shape, begin, end) in header.items():
-            key, shard_offsets = _split_shard_name(entry_name)
-            m = shard_offsets is not None
-            offsets = tuple(shard_offsets) if m else (0,) * len(shape)
-            if len(offsets) != len(shape):
-                raise CorruptDataError(f"'{path}': '{entry_name}' has {len(offsets)} offsets for {len(shape)} dims")
-            t = self.tensors.get(key)
-            if t is None:
-                t = self.tensors[key] = SavedTensor(key, dtype, (0,) * len(shape), sharded=m)
-            if t.dtype != dtype or len(t.shape) != len(shape) or t.sharded != m:
-                raise CorruptDataError(f"'{path}': '{entry_name}' ({dtype}, {len(shape)} dims, "
-                                       f"{'a piece' if m else 'whole'}) does not match another rank's "
-                                       f"'{key}' ({t.dtype}, {len(t.shape)} dims, "
-                                       f"{'pieces' if t.sharded else 'whole'})")
-            if not m:
-                digest = meta.get(_WHOLE_DIGEST + entry_name)
-                if t.pieces:  # old rank 0's copy is read; the others must be the same bytes
-                    if digest is not None and t.digest is not None and digest != t.digest:
-                        raise InvalidArgumentError(
-                            f"'{key}' was saved whole with different bytes by rank {t.pieces[0].rank} and rank "
-                            f"{rank} (per-rank state): it has no single value to export")
-                    continue
-                t.digest = digest
-            if any(o + s > (1 << 62) for o, s in zip(offsets, shape)):
-                raise CorruptDataError(f"'{path}': '{entry_name}' lies beyond any tensor's size")
-            if any(s == 0 for s in shape) or any(p.offsets == offsets for p in t.pieces):
-                continue  # empty (an uneven split's last rank), or a replica of a box already found
-            t.pieces.append(Piece(rank, offsets, tuple(shape), data_begin + begin, data_begin + end))
-            t.shape = tuple(max(a, o + s) for a, o, s in zip(t.shape, offsets, shape))
+        return path, vf.read(8, 8 + n), size
 
-    def _check_tiling(self) -> None:
-        """Every tensor's distinct boxes must add up to exactly its elements (none missing, none overlapping a
-        different box), so that the export is the whole tensor."""
-        for t in self.tensors.values():
-            t.pieces.sort(key=lambda p: p.offsets)
-            covered = sum(math.prod(p.shape) for p in t.pieces)
-            if covered != math.prod(t.shape):
-                raise CorruptDataError(f"step '{self.step_dir}': the saved pieces of '{t.name}' hold {covered} "
-                                       f"elements of its {list(t.shape)} ({math.prod(t.shape)}): pieces overlap "
-                                       f"or are missing")
+    def _add_tensors(self, saved: dict) -> None:
+        for key, (dtype, shape, sharded, pieces, differs, _) in saved.items():
+            if differs is not None:
+                a, b = differs
+                raise InvalidArgumentError(f"'{key}' was saved whole with different bytes by rank {a} and rank {b} "
+                                           f"(per-rank state): it has no single value to export")
+            self.tensors[key] = SavedTensor(key, dtype, tuple(shape), [
+                Piece(rank, tuple(offsets), tuple(sizes), begin, end) for rank, offsets, sizes, begin, end in pieces],
+                sharded)
 
     def stream(self, t: SavedTensor) -> Iterator[bytes]:
         """The tensor's bytes, row-major, verified: in chunk-sized pieces when its pieces are rows of it, else
@@ -286,14 +259,6 @@ class StepTensors:
             for p in t.pieces:
                 yield from self.files[p.rank].stream(p.begin, p.end)
             return
-        import torch
-
-        from_name = dict((n, d) for n, d in _C.checkpoint.safetensors_dtypes())
-        dtype = from_name[t.dtype]
-        whole = torch.empty(t.shape, dtype=dtype)
-        for p in t.pieces:
-            raw = bytearray(self.files[p.rank].read(p.begin, p.end))
-            piece = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(p.shape)
-            whole[tuple(slice(o, o + s) for o, s in zip(p.offsets, p.shape))] = piece
-        yield whole.view(torch.uint8).numpy().tobytes() if whole.numel() else b""
-
+        data = [self.files[p.rank].read(p.begin, p.end) for p in t.pieces]
+        yield _C.checkpoint.assemble_pieces(t.name, t.dtype, list(t.shape), [
+            (p.rank, list(p.offsets), list(p.shape), p.begin, p.end) for p in t.pieces], data)
