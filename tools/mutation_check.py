@@ -144,8 +144,8 @@ MUTATIONS: tuple[Mutation, ...] = (
                      "test_a_sharded_step_read_whole_into_another_shape_is_refused_naming_it"))),
     Mutation(
         "shards-from-whole-shape", "src/checkpoint/reshard.cpp",
-        "ETTKIT_EXPECTS(whole->box.sizes == *global_shape,",
-        "ETTKIT_EXPECTS(true || whole->box.sizes == *global_shape,",
+        "ETTKIT_EXPECTS(whole_shape == *global_shape,",
+        "ETTKIT_EXPECTS(true || whole_shape == *global_shape,",
         "shards of another global shape are cut from a tensor saved whole (#46)",
         (Test("reshard_test", "Reshard.ATensorSavedInPiecesLoadsWholeAndOneSavedWholeLoadsAsShards"),
          Test(pytest="tests/python/test_checkpoint_layout_kinds.py::"
@@ -451,6 +451,34 @@ MUTATIONS: tuple[Mutation, ...] = (
          Test(ARENA, "MemoryTierArena.PrepareBacksBothTierArenasBeforeTheFirstSave"),
          Test(pytest=PREPARE + "test_the_first_save_after_prepare_uses_the_arena_prepare_backed"),
          Test(pytest=PREPARE + "test_the_memory_tiers_second_arena_is_backed_by_prepare_too"))),
+    # The replica rule and the pieces of a step (#64, step_pieces.h: the one function the resharding load, the
+    # DCP reader and export read a step through).
+    Mutation(
+        "step-pieces-replicas-kept", "src/checkpoint/step_pieces.cpp",
+        "  auto [it, fresh] = c.at[key].emplace(piece.offsets, t.pieces.size());",
+        "  auto [it, fresh] = std::make_pair(c.at[key].end(), true);",
+        "every copy of a replicated box is kept: a step of a mesh with a replicated dimension reads as pieces "
+        "that overlap (refused), and a replica of another size passes",
+        (Test("checkpoint_step_pieces_test",
+              "StepPieces.AReplicatedBoxIsReadOnceFromTheLowestRankAndPiecesTileTheTensor"),
+         Test(pytest="tests/python/test_step_pieces_rule.py::"
+                     "test_both_readers_read_the_boxes_and_copies_the_bound_rule_chose"))),
+    Mutation(
+        "step-pieces-overlap-unchecked", "src/checkpoint/step_pieces.cpp",
+        "  if (t.shape.empty()) return;",
+        "  return;",
+        "boxes that hold as many elements as the tensor are taken as its tiling: two that overlap leave a hole "
+        "nobody reads",
+        (Test("checkpoint_step_pieces_test", "StepPieces.OverlappingBoxesAreRefusedNamingBoth"),)),
+    Mutation(
+        "step-pieces-whole-differs-ignored", "src/checkpoint/step_pieces.cpp",
+        "  if (!same && !t.differs) t.differs.emplace(first.rank, piece.rank);",
+        "  (void)same;",
+        "copies of a tensor saved whole that differ are taken as replicas: per-rank state is replaced by old rank "
+        "0's at another world size",
+        (Test("checkpoint_step_pieces_test",
+              "StepPieces.AWholeTensorIsTheLowestRanksCopyAndDigestsSayWhetherItIsAReplica"),
+         Test("reshard_test", "Reshard.PerRankStateSavedWholeIsRefusedNotReplacedByOldRankZerosCopy"))),
 )
 
 # A subset for CI, one per integrity layer that compiles fastest (file_checksums.cpp, step_files.cpp and

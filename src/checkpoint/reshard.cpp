@@ -211,8 +211,9 @@ std::vector<CopyRange> plan_destination(const std::string& name, const std::vect
   if (!offsets) {
     // Saved sharded, wanted whole (one rank's plain model, a data-parallel table): the pieces must make up
     // exactly this tensor, not a larger one of which it would be a corner.
-    ETTKIT_EXPECTS(saved->shape == shape, "'", name, "' is ", show(shape), " in the state; the checkpoint saved it "
-                   "sharded, its pieces making up ", show(saved->shape), " (another global shape)");
+    const std::vector<int64_t>& extent = saved->shape;
+    ETTKIT_EXPECTS(extent == shape, "'", name, "' is ", show(shape), " in the state; the checkpoint saved it "
+                   "sharded, its pieces making up ", show(extent), " (another global shape)");
     return plan_reshard(key, shape, pieces, want, elem);
   }
   if (!saved->sharded) {
@@ -220,8 +221,9 @@ std::vector<CopyRange> plan_destination(const std::string& name, const std::vect
     // box alone does not tell.
     ETTKIT_EXPECTS(global_shape != nullptr, "'", key, "' was saved whole and the state holds it sharded ('", name,
                    "'): its global shape is needed to check it is the same tensor (load_latest's global_shapes)");
-    ETTKIT_EXPECTS(saved->shape == *global_shape, "'", key, "' is ", show(*global_shape),
-                   " in the state (sharded); the checkpoint saved it whole as ", show(saved->shape), " in old rank ",
+    const std::vector<int64_t>& whole_shape = saved->shape;
+    ETTKIT_EXPECTS(whole_shape == *global_shape, "'", key, "' is ", show(*global_shape),
+                   " in the state (sharded); the checkpoint saved it whole as ", show(whole_shape), " in old rank ",
                    rank, "'s file (another global shape)");
     return plan_reshard(key, *global_shape, pieces, want, elem);
   }
