@@ -244,8 +244,11 @@ void bind_load_result(py::module_& m) {
 
 }  // namespace
 
+void bind_rng_record(py::module_& m);  // bind_rng_record.cpp: the `rng` field of a save's record
+
 void bind_checkpoint(py::module_& m) {
   using namespace checkpoint;
+  bind_rng_record(m);
   m.def("latest_step", &latest_step, py::arg("directory"), py::call_guard<py::gil_scoped_release>(),
         "The newest committed step of a checkpoint directory, or None (read-only: no lock, reads manifests).");
   m.def(

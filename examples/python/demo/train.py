@@ -470,7 +470,11 @@ def run_ettkit(rec) -> None:
     # Fences every writer of the saved tensors (the optimizer step; the model has no buffers that a forward
     # writes), so save() returns before its copies are done and still never commits a torn snapshot.
     ck.attach(model=[embeddings, dense], optimizer=opt)
-    state = state_of(embeddings, dense, opt)
+    # The objects, not their state_dict()s (the same files): a module's state_dict() is an OrderedDict and
+    # opt.state_dict() a copy that save() must recognise and refresh at every call, neither of which the bound
+    # save covers, so every save walked the state in Python. Passed as objects, the state is bound at
+    # prepare() and each save only checks it (docs/checkpoint.md, "The bound save").
+    state = {"model": {"embeddings": embeddings, "dense": dense}, "optim": opt}
     # The first save of the attempt blocks like the later ones: its arena is sized, allocated and faulted in
     # now, on a background thread, instead of inside that save.
     ck.prepare(state)

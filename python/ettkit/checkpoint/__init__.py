@@ -265,7 +265,7 @@ class AsyncCheckpointer:
             self._encode_skeleton(skeleton, comparable, names)
             code = self._skeleton_code
         blob = encode_extra(code, extra, self._c.world_size, allow_pickle=self._allow_pickle,
-                            rng=rng_state.capture() if self._rng_state else None)
+                            rng=rng_state.capture_record() if self._rng_state else None)
         if self._fences.attachments:
             self._c.set_copy_priority(*self._fences.priority())
         if walked:

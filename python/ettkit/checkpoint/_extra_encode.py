@@ -351,7 +351,7 @@ class SkeletonTemplate:
 
 
 def encode_extra(skeleton: EncodedSkeleton, extra: Any, world_size: int, *, allow_pickle: bool,
-                 rng: Optional[dict] = None) -> bytes:
+                 rng: Any = None) -> bytes:
     """The whole ``rank-<r>.extra`` record. ``extra`` may hold what the skeleton may and plain tensors (their
     bytes are stored; they load as CPU tensors); anything else only with ``allow_pickle`` (pickled, without
     the skeleton's per-leaf size limit). Raises :class:`InvalidArgumentError` for a record the reader would
@@ -372,7 +372,9 @@ def encode_extra(skeleton: EncodedSkeleton, extra: Any, world_size: int, *, allo
              b"s\x0aworld_size", head,
              b"s\x08skeleton", skeleton.data,
              b"s\x05extra", bytes(enc.out)]
-    if rng is not None:  # the generators' states: plain values and bytes (rng_state.capture), never refused
+    if type(rng) is bytes:  # already encoded (_C.checkpoint.rng_record: the same bytes, one C++ call)
+        parts += [b"s\x03rng", rng]
+    elif rng is not None:  # the generators' states: plain values and bytes (rng_state.capture), never refused
         enc.out = bytearray()
         enc.value(rng, 1)
         parts += [b"s\x03rng", bytes(enc.out)]
