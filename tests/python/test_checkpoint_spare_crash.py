@@ -31,7 +31,9 @@ def values(step: int) -> torch.Tensor:
 def child(ck_dir: str, shm: str, pins: str) -> int:
     from ettkit.checkpoint import AsyncCheckpointer
 
-    ck = AsyncCheckpointer(ck_dir, recorder=None, preempt_signals=(), memory_tier=shm, job_id=JOB)
+    # pin_memory=False: a pinned arena is backed by its registration, so the kill point (in the backing of an
+    # unpinned file arena) would never be reached on a CUDA machine.
+    ck = AsyncCheckpointer(ck_dir, recorder=None, preempt_signals=(), memory_tier=shm, job_id=JOB, pin_memory=False)
     state = {"w": torch.zeros(ELEMS)}
     restored = ck.load_latest(state)
     start = restored[0] + 1 if restored else 1
