@@ -285,8 +285,8 @@ class AsyncCheckpointer:
         every attempt pays for the arena's page faults, which cost about as much as the copy itself. Call it
         once the state exists (after the model and optimizer are built or restored), before the first save;
         a ``save()`` that comes while it runs waits for it. Only the structure is read (names, dtypes,
-        shapes), never the values, so the state may change meanwhile. ``wait=True``: runs on the calling
-        thread and raises what it raises. In the background, an error (the state beyond
+        shapes), never the values, so the state may change meanwhile. ``wait=True``: waits for it (the same
+        thread does the work) and raises what it raises. In the background, an error (the state beyond
         ``memory_budget_bytes``, a dtype safetensors cannot store) is raised by :meth:`wait_prepared`, and
         the first ``save()`` raises it too. A state whose structure changes later (an optimizer's lazy
         state) is planned again at its save, as without ``prepare``. It also binds the state
@@ -311,13 +311,12 @@ class AsyncCheckpointer:
         if not self._tensor_list.keep:
             self._tensor_list.clear_tensors()
         self.wait_prepared()  # one at a time
-        if wait:
-            self._prepare_outcome = self._c.prepare(self._prepare_list(names, tensors))
-            return
         self._prepare_outcome = None
         self._prepare_thread = threading.Thread(target=self._run_prepare, args=(names, tensors),
                                                 name="ettkit-checkpoint-prepare", daemon=True)
         self._prepare_thread.start()
+        if wait:  # joined, not run here: the backing's page faults on this thread got it preempted inside the
+            self.wait_prepared()  # first save on a busy machine (#65: 4 of 4 first saves, 1-45 ms at 12 tensors)
 
     def _hand_over(self, state: Any, names: list, tensors: list, skeleton: Any, code: Any, find_optimizer: Any) -> None:
         """Gives a walked save's names (when they changed) and tensors to the C++ list, and binds the state
