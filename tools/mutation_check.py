@@ -385,7 +385,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     # The C++ side of the bound save (#65, SaveBinding): a names token spares the name compares, a held list
     # the per-tensor references.
     Mutation(
-        "bound-names-token-any", "src/checkpoint/stager.cpp",
+        "bound-names-token-any", "src/checkpoint/stager_save.cpp",
         "const bool names_known = binding.names_token != 0 && binding.names_token == plan_token;",
         "const bool names_known = binding.names_token != 0;",
         "any names token skips the name compares: a list of other names (same count, dtypes, shapes) is saved "
@@ -399,7 +399,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "compares against a plan of other names",
         (Test("checkpoint_save_repeat_test", "SaveBinding.ATokenIsForgottenOnceAnotherListIsPlanned"),)),
     Mutation(
-        "bound-held-list-not-kept", "src/checkpoint/stager.cpp",
+        "bound-held-list-not-kept", "src/checkpoint/stager_save.cpp",
         "      state->held = held;",
         "      (void)held;",
         "a bound save holds neither its list nor its tensors: a strided copy reads a source nobody keeps alive",
@@ -407,8 +407,8 @@ MUTATIONS: tuple[Mutation, ...] = (
               "SaveBinding.AHeldListIsKeptUntilItsCopiesAreDoneAndAConjViewIsSavedResolved"),)),
     Mutation(
         "read-storages-not-held", "src/checkpoint/copy_engine.cpp",
-        "  for (const Slice& s : pending.contiguous) state.read_storages.push_back(tensors[s.entry].second.storage());",
-        "  (void)tensors;",
+        "      state.read_storages.push_back(t.storage());",
+        "      (void)0;",
         "the pool's jobs read a storage nobody holds: `p.data = x` right after save() frees it under the copy",
         (Test("checkpoint_save_repeat_test", "SaveRepeat.AStorageSwappedRightAfterSaveReturnsIsReadAsItWasAtSave"),)),
     # The memory tier's arena files, the spare the writer thread makes included, and its locks (#65's audit).

@@ -72,9 +72,14 @@ void copy_now(const at::Tensor& t, const PlanEntry& e, uint8_t* dst) {
 
 }  // namespace
 
-PendingCopies copy_small_now(const NamedTensors& tensors, const std::vector<PlanEntry>& plan, const CopyOrder& order,
-                             uint8_t* base, int64_t sync_max, SnapshotState& state, c10::DeviceType device_type) {
-  PendingCopies pending;
+void copy_small_now(const NamedTensors& tensors, const std::vector<PlanEntry>& plan, const CopyOrder& order,
+                    uint8_t* base, int64_t sync_max, SnapshotState& state, PendingCopies& pending,
+                    c10::DeviceType device_type) {
+  pending.clear();
+  pending.contiguous.reserve(tensors.size());
+  // What the pool's jobs will read, held as it is now (SnapshotState::read_storages), in the same pass.
+  state.read_storages.reserve(tensors.size());
+  size_t undecided = 0;
   for (size_t i : order.order) {
     const at::Tensor& t = tensors[i].second;
     const PlanEntry& e = plan[i];
@@ -82,14 +87,13 @@ PendingCopies copy_small_now(const NamedTensors& tensors, const std::vector<Plan
     state.storages[i] = storage_key(t);
     state.remaining[i].store(0, std::memory_order_relaxed);
     bool inference = t.is_inference();
-    if (!inference) {
-      state.versions[i] = t.unsafeGetTensorImpl()->version_counter();
-      state.version_at_save[i] = state.versions[i].current_version();
-    }
+    // The version now, read from the tensor's own counter (no reference to it: SnapshotState::versions).
+    if (!inference) state.version_at_save[i] = t.unsafeGetTensorImpl()->version_counter().current_version();
     if (t.device().type() == device_type) {
       ETTKIT_EXPECTS(!inference, "state dict entry '", tensors[i].first,
                      "' is a CUDA inference tensor; clone it outside inference mode to checkpoint it");
       pending.cuda.push_back(i);
+      ++undecided;
     } else if (inference || e.nbytes <= sync_max) {
       copy_now(t, e, dst);
       state.verdict[i] = kClean;  // copied before save() returns: nothing could overlap it
@@ -98,12 +102,15 @@ PendingCopies copy_small_now(const NamedTensors& tensors, const std::vector<Plan
       pending.contiguous.push_back(
           {static_cast<const uint8_t*>(t.const_data_ptr()), dst, static_cast<size_t>(e.nbytes), i});
       pending.contiguous_bytes += static_cast<size_t>(e.nbytes);
+      state.read_storages.push_back(t.storage());
+      ++undecided;
     } else {
       state.remaining[i].store(1, std::memory_order_relaxed);
       pending.strided.push_back(i);
+      ++undecided;
     }
   }
-  return pending;
+  state.undecided = undecided;
 }
 
 #if ETTKIT_WITH_CUDA
@@ -253,7 +260,9 @@ std::vector<std::vector<Slice>> cut_into_jobs(const std::vector<Slice>& contiguo
       const bool last = in_group + left <= target + slack;
       const size_t take = last ? s.n : std::min(s.n, target - in_group);
       groups.back().push_back({s.src, s.dst, take, s.entry});
-      state.remaining[s.entry].fetch_add(1, std::memory_order_relaxed);
+      // Not yet shared with a job: a plain increment, not an atomic read-modify-write per slice.
+      std::atomic<int32_t>& left_of_entry = state.remaining[s.entry];
+      left_of_entry.store(left_of_entry.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
       s.src += take;
       s.dst += take;
       s.n -= take;
@@ -270,9 +279,7 @@ std::vector<std::vector<Slice>> cut_into_jobs(const std::vector<Slice>& contiguo
   return groups;
 }
 
-void hold_read_storages(const NamedTensors& tensors, const PendingCopies& pending, SnapshotState& state) {
-  state.read_storages.reserve(pending.contiguous.size());
-  for (const Slice& s : pending.contiguous) state.read_storages.push_back(tensors[s.entry].second.storage());
+void hold_strided_views(const NamedTensors& tensors, const PendingCopies& pending, SnapshotState& state) {
   state.strided_views.reserve(pending.strided.size());
   for (size_t i : pending.strided) state.strided_views.push_back(tensors[i].second.alias());
 }

@@ -58,16 +58,26 @@ struct PendingCopies {
   std::vector<size_t> strided;  // indices of non-contiguous CPU tensors
   std::vector<size_t> cuda;     // in copy order
   bool empty() const { return contiguous.empty() && strided.empty() && cuda.empty(); }
+  /// Empty again, keeping the capacity (the stager keeps one per arena: SaveScratch).
+  void clear() {
+    contiguous.clear();
+    contiguous_bytes = 0;
+    strided.clear();
+    cuda.clear();
+  }
 };
 
-/// Records each entry's storage and version counter in `state` and copies, now, the CPU tensors of at most
-/// `sync_max` bytes and the inference tensors (which have no version counter to check); when `state` hashes,
-/// it reports them without hashing (the training thread does not pay for it). Returns the rest.
+/// Records each entry's storage and version in `state`, holds the storage of each contiguous CPU entry left to
+/// the pool (SnapshotState::read_storages: what its job reads, as it is now), and copies, now, the CPU tensors
+/// of at most `sync_max` bytes and the inference tensors (which have no version counter to check); when
+/// `state` hashes, it reports them without hashing (the training thread does not pay for it). Sets
+/// `state.undecided` to the entries left to copy. Leaves the rest in `pending` (emptied first). One pass
+/// over the tensors.
 /// InvalidArgument for a CUDA inference tensor. `device_type`: the tensors that go to `cuda` (kCUDA; a test of
 /// the batched device path, device_stager.h, sends its fake backend's kCPU tensors there).
-PendingCopies copy_small_now(const NamedTensors& tensors, const std::vector<PlanEntry>& plan, const CopyOrder& order,
-                             uint8_t* base, int64_t sync_max, SnapshotState& state,
-                             c10::DeviceType device_type = c10::kCUDA);
+void copy_small_now(const NamedTensors& tensors, const std::vector<PlanEntry>& plan, const CopyOrder& order,
+                    uint8_t* base, int64_t sync_max, SnapshotState& state, PendingCopies& pending,
+                    c10::DeviceType device_type = c10::kCUDA);
 
 #if ETTKIT_WITH_CUDA
 /// Queues the copies of the CUDA entries `cuda` (in copy order) on `copy_stream` (taken from the pool on
@@ -101,10 +111,9 @@ std::vector<std::vector<Slice>> cut_into_jobs(const std::vector<Slice>& contiguo
 /// core's cache right after the copy (256 KiB measured best, checkpoint_hash_bench).
 inline constexpr size_t kFusedPieceBytes = size_t{256} << 10;
 
-/// Holds in `state` what the jobs of `pending` will read, as it is now (SnapshotState::read_storages): one
-/// reference per contiguous entry's storage, one alias per strided entry. Called on the caller's thread
-/// before the jobs are submitted.
-void hold_read_storages(const NamedTensors& tensors, const PendingCopies& pending, SnapshotState& state);
+/// Holds in `state` an alias of each strided entry of `pending` as it is now (SnapshotState::strided_views):
+/// what its job reads. Called on the caller's thread before the jobs are submitted.
+void hold_strided_views(const NamedTensors& tensors, const PendingCopies& pending, SnapshotState& state);
 
 /// Submits one pool job per group and per strided entry; `state` counts them as pending first. When
 /// `state` hashes, a group job copies kFusedPieceBytes at a time and hashes each piece after its copy, and

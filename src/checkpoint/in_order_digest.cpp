@@ -8,11 +8,13 @@
 
 namespace ettkit::checkpoint::detail {
 
-/// One segment's stream over arena bytes [begin, end): `done` bytes from `begin` are hashed; `pending` holds
-/// reported ranges beyond them (arena offsets, begin -> end). `hashing`: a thread is hashing outside the
-/// lock, and takes what arrives meanwhile. `blocked`: header bytes come first, at the finish; nothing is
+/// One segment's stream over arena bytes [begin, end): `done` bytes from `begin` are hashed, `ready` bytes from
+/// `begin` are reported (ready >= done: [done, ready) waits for a hashing thread); `pending` holds reported
+/// ranges beyond `ready` (arena offsets, begin -> end). Bytes reported in order (a tensor's one piece, the
+/// next piece of a chunk) only move `ready`: no map node per report. `hashing`: a thread is hashing outside
+/// the lock, and takes what arrives meanwhile. `blocked`: header bytes come first, at the finish; nothing is
 /// hashed before. The stream's state (an aligned allocation of xxhash's) is made at the segment's first hash,
-/// not with the digest: a disk save of 20,001 tensors made 20,001 of them on the caller's thread (issue #65).
+/// not with the digest, and kept for the next pass (reuse()).
 struct InOrderDigest::Segment {
   std::mutex mu;
   std::optional<Xxh3Stream> lazy_stream;
@@ -23,6 +25,7 @@ struct InOrderDigest::Segment {
   uint64_t begin = 0;
   uint64_t end = 0;
   uint64_t done = 0;
+  uint64_t ready = 0;
   bool hashing = false;
   bool blocked = false;
   std::map<uint64_t, uint64_t> pending;
@@ -76,6 +79,25 @@ std::unique_ptr<InOrderDigest> InOrderDigest::for_tensors(const uint8_t* data,
   return std::unique_ptr<InOrderDigest>(new InOrderDigest(data, ranges, std::vector<bool>(ranges.size(), false)));
 }
 
+void InOrderDigest::reuse() {
+  if (!fresh_) {
+    for (size_t k = 0; k < count_; ++k) {
+      std::lock_guard<std::mutex> lk(segments_[k].mu);
+      recycle(segments_[k]);
+    }
+  }
+  fresh_ = false;
+  hashed_early_.store(0, std::memory_order_relaxed);
+}
+
+void InOrderDigest::recycle(Segment& s) {
+  if (s.lazy_stream) s.lazy_stream->reset();
+  s.done = 0;
+  s.ready = 0;
+  s.hashing = false;
+  s.pending.clear();
+}
+
 void InOrderDigest::covered(const uint8_t* p, size_t n, bool hash_now) {
   uint64_t begin = offset_of(p);
   const uint64_t end = begin + n;
@@ -90,7 +112,17 @@ void InOrderDigest::covered(const uint8_t* p, size_t n, bool hash_now) {
     const uint64_t stop = std::min(end, s.end);
     if (from < stop) {
       std::unique_lock<std::mutex> lk(s.mu);
-      s.pending.emplace(from, stop);
+      if (from == s.begin + s.ready) {
+        // In order: the reported prefix grows, and takes the pending ranges it now reaches.
+        uint64_t until = stop;
+        while (!s.pending.empty() && s.pending.begin()->first <= until) {
+          until = std::max(until, s.pending.begin()->second);
+          s.pending.erase(s.pending.begin());
+        }
+        s.ready = until - s.begin;
+      } else {
+        s.pending.emplace(from, stop);
+      }
       if (hash_now) drain(s, lk);
     }
     begin = stop;
@@ -98,16 +130,11 @@ void InOrderDigest::covered(const uint8_t* p, size_t n, bool hash_now) {
 }
 
 void InOrderDigest::drain(Segment& s, std::unique_lock<std::mutex>& lk) {
-  // One hashing thread per segment: the others leave their ranges in `pending` for it.
+  // One hashing thread per segment: the others extend `ready` (or leave their ranges in `pending`) for it.
   if (s.hashing || s.blocked) return;
-  for (;;) {
+  while (s.done < s.ready) {
     const uint64_t from = s.begin + s.done;
-    uint64_t until = from;
-    while (!s.pending.empty() && s.pending.begin()->first <= until) {
-      until = std::max(until, s.pending.begin()->second);
-      s.pending.erase(s.pending.begin());
-    }
-    if (until == from) return;
+    const uint64_t until = s.begin + s.ready;
     s.hashing = true;
     lk.unlock();
     s.stream().update(data_ + from, static_cast<size_t>(until - from));
@@ -125,6 +152,7 @@ void InOrderDigest::finish_segment(Segment& s) {
   const uint64_t from = s.begin + s.done;
   if (from < s.end) s.stream().update(data_ + from, static_cast<size_t>(s.end - from));
   s.done = s.end - s.begin;
+  s.ready = s.done;
   s.pending.clear();
 }
 
@@ -144,7 +172,9 @@ FileDigest InOrderDigest::finish_file(const uint8_t* head, size_t head_bytes) {
     }
     finish_segment(s);
     d.chunks.push_back(hex64(s.stream().digest()));
+    recycle(s);
   }
+  fresh_ = true;
   set_file_xxh3(d, xxh3_of(nullptr, 0));
   return d;
 }
@@ -154,9 +184,12 @@ std::vector<std::string> InOrderDigest::finish_tensors() {
   std::vector<std::string> out;
   out.reserve(count_);
   for (size_t k = 0; k < count_; ++k) {
-    finish_segment(segments_[k]);
-    out.push_back(hex64(segments_[k].stream().digest()));
+    Segment& s = segments_[k];
+    finish_segment(s);
+    out.push_back(hex64(s.stream().digest()));
+    recycle(s);  // as new for the arena's next save (reuse())
   }
+  fresh_ = true;
   return out;
 }
 

@@ -12,7 +12,10 @@
 // Torch-free.
 //
 // Ownership: borrows the arena (the caller keeps it alive and unchanged after reporting its bytes);
-// covered() is thread-safe; a finish once, after every covered() has returned.
+// covered() is thread-safe; a finish once, after every covered() has returned. A digest is made once per plan
+// and arena and serves save after save (reuse()): a finish leaves every segment as new, so that the next
+// save's caller thread does nothing per segment (20,001 segments, each a mutex and a map, were 0.4 ms of
+// that thread's save at 20,001 tensors, issue #65).
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -53,6 +56,12 @@ class InOrderDigest {
                                                     const std::vector<std::pair<uint64_t, uint64_t>>& ranges);
   ~InOrderDigest();
   InOrderDigest(const InOrderDigest&) = delete;
+  /// Makes the digest as new for another pass over the same bytes (the arena's next save). Costs nothing
+  /// after a finish, which leaves each segment as new (and keeps its XXH3 state for the next pass); a digest
+  /// that was not finished (a failed save) has every segment reset now. Not while anyone reports or finishes.
+  void reuse();
+  /// The bytes the digest reads (the arena it was made for).
+  const uint8_t* data() const { return data_; }
   InOrderDigest& operator=(const InOrderDigest&) = delete;
 
   /// The `n` bytes at `p` (inside the arena) hold their final bytes from now on. With `hash_now`, this
@@ -83,6 +92,8 @@ class InOrderDigest {
   void drain(Segment& s, std::unique_lock<std::mutex>& lk);
   /// Finishes segment `s` from the arena (after any header bytes the caller hashed into it).
   void finish_segment(Segment& s);
+  /// Segment `s` as new, keeping its stream's state: after its digest was taken, or by reuse().
+  static void recycle(Segment& s);
 
   const uint8_t* data_;
   uint64_t head_ = 0;
@@ -92,6 +103,9 @@ class InOrderDigest {
   std::unique_ptr<Segment[]> segments_;
   size_t count_ = 0;
   std::atomic<uint64_t> hashed_early_{0};
+  // Every segment as new (made, or finished since its last use): reuse() has nothing to reset. Written by a
+  // finish and read by reuse(), which the stager orders through the arena's hand-off (its mutex).
+  bool fresh_ = true;
 };
 
 }  // namespace ettkit::checkpoint::detail

@@ -57,7 +57,7 @@ void Snapshot::wait_staged() {
   State& st = *state_;
   bool owner = std::this_thread::get_id() == st.owner;
   std::lock_guard<std::mutex> lk(st.mu);
-  for (size_t i = 0; i < st.verdict.size(); ++i) {
+  for (size_t i = 0; st.undecided > 0 && i < st.verdict.size(); ++i) {
     // CUDA entries: the copy is observed complete, so a write queued from now on runs after it. CPU
     // entries: on the owner thread every write issued before this call has returned (program order);
     // on another thread a write may still be running, so they stay undecided until changed_entries().
@@ -84,14 +84,18 @@ void Snapshot::wait_staged_on_current_stream() {
 
 bool Snapshot::wait_for(const std::vector<at::Tensor>& tensors) {
   State& st = *state_;
-  std::call_once(st.index_once, [&] {
+  {
     // Under mu: `verdict` is written by decide() on other threads (the writer's changed_entries(), a fence
     // on the autograd thread) while this index is built; reading it unlocked was a data race (make tsan).
+    // Built once, constant from then on: read below without the lock.
     std::lock_guard<std::mutex> lk(st.mu);
-    for (size_t i = 0; i < st.storages.size(); ++i) {
-      if (st.storages[i] && st.verdict[i] == kUndecided) st.by_storage[st.storages[i]].push_back(static_cast<int>(i));
+    if (!st.indexed) {
+      for (size_t i = 0; i < st.storages.size(); ++i) {
+        if (st.storages[i] && st.verdict[i] == kUndecided) st.by_storage[st.storages[i]].push_back(static_cast<int>(i));
+      }
+      st.indexed = true;
     }
-  });
+  }
   std::vector<int> entries;
   for (const at::Tensor& t : tensors) {
     auto it = st.by_storage.find(storage_key(t));
@@ -148,9 +152,11 @@ void Snapshot::drop_sources() {
     st.wait(lk, [&] { return st.pending_jobs == 0 && st.device.done; });
     device = st.device;
     // On the owner thread this is a fence (program order): decide what is still undecided while here.
-    if (std::this_thread::get_id() == st.owner) {
+    if (std::this_thread::get_id() == st.owner && st.undecided > 0) {
       for (size_t i = 0; i < st.verdict.size(); ++i) st.decide(i);
     }
+    // Elsewhere the verdicts come later (changed_entries()): they read the counters kept now.
+    st.keep_undecided_versions();
     dropped.swap(st.sources);
     views.swap(st.strided_views);
     storages.swap(st.read_storages);
@@ -158,7 +164,16 @@ void Snapshot::drop_sources() {
   }
   // The device copies' storages (unless a later save holds their slot) are let go on this thread too.
   if (device.stager) device.stager->release_held(device.slot, device.generation);
-  // `dropped`, `views`, `storages` and `held` die here, outside the lock, on the calling thread.
+  // What was held dies here, outside the lock, on the calling thread; the emptied vectors go back to the
+  // state with their capacity, for the next save that recycles it (StatePool).
+  dropped.clear();
+  views.clear();
+  storages.clear();
+  held.reset();
+  std::lock_guard<std::mutex> lk(st.mu);
+  if (st.sources.empty()) st.sources.swap(dropped);
+  if (st.strided_views.empty()) st.strided_views.swap(views);
+  if (st.read_storages.empty()) st.read_storages.swap(storages);
 }
 
 bool Snapshot::all_decided() const {

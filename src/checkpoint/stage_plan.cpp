@@ -82,11 +82,14 @@ void check_stageable(const NamedTensors& tensors) {
   for (const auto& [name, t] : tensors) check_stageable_one(name, t);
 }
 
-bool check_and_match(const std::vector<PlanEntry>* plan, const NamedTensors& tensors, bool names_known) {
+bool check_and_match(const std::vector<PlanEntry>* plan, const NamedTensors& tensors, bool names_known, bool* views) {
   bool match = plan != nullptr && plan->size() == tensors.size();
+  bool shows_other = false;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i].second;
     check_stageable_one(tensors[i].first, t);
+    // While the tensor is in the cache (AsyncCheckpointer::save's conjugate and negative-bit views).
+    shows_other = shows_other || t.is_conj() || t.is_neg();
     if (!match) continue;
     const PlanEntry& e = (*plan)[i];
     // The name last: with a names token it is not compared at all (two heap strings per tensor).
@@ -94,6 +97,7 @@ bool check_and_match(const std::vector<PlanEntry>* plan, const NamedTensors& ten
             std::equal(e.shape.begin(), e.shape.end(), t.sizes().begin(), t.sizes().end()) &&
             (names_known || e.name == tensors[i].first);
   }
+  if (views) *views = shows_other;
   return match;
 }
 
@@ -127,12 +131,18 @@ Layout lay_out(const NamedTensors& tensors) {
   return out;
 }
 
-CopyOrder copy_order(const NamedTensors& tensors, const CopyPriority& priority) {
+void copy_order(const NamedTensors& tensors, const CopyPriority& priority, CopyOrder& out) {
   const size_t n = tensors.size();
-  CopyOrder out;
-  out.order.resize(n);
-  for (size_t i = 0; i < n; ++i) out.order[i] = i;
-  if (priority.empty()) return out;
+  out.cls.clear();
+  // Without a priority, the plan's order: kept while the count is the same (the stager's SaveScratch), not
+  // written again every save.
+  if (out.order.size() != n || !out.identity) {
+    out.order.resize(n);
+    for (size_t i = 0; i < n; ++i) out.order[i] = i;
+    out.identity = true;
+  }
+  if (priority.empty()) return;
+  out.identity = false;
   std::unordered_map<const void*, int> rank_of;
   rank_of.reserve(priority.size());
   for (const auto& [key, c] : priority) {
@@ -144,6 +154,11 @@ CopyOrder copy_order(const NamedTensors& tensors, const CopyPriority& priority) 
     if (it != rank_of.end()) out.cls[i] = static_cast<uint8_t>(it->second);
   }
   std::stable_sort(out.order.begin(), out.order.end(), [&](size_t a, size_t b) { return out.cls[a] < out.cls[b]; });
+}
+
+CopyOrder copy_order(const NamedTensors& tensors, const CopyPriority& priority) {
+  CopyOrder out;
+  copy_order(tensors, priority, out);
   return out;
 }
 

@@ -27,8 +27,10 @@ bool same_structure(const std::vector<PlanEntry>& plan, const NamedTensors& tens
 /// check_stageable() and same_structure() in one pass over the tensors (each tensor is read once per save on
 /// the caller's thread, issue #65): throws as check_stageable(); returns whether `plan` (nullptr: none) still
 /// describes `tensors`. `names_known`: the caller vouches that the names are the plan's (a names token that
-/// matched, SaveBinding), and they are not compared; dtypes, shapes and devices always are.
-bool check_and_match(const std::vector<PlanEntry>* plan, const NamedTensors& tensors, bool names_known);
+/// matched, SaveBinding), and they are not compared; dtypes, shapes and devices always are. `views`: set to
+/// whether a tensor is a conjugate or negative-bit view (in the same pass).
+bool check_and_match(const std::vector<PlanEntry>* plan, const NamedTensors& tensors, bool names_known,
+                     bool* views = nullptr);
 
 /// A fresh plan: the tensors back to back, in order.
 struct Layout {
@@ -41,8 +43,11 @@ Layout lay_out(const NamedTensors& tensors);
 struct CopyOrder {
   std::vector<size_t> order;  // entry indices, in copy order
   std::vector<uint8_t> cls;   // per entry; empty when no priority was given (every entry is class 0)
+  bool identity = false;      // `order` is 0, 1, 2, ...
   int class_of(size_t i) const { return cls.empty() ? 0 : cls[i]; }
 };
 CopyOrder copy_order(const NamedTensors& tensors, const CopyPriority& priority);
+/// The same into `out`, reusing its vectors (and, without a priority, its order when already the identity).
+void copy_order(const NamedTensors& tensors, const CopyPriority& priority, CopyOrder& out);
 
 }  // namespace ettkit::checkpoint::detail

@@ -1,7 +1,7 @@
-// The Stager: the arena pool and the cached snapshot plan, and stage(), which runs one save's steps: check
-// the tensors, reuse or rebuild the plan (reallocating the arenas when the state grew), take a free arena,
-// then hand the copies to the copy engine (copy_engine.h). The plan itself is stage_plan.h, the arenas'
-// memory host_arena.h, the Snapshot's fences snapshot.cpp.
+// The Stager: the arena pool and the cached snapshot plan, and prepare(). stage(), which runs one save's
+// steps (check the tensors, reuse or rebuild the plan, take a free arena, hand the copies to the copy engine),
+// is stager_save.cpp; their shared state stager_impl.h. The plan itself is stage_plan.h, the arenas' memory
+// host_arena.h, the Snapshot's fences snapshot.cpp.
 #include <ATen/ATen.h>
 #include <torch/cuda.h>
 
@@ -10,19 +10,8 @@
 #include <algorithm>
 #include <thread>
 
-#include "checkpoint/copy_engine.h"
-#include "checkpoint/device_stager.h"
-#include "checkpoint/host_arena.h"
-#include "checkpoint/snapshot_state.h"
-#include "checkpoint/stage_plan.h"
+#include "checkpoint/stager_impl.h"
 #include "common/logging.h"
-#include "ettkit/checkpoint/checkpointer.h"
-#include "ettkit/common/clock.h"
-#include "ettkit/common/config.h"
-
-#if ETTKIT_WITH_CUDA
-#include <c10/cuda/CUDAStream.h>
-#endif
 
 namespace ettkit::checkpoint {
 
@@ -32,97 +21,6 @@ OnBusy parse_on_busy(const std::string& s) {
   if (s == "error") return OnBusy::kError;
   ETTKIT_THROW(InvalidArgument, "on_busy='", s, "' is not one of 'wait', 'skip', 'error'");
 }
-
-using detail::Arena;
-using PlanPtr = std::shared_ptr<const std::vector<PlanEntry>>;
-
-struct Stager::Impl {
-  StagerOptions opt;
-  bool pin = false;
-  std::unique_ptr<detail::CopyPool> pool;
-  std::unique_ptr<detail::DeviceStager> device;  // the "batched" CUDA path (StagerOptions::cuda_copy), else none
-  mutable std::mutex mu;  // guards arenas[].busy, plan, counters
-  std::condition_variable cv;
-  std::vector<Arena> arenas;
-  PlanPtr plan;
-  // The names token (SaveBinding) of the last list whose names were found to be the plan's: a save with that
-  // token does not compare names. 0: none. Reset with every new plan.
-  uint64_t plan_names_token = 0;
-  int64_t plan_total = 0;
-  int64_t plan_builds = 0;
-  int64_t arena_allocations = 0;
-  double busy_wait_s = 0;
-  // With a memory tier: the arenas are its files (set_arena_files), each with header room for the plan.
-  std::shared_ptr<detail::ArenaFiles> files;
-  size_t header_room = 0;
-  // The disk tier's header of the current plan (set_disk_header_planner), asked once per plan.
-  std::function<DiskHeaderPlan(const std::vector<PlanEntry>&)> disk_header_planner;
-  DiskHeaderPlan disk_header;
-  // The arena ranges of disk_header.whole: the same for every save of the plan, so made once per plan, not
-  // per save on the caller's thread (issue #65).
-  std::vector<std::pair<uint64_t, uint64_t>> disk_ranges;
-  /// disk_header for `plan` (mu held); nothing planned when there is no planner or it fails.
-  void plan_disk_header() {
-    disk_header = {};
-    disk_ranges.clear();
-    if (!disk_header_planner || !plan) return;
-    try {
-      disk_header = disk_header_planner(*plan);
-    } catch (const std::exception&) {
-      // A dtype the header cannot name: the writer reports it as the save's error, as before.
-      disk_header = {};
-    }
-    disk_ranges.reserve(disk_header.whole.size());
-    for (size_t i : disk_header.whole) {
-      const PlanEntry& e = (*plan)[i];
-      disk_ranges.emplace_back(static_cast<uint64_t>(e.offset), static_cast<uint64_t>(e.offset + e.nbytes));
-    }
-  }
-  uint64_t publish_seq = 0;
-  // A memory-tier arena backed after a commit for the next save's reclaim, when the arena that save will
-  // reclaim is linked by more than its step and so stays linked (back_spare). Guarded by mu; freed by
-  // set_arena_files() (the tier's callbacks must outlive it) or taken by free_or_reclaimed().
-  Arena spare;
-  bool spare_backing = false;  // a thread is backing the spare with mu released: set_arena_files() waits
-#if ETTKIT_WITH_CUDA
-  std::mutex stream_mu;  // guards copy_stream: stage() uses it outside mu, prepare() warms it under mu
-  std::optional<c10::cuda::CUDAStream> copy_stream;
-#endif
-
-  /// A new plan for `tensors`, with arenas that hold it (mu held through `lk`); nullptr: on_busy is kSkip
-  /// and the arenas, which must be reallocated, are still in use.
-  PlanPtr replan(const NamedTensors& tensors, OnBusy on_busy, std::unique_lock<std::mutex>& lk,
-                 uint64_t names_token = 0);
-  /// How many arenas of `need` bytes the budget allows (InvalidArgument when not even one).
-  int arenas_within_budget(int64_t need) const;
-  /// Whether the arenas for `need` bytes are memory-tier files: a tier is set and two of them fit the budget
-  /// (with one, a memory save would have to retire the only memory step before staging the next).
-  bool as_files(int64_t need) const;
-  /// Makes the arenas for `need` bytes (mu held): as_files(), two files of exactly `need` bytes and header
-  /// room; otherwise arenas_within_budget() anonymous ones of at least `need`. false: kSkip while one is in
-  /// use.
-  bool fit_arenas(int64_t need, OnBusy on_busy, std::unique_lock<std::mutex>& lk);
-  /// A free arena, marked busy (mu held); -1: kSkip while every arena is in use.
-  int take_free_arena(OnBusy on_busy, std::unique_lock<std::mutex>& lk);
-  /// An arena a new save may stage into (mu held), reclaiming a published one that is not the newest
-  /// memory step when no other is free; -1 when none.
-  int free_or_reclaimed();
-  /// After a commit (mu held through `lk`, released while it works): when the arena the next save will
-  /// reclaim has a link besides its name and its step's data file, the reclaim leaves it linked and that
-  /// save needs another file; it is made and backed here, so that the save's copies fault nothing in.
-  void back_spare(std::unique_lock<std::mutex>& lk);
-  /// Waits on cv (mu held through `lk`) until `ready`, counting the time as busy_wait_s.
-  template <typename Ready>
-  void wait_busy(std::unique_lock<std::mutex>& lk, Ready ready) {
-    int64_t w0 = steady_ns();
-    cv.wait(lk, ready);
-    busy_wait_s += static_cast<double>(steady_ns() - w0) * 1e-9;
-  }
-  /// Starts every copy of `tensors` into `base`; releases `snap` when a copy cannot be started.
-  void copy(const NamedTensors& tensors, const std::vector<PlanEntry>& plan, const CopyPriority& priority,
-            uint8_t* base, int64_t sync_max, Snapshot& snap, const std::shared_ptr<Snapshot::State>& state,
-            const std::shared_ptr<const NamedTensors>& held);
-};
 
 Stager::Stager(StagerOptions options) : impl_(std::make_unique<Impl>()) {
   ETTKIT_EXPECTS(options.num_arenas == 1 || options.num_arenas == 2, "num_arenas=", options.num_arenas,
@@ -208,9 +106,6 @@ void Stager::set_arena_files(std::shared_ptr<detail::ArenaFiles> files) {
   impl_->spare.free();
   impl_->files = std::move(files);
 }
-
-detail::InOrderDigest* Snapshot::file_digest() const { return state_ ? state_->digest.get() : nullptr; }
-detail::InOrderDigest* Snapshot::tensor_digest() const { return state_ ? state_->tensor_digest.get() : nullptr; }
 
 void Stager::set_disk_header_planner(std::function<DiskHeaderPlan(const std::vector<PlanEntry>&)> planner) {
   std::lock_guard<std::mutex> lk(impl_->mu);
@@ -419,53 +314,6 @@ int Stager::Impl::take_free_arena(OnBusy on_busy, std::unique_lock<std::mutex>& 
   return arena;
 }
 
-void Stager::Impl::copy(const NamedTensors& tensors, const std::vector<PlanEntry>& plan, const CopyPriority& priority,
-                        uint8_t* base, int64_t sync_max, Snapshot& snap,
-                        const std::shared_ptr<Snapshot::State>& state,
-                        const std::shared_ptr<const NamedTensors>& held) {
-  // Small and inference tensors now, synchronously; big CPU tensors by the pool; CUDA tensors on the copy
-  // stream.
-  const detail::CopyOrder order = detail::copy_order(tensors, priority);
-  detail::PendingCopies pending;
-  try {
-    pending = detail::copy_small_now(tensors, plan, order, base, sync_max, *state,
-                                     device ? device->device_type() : c10::kCUDA);
-    // The batched device path: one device call here; the device stager's thread queues the copies.
-    if (device && !pending.cuda.empty())
-      device->submit(snap.arena_, snap.shared_plan(), tensors, order, pending.cuda, base, *state);
-  } catch (...) {
-    snap.release();
-    throw;
-  }
-  if (!pending.empty()) {
-    detail::hold_read_storages(tensors, pending, *state);
-    if (held && held.get() == &tensors) {
-      // The caller's list, unchanged while held (SaveBinding::held): one reference keeps every tensor, not
-      // 20,001 reference counts up now and down at drop_sources (issue #65).
-      state->held = held;
-    } else {
-      state->sources.reserve(tensors.size());
-      for (const auto& item : tensors) state->sources.push_back(item.second);
-    }
-  }
-  if (!pending.cuda.empty() && !device) {
-#if ETTKIT_WITH_CUDA
-    std::lock_guard<std::mutex> g(stream_mu);
-    detail::issue_cuda_copies(tensors, plan, order, pending.cuda, base, opt.cuda_gather_max_bytes, copy_stream, *state);
-#else
-    snap.release();
-    ETTKIT_THROW(InvalidArgument, "state dict entry '", tensors[pending.cuda[0]].first,
-                 "' is a CUDA tensor but ettkit was built without CUDA");
-#endif
-  }
-  auto groups = detail::cut_into_jobs(pending.contiguous, pending.contiguous_bytes, pool->size(), *state);
-  const bool cpu_jobs = !groups.empty() || !pending.strided.empty();
-  detail::submit_cpu_copies(*pool, std::move(groups), pending.strided, plan, base, state);
-  state->undecided =
-      static_cast<size_t>(std::count(state->verdict.begin(), state->verdict.end(), detail::kUndecided));
-  if (!cpu_jobs && pending.cuda.empty()) state->staged_us = epoch_us();
-}
-
 int64_t Stager::prepare(const NamedTensors& tensors) {
   Impl& im = *impl_;
   detail::check_stageable(tensors);
@@ -482,6 +330,9 @@ int64_t Stager::prepare(const NamedTensors& tensors) {
   const bool allocated_now = im.arena_allocations != allocations_before;
   for (size_t k = 0; im.device && im.plan && k < im.arenas.size(); ++k) {  // the batch arrays, sized now
     if (!im.arenas[k].busy) im.device->bind(static_cast<int>(k), im.plan);
+  }
+  for (size_t k = 0; im.plan && k < im.arenas.size(); ++k) {  // the first save's digest and arrays, made now
+    if (!im.arenas[k].busy) im.warm_scratch(static_cast<int>(k), tensors.size());
   }
 #if ETTKIT_WITH_CUDA
   if (im.pin && im.plan) detail::warm_gather_table(*im.plan, im.opt.cuda_gather_max_bytes);
@@ -529,71 +380,6 @@ int64_t Stager::prepare(const NamedTensors& tensors) {
     give_back();
   }
   return backed;
-}
-
-std::shared_ptr<Snapshot> Stager::stage(const NamedTensors& tensors, OnBusy on_busy, const CopyPriority& priority,
-                                        int64_t sync_copy_max_bytes, StageHashing hashing, const SaveBinding& binding) {
-  Impl& im = *impl_;
-  int64_t begin_us = epoch_us();
-  // The copies read storage; they must not become autograd history (callers pass parameters as they are).
-  at::NoGradGuard no_grad;
-  // 1) Plan: reuse the cached one unless the structure changed. The tensors are checked against it in one
-  // pass, outside mu (the plan is immutable; a prepare() that replaced it meanwhile is seen below).
-  PlanPtr plan;
-  uint64_t plan_token = 0;
-  {
-    std::lock_guard<std::mutex> g(im.mu);
-    plan = im.plan;
-    plan_token = im.plan_names_token;
-  }
-  const bool names_known = binding.names_token != 0 && binding.names_token == plan_token;
-  const bool same = detail::check_and_match(plan.get(), tensors, names_known);
-  std::unique_lock<std::mutex> lk(im.mu);
-  if (!same || plan != im.plan || im.arenas.empty()) {
-    plan = im.replan(tensors, on_busy, lk, binding.names_token);
-    if (!plan) return nullptr;
-  } else {
-    // The names were compared (or vouched for by this very token): later saves with it need not compare them.
-    if (binding.names_token != 0) im.plan_names_token = binding.names_token;
-  }
-  // 2) A free arena.
-  const int arena = im.take_free_arena(on_busy, lk);
-  if (arena < 0) return nullptr;
-  const Arena& taken = im.arenas[static_cast<size_t>(arena)];
-  uint8_t* base = taken.ptr;
-  std::unique_ptr<detail::InOrderDigest> digest;
-  std::unique_ptr<detail::InOrderDigest> tensor_digest;
-  if (hashing == StageHashing::kMemoryTier && taken.fd >= 0 && im.plan_total > 0 &&
-      taken.size == static_cast<size_t>(im.plan_total)) {
-    // The file the memory tier will link: header room, then exactly the staged bytes (an empty state's
-    // one-byte arena is no such file; the writer copies it). The room is the map's start: no header bytes
-    // apart from it.
-    digest = detail::InOrderDigest::for_file(taken.map, 0, taken.reserve + taken.size);
-  } else if (hashing == StageHashing::kDiskTier && im.disk_header.bytes > 0 && im.plan_total > 0) {
-    // The disk data file: the header, then the staged bytes, in chunks of disk_chunk_bytes (in_order_digest.h
-    // says why); and the whole tensors' digests.
-    const uint64_t file = im.disk_header.bytes + static_cast<uint64_t>(im.plan_total);
-    digest = detail::InOrderDigest::for_file(base, im.disk_header.bytes, static_cast<uint64_t>(im.plan_total),
-                                             detail::disk_chunk_bytes(file));
-    tensor_digest = detail::InOrderDigest::for_tensors(base, im.disk_ranges);
-  }
-  lk.unlock();
-
-  std::shared_ptr<Snapshot> snap(new Snapshot());
-  snap->stager_ = this;
-  snap->arena_ = arena;
-  snap->data_ = base;
-  snap->plan_ = plan;
-  snap->stage_begin_us_ = begin_us;
-  auto state = std::make_shared<Snapshot::State>();
-  snap->state_ = state;
-  state->start(tensors.size());
-  state->digest = std::move(digest);
-  state->tensor_digest = std::move(tensor_digest);
-  // 3) The copies, in the order `priority` gives.
-  im.copy(tensors, *plan, priority, base, std::max(im.opt.sync_copy_max_bytes, sync_copy_max_bytes), *snap, state,
-          binding.held);
-  return snap;
 }
 
 }  // namespace ettkit::checkpoint
