@@ -192,6 +192,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         (Test(FUSED, "InOrderDigest.AnyOrderGivesTheOnePassDigest"),
          Test(FUSED, "FusedDigestStager.EveryKindOfCopyEndsInTheOnePassDigestOfTheArenaFile"))),
     Mutation(
+        "fused-digest-reuse-not-reset", "src/checkpoint/in_order_digest.cpp",
+        "  if (!fresh_) {",
+        "  if (false) {",
+        "the arena's whole-tensor digest, reused save after save (#65), keeps what a save that never finished "
+        "hashed and left pending: the next save's digests are of mixed bytes and its step fails verification",
+        (Test(FUSED, "InOrderDigest.AReusedDigestHashesEachPassAloneWhetherTheOneBeforeWasFinishedOrNot"),)),
+    Mutation(
         "fused-digest-not-in-copies", "src/checkpoint/copy_engine.cpp",
         "state->report(s.dst + off, n);",
         "(void)n;",

@@ -199,6 +199,36 @@ TEST(InOrderDigest, TensorRangesWithGapsAndEmptyOnesHashLikeEachTensorAlone) {
   EXPECT_EQ(d->hashed_early(), in_ranges);  // the gaps are never hashed
 }
 
+TEST(InOrderDigest, AReusedDigestHashesEachPassAloneWhetherTheOneBeforeWasFinishedOrNot) {
+  // The stager keeps one whole-tensor digest per arena and plan and reuses it save after save (#65): a pass
+  // after a finished one, and a pass after one that was never finished (a failed save, which left hashed
+  // prefixes and pending pieces behind), each give the digests of their own bytes alone.
+  const std::vector<std::pair<uint64_t, uint64_t>> ranges = {{0, kMiB}, {kMiB + 3, 3 * kMiB}};
+  std::vector<uint8_t> arena(3 * kMiB, 0);
+  auto d = ckd::InOrderDigest::for_tensors(arena.data(), ranges);
+  std::mt19937 g(11);
+  for (uint32_t round = 0; round < 6; ++round) {
+    const bool finished = round % 3 != 1;
+    const std::vector<uint8_t> data = random_bytes(arena.size(), 100 + round);
+    d->reuse();
+    auto p = pieces(arena.size(), 150'000, g);
+    std::shuffle(p.begin(), p.end(), g);
+    if (!finished) p.resize(p.size() / 2);  // the failed save reported half of its pieces
+    for (auto [b, e] : p) {
+      std::memcpy(arena.data() + b, data.data() + b, e - b);
+      d->covered(arena.data() + b, e - b);
+    }
+    if (!finished) continue;
+    std::memcpy(arena.data(), data.data(), data.size());  // (every piece was reported: no-op)
+    const std::vector<std::string> got = d->finish_tensors();
+    ASSERT_EQ(got.size(), ranges.size());
+    for (size_t k = 0; k < ranges.size(); ++k) {
+      EXPECT_EQ(got[k], ckd::xxh3_of(data.data() + ranges[k].first, ranges[k].second - ranges[k].first))
+          << "round " << round << ", range " << k;
+    }
+  }
+}
+
 TEST(InOrderDigest, ConcurrentReportersOfShuffledPiecesAgreeWithOnePass) {
   const std::vector<uint8_t> bytes = random_bytes(21 * kMiB + 5, 11);
   const ckd::FileDigest want = one_pass(bytes.data(), bytes.size());
