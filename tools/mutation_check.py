@@ -413,6 +413,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         (Test("checkpoint_save_repeat_test",
               "SaveBinding.AHeldListIsKeptUntilItsCopiesAreDoneAndAConjViewIsSavedResolved"),)),
     Mutation(
+        "undecided-versions-not-kept", "src/checkpoint/snapshot.cpp",
+        "    st.keep_undecided_versions();",
+        "    (void)st;",
+        "save() holds no reference to the version counters (#65): sources dropped on another thread than the "
+        "save's leave the later verdicts reading counters through tensors nobody holds",
+        (Test("checkpoint_stager_test",
+              "StagerVersions.EntriesLeftUndecidedByADropOnAnotherThreadAreJudgedByTheirCountersLater"),)),
+    Mutation(
         "read-storages-not-held", "src/checkpoint/copy_engine.cpp",
         "      state.read_storages.push_back(t.storage());",
         "      (void)0;",

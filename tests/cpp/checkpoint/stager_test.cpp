@@ -10,7 +10,10 @@
 #include <gtest/gtest.h>
 #include <sys/resource.h>
 
+#include <memory>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "ettkit/checkpoint/checkpointer.h"
 
@@ -164,4 +167,24 @@ TEST(StagerPrepare, RefusesWhatStageRefusesAndStagesNothing) {
   at::Tensor t = at::zeros({4});
   t.unsafeGetTensorImpl()->set_sizes_contiguous({1024});
   EXPECT_THROW(stager.prepare({{"t", t}}), InvalidArgument);  // the same refusal as stage()
+}
+
+TEST(StagerVersions, EntriesLeftUndecidedByADropOnAnotherThreadAreJudgedByTheirCountersLater) {
+  // save() reads each entry's version from the tensor's own counter, holding no reference to it (#65);
+  // the verdicts read the counters through the sources. A drop of the sources on a thread other than the
+  // one that staged decides nothing, so it must keep the counters of the entries it leaves undecided: a
+  // write after it is still seen, for the bound list (SaveBinding::held) and for a plain one.
+  for (const bool bound : {true, false}) {
+    StagerOptions o;
+    o.sync_copy_max_bytes = 0;
+    Stager stager(o);
+    const auto list = std::make_shared<const NamedTensors>(
+        NamedTensors{{"written", at::zeros({1 << 16})}, {"kept", at::ones({1 << 16})}});
+    const SaveBinding binding = bound ? SaveBinding{0, list} : SaveBinding{};
+    std::shared_ptr<Snapshot> snap = stager.stage(*list, OnBusy::kWait, {}, 0, StageHashing::kNone, binding);
+    std::thread([&] { snap->drop_sources(); }).join();  // waits for the copies; not the owner: no verdict
+    (*list)[0].second.add_(1);  // after the copy, but no fence decided it: counted as changed
+    EXPECT_EQ(snap->changed_entries(), std::vector<std::string>{"written"}) << "bound=" << bound;
+    snap->release();
+  }
 }
