@@ -158,6 +158,10 @@ def main() -> None:
     a = ap.parse_args()
     total = 256 << 20
     saves = 5 if a.quick else a.saves
+    if saves < 2:
+        ap.error(f"--saves {saves}: at least 2 (the first save after prepare() and one later save to compare)")
+    if a.dir:
+        os.makedirs(a.dir, exist_ok=True)  # a scratch directory named on the command line may be new
     root = tempfile.mkdtemp(prefix="ettkit-save-call-", dir=a.dir)
     figures: dict = {}
     try:
