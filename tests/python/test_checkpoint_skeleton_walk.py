@@ -165,8 +165,6 @@ KNOWN_RECURSIONS = {
     "checkpoint/_extra_encode.py": [["_Encoder._other", "_Encoder.value"]],
     # Merges that fill or build containers place by place (kinds and names from _skeleton_walk).
     "checkpoint/_restore.py": [["prune_to_live"], ["reconcile_moved"], ["restore_by_value.merge"]],
-    # The DCP adapter's rebuild of staged tensors in flatten order (DTensorSlot too).
-    "checkpoint/_dcp.py": [["rebuild.build"]],
 }
 
 

@@ -10,6 +10,7 @@ import torch
 
 from .. import _C
 from ._flatten import check_unique, flatten
+from ._skeleton_walk import rebuild as _walk_rebuild
 from ._tensor_kinds import TENSOR, DTensorSlot, ShardedSlot
 
 
@@ -82,25 +83,20 @@ class DcpStager(_async_stager_base()):
 
 # ---- rebuilding the staged state for DCP ----------------------------------------------------------------
 def rebuild(skeleton: Any, tensors: list) -> Any:
-    """The skeleton with its TENSOR placeholders replaced by ``tensors``, in flatten order."""
+    """The skeleton with its TENSOR placeholders replaced by ``tensors``, in flatten order (the one
+    traversal, _skeleton_walk.rebuild, visits leaves in that order)."""
     it = iter(tensors)
 
-    def build(x: Any) -> Any:
+    def leaf(x: Any, _name: str) -> Any:
         if x is TENSOR:
             return next(it)
         if isinstance(x, ShardedSlot):
             return _sharded_like(x.live, [next(it) for _ in x.shards])
         if isinstance(x, DTensorSlot):
             return _dtensor_like(x.live, next(it))
-        if isinstance(x, dict):
-            return {k: build(v) for k, v in x.items()}
-        if isinstance(x, list):
-            return [build(v) for v in x]
-        if isinstance(x, tuple) and type(x) is not torch.Size:  # a torch.Size is a value, kept as it is
-            return tuple(build(v) for v in x)
-        return x
+        return x  # a torch.Size, a Stateful's slot or a value, kept as it is
 
-    return build(skeleton)
+    return _walk_rebuild(skeleton, leaf)
 
 
 def _sharded_like(live: Any, tensors: list) -> Any:

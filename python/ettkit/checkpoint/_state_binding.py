@@ -40,6 +40,7 @@ from .. import _C
 from ._extra_encode import Hole, Refused, SkeletonTemplate
 from ._extra_format import EncodedSkeleton
 from ._flatten import _SaveWalk
+from ._skeleton_walk import child_name
 from ._tensor_kinds import TENSOR, DTensorSlot, ShardedSlot
 
 _Module = torch.nn.Module
@@ -193,8 +194,7 @@ def _has_tensors(skeleton: Any) -> bool:
     return t is ShardedSlot or t is DTensorSlot
 
 
-def _key(prefix: str, k: Any) -> str:
-    return f"{prefix}.{k}" if prefix else str(k)
+_key = child_name  # names as the save walk names tensors (_skeleton_walk: one rule)
 
 
 class _Binder:
