@@ -6,6 +6,7 @@ listed with its reason (issue #64)."""
 from __future__ import annotations
 
 import torch
+from graph_cycles import cycles
 
 from ettkit.checkpoint._extra_encode import encode_extra, encode_skeleton
 from ettkit.checkpoint._flatten import flatten_state
@@ -202,33 +203,7 @@ def _recursions(path):
             hit = next((t for t in targets if t in funcs), None)
             if hit:
                 edges[q].add(hit)
-    index, low, on, stack, out = {}, {}, set(), [], []
-
-    def connect(v):
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on.add(v)
-        for w in edges[v]:
-            if w not in index:
-                connect(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1 or v in edges[v]:
-                out.append(sorted(comp))
-
-    for v in list(edges):
-        if v not in index:
-            connect(v)
-    return sorted(out)
+    return sorted(cycles(edges, self_loops=True))
 
 
 def test_every_recursion_of_the_checkpoint_layer_is_a_known_one():

@@ -20,6 +20,7 @@ import ast
 from pathlib import Path
 
 import pytest
+from graph_cycles import cycles
 
 PACKAGE = Path(__file__).resolve().parents[2] / "python" / "ettkit"
 MAX_FILE_LINES = 600
@@ -150,51 +151,6 @@ def _import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
     return graph
 
 
-def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components with more than one module (Tarjan's algorithm, iterative)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    components: list[list[str]] = []
-    counter = 0
-    for root in sorted(graph):
-        if root in index:
-            continue
-        work = [(root, iter(sorted(graph[root])))]
-        index[root] = low[root] = counter
-        counter += 1
-        stack.append(root)
-        on_stack.add(root)
-        while work:
-            node, children = work[-1]
-            child = next(children, None)
-            if child is not None:
-                if child not in index:
-                    index[child] = low[child] = counter
-                    counter += 1
-                    stack.append(child)
-                    on_stack.add(child)
-                    work.append((child, iter(sorted(graph.get(child, ())))))
-                elif child in on_stack:
-                    low[node] = min(low[node], index[child])
-                continue
-            work.pop()
-            if work:
-                low[work[-1][0]] = min(low[work[-1][0]], low[node])
-            if low[node] == index[node]:
-                component = []
-                while True:
-                    member = stack.pop()
-                    on_stack.discard(member)
-                    component.append(member)
-                    if member == node:
-                        break
-                if len(component) > 1:
-                    components.append(sorted(component))
-    return components
-
-
 def _a_cycle(graph: dict[str, set[str]], component: list[str]) -> list[str]:
     """One closed path through ``component``, for the failure message: a -> b -> ... -> a."""
     members = set(component)
@@ -215,9 +171,9 @@ def _a_cycle(graph: dict[str, set[str]], component: list[str]) -> list[str]:
 
 def test_the_cycle_finder_finds_a_cycle_and_nothing_else():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
-    assert _cycles(graph) == [["a", "b", "c"]]
+    assert cycles(graph) == [["a", "b", "c"]]
     assert _a_cycle(graph, ["a", "b", "c"]) == ["a", "b", "c", "a"]
-    assert _cycles({"a": {"b"}, "b": set()}) == []
+    assert cycles({"a": {"b"}, "b": set()}) == []
 
 
 def test_relative_imports_resolve_to_ettkit_modules():
@@ -246,13 +202,13 @@ def test_a_cycle_through_a_function_level_import_or_a_package_init_is_found(tmp_
     assert graph["ettkit.sub.walk"] == {"ettkit.sub.kinds", "ettkit.errors"}
     assert graph["ettkit.sub.plan"] == {"ettkit.sub.walk"}
     assert graph["ettkit"] == {"ettkit.errors"}
-    assert _cycles(graph) == [["ettkit.sub", "ettkit.sub.reader"], ["ettkit.sub.kinds", "ettkit.sub.walk"]]
+    assert cycles(graph) == [["ettkit.sub", "ettkit.sub.reader"], ["ettkit.sub.kinds", "ettkit.sub.walk"]]
 
 
 def test_no_import_cycle_among_ettkit_modules():
     graph = _import_graph()
-    cycles = [" -> ".join(_a_cycle(graph, c)) for c in _cycles(graph)]
-    assert not cycles, "import cycles among ettkit's modules:\n  " + "\n  ".join(cycles)
+    found = [" -> ".join(_a_cycle(graph, c)) for c in cycles(graph)]
+    assert not found, "import cycles among ettkit's modules:\n  " + "\n  ".join(found)
 
 
 if __name__ == "__main__":  # a quick look without pytest: python tests/python/test_code_limits.py
