@@ -25,7 +25,9 @@ first_blocking_ms = the first save's blocking, first_over_later = it over the me
 (the ettkit variants call prepare(state) when they start, beside the first step's compute, so the arena is
 faulted in before the first save; `--variants ettkit_unprepared` is `ettkit` without it);
 first_beside_prepare = 1 when prepare() was still backing an arena at the first save (the memory tier's
-second file), 0 when it had ended;
+second file), 0 when it had ended; second_over_later = the second save (the memory tier's first into its
+second arena) over the median of the saves after it; *_cpu = the same ratios in the calling thread's CPU time
+(time.thread_time over the call and the wait), which a busy machine's preemption does not inflate;
 persist_idle_GBps = the same save -> committed throughput with no training beside it (the RSS loop),
 next to a disk probe taken just before it. restore_s = load_latest of a committed step into the state's
 tensors (verified, unverified, cold cache) beside dcp.load, torch.load(mmap=True) + copy_ and a memcpy of
@@ -279,6 +281,7 @@ def run_variant(variant: str, state, directory: str, saves: int, base_step_s: fl
 
     tr = Trainer(state, matmuls)
     calls, waits, durable, inflation = [], [], [], []
+    cpus = []  # the calling thread's CPU time in each save call and pre-step wait (preemption does not inflate it)
     shutil.rmtree(directory, ignore_errors=True)
     os.makedirs(directory, exist_ok=True)
     ck = stager = None
@@ -314,6 +317,7 @@ def run_variant(variant: str, state, directory: str, saves: int, base_step_s: fl
                 # Whether the first save came while prepare() was still backing an arena (the memory tier's
                 # two files take longer than one step): first_over_later is then read beside that work.
                 beside_prepare = ck.wait_prepared(timeout=0) is None
+            c0 = time.thread_time()
             t0 = time.perf_counter()
             path = os.path.join(directory, f"step-{i}")
             if variant.startswith("ettkit"):
@@ -340,11 +344,12 @@ def run_variant(variant: str, state, directory: str, saves: int, base_step_s: fl
                 prev = up
                 is_durable = up.done
                 wait_staged = (lambda: staging.result()) if staging is not None else (lambda: None)
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.thread_time()
             tr.compute()  # the next step's forward/backward overlaps the staging copies
-            tw = time.perf_counter()
+            tw, cw = time.perf_counter(), time.thread_time()
             wait_staged()  # the pre-step hook: the optimizer must not mutate unstaged tensors
             t2 = time.perf_counter()
+            cpus.append(c1 - c0 + time.thread_time() - cw)  # the call's and the wait's, not the compute's
             tr.optimizer_step()
             calls.append(t1 - t0)
             waits.append(t2 - tw)
@@ -375,7 +380,11 @@ def run_variant(variant: str, state, directory: str, saves: int, base_step_s: fl
     first = {}
     if len(blocking) > 1:  # the first save of a run against the others: what a fresh arena (or first plan) costs
         first = {"first_blocking_ms": blocking[0] * 1e3,
-                 "first_over_later": blocking[0] / statistics.median(blocking[1:])}
+                 "first_over_later": blocking[0] / statistics.median(blocking[1:]),
+                 "first_over_later_cpu": cpus[0] / max(statistics.median(cpus[1:]), 1e-9)}
+    if len(blocking) > 2:  # the second save: the memory tier's first into its second arena
+        first["second_over_later"] = blocking[1] / statistics.median(blocking[2:])
+        first["second_over_later_cpu"] = cpus[1] / max(statistics.median(cpus[2:]), 1e-9)
         if beside_prepare is not None:
             first["first_beside_prepare"] = float(beside_prepare)
     return {

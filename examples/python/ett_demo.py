@@ -38,6 +38,7 @@ DEMO = os.path.join(HERE, "demo")
 sys.path.insert(0, DEMO)
 
 from clicklogs import write_click_logs
+from save_calls import read as read_save_calls
 
 ARMS = ("baseline", "ettkit")
 # The ettkit arm runs a second job of the same model after the first, in OUT/ettkit-job2: its first start
@@ -113,6 +114,7 @@ def run_arm(
     job = job or arm
     arm_dir = os.path.join(out, job)
     t_prepare = time.time()
+    load_before = os.getloadavg()[0]
     shutil.rmtree(arm_dir, ignore_errors=True)
     run_dir = os.path.join(arm_dir, "run")
     os.makedirs(run_dir)
@@ -192,9 +194,13 @@ def run_arm(
     with open(os.path.join(arm_dir, "report.json")) as f:
         rep = json.load(f)
     rep["_wall_s"] = wall
+    # The 1-minute load average before and after the job: a single save's wall time on a busy machine
+    # includes waiting for a core, so the save rows read with it.
+    rep["_load"] = (load_before, os.getloadavg()[0])
     rep["_env"] = env  # the environment `python -m ettkit` ran in (the comparison plot runs it again)
     rep["_save_blocking"] = save_blocking(os.path.join(run_dir, "ett", "rank-0.jsonl"))
     rep["_saves"] = len(rep["_save_blocking"])
+    rep["_save_calls"] = read_save_calls(run_dir)
     return rep
 
 
@@ -212,28 +218,63 @@ def save_blocking(ledger: str) -> dict:
                 continue
             if r.get("t") == "attempt":
                 attempt += 1
-            elif r.get("t") == "phase" and r.get("name") == "checkpoint_blocking":
+            # both tiers: a memory-tier save's record is "checkpoint_blocking/memory" (--same-host-restart)
+            elif r.get("t") == "phase" and r.get("name", "").split("/")[0] == "checkpoint_blocking":
                 key = (attempt, r.get("step"))
                 saves[key] = saves.get(key, 0.0) + (r["e"] - r["b"]) / 1e6
     return saves
 
 
-def first_saves_against_the_rest(saves: dict) -> str:
-    """The first save of each attempt, and the median of the others, in ms: whether the first save of an
-    attempt pays for its arena's page faults (without AsyncCheckpointer.prepare) or blocks like the rest."""
+def _first_and_rest(values: dict) -> tuple[dict, list]:
+    """{(attempt, step): value} -> ({attempt: its first save's value}, [every later save's value])."""
     firsts, rest = {}, []
-    for (attempt, _), seconds in sorted(saves.items()):
+    for (attempt, _), v in sorted(values.items()):
         if attempt in firsts:
-            rest.append(seconds)
+            rest.append(v)
         else:
-            firsts[attempt] = seconds
+            firsts[attempt] = v
+    return firsts, rest
 
-    def ms(seconds: float) -> str:
-        return f"{seconds * 1e3:.3g}"
 
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g}"
+
+
+def first_saves_against_the_rest(saves: dict) -> str:
+    """The first save of each attempt, and the median of the others, in ms of wall time (what training
+    waited): whether the first save of an attempt blocks like the rest. On a busy machine a single save's
+    wall time also counts the caller waiting for a core: first_save_cpu_against_the_rest tells that apart."""
+    firsts, rest = _first_and_rest(saves)
     if not rest:
         return "-"
-    return f"{', '.join(ms(s) for s in firsts.values())} / {ms(statistics.median(rest))} ms"
+    med = statistics.median(rest)
+    ratio = max(firsts.values()) / med if med > 0 else float("inf")
+    return f"{', '.join(_ms(s) for s in firsts.values())} / {_ms(med)} ms ({ratio:.1f}x)"
+
+
+def first_save_cpu_against_the_rest(calls: list) -> str:
+    """The same first saves in the calling thread's CPU time (train.py's save-calls records), over the
+    median of the later calls: the save's own work, which waiting for a core does not inflate, so a ratio
+    near 1 here beside a high wall-clock one is a busy machine, not first-time work. "+N mod" when a first
+    save imported modules."""
+    cpu = {(c["attempt"], c["step"]): c["cpu_s"] for c in calls}
+    firsts, rest = _first_and_rest(cpu)
+    if not rest:
+        return "-"
+    med = statistics.median(rest)
+    ratio = max(firsts.values()) / med if med > 0 else float("inf")
+    mods = sum(c["modules"] for c in calls if (c["attempt"], c["step"]) in _first_keys(cpu))
+    extra = f", +{mods} mod" if mods else ""
+    return f"{', '.join(_ms(s) for s in firsts.values())} / {_ms(med)} ms ({ratio:.1f}x{extra})"
+
+
+def _first_keys(values: dict) -> set:
+    seen, keys = set(), set()
+    for attempt, step in sorted(values):
+        if attempt not in seen:
+            seen.add(attempt)
+            keys.add((attempt, step))
+    return keys
 
 
 def _fmt(v, unit="", digits=1):
@@ -286,6 +327,13 @@ def side_by_side(reps: dict) -> list:
             "",
             0,
         ),
+        (
+            "  same, the caller's thread CPU",
+            lambda r: first_save_cpu_against_the_rest(r.get("_save_calls", [])),
+            "",
+            0,
+        ),
+        ("  load average (1 min), job start / end", lambda r: "{:.2f} / {:.2f}".format(*r["_load"]), "", 0),
         ("  median durable latency", lambda r: r["checkpoints"]["durable_latency_median_s"], " s", 2),
         ("unsaved training (re-done)", lambda r: r["unsaved_training_s"]["measured"], " s", 1),
         (

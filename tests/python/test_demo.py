@@ -211,3 +211,18 @@ def test_a_second_job_of_the_model_starts_from_the_first_jobs_compile_and_trains
             assert sorted(losses) == list(range(1, cfg["steps"] + 1)), rank
         assert runs[0] == runs[1], rank  # every bit of every step
     assert "second ettkit job of the same model: ETT% " in stdout and "bit-identical" in stdout, stdout[-3000:]
+
+
+@pytest.mark.parametrize("job", ("ettkit", "ettkit-job2"))
+def test_every_save_call_is_measured_and_no_first_save_of_an_attempt_imports_a_module(demo, job):
+    """#65: the table's first-save rows read with a thread-CPU column (train.py's save-calls records); one
+    record per save of rank 0, each attempt's included, and no ettkit save, the first of an attempt
+    included, imports a module (a lazy import is first-time work every attempt pays). Counts, not times."""
+    out, _, _, stdout = demo
+    calls = [json.loads(line) for line in (out / job / "run" / "save-calls-rank-0.jsonl").read_text().splitlines()]
+    steps = sorted(_saves(out / job / "run" / "ett" / "rank-0.jsonl"))
+    assert [c["step"] for c in calls] == steps and steps, (calls, steps)
+    assert sorted({c["attempt"] for c in calls}) == [0, 1], calls  # the restart's saves too
+    assert all(c["cpu_s"] >= 0 and c["wall_s"] >= 0 for c in calls), calls
+    assert [c for c in calls if c["modules"]] == [], calls
+    assert "same, the caller's thread CPU" in stdout and "load average (1 min), job start / end" in stdout

@@ -80,6 +80,7 @@ if ARGS.arm == "ettkit":  # imported before the recorder starts, like torch: par
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from clicklogs import ClickLogDataset
 from dlrm import DenseArch, LocalShard, ShardedEmbeddings, ShardedStep
+from save_calls import SaveCalls
 
 TABLES = CFG["tables"]
 DIM = CFG["embedding_dim"]
@@ -88,6 +89,8 @@ STEPS = CFG["steps"]
 EVERY = CFG["ckpt_every"]
 # The memory tier survives a killed process, not a replacement node: used only when restarts stay on the node.
 MEMORY_EVERY = None if CFG.get("fresh_node_per_attempt", True) else CFG.get("ckpt_every_memory")
+# Each save call's thread CPU, faults and imports beside its wall time: the driver's first-save rows.
+SAVE_CALLS = SaveCalls(ARGS.run_dir, RANK, RESTART)
 
 
 def say(msg: str, *, all_ranks: bool = False) -> None:
@@ -361,7 +364,7 @@ def run_baseline(rec) -> None:
         tr.finish_step(step, loss)
         tr.maybe_crash(step)
         if step % EVERY == 0:
-            with rec.phase("checkpoint_blocking", step=step):
+            with rec.phase("checkpoint_blocking", step=step), SAVE_CALLS.measure(step):
                 baseline_save(step, embeddings, dense, opt, layout)
         rec.step(step)
         tr.progress(step, start)
@@ -491,7 +494,8 @@ def run_ettkit(rec) -> None:
         if ck.should_save(step):
             # records checkpoint_blocking; persists and commits in the background, to disk every EVERY steps
             # and, with a memory tier, to /dev/shm every MEMORY_EVERY steps in between
-            ck.save(step, state)
+            with SAVE_CALLS.measure(step):
+                ck.save(step, state)
         rec.step(step)
         if step == start and RANK == 0:
             with rec.phase("compile/cache_save"):  # forward and backward have compiled: a restart is warm
