@@ -155,7 +155,7 @@ def test_rebuild_and_the_queries_keep_each_node_kind(tmp_path):
 #: walk of a state fails here: write it on walk / walk_pair / rebuild, or say here why it cannot be.
 KNOWN_RECURSIONS = {
     # The one walk itself.
-    "checkpoint/_skeleton_walk.py": [["walk"], ["walk_pair"], ["rebuild"]],
+    "checkpoint/_skeleton_walk.py": [["walk"], ["walk_pair"], ["rebuild"], ["rebuild_pair"]],
     # The save walk: hand-inlined, once per tensor on save()'s critical path (pinned to walk() above).
     "checkpoint/_flatten.py": [["_SaveWalk.dict_of_object", "_SaveWalk.leaf", "_SaveWalk.node",
                                 "_SaveWalk.stateful"]],
@@ -164,8 +164,6 @@ KNOWN_RECURSIONS = {
                                                          "_Binder.sequence"]],
     # The .extra codec: encodes a skeleton's values by the format's tags (its order is the save walk's).
     "checkpoint/_extra_encode.py": [["_Encoder._other", "_Encoder.value"]],
-    # Merges that fill or build containers place by place (kinds and names from _skeleton_walk).
-    "checkpoint/_restore.py": [["prune_to_live"], ["reconcile_moved"], ["restore_by_value.merge"]],
 }
 
 

@@ -2,10 +2,10 @@
 tensor is copied (:func:`check_sharded`, :func:`check_by_value`, :func:`saved_states`), and how the saved
 state goes back into the live one afterwards (:func:`restore_by_value`, :func:`restore_stateful`). The load
 plan (_load_plan.py) calls them in order. The checks and queries are :mod:`._skeleton_walk`'s walks
-(``walk``, ``walk_pair``, ``rebuild``); the three merges of a saved skeleton into a live one
-(:func:`prune_to_live`, :func:`reconcile_moved`, :func:`restore_by_value`) recurse themselves, since each
-builds or fills containers place by place, but take their node kinds and names from it (``is_sequence``,
-``child_name``). tests/python/test_checkpoint_skeleton_walk.py lists every recursion of the package.
+(``walk``, ``walk_pair``, ``rebuild``), and so are the three merges of a saved skeleton into a live one
+(:func:`prune_to_live`, :func:`reconcile_moved`, :func:`restore_by_value`): each a ``place`` and a ``join``
+of ``rebuild_pair``, which pairs the places as ``walk_pair`` does. None of them recurses itself
+(tests/python/test_checkpoint_skeleton_walk.py lists every recursion of the package).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from ..errors import InvalidArgumentError
 from ._captured_optimizer import refresh_captured
 from ._skeleton_walk import (
     ABSENT,
+    DESCEND,
+    DROP,
     child_name,
     find_saved,
     holds_values,
@@ -27,6 +29,7 @@ from ._skeleton_walk import (
     is_sequence,
     only_sharded,
     rebuild,
+    rebuild_pair,
     sharded_slots,
     tensor_names,
     walk,
@@ -272,9 +275,17 @@ def prune_to_live(saved: Any, live: Any) -> Any:
     ``load_latest(state, partial=True)``, e.g. a model without its optimizer). Only whole dict entries are
     left out; below a Stateful, a list or a tuple the saved skeleton is kept as it is (and checked as in a
     full load)."""
-    if isinstance(saved, dict) and isinstance(live, dict):
-        return {k: prune_to_live(v, live[k]) for k, v in saved.items() if k in live}
-    return saved
+
+    def place(x: Any, s: Any, name: str) -> Any:
+        if isinstance(s, dict) and isinstance(x, dict):
+            return DESCEND
+        return DROP if x is ABSENT or s is ABSENT else s
+
+    def join(x: Any, s: Any, name: str, items: list) -> dict:
+        kept = dict(items)
+        return {k: kept[k] for k in s if k in kept}  # in the saved dict's order
+
+    return rebuild_pair(live, saved, place, join)
 
 
 def unplaced_tensors(saved: Any, live: Any, names: list, read_prefixes: list) -> list:
@@ -319,31 +330,35 @@ def restore_by_value(target: Any, saved: Any, tensors: dict, skip: Any = frozens
     own ``load_state_dict`` and left alone. The optimizer state dicts restored by value are appended to the
     list ``optimizer_dicts``. Returns what belongs where ``target`` was."""
 
-    def merge(cur: Any, s: Any, name: str) -> Any:
-        if isinstance(cur, torch.Tensor) or id(cur) in skip or is_stateful(cur):
-            return cur
+    def place(cur: Any, s: Any, name: str) -> Any:
+        if cur is ABSENT:  # an entry only the checkpoint has
+            return DROP if held_elsewhere(s, name, tensors) else rebuild_named(s, name, tensors)
+        if s is ABSENT or isinstance(cur, torch.Tensor) or id(cur) in skip or is_stateful(cur):
+            return cur  # (an item beyond the saved list's length: left out by join)
         if s is TENSOR or isinstance(s, ShardedSlot):
             return rebuild_named(s, name, tensors)
         if isinstance(s, dict) and isinstance(cur, dict):
             if optimizer_dicts is not None and is_optimizer_dict(cur):
                 optimizer_dicts.append(cur)
-            for k, v in s.items():
-                key = child_name(name, k)
-                if k in cur:
-                    cur[k] = merge(cur[k], v, key)
-                elif not held_elsewhere(v, key, tensors):
-                    cur[k] = rebuild_named(v, key, tensors)
-            return cur
+            return DESCEND
         if is_sequence(s) and is_sequence(cur):
-            items = [merge(c, v, child_name(name, i)) for i, (c, v) in enumerate(zip(cur, s))]
-            items += [rebuild_named(v, child_name(name, i), tensors) for i, v in enumerate(s) if i >= len(cur)]
-            if isinstance(cur, list) and isinstance(s, list):
-                cur[:] = items
-                return cur
-            return items if isinstance(s, list) else tuple(items)
+            return DESCEND
         return rebuild_named(s, name, tensors)
 
-    return merge(target, saved, "")
+    def join(cur: Any, s: Any, name: str, merged: list) -> Any:
+        if isinstance(cur, dict):
+            for k, v in merged:
+                if k not in cur or cur[k] is not v:
+                    cur[k] = v
+            return cur
+        items = [v for i, v in merged if i < len(s)]
+        items += [rebuild_named(v, child_name(name, i), tensors) for i, v in enumerate(s) if i >= len(cur)]
+        if isinstance(cur, list) and isinstance(s, list):
+            cur[:] = items
+            return cur
+        return items if isinstance(s, list) else tuple(items)
+
+    return rebuild_pair(target, saved, place, join)
 
 
 def held_elsewhere(saved: Any, name: str, loaded: dict) -> bool:
@@ -358,19 +373,22 @@ def reconcile_moved(saved: Any, live: Any, name: str, loaded: dict) -> Any:
     sharded tensors this rank did not load (:func:`held_elsewhere`) are left out, and entries of the live
     skeleton made only of sharded tensors that the saved one lacks (state this rank holds since a re-plan,
     loaded from another old rank's file) are put in. Unchanged when nothing moved."""
-    if not (isinstance(saved, dict) and isinstance(live, dict)):
-        return saved
-    out = {}
-    for k, v in saved.items():
-        key = child_name(name, k)
-        if k in live:
-            out[k] = reconcile_moved(v, live[k], key, loaded)
-        elif not held_elsewhere(v, key, loaded):
-            out[k] = v
-    for k, v in live.items():
-        if k not in saved and only_sharded(v):
-            out[k] = v
-    return out
+
+    def place(x: Any, s: Any, n: str) -> Any:
+        if isinstance(s, dict) and isinstance(x, dict):
+            return DESCEND
+        if x is ABSENT:  # saved only: kept unless another rank holds it now
+            return DROP if held_elsewhere(s, n, loaded) else s
+        if s is ABSENT:  # live only: put in when it is sharded state this rank holds since a re-plan
+            return x if only_sharded(x) else DROP
+        return s
+
+    def join(x: Any, s: Any, n: str, items: list) -> dict:
+        kept = dict(items)
+        # The saved dict's order, then the entries only the live one has.
+        return {k: kept[k] for k in [*s, *(k for k in x if k not in s)] if k in kept}
+
+    return rebuild_pair(live, saved, place, join, name)
 
 
 def restore_stateful(slot: StatefulSlot, saved: Any, loaded: dict) -> None:

@@ -4,7 +4,8 @@
 A node's children are the same for every caller: a :class:`StatefulSlot`'s skeleton (under the slot's own
 name), a dict's values, a list's or tuple's items; a ``torch.Size`` is a value (a tuple of ints kept as it
 is), never walked into. Names are joined in one place (:func:`child_name`), as the save walk names tensors.
-:func:`rebuild` is the walk that returns a new skeleton (a map over the leaves). The save walk (_flatten.py)
+:func:`rebuild` is the walk that returns a new skeleton (a map over the leaves), :func:`rebuild_pair` the one
+that makes a value from a live skeleton beside a saved one (the load's merges). The save walk (_flatten.py)
 stays hand-inlined: it runs once per tensor inside ``save()`` (issue #65 binds a state's repeat saves in C++),
 and tests/python/test_checkpoint_skeleton_walk.py holds it to the names and the order :func:`walk` gives.
 """
@@ -51,30 +52,56 @@ def walk(skeleton: Any, visit: Callable[[Any, str], bool], name: str = "") -> No
             walk(v, visit, n)
 
 
-def walk_pair(live: Any, saved: Any, visit: Callable[[Any, Any, str], bool], name: str = "",
-              leave: Optional[Callable[[Any, str], None]] = None) -> None:
-    """Walks a live skeleton beside the saved one: ``visit(live, saved, name)`` at each place either side has
-    (:data:`ABSENT` for the side that has nothing there), descending when it returns True. Pairs: a Stateful's
-    skeleton with the saved node at its place; a dict's keys (the live ones in order, then those only the saved
-    dict has); a list's or tuple's items by the live one's indices. ``leave(live, name)`` runs after a node's
-    children, for a visitor that keeps context."""
-    if not visit(live, saved, name):
-        return
+def pairs(live: Any, saved: Any, name: str) -> Iterator[tuple[Any, Any, Any, str]]:
+    """``(key, live child, saved child, its name)`` of a place of :func:`walk_pair` (:data:`ABSENT` for the side
+    that has nothing there): a Stateful's skeleton with the saved node at its place (key None, the slot's name);
+    a dict's keys (the live ones in order, then those only the saved dict has); a list's or tuple's items by
+    the live one's indices. The one pairing rule of both :func:`walk_pair` and :func:`rebuild_pair`."""
     if isinstance(live, StatefulSlot):
-        walk_pair(live.skeleton, saved, visit, name, leave)
+        yield None, live.skeleton, saved, name
     elif isinstance(live, dict):
         sd = saved if isinstance(saved, dict) else {}
         for k, v in live.items():
-            walk_pair(v, sd.get(k, ABSENT), visit, child_name(name, k), leave)
+            yield k, v, sd.get(k, ABSENT), child_name(name, k)
         for k, v in sd.items():
             if k not in live:
-                walk_pair(ABSENT, v, visit, child_name(name, k), leave)
+                yield k, ABSENT, v, child_name(name, k)
     elif is_sequence(live):
         ss = saved if is_sequence(saved) else ()
         for i, v in enumerate(live):
-            walk_pair(v, ss[i] if i < len(ss) else ABSENT, visit, child_name(name, i), leave)
+            yield i, v, ss[i] if i < len(ss) else ABSENT, child_name(name, i)
+
+
+def walk_pair(live: Any, saved: Any, visit: Callable[[Any, Any, str], bool], name: str = "",
+              leave: Optional[Callable[[Any, str], None]] = None) -> None:
+    """Walks a live skeleton beside the saved one: ``visit(live, saved, name)`` at each place either side has
+    (:data:`ABSENT` for the side that has nothing there), descending when it returns True, the places paired
+    by :func:`pairs`. ``leave(live, name)`` runs after a node's children, for a visitor that keeps context."""
+    if not visit(live, saved, name):
+        return
+    for _, v, s, n in pairs(live, saved, name):
+        walk_pair(v, s, visit, n, leave)
     if leave is not None:
         leave(live, name)
+
+
+#: What a ``place`` of :func:`rebuild_pair` returns to go into a pair's children, and to leave a place out.
+DESCEND: Any = type("Descend", (), {"__repr__": lambda self: "<descend>", "__slots__": ()})()
+DROP: Any = type("Drop", (), {"__repr__": lambda self: "<drop>", "__slots__": ()})()
+
+
+def rebuild_pair(live: Any, saved: Any, place: Callable[[Any, Any, str], Any],
+                 join: Callable[[Any, Any, str, list], Any], name: str = "") -> Any:
+    """A value made from a live skeleton beside the saved one (:func:`rebuild`'s counterpart of
+    :func:`walk_pair`, the places paired by :func:`pairs`): ``place(live, saved, name)`` returns the value of a
+    place, :data:`DROP` to leave it out, or :data:`DESCEND`; then ``join(live, saved, name, items)`` makes the
+    pair's value from its children's, ``items`` their ``(key, value)`` in :func:`pairs`' order without the
+    dropped ones (a join that builds a new container or fills the live one in place)."""
+    v = place(live, saved, name)
+    if v is not DESCEND:
+        return v
+    items = [(k, rebuild_pair(lv, sv, place, join, n)) for k, lv, sv, n in pairs(live, saved, name)]
+    return join(live, saved, name, [(k, x) for k, x in items if x is not DROP])
 
 
 def rebuild(skeleton: Any, leaf: Callable[[Any, str], Any], name: str = "") -> Any:
