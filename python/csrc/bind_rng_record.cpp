@@ -1,22 +1,31 @@
-// ettkit._C.checkpoint.rng_record(): the `rng` field of a save's `rank-<r>.extra` record, encoded in one call
-// (issue #65). It is the bytes the record's Python encoder writes for rng_state.capture()'s dict
-// (python/ettkit/checkpoint/_extra_encode.py, tags in _extra_format.py): tests/python/test_checkpoint_first_save.py
-// compares the two byte for byte. Why C++: the capture ran at every save on the training thread, through
-// random.getstate()'s 625 Python ints, an array conversion, torch.get_rng_state()'s tensor and its NumPy view,
-// then a generic encoder: ~18 us warm but 130-220 us of CPU in a save that follows a wait (every first
-// touch of that code and data is a cache miss on the 2-vCPU VM), a third of the bound save's Python side.
-//
-// None where it does not apply (the caller then takes the Python path, which gives the same bytes): CUDA
-// generators (the caller checks torch.cuda.is_initialized() first), or anything of an unexpected type.
+// ettkit._C.checkpoint.rng_record(cuda): the `rng` field of a save's `rank-<r>.extra` record, and the only
+// encoder of it (issue #64: one owner per rule; the Python encoder of rng_state.capture()'s dict is gone, and
+// capture() decodes these bytes). The field is the record's tagged encoding (tags in _extra_format.py, decoded
+// by _skeleton_codec.py) of the dict {"python": [version, 625 uint32 words, gauss_next], "torch": the CPU
+// generator's bytes, "numpy": [name, 624 "<u4" keys, pos, has_gauss, cached_gaussian] (only where numpy.random
+// is imported), "cuda": [each device's generator bytes] (only where the caller passes them)}.
+// tests/python/test_rng_record_golden.py pins its bytes to those the Python encoder wrote before #64, so that
+// records written before and after read alike.
+// Why C++ (#65): the capture runs at every save on the training thread, through random.getstate()'s 625
+// Python ints, an array conversion, torch.get_rng_state()'s tensor and its NumPy view, then a generic
+// encoder: ~18 us warm but 130-220 us of CPU in a save that follows a wait on the 2-vCPU VM.
+// CUDA generators come in as tensors (torch.cuda.get_rng_state_all(), which the caller calls only when CUDA is
+// initialized): this module builds without CUDA headers, and torch's getter takes each generator's lock.
+// A state of an unexpected type (a replaced random module, NumPy's global generator not a Mersenne Twister)
+// raises: nothing else encodes the field.
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/Generator.h>
 #include <ATen/core/Tensor.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <cstdint>
 #include <cstring>
 #include <mutex>
+#include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace py = pybind11;
 
@@ -73,6 +82,13 @@ bool put_float_or_none(std::string& out, PyObject* o, bool none_ok) {
 
 void put_str(std::string& out, const char* s) { put_bytes(out, kStr, s, std::strlen(s)); }
 
+void put_tensor_bytes(std::string& out, const at::Tensor& t) {
+  if (t.scalar_type() != at::kByte || !t.is_contiguous() || t.device().type() != at::kCPU) {
+    throw std::invalid_argument("rng_record: a generator state that is not a contiguous CPU uint8 tensor");
+  }
+  put_bytes(out, kBytes, static_cast<const char*>(t.const_data_ptr()), static_cast<size_t>(t.nbytes()));
+}
+
 /// "python": [version, the 625 words as uint32 bytes, gauss_next]: random.getstate() as capture() packs it.
 bool put_python(std::string& out) {
   py::object state = py::module_::import("random").attr("getstate")();
@@ -110,7 +126,7 @@ void put_torch(std::string& out) {
     state = gen.get_state();
   }
   put_str(out, "torch");
-  put_bytes(out, kBytes, static_cast<const char*>(state.const_data_ptr()), static_cast<size_t>(state.nbytes()));
+  put_tensor_bytes(out, state);
 }
 
 /// "numpy": [name, keys as "<u4" bytes, pos, has_gauss, cached_gaussian], as capture() packs get_state().
@@ -136,25 +152,35 @@ bool put_numpy(std::string& out, PyObject* np_random) {
   return put_int(out, pos.ptr()) && put_int(out, gauss.ptr()) && put_float_or_none(out, cached.ptr(), false);
 }
 
-py::object rng_record() {
+py::bytes rng_record(const py::object& cuda) {
   PyObject* np_random = PyDict_GetItemString(PyImport_GetModuleDict(), "numpy.random");  // borrowed
-  if (np_random == Py_None) np_random = nullptr;  // sys.modules' import blocker: capture() skips it too
+  if (np_random == Py_None) np_random = nullptr;  // sys.modules' import blocker: nothing was drawn from it
+  std::vector<at::Tensor> cuda_states;
+  if (!cuda.is_none()) cuda_states = cuda.cast<std::vector<at::Tensor>>();
   std::string out;
-  out.reserve(8192);
+  out.reserve(8192 + cuda_states.size() * 64);
   out.push_back(kDict);
-  varint(out, np_random != nullptr ? 3 : 2);
-  if (!put_python(out)) return py::none();
+  varint(out, 2 + (np_random != nullptr ? 1 : 0) + (cuda.is_none() ? 0 : 1));
+  if (!put_python(out)) throw std::invalid_argument("rng_record: random.getstate() is not (int, 625 ints, gauss)");
   put_torch(out);
-  if (np_random != nullptr && !put_numpy(out, np_random)) return py::none();
+  if (np_random != nullptr && !put_numpy(out, np_random)) {
+    throw std::invalid_argument("rng_record: numpy.random.get_state() is not a Mersenne Twister's 5-tuple");
+  }
+  if (!cuda.is_none()) {
+    put_str(out, "cuda");
+    out.push_back(kList);
+    varint(out, cuda_states.size());
+    for (const at::Tensor& t : cuda_states) put_tensor_bytes(out, t);
+  }
   return py::bytes(out);
 }
 
 }  // namespace
 
 void bind_rng_record(py::module_& m) {
-  m.def("rng_record", &rng_record,
-        "the encoded `rng` field of a save's record (rng_state.capture() without CUDA generators), or None where "
-        "the Python path must encode it");
+  m.def("rng_record", &rng_record, py::arg("cuda") = py::none(),
+        "the encoded `rng` field of a save's record: this process's generators, and `cuda` (a list of uint8 "
+        "tensors, torch.cuda.get_rng_state_all()) when not None");
 }
 
 }  // namespace ettkit::python

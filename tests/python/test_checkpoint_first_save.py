@@ -2,8 +2,8 @@
 
 - The first save after ``prepare()`` runs exactly the Python calls (and C functions called from Python) of a later
   save: nothing is bound, walked, encoded, imported or built for the first time inside it (prepare() did it).
-- The generators' states reach the record through ``_C.checkpoint.rng_record()``: the bytes the record's Python
-  encoder writes for ``rng_state.capture()``, in one call.
+- The generators' states reach the record through ``_C.checkpoint.rng_record()`` (their one encoder), in
+  one call.
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ import torch
 
 from ettkit import _C
 from ettkit.checkpoint import AsyncCheckpointer, rng_state
-from ettkit.checkpoint._extra_encode import encode_extra
-from ettkit.checkpoint._skeleton_codec import encode_skeleton
 
 
 def _calls(fn) -> collections.Counter:
@@ -66,46 +64,29 @@ def test_the_first_save_after_prepare_runs_the_calls_of_a_later_one(tmp_path, sh
     assert not extra, f"the first save after prepare() differs from a later one in {extra}"
 
 
-def _record(rng) -> bytes:
-    code = encode_skeleton({"a": 1}, allow_pickle=False)
-    return encode_extra(code, None, 1, allow_pickle=False, rng=rng)
-
-
-def test_rng_record_gives_the_bytes_of_the_python_encoder():
+def test_rng_record_follows_the_generators():
+    # Its bytes against the pre-#64 Python encoder's: test_rng_record_golden.py.
     random.seed(7)
-    random.gauss(0, 1)  # gauss_next is a float now (None before): both values of the field
     torch.manual_seed(3)
-    torch.rand(5)
-    import numpy as np  # noqa: F401  (the saved state has the numpy field only where numpy.random is imported)
-    import numpy.random
-
-    numpy.random.seed(11)
-    numpy.random.standard_normal()  # its cached gaussian is set
     fast = _C.checkpoint.rng_record()
-    assert type(fast) is bytes
-    assert _record(fast) == _record(rng_state.capture())
-    random.random()  # a draw changes the state: the two must change together
+    assert type(fast) is bytes and rng_state.capture_record() == fast
+    random.random()  # a draw changes the state: the record with it
     assert _C.checkpoint.rng_record() != fast
-    assert _record(_C.checkpoint.rng_record()) == _record(rng_state.capture())
-    assert rng_state.capture_record() == _C.checkpoint.rng_record()
+    torch.rand(1)
+    assert rng_state.capture()["torch"] == torch.get_rng_state().numpy().tobytes()
 
 
 WITHOUT_NUMPY_RANDOM = r"""
-import random, sys, torch
-from ettkit import _C
+import sys
 from ettkit.checkpoint import rng_state
-from ettkit.checkpoint._extra_encode import encode_extra
-from ettkit.checkpoint._skeleton_codec import encode_skeleton
 assert "numpy.random" not in sys.modules
-code = encode_skeleton({"a": 1}, allow_pickle=False)
-rec = lambda rng: encode_extra(code, None, 1, allow_pickle=False, rng=rng)
-assert rec(_C.checkpoint.rng_record()) == rec(rng_state.capture()), "differs"
+assert set(rng_state.capture()) == {"python", "torch"}, "numpy"
 assert "numpy.random" not in sys.modules
 print("ok")
 """
 
 
-def test_rng_record_without_numpy_random_gives_the_bytes_of_the_python_encoder():
+def test_rng_record_without_numpy_random_neither_saves_nor_imports_it():
     out = subprocess.run([sys.executable, "-c", WITHOUT_NUMPY_RANDOM], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 

@@ -350,34 +350,39 @@ class SkeletonTemplate:
         return EncodedSkeleton(b"".join(out), nodes)
 
 
+_NONE = bytes((TAG_NONE,))
+
+
 def encode_extra(skeleton: EncodedSkeleton, extra: Any, world_size: int, *, allow_pickle: bool,
                  rng: Any = None) -> bytes:
     """The whole ``rank-<r>.extra`` record. ``extra`` may hold what the skeleton may and plain tensors (their
     bytes are stored; they load as CPU tensors); anything else only with ``allow_pickle`` (pickled, without
     the skeleton's per-leaf size limit). Raises :class:`InvalidArgumentError` for a record the reader would
     refuse (too large, too deep, too many values)."""
-    enc = _Encoder(MAX_RECORD_BYTES if allow_pickle else None)
-    enc.value(world_size, 0)
-    head = bytes(enc.out)
-    enc.out = bytearray()
-    try:
-        enc.value(extra, 1)
-    except Refused as e:
-        raise _refusal(e, field_name(["extra", *e.path[::-1]]), _EXTRA_VALID, "or a tensor") from None
-    nodes = skeleton.nodes + enc.nodes + 4
+    # world_size's encoding (an int), and extra=None's written directly: the common save has no extra, and an
+    # encoder per save cost microseconds on the training thread (#65); a value written by _Encoder otherwise.
+    head = bytes((TAG_INT,)) + I64.pack(world_size)
+    if extra is None:
+        body, extra_nodes = _NONE, 1
+    else:
+        enc = _Encoder(MAX_RECORD_BYTES if allow_pickle else None)
+        try:
+            enc.value(extra, 1)
+        except Refused as e:
+            raise _refusal(e, field_name(["extra", *e.path[::-1]]), _EXTRA_VALID, "or a tensor") from None
+        body, extra_nodes = bytes(enc.out), enc.nodes
+    nodes = skeleton.nodes + 1 + extra_nodes + 4  # world_size, extra's values, the record and its 3 keys
     if nodes > MAX_NODES:
         raise InvalidArgumentError(f"the state's non-tensor skeleton and extra= hold {nodes} values together, more "
                                    f"than a checkpoint record holds ({MAX_NODES}); keep large data in tensors")
     parts = [MAGIC, bytes((TAG_DICT, 3 if rng is None else 4)),
              b"s\x0aworld_size", head,
              b"s\x08skeleton", skeleton.data,
-             b"s\x05extra", bytes(enc.out)]
-    if type(rng) is bytes:  # already encoded (_C.checkpoint.rng_record: the same bytes, one C++ call)
+             b"s\x05extra", body]
+    if rng is not None:  # the generators' states, encoded by their one encoder (rng_state.capture_record)
+        if type(rng) is not bytes:
+            raise TypeError(f"rng= takes the encoded field (capture_record), not {type(rng).__name__}")
         parts += [b"s\x03rng", rng]
-    elif rng is not None:  # the generators' states: plain values and bytes (rng_state.capture), never refused
-        enc.out = bytearray()
-        enc.value(rng, 1)
-        parts += [b"s\x03rng", bytes(enc.out)]
     blob = b"".join(parts)
     if len(blob) - len(MAGIC) > MAX_RECORD_BYTES:
         raise InvalidArgumentError(

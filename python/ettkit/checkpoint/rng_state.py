@@ -8,7 +8,7 @@ the same generators by default.
 What is saved (each rank its own, in its ``rank-<r>.extra`` record, field ``rng``): Python's ``random``, NumPy's
 global generator (only when ``numpy.random`` is already imported: nothing here imports it), torch's CPU generator, and the
 generator of every CUDA device when CUDA is initialized (``torch.cuda.get_rng_state_all``). The states are
-packed as bytes: a few KiB a save, encoded in microseconds.
+packed as bytes: a few KiB a save, encoded in microseconds by one C++ call (:func:`capture_record`).
 
 Restored only where they mean the same thing: a step saved at another world size (a reshard) restores none (an
 INFO line on the "ettkit" logger: a reshard's data order differs from the saved run's anyway); CUDA states restore onto as many devices as were saved, or none with a warning.
@@ -19,7 +19,6 @@ from __future__ import annotations
 import array
 import logging
 import random
-import sys
 import warnings
 from typing import Any, Optional
 
@@ -27,41 +26,32 @@ import torch
 
 from .. import _C
 from ..errors import CorruptDataError
+from ._skeleton_codec import _Decoder
 
 __all__ = ["capture", "capture_record", "check", "restore"]
 
 _MT_WORDS = 625  # Python's Mersenne Twister: 624 words and the index
 
 
+def capture_record() -> bytes:
+    """This process's generator states, encoded as the record's ``rng`` field, in one C++ call
+    (``_C.checkpoint.rng_record``, the field's only encoder: python/csrc/bind_rng_record.cpp). Per save on the
+    training thread: the Python capture and encoding it replaced cost 130-220 us of CPU after a wait on the
+    2-vCPU VM (#65). CUDA's generators are taken (``torch.cuda.get_rng_state_all``) only once CUDA is
+    initialized: a process that never touched CUDA has nothing there to save, and asking initializes it."""
+    if torch.cuda.is_initialized():
+        return _C.checkpoint.rng_record(torch.cuda.get_rng_state_all())
+    return _C.checkpoint.rng_record()
+
+
 def capture() -> dict:
-    """This process's generator states, as plain values and bytes (the record's ``rng`` field)."""
-    version, words, gauss = random.getstate()
-    state: dict = {
-        "python": [version, array.array("I", words).tobytes(), gauss],
-        "torch": torch.get_rng_state().numpy().tobytes(),
-    }
-    # numpy.random, not numpy: torch imports NumPy but not its lazily loaded random module, and touching
-    # np.random imported it inside the first save of every process (40 ms, 8x the demo's median save, #65).
-    # A global generator whose module was never imported was never drawn from: nothing to save.
-    np_random = sys.modules.get("numpy.random")
-    if np_random is not None:
-        name, keys, pos, has_gauss, cached = np_random.get_state()
-        state["numpy"] = [name, keys.astype("<u4").tobytes(), int(pos), int(has_gauss), float(cached)]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = [s.numpy().tobytes() for s in torch.cuda.get_rng_state_all()]
-    return state
-
-
-def capture_record() -> Any:
-    """:func:`capture` for a save's record: its encoding (bytes, the same the record's encoder writes for
-    ``capture()``) from one C++ call, or ``capture()`` itself where CUDA generators are to be saved or the C++
-    side met something unexpected. Per save on the training thread: the Python path cost 130-220 us of CPU
-    after a wait on the 2-vCPU VM (#65)."""
-    if not torch.cuda.is_initialized():
-        record = _C.checkpoint.rng_record()
-        if record is not None:
-            return record
-    return capture()
+    """This process's generator states, as plain values and bytes (the record's ``rng`` field as
+    :func:`restore` and :func:`check` take it): :func:`capture_record`'s bytes, decoded by the record's
+    decoder. Python's ``random`` as ``[version, 625 words as uint32 bytes, gauss_next]``, torch's CPU state,
+    NumPy's global generator only when ``numpy.random`` is already imported (touching ``np.random`` imported
+    it inside the first save of every process: 40 ms, #65; a generator whose module was never imported was
+    never drawn from), and ``cuda``: one state per device."""
+    return _Decoder(capture_record(), 0, False).value(1)
 
 
 def check(state: Any, where: str) -> None:
