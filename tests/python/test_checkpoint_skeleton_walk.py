@@ -16,7 +16,10 @@ from ettkit.checkpoint._skeleton_walk import (
     child_name,
     holds_values,
     only_sharded,
+    DESCEND,
+    DROP,
     rebuild,
+    rebuild_pair,
     tensor_names,
     walk,
     walk_pair,
@@ -43,6 +46,26 @@ def test_walk_pair_pairs_the_live_keys_then_the_saved_only_ones_and_list_items_b
     walk_pair({"a": 1, "l": [1, 2]}, {"b": 2, "a": 1.0, "l": [3]}, visit)
     assert pairs == [("", "dict", "dict"), ("a", "int", "float"), ("l", "list", "list"), ("l.0", "int", "int"),
                      ("l.1", "int", ABSENT), ("b", ABSENT, "int")]
+
+
+def test_rebuild_pair_places_joins_and_drops_by_the_pairing_of_walk_pair():
+    live = {"a": [1, 2, 3], "s": torch.Size([2]), "live_only": 0}
+    saved = {"a": [10, 20], "s": torch.Size([4]), "saved_only": 5}
+    placed = []
+
+    def place(x, s, n):
+        placed.append((n, x is ABSENT, s is ABSENT))
+        if isinstance(x, (dict, list)) and type(x) is type(s):
+            return DESCEND
+        return DROP if s is ABSENT else s  # a torch.Size is a value: placed whole, never entered
+
+    def join(x, s, n, items):
+        return dict(items) if isinstance(x, dict) else [v for _, v in items]
+
+    assert rebuild_pair(live, saved, place, join) == {"a": [10, 20], "s": torch.Size([4]), "saved_only": 5}
+    assert placed == [("", False, False), ("a", False, False), ("a.0", False, False), ("a.1", False, False),
+                      ("a.2", False, True), ("s", False, False), ("live_only", False, True),
+                      ("saved_only", True, False)]
 
 
 def test_a_load_plan_is_made_once_and_checks_a_candidate_before_any_copy():
