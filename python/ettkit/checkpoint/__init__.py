@@ -171,7 +171,8 @@ class AsyncCheckpointer:
         self._schedule = _C.checkpoint.CheckpointSchedule(every_disk, every_mem, mtbf_s, restart_s, self._clock())
         if recorder is not None and not read_only:
             _C.checkpoint.record_intervals(self._schedule, recorder)  # the C++ ledger adaptor's config records
-        if preempt_signals is None and (every_disk.kind != "never" or every_mem.kind != "never"):
+        self._policy = every_disk.kind != "never" or every_mem.kind != "never"  # else due() is always None
+        if preempt_signals is None and self._policy:
             preempt_signals = (signal.SIGTERM,)
         self._preemption = Preemption(preempt_signals, preempt_deadline_s, self._handles)
         self._closed = False
@@ -204,6 +205,7 @@ class AsyncCheckpointer:
         self._prepare_thread: Optional[threading.Thread] = None
         self._prepare_outcome: Any = None  # the bytes the last prepare() backed, or the exception it raised
         self._allow_pickle = config.allow_pickle
+        self._world_size = self._c.world_size
         self._rng_state = config.rng_state
         self._adopted: dict = {}  # id -> optimizer state dict passed by value that load_latest filled
         self._skeleton: Any = None
@@ -250,8 +252,8 @@ class AsyncCheckpointer:
         # the training thread as much as the copies do): the C++ save takes this start.
         call_begin_us = time.time_ns() // 1000
         step = step_number(step)
-        if tier is None:
-            tier = self.due(step) or "disk"
+        if tier is None:  # no policy: due() names none ("disk" after a signal), no C++ call for it (#65)
+            tier = (self.due(step) or "disk") if self._policy else "disk"
         # A bound state (_state_binding.py) is checked, not walked. Otherwise Statefuls (modules, optimizers,
         # ...) give a fresh state_dict() here, so the save holds the state an optimizer created since the last
         # one; so does a dict captured from an attached optimizer.
@@ -264,16 +266,16 @@ class AsyncCheckpointer:
             # extra= are encoded first, so that a value the format refuses changes nothing.
             self._encode_skeleton(skeleton, comparable, names)
             code = self._skeleton_code
-        blob = encode_extra(code, extra, self._c.world_size, allow_pickle=self._allow_pickle,
+        blob = encode_extra(code, extra, self._world_size, allow_pickle=self._allow_pickle,
                             rng=rng_state.capture_record() if self._rng_state else None)
         if self._fences.attachments:
             self._c.set_copy_priority(*self._fences.priority())
-        if walked:
+        if walked:  # else the tensor list holds the binding's tensors, kept since the bind
             self._hand_over(state_dict, names, tensors, skeleton, code, find_optimizer)
-        # else: the tensor list holds the binding's tensors, kept since it was bound (nothing per tensor).
-        handle = self._c.save(step, self._tensor_list, blob, tier, call_begin_us=call_begin_us)
+        handle = self._c.save(step, self._tensor_list, blob, tier, call_begin_us)  # positional: kwargs cost
         if not handle.skipped:
-            self._schedule.saved(step, handle.tier, self._clock())
+            if self._policy:  # the schedule only answers due()
+                self._schedule.saved(step, handle.tier, self._clock())
             self._handles.append(handle)
         if self._preemption.signal is not None:
             self._preemption.finish(self.close)
