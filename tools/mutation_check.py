@@ -86,6 +86,7 @@ ARENA_SEC = "checkpoint_memory_tier_arena_security_test"
 PREPARE = "tests/python/test_checkpoint_prepare.py::"
 FUSED = "checkpoint_fused_digest_test"
 BOUND = "tests/python/test_checkpoint_bound_save.py::"
+BOUND_CPP = "checkpoint_bound_save_test"
 
 # The table. Each entry is a plausible one-line bug that leaves every good checkpoint loading, so that only a
 # test with the right corrupt input sees it. Keep `original` exact (the check refuses a snippet that is not
@@ -494,6 +495,35 @@ MUTATIONS: tuple[Mutation, ...] = (
         (Test("checkpoint_step_pieces_test",
               "StepPieces.AWholeTensorIsTheLowestRanksCopyAndDigestsSayWhetherItIsAReplica"),
          Test("reshard_test", "Reshard.PerRankStateSavedWholeIsRefusedNotReplacedByOldRankZerosCopy"))),
+    # The bound save's fast path (#65, bound_entries.h): each compare of its one pass, and the path itself.
+    Mutation(
+        "bound-storage-data-unchecked", "src/checkpoint/bound_entries.cpp",
+        "if (si != e.storage || si->data() != e.data || si->nbytes() != e.storage_nbytes) return false;",
+        "if (si != e.storage) return false;",
+        "an untyped storage resize_ moves a tensor's bytes under the same StorageImpl: the fast path copies "
+        "from the freed old bytes",
+        (Test(BOUND_CPP, "BoundSave.AnUntypedStorageResizeThatMovesTheBytesIsSeen"),)),
+    Mutation(
+        "bound-strides-unchecked", "src/checkpoint/bound_entries.cpp",
+        "std::memcmp(ti->strides().data(), d + e.ndim, bytes) != 0)) {",
+        "false)) {",
+        "as_strided_ to a same-shape transposed view goes through the cache: the storage's bytes are staged "
+        "in their old order",
+        (Test(BOUND_CPP, "BoundSave.AsStridedToATransposedSameShapeViewIsSeen"),)),
+    Mutation(
+        "bound-keys-unchecked", "src/checkpoint/bound_entries.cpp",
+        "if (ti->key_set().raw_repr() != e.keys) return false;",
+        "(void)e.keys;",
+        "a tensor that became a negative-bit (or conjugate) view keeps the fast path: its storage's bytes are "
+        "saved instead of the values it shows",
+        (Test(BOUND_CPP, "BoundSave.ANegativeBitViewIsSeenAndSavedResolved"),)),
+    Mutation(
+        "bound-fast-path-never", "src/checkpoint/stager_save.cpp",
+        "return detail::bound_matches(*cache, tensors, versions) ? cache : nullptr;",
+        "return nullptr;",
+        "the fast path is never taken: every bound save silently pays the full path",
+        (Test(BOUND_CPP, "BoundSave.RepeatSavesTakeTheFastPathAndStageTheValuesAtSaveTime"),
+         Test(BOUND_CPP, "BoundSave.AWriteRightAfterAFastSaveReturnsIsRefusedAsTorn"))),
 )
 
 # A subset for CI, one per integrity layer that compiles fastest (file_checksums.cpp, step_files.cpp and

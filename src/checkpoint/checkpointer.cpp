@@ -11,6 +11,7 @@
 #include <deque>
 #include <optional>
 
+#include "checkpoint/bound_entries.h"
 #include "checkpoint/host_arena.h"
 #include "checkpoint/loader.h"
 #include "checkpoint/memory_tier.h"
@@ -60,11 +61,13 @@ bool shows_other_values(const at::Tensor& t) { return t.is_conj() || t.is_neg();
 /// digits), the name safetensors reserves for its metadata, and dtypes. The only place they are made: the
 /// Python layer relies on them. Returns whether a tensor is a conjugate or negative-bit view
 /// (with_views_resolved), found in the same pass.
-bool check_save_arguments(int64_t step, const NamedTensors& tensors, bool read_only) {
+/// `vouched`: the binding vouches for the list (bound_entries.h): its per-tensor checks are left to the
+/// stager's fast path, or made by save() when that path is not taken (returns false then).
+bool check_save_arguments(int64_t step, const NamedTensors& tensors, bool read_only, bool vouched = false) {
   ETTKIT_EXPECTS(!read_only, "save(step=", step, ") on a read_only checkpointer: it only loads");
   ETTKIT_EXPECTS(step >= 0 && step <= kMaxStep, "step=", step,
                  " must be >= 0 and < 10^18 (step-<N> names have at most 18 digits)");
-  return check_save_names_and_dtypes(tensors);
+  return !vouched && check_save_names_and_dtypes(tensors);
 }
 
 /// Returns whether a tensor shows other values than its storage holds (shows_other_values): one pass over
@@ -225,6 +228,30 @@ struct AsyncCheckpointer::Impl : detail::Session {
     }
   }
 
+  /// The stage of save(): `vouched` (see save()) tries the stager's fast path first, with the per-tensor
+  /// checks skipped; on its miss, or unvouched, the checks, conjugate and negative views resolved, and the
+  /// full path.
+  std::shared_ptr<Snapshot> stage_checked(const NamedTensors& tensors, const CopyPriority& priority, bool overlap,
+                                          Tier tier, const SaveBinding& binding, bool vouched) {
+    const int64_t sync_max = overlap ? unfenced_sync_max_bytes.load() : 0;
+    const StageHashing hashing = tier == Tier::kMemory ? StageHashing::kMemoryTier : StageHashing::kDiskTier;
+    if (vouched) {
+      detail::BoundCall call{/*caller_skipped_checks=*/true};
+      detail::BoundCallScope scope(call);
+      try {
+        return stager->stage(tensors, opt.on_busy, priority, sync_max, hashing, binding);
+      } catch (const detail::BoundMiss&) {
+        // Nothing was staged: the checks, and the full path.
+      }
+    }
+    const bool views = check_save_names_and_dtypes(tensors);
+    NamedTensors resolved;
+    const NamedTensors& staged = with_views_resolved(tensors, views, resolved);
+    // The names are the same in `resolved`; its tensors are not the caller's list (no `held`).
+    const SaveBinding bound = views ? SaveBinding{binding.names_token, nullptr} : binding;
+    return stager->stage(staged, opt.on_busy, priority, sync_max, hashing, bound);
+  }
+
   /// The save becomes the latest (the fences act on it while overlapped) and goes to the writer.
   void queue_save(WriteJob job, bool overlapped_save) {
     {
@@ -274,11 +301,10 @@ SaveHandle AsyncCheckpointer::save(int64_t step, const NamedTensors& tensors, co
   const bool caller = call_begin_us >= 0 && call_begin_us <= now && now - call_begin_us < 3'600'000'000LL;
   int64_t b = caller ? call_begin_us : now;
   CopyPriority priority = im.admit(step);
-  const bool views = check_save_arguments(step, tensors, im.opt.read_only);
-  NamedTensors resolved;
-  const NamedTensors& staged = with_views_resolved(tensors, views, resolved);
-  // The names are the same in `resolved`; its tensors are not the caller's list (no `held`).
-  const SaveBinding bound = views ? SaveBinding{binding.names_token, nullptr} : binding;
+  // The same held list under a names token: the names and dtypes were checked when the stager's cache of
+  // them was built, and its one pass sees any change (bound_entries.h); on a miss they are checked below.
+  const bool vouched = binding.names_token != 0 && binding.held.get() == &tensors;
+  (void)check_save_arguments(step, tensors, im.opt.read_only, vouched);
   ETTKIT_EXPECTS(extra.size() <= kMaxExtraBytes, "save(step=", step, "): extra holds ", extra.size(),
                  " bytes; at most ", kMaxExtraBytes, " (256 MiB) are kept, since a load reads them whole: put "
                  "large state in tensors");
@@ -292,9 +318,7 @@ SaveHandle AsyncCheckpointer::save(int64_t step, const NamedTensors& tensors, co
   hs->step = step;
   hs->tier = tier;
   const bool overlap = im.overlapped();
-  std::shared_ptr<Snapshot> snap =
-      im.stager->stage(staged, im.opt.on_busy, priority, overlap ? im.unfenced_sync_max_bytes.load() : 0,
-                       tier == Tier::kMemory ? StageHashing::kMemoryTier : StageHashing::kDiskTier, bound);
+  std::shared_ptr<Snapshot> snap = im.stage_checked(tensors, priority, overlap, tier, binding, vouched);
   if (!snap) {
     hs->skipped = true;
     ETTKIT_LOG_INFO("checkpoint step ", step, " skipped: the previous save is still persisting (on_busy='skip')");

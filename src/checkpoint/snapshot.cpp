@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "checkpoint/bound_entries.h"
 #include "checkpoint/device_stager.h"
 #include "checkpoint/snapshot_state.h"
 #include "checkpoint/stage_plan.h"
@@ -145,6 +146,7 @@ void Snapshot::drop_sources() {
   std::vector<at::Tensor> views;
   std::vector<c10::Storage> storages;
   std::shared_ptr<const NamedTensors> held;
+  std::shared_ptr<const detail::BoundEntries> bound;
   detail::DeviceProgress device;
   {
     std::unique_lock<std::mutex> lk(st.mu);
@@ -161,6 +163,7 @@ void Snapshot::drop_sources() {
     views.swap(st.strided_views);
     storages.swap(st.read_storages);
     held.swap(st.held);
+    bound.swap(st.bound);
   }
   // The device copies' storages (unless a later save holds their slot) are let go on this thread too.
   if (device.stager) device.stager->release_held(device.slot, device.generation);
@@ -170,6 +173,7 @@ void Snapshot::drop_sources() {
   views.clear();
   storages.clear();
   held.reset();
+  bound.reset();
   std::lock_guard<std::mutex> lk(st.mu);
   if (st.sources.empty()) st.sources.swap(dropped);
   if (st.strided_views.empty()) st.strided_views.swap(views);

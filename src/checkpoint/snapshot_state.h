@@ -21,6 +21,8 @@
 
 namespace ettkit::checkpoint::detail {
 
+struct BoundEntries;  // bound_entries.h
+
 /// How an entry's copy is judged: its version counter compared with the one recorded at save().
 enum CopyVerdict : uint8_t { kUndecided = 0, kClean = 1, kChanged = 2 };
 
@@ -61,6 +63,9 @@ struct SnapshotState {
   // `p.data = x` or `set_` right after save() would free the storage a job still reads. Until
   // drop_sources(), on the owner thread (a storage's last reference may run a Python deleter).
   std::vector<c10::Storage> read_storages;
+  // Or, on the bound save's fast path, the cache whose storage references play read_storages' role: one
+  // reference per save instead of one per tensor (bound_entries.h). Let go with the sources.
+  std::shared_ptr<const BoundEntries> bound;
   std::vector<at::Tensor> strided_views;  // in the order of PendingCopies::strided
 #if ETTKIT_WITH_CUDA
   std::vector<std::unique_ptr<CudaEvent>> cuda_events;  // one per copy class, in stream order
@@ -115,6 +120,7 @@ struct SnapshotState {
     sources.clear();
     held.reset();
     read_storages.clear();
+    bound.reset();
     strided_views.clear();
   }
   void entry_copied(size_t i) {

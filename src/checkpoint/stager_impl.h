@@ -8,6 +8,7 @@
 #include <optional>
 #include <vector>
 
+#include "checkpoint/bound_entries.h"
 #include "checkpoint/copy_engine.h"
 #include "checkpoint/device_stager.h"
 #include "checkpoint/host_arena.h"
@@ -49,6 +50,9 @@ struct Stager::Impl {
   // The names token (SaveBinding) of the last list whose names were found to be the plan's: a save with that
   // token does not compare names. 0: none. Reset with every new plan.
   uint64_t plan_names_token = 0;
+  // The bound save's cache (bound_entries.h) of `plan` and the last held list staged through it; null until
+  // a bound save of the plan took the full path. Replaced (let go) only in stage(), on a caller's thread.
+  std::shared_ptr<const detail::BoundEntries> bound;
   int64_t plan_total = 0;
   int64_t plan_builds = 0;
   int64_t arena_allocations = 0;
@@ -137,11 +141,15 @@ struct Stager::Impl {
     cv.wait(lk, ready);
     busy_wait_s += static_cast<double>(steady_ns() - w0) * 1e-9;
   }
+  /// After a bound save of `tensors` (the held list of `binding`) took the full path through `staged`: the
+  /// bound cache made anew for them, when `staged` is still the plan and its names are the token's.
+  void rebuild_bound(const NamedTensors& tensors, const SaveBinding& binding, const PlanPtr& staged);
   /// Starts every copy of `tensors` into `base`; releases `snap` when a copy cannot be started. `scratch`:
   /// the arena's (the save holds it).
   void copy(const NamedTensors& tensors, const std::vector<PlanEntry>& plan, const CopyPriority& priority,
             uint8_t* base, int64_t sync_max, Snapshot& snap, const std::shared_ptr<Snapshot::State>& state,
-            const std::shared_ptr<const NamedTensors>& held, ArenaScratch& scratch);
+            const std::shared_ptr<const NamedTensors>& held, ArenaScratch& scratch,
+            const std::shared_ptr<const detail::BoundEntries>& fast = nullptr);
 };
 
 }  // namespace ettkit::checkpoint

@@ -38,15 +38,20 @@ void Stager::Impl::warm_scratch(int arena, size_t n) {
 void Stager::Impl::copy(const NamedTensors& tensors, const std::vector<PlanEntry>& plan, const CopyPriority& priority,
                         uint8_t* base, int64_t sync_max, Snapshot& snap,
                         const std::shared_ptr<Snapshot::State>& state,
-                        const std::shared_ptr<const NamedTensors>& held, ArenaScratch& scratch) {
+                        const std::shared_ptr<const NamedTensors>& held, ArenaScratch& scratch,
+                        const std::shared_ptr<const detail::BoundEntries>& fast) {
   // Small and inference tensors now, synchronously; big CPU tensors by the pool; CUDA tensors on the copy
   // stream. The order and the pending copies in the arena's vectors, kept from its save before.
   detail::CopyOrder& order = scratch.order;
   detail::PendingCopies& pending = scratch.pending;
   detail::copy_order(tensors, priority, order);
   try {
-    detail::copy_small_now(tensors, plan, order, base, sync_max, *state, pending,
-                           device ? device->device_type() : c10::kCUDA);
+    if (fast) {
+      detail::bound_copy_small_now(*fast, tensors, order, base, sync_max, *state, pending);
+    } else {
+      detail::copy_small_now(tensors, plan, order, base, sync_max, *state, pending,
+                             device ? device->device_type() : c10::kCUDA);
+    }
     // The batched device path: one device call here; the device stager's thread queues the copies.
     if (device && !pending.cuda.empty())
       device->submit(snap.arena_, snap.shared_plan(), tensors, order, pending.cuda, base, *state);
@@ -60,6 +65,8 @@ void Stager::Impl::copy(const NamedTensors& tensors, const std::vector<PlanEntry
       // The caller's list, unchanged while held (SaveBinding::held): one reference keeps every tensor, not
       // 20,001 reference counts up now and down at drop_sources (issue #65).
       state->held = held;
+      // The fast path took no storage reference per tensor: the cache's stand for them until drop_sources.
+      if (fast) state->bound = fast;
     } else {
       state->sources.reserve(tensors.size());
       for (const auto& item : tensors) state->sources.push_back(item.second);
@@ -82,6 +89,38 @@ void Stager::Impl::copy(const NamedTensors& tensors, const std::vector<PlanEntry
   if (!cpu_jobs && pending.cuda.empty()) state->staged_us = epoch_us();
 }
 
+namespace {
+/// `cache` when the save of `tensors` may take the bound fast path: the held list and names token it was
+/// built for, the current plan, and every tensor still as the cache recorded it (bound_matches, which reads
+/// the versions into `versions`); else nullptr.
+std::shared_ptr<const detail::BoundEntries> fast_path(const std::shared_ptr<const detail::BoundEntries>& cache,
+                                                      const PlanPtr& plan, const NamedTensors& tensors,
+                                                      const SaveBinding& binding, bool names_known,
+                                                      std::vector<uint32_t>& versions) {
+  if (!names_known || !cache || !plan || cache->plan != plan || binding.held.get() != &tensors ||
+      cache->list != &tensors || cache->names_token != binding.names_token) {
+    return nullptr;
+  }
+  return detail::bound_matches(*cache, tensors, versions) ? cache : nullptr;
+}
+}  // namespace
+
+void Stager::Impl::rebuild_bound(const NamedTensors& tensors, const SaveBinding& binding, const PlanPtr& staged) {
+  if (binding.names_token == 0 || binding.held.get() != &tensors) return;
+  {
+    std::lock_guard<std::mutex> g(mu);
+    // Only for the current plan, and names the plan's under this token (stage() compared or vouched them).
+    if (plan != staged || plan_names_token != binding.names_token) return;
+  }
+  std::shared_ptr<const detail::BoundEntries> made =
+      detail::build_bound_entries(tensors, binding, staged, device ? device->device_type() : c10::kCUDA);
+  std::unique_lock<std::mutex> g(mu);
+  if (plan != staged) return;
+  made.swap(bound);
+  g.unlock();
+  // `made` now holds the old cache: its storage references go here, on the caller's thread, outside mu.
+}
+
 std::shared_ptr<Snapshot> Stager::stage(const NamedTensors& tensors, OnBusy on_busy, const CopyPriority& priority,
                                         int64_t sync_copy_max_bytes, StageHashing hashing, const SaveBinding& binding) {
   Impl& im = *impl_;
@@ -92,15 +131,24 @@ std::shared_ptr<Snapshot> Stager::stage(const NamedTensors& tensors, OnBusy on_b
   // pass, outside mu (the plan is immutable; a prepare() that replaced it meanwhile is seen below).
   PlanPtr plan;
   uint64_t plan_token = 0;
+  std::shared_ptr<const detail::BoundEntries> cache;
   {
     std::lock_guard<std::mutex> g(im.mu);
     plan = im.plan;
     plan_token = im.plan_names_token;
+    cache = im.bound;
   }
   const bool names_known = binding.names_token != 0 && binding.names_token == plan_token;
-  const bool same = detail::check_and_match(plan.get(), tensors, names_known);
+  // The bound save's fast path, one pass (versions per thread: two may stage at once). A miss when the caller
+  // skipped its checks: nothing is done yet; it checks and comes back (bound_entries.h).
+  thread_local std::vector<uint32_t> versions;
+  std::shared_ptr<const detail::BoundEntries> fast = fast_path(cache, plan, tensors, binding, names_known, versions);
+  detail::BoundCall* call = detail::current_bound_call();
+  if (!fast && call && call->caller_skipped_checks) throw detail::BoundMiss{};
+  const bool same = fast || detail::check_and_match(plan.get(), tensors, names_known);
   std::unique_lock<std::mutex> lk(im.mu);
   if (!same || plan != im.plan || im.arenas.empty()) {
+    fast = nullptr;  // the cache is of the plan replaced now
     plan = im.replan(tensors, on_busy, lk, binding.names_token);
     if (!plan) return nullptr;
   } else {
@@ -142,9 +190,14 @@ std::shared_ptr<Snapshot> Stager::stage(const NamedTensors& tensors, OnBusy on_b
   snap->state_ = state;
   state->digest = std::move(digest);
   state->tensor_digest = std::move(tensor_digest);
+  if (fast) {
+    state->version_at_save.swap(versions);  // read by the fast path's pass; the state's vector goes back
+    detail::count_bound_fast_save();
+  }
   // 3) The copies, in the order `priority` gives.
   im.copy(tensors, *plan, priority, base, std::max(im.opt.sync_copy_max_bytes, sync_copy_max_bytes), *snap, state,
-          binding.held, scratch);
+          binding.held, scratch, fast);
+  if (!fast) im.rebuild_bound(tensors, binding, plan);
   return snap;
 }
 
