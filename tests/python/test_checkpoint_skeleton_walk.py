@@ -178,7 +178,7 @@ def test_rebuild_and_the_queries_keep_each_node_kind(tmp_path):
 #: walk of a state fails here: write it on walk / walk_pair / rebuild, or say here why it cannot be.
 KNOWN_RECURSIONS = {
     # The one walk itself.
-    "checkpoint/_skeleton_walk.py": [["walk"], ["walk_pair"], ["rebuild"], ["rebuild_pair"]],
+    "checkpoint/_skeleton_walk.py": [["_rebuild_children"], ["walk"], ["walk_pair"], ["rebuild"]],
     # The save walk: hand-inlined, once per tensor on save()'s critical path (pinned to walk() above).
     "checkpoint/_flatten.py": [["_SaveWalk.dict_of_object", "_SaveWalk.leaf", "_SaveWalk.node",
                                 "_SaveWalk.stateful"]],

@@ -98,10 +98,20 @@ def rebuild_pair(live: Any, saved: Any, place: Callable[[Any, Any, str], Any],
     pair's value from its children's, ``items`` their ``(key, value)`` in :func:`pairs`' order without the
     dropped ones (a join that builds a new container or fills the live one in place)."""
     v = place(live, saved, name)
-    if v is not DESCEND:
-        return v
-    items = [(k, rebuild_pair(lv, sv, place, join, n)) for k, lv, sv, n in pairs(live, saved, name)]
-    return join(live, saved, name, [(k, x) for k, x in items if x is not DROP])
+    return _rebuild_children(live, saved, place, join, name) if v is DESCEND else v
+
+
+def _rebuild_children(live: Any, saved: Any, place: Callable, join: Callable, name: str) -> Any:
+    # The places of a pair descended into; a child is placed here, before any call for it, since most are
+    # leaves (a load's merges run once per tensor of the state).
+    items = []
+    for k, lv, sv, n in pairs(live, saved, name):
+        x = place(lv, sv, n)
+        if x is DESCEND:
+            x = _rebuild_children(lv, sv, place, join, n)
+        if x is not DROP:
+            items.append((k, x))
+    return join(live, saved, name, items)
 
 
 def rebuild(skeleton: Any, leaf: Callable[[Any, str], Any], name: str = "") -> Any:
