@@ -13,9 +13,11 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "common/remove_tree.h"
 #include "ettkit/checkpoint/checkpointer.h"
@@ -70,6 +72,58 @@ void BM_RepeatSaveCall(benchmark::State& state) {
 BENCHMARK(BM_RepeatSaveCall)
     ->ArgsProduct({{2001, 20001}, {0, 1}})
     ->ArgNames({"tensors", "bound"})
+    ->UseManualTime()->Unit(benchmark::kMicrosecond)->Iterations(8);
+
+// The floor under any save that checks each tensor on the caller's thread: the same state, after what a save's
+// copy does to the caches and the TLB (every tensor read, a 256 MB arena written), read per tensor as the bound
+// save's one pass must at least (issue #65): mode 0 the version counter alone (what integrity needs at save
+// time), mode 1 that and what proves the structure unchanged (storage, its data pointer, offset, sizes). On the
+// 2-vCPU VM this is ~47 and ~80 ns per tensor: reading 20,001 TensorImpls, StorageImpls and counters scattered
+// over the heap is a few misses each, to memory and through the page tables, and prefetching does not help.
+void BM_PerTensorReadFloor(benchmark::State& state) {
+  const int64_t n = state.range(0);
+  const bool structure = state.range(1) != 0;
+  const ck::NamedTensors tensors = state_of(n, int64_t{256} << 20);
+  struct Seen {
+    const c10::StorageImpl* storage;
+    const void* data;
+    int64_t offset;
+    int64_t size;
+  };
+  std::vector<Seen> seen;
+  for (const auto& [name, t] : tensors) {
+    seen.push_back({t.storage().unsafeGetStorageImpl(), t.storage().data(), t.storage_offset(), t.size(0)});
+  }
+  std::vector<uint8_t> arena(size_t{256} << 20);
+  std::vector<uint32_t> versions(static_cast<size_t>(n));
+  int64_t mismatches = 0;
+  for (auto _ : state) {
+    size_t at = 0;
+    for (const auto& [name, t] : tensors) {
+      std::memcpy(arena.data() + at, t.const_data_ptr(), t.nbytes());
+      at += t.nbytes();
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const c10::TensorImpl* ti = tensors[i].second.unsafeGetTensorImpl();
+      if (structure) {
+        const c10::StorageImpl* si = ti->unsafe_storage().unsafeGetStorageImpl();
+        const Seen& s = seen[i];
+        mismatches += si != s.storage || si->data() != s.data || ti->storage_offset() != s.offset ||
+                      ti->sizes()[0] != s.size;
+      }
+      versions[i] = ti->version_counter().current_version();
+    }
+    state.SetIterationTime(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    benchmark::DoNotOptimize(versions.data());
+  }
+  if (mismatches != 0) state.SkipWithError("a tensor changed under the floor benchmark");
+  state.counters["us_per_tensor"] = benchmark::Counter(
+      static_cast<double>(n), benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
+}
+BENCHMARK(BM_PerTensorReadFloor)
+    ->ArgsProduct({{2001, 20001}, {0, 1}})
+    ->ArgNames({"tensors", "structure"})
     ->UseManualTime()->Unit(benchmark::kMicrosecond)->Iterations(8);
 
 }  // namespace
