@@ -16,6 +16,7 @@
 #include <string>
 
 #include "checkpoint/bound_entries.h"
+#include "checkpoint/save_test_util.h"
 #include "common/remove_tree.h"
 #include "ettkit/checkpoint/checkpointer.h"
 
@@ -24,32 +25,9 @@ using ettkit::checkpoint::detail::bound_fast_saves_for_testing;
 
 namespace {
 
-std::string fresh_dir(const std::string& name) {
-  auto d = std::filesystem::temp_directory_path() / ("ettkit_bound_save_" + name + "_" + std::to_string(::getpid()));
-  ettkit::detail::remove_tree(std::string(d));  // not std::filesystem::remove_all: test_source_rules.py
-  return d.string();
-}
-
-CheckpointerOptions options_for(const std::string& dir) {
-  CheckpointerOptions o;
-  o.directory = dir;
-  o.keep_last = 2;
-  o.overlap = Overlap::kOn;
-  o.unfenced_sync_max_bytes = 0;
-  o.use_current_recorder = false;
-  return o;
-}
-
-/// The latest committed step of `dir`, read into tensors shaped and typed like `like`'s.
-NamedTensors load_into(const std::string& dir, const NamedTensors& like) {
-  NamedTensors out;
-  for (const auto& [name, t] : like) out.emplace_back(name, at::zeros(t.sizes(), t.options()));
-  CheckpointerOptions o = options_for(dir);
-  o.read_only = true;
-  AsyncCheckpointer reader(o);
-  EXPECT_TRUE(reader.load_latest(out).has_value());
-  return out;
-}
+std::string fresh_dir(const std::string& name) { return save_test::fresh_dir("ettkit_bound_save", name); }
+using save_test::load_into;
+using save_test::options_for;
 
 /// The list and binding the Python bound save hands over: the same list object, one names token.
 struct BoundList {

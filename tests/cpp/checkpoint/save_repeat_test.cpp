@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <string>
 
+#include "checkpoint/save_test_util.h"
 #include "common/remove_tree.h"
 #include "ettkit/checkpoint/checkpointer.h"
 
@@ -18,33 +19,9 @@ using namespace ettkit::checkpoint;
 
 namespace {
 
-std::string fresh_dir(const std::string& name) {
-  auto d = std::filesystem::temp_directory_path() / ("ettkit_save_repeat_" + name + "_" + std::to_string(::getpid()));
-  ettkit::detail::remove_tree(std::string(d));  // not std::filesystem::remove_all: test_source_rules.py
-  return d.string();
-}
-
-CheckpointerOptions options_for(const std::string& dir) {
-  CheckpointerOptions o;
-  o.directory = dir;
-  o.keep_last = 2;
-  o.overlap = Overlap::kOn;
-  o.unfenced_sync_max_bytes = 0;
-  o.use_current_recorder = false;
-  return o;
-}
-
-/// The tensors the latest committed step of `dir` holds, read into `like`'s clones.
-NamedTensors load_into(const std::string& dir, const NamedTensors& like) {
-  NamedTensors out;
-  for (const auto& [name, t] : like) out.emplace_back(name, at::zeros_like(t));
-  CheckpointerOptions o = options_for(dir);
-  o.read_only = true;
-  AsyncCheckpointer reader(o);
-  auto r = reader.load_latest(out);
-  EXPECT_TRUE(r.has_value());
-  return out;
-}
+std::string fresh_dir(const std::string& name) { return save_test::fresh_dir("ettkit_save_repeat", name); }
+using save_test::load_into;
+using save_test::options_for;
 
 }  // namespace
 
