@@ -28,7 +28,7 @@ from ._restore import (
     unplaced_tensors,
 )
 from ._skeleton_codec import ExtraRecord, decode_extra
-from ._skeleton_walk import by_value_optimizer_prefixes, global_shapes, live_sharded
+from ._skeleton_walk import by_value_optimizer_prefixes, global_shapes, live_sharded, sharded_slots
 
 _WHERE = "the step's .extra file"
 
@@ -50,8 +50,8 @@ class LoadPlan:
     place; ``live``: the live skeleton with a :class:`StatefulSlot` where each Stateful is; ``read_prefixes``:
     where tensors the state lacks are read into new tensors (under a Stateful that is not a module: an
     optimizer before its first step; under the ``state`` of an optimizer state dict passed by value), which a
-    partial load may also leave unread; ``global_shapes``: the sharded tensors' global sizes, for the loader's
-    checks of pieces saved whole. ``checked``: the last candidate :meth:`check` passed."""
+    partial load may also leave unread; ``live_slots``: the live sharded tensors by name (``sharded_slots``,
+    walked once per load); ``global_shapes``: their global sizes, for the loader's checks of pieces saved whole. ``checked``: the last candidate :meth:`check` passed."""
 
     state: Any
     names: list
@@ -59,6 +59,7 @@ class LoadPlan:
     live: Any
     slots: list
     read_prefixes: list
+    live_slots: dict
     global_shapes: dict
     partial: bool
     world_size: int
@@ -74,8 +75,9 @@ class LoadPlan:
         # is loaded whole), only whole dict entries it lacks.
         read_prefixes = [s.prefix for s in slots if not isinstance(s.obj, torch.nn.Module)]
         read_prefixes += by_value_optimizer_prefixes(live)
-        return cls(state, names, tensors, live, slots, read_prefixes, global_shapes(live), partial, world_size,
-                   allow_pickle)
+        live_slots = sharded_slots(live)  # walked once: the checks, the loader's shapes and the apply use it
+        return cls(state, names, tensors, live, slots, read_prefixes, live_slots, global_shapes(live_slots), partial,
+                   world_size, allow_pickle)
 
     def decode(self, blob: bytes) -> Optional[ExtraRecord]:
         """The step's record; for a partial load, its skeleton pruned to the state's entries (a tensor inside
@@ -102,7 +104,8 @@ class LoadPlan:
             rng_state.check(value.rng, _WHERE)
         if value is not None:
             check_sharded(self.live, value.skeleton,
-                          world_changed=value.world_size is not None and value.world_size != self.world_size)
+                          world_changed=value.world_size is not None and value.world_size != self.world_size,
+                          live_slots=self.live_slots)
             # Every saved value either has a place in the state or the load is refused, before any copy.
             check_by_value(self.live, value.skeleton)
         saved = saved_states(self.slots, self.live, None if value is None else value.skeleton)
@@ -123,7 +126,7 @@ class LoadPlan:
         loaded = dict(zip(self.names, self.tensors))
         loaded.update(result.read)
         if self.slots:
-            live_sharded(self.live, loaded)  # a ShardedTensor goes back whole (its shards were loaded in place)
+            live_sharded(self.live_slots, loaded)  # a ShardedTensor goes back whole (its shards were loaded in place)
             for slot in self.slots:
                 restore_stateful(slot, chosen.saved[id(slot)], loaded)
         value = chosen.value

@@ -61,13 +61,12 @@ class _ShardedCheck:
     mismatches. Its context (which parameter an optimizer's state belongs to, whether the optimizer around it
     has only plain parameters) is a stack pushed on entering a container and popped on leaving it."""
 
-    def __init__(self, live: Any, saved: Any, world_changed: bool):
+    def __init__(self, live: Any, saved: Any, world_changed: bool, live_slots: dict, saved_slots: dict):
         self.wrong: list[str] = []
         self.lazy: list[str] = []  # keys of optimizer state the state lacks (created by an optimizer's first step)
         self.plain_lazy: list[str] = []  # the same, of an optimizer of plain parameters (ettkit creates none)
         self.stack: list[tuple[str, str, Optional[str]]] = []  # (name, kind, param) of the containers entered
         self.in_plain_optimizer = [False]
-        live_slots, saved_slots = sharded_slots(live), sharded_slots(saved)
         # Whether this rank's shards moved: then each side may hold per-rank sharded state the other lacks. The
         # verdict is the C++ loader's (step_format.h): the skeletons add the keys this rank holds no shard of
         # and the placements, which a file lacks.
@@ -173,7 +172,7 @@ class _ShardedCheck:
             "resharded): " + bounded(self.wrong) + hint)
 
 
-def check_sharded(live: Any, saved: Any, world_changed: bool = False) -> None:
+def check_sharded(live: Any, saved: Any, world_changed: bool = False, live_slots: Optional[dict] = None) -> None:
     """Compares every ShardedTensor and DTensor of the live skeleton (from ``flatten_state(for_load=True)``)
     with what the checkpoint holds at the same place on this rank, and every one of the checkpoint with the
     live state, before any tensor is copied. Raises :class:`InvalidArgumentError` naming each one whose global
@@ -190,8 +189,12 @@ def check_sharded(live: Any, saved: Any, world_changed: bool = False) -> None:
     old rank saved) or lack state its old self kept (tolerated only when this rank holds no shard of the
     parameter it belongs to: another rank reads it). A saved sharded tensor without a place in the state is
     refused otherwise, as at the saved layout (a model without that table; optimizer state the first step
-    would create, with a hint)."""
-    check = _ShardedCheck(live, saved, world_changed)
+    would create, with a hint). ``live_slots``: ``sharded_slots(live)`` when the caller has it."""
+    live_slots = sharded_slots(live) if live_slots is None else live_slots
+    saved_slots = sharded_slots(saved)
+    if not live_slots and not saved_slots:
+        return  # nothing sharded on either side: nothing here to compare (a plain state's load walks no pair)
+    check = _ShardedCheck(live, saved, world_changed, live_slots, saved_slots)
     walk_pair(live, saved, check.visit, leave=check.leave)
     check.raise_if_wrong()
 

@@ -22,6 +22,10 @@ from ._tensor_kinds import TENSOR, ShardedSlot, StatefulSlot
 ABSENT: Any = type("Absent", (), {"__repr__": lambda self: "<absent>", "__slots__": ()})()
 
 
+#: The nodes :func:`children` may yield anything for (a ``torch.Size`` is a tuple it yields nothing for).
+_CONTAINERS = (StatefulSlot, dict, list, tuple)
+
+
 def child_name(name: str, key: Any) -> str:
     """The name of ``key`` below ``name``, as the save walk names tensors (``model.layer.weight``)."""
     return f"{name}.{key}" if name else str(key)
@@ -47,7 +51,9 @@ def children(x: Any, name: str) -> Iterator[tuple[Any, Any, str]]:
 def walk(skeleton: Any, visit: Callable[[Any, str], bool], name: str = "") -> None:
     """Calls ``visit(node, name)`` on every node, parents first; a node's children are visited when
     ``visit`` returns True."""
-    if visit(skeleton, name):
+    # Only a container has children: a leaf (most nodes: a tensor's placeholder) makes no generator (#64: a
+    # load walks every node of the state several times).
+    if visit(skeleton, name) and isinstance(skeleton, _CONTAINERS):
         for _, v, n in children(skeleton, name):
             walk(v, visit, n)
 
@@ -155,17 +161,19 @@ def sharded_slots(skeleton: Any) -> dict:
     return out
 
 
-def live_sharded(skeleton: Any, out: dict) -> dict:
-    """``key`` -> live ShardedTensor for every :class:`ShardedSlot` of a skeleton from ``flatten_state``."""
-    for slot in sharded_slots(skeleton).values():
+def live_sharded(slots: dict, out: dict) -> dict:
+    """``key`` -> live ShardedTensor for every :class:`ShardedSlot` of ``slots`` (:func:`sharded_slots` of a
+    skeleton from ``flatten_state``)."""
+    for slot in slots.values():
         out[slot.key] = slot.live
     return out
 
 
-def global_shapes(live: Any) -> dict:
-    """``key`` -> the global size of every sharded tensor of a live skeleton (from ``flatten_state``): what the
-    loader checks a tensor saved whole against before reading this rank's shards of it from that copy."""
-    return {slot.key: list(slot.size) for slot in sharded_slots(live).values()}
+def global_shapes(slots: dict) -> dict:
+    """``key`` -> the global size of every sharded tensor of ``slots`` (:func:`sharded_slots` of a live skeleton
+    from ``flatten_state``): what the loader checks a tensor saved whole against before reading this rank's
+    shards of it from that copy."""
+    return {slot.key: list(slot.size) for slot in slots.values()}
 
 
 def find_saved(live: Any, saved: Any) -> dict:
