@@ -348,6 +348,17 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a tensor copied on the caller's thread is reported (and hashed at once) before its copy: the disk tier's "
         "whole-tensor digest is of the arena's previous bytes (#68 audit)",
         (Test(FUSED, "FusedDigestStager.TensorsCopiedOnTheCallersThreadAreHashedAsCopiedEveryRound"),)),
+    # The load's sharded check skips its walk only when neither side holds a sharded tensor (#64).
+    Mutation(
+        "sharded-check-skips-one-sided", "python/ettkit/checkpoint/_restore.py",
+        "if not live_slots and not saved_slots:",
+        "if not live_slots or not saved_slots:",
+        "the sharded check is skipped when only one side holds sharded tensors: a table the state lost, or one "
+        "the checkpoint lacks, is loaded without the refusal that names it",
+        (Test(pytest="tests/python/test_checkpoint_layout_rules.py::"
+                     "test_a_sharded_tensor_is_checked_when_only_one_side_holds_any_and_a_state_without_any_passes"),
+         Test(pytest="tests/python/test_checkpoint_layout_rules.py::"
+                     "test_a_layout_alone_is_not_a_mismatch_but_a_size_or_dtype_is"))),
     # The bound save (#65): each check that keeps a stale binding from saving the wrong tensors or skeleton.
     Mutation(
         "bound-entry-identity", "python/ettkit/checkpoint/_state_binding.py",

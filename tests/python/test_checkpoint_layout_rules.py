@@ -102,3 +102,18 @@ def test_reconcile_moved_gives_a_stateful_the_structure_it_holds_now():
     # Nothing moved: unchanged.
     same = {"state": {"t0.weight": {"m": slot(ROWS_0_5)}}}
     assert reconcile_moved(same, same, "optim", {"optim.state.t0.weight.m": "T0"}) == same
+
+
+def test_a_sharded_tensor_is_checked_when_only_one_side_holds_any_and_a_state_without_any_passes():
+    # check_sharded skips its walk only when NEITHER side holds a sharded tensor (#64: a plain state's load).
+    from ettkit.checkpoint._tensor_kinds import TENSOR
+
+    # The state holds a sharded tensor; the checkpoint none anywhere (a dict where the table was).
+    msg = refused(state(slot(ROWS_0_5), {}), saved_state({"a": TENSOR}, {}))
+    assert "'model.emb.weight': the checkpoint holds a dict" in msg, msg
+    # The checkpoint holds a sharded table; the state, without any sharded tensor, has no place for it.
+    live = {"model": StatefulSlot("model", None, None, {}, {"other.weight": TENSOR})}
+    msg = refused(live, {"model": {"other.weight": TENSOR, "emb.weight": slot(ROWS_0_5)}})
+    assert "'model.emb.weight': the checkpoint holds a ShardedTensor" in msg, msg
+    # Neither side: nothing to compare, nothing refused.
+    check_sharded(state(TENSOR, {"emb.weight": {"m": TENSOR}}), saved_state(TENSOR, {"emb.weight": {"m": TENSOR}}))
