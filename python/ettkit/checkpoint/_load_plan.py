@@ -51,7 +51,8 @@ class LoadPlan:
     where tensors the state lacks are read into new tensors (under a Stateful that is not a module: an
     optimizer before its first step; under the ``state`` of an optimizer state dict passed by value), which a
     partial load may also leave unread; ``live_slots``: the live sharded tensors by name (``sharded_slots``,
-    walked once per load); ``global_shapes``: their global sizes, for the loader's checks of pieces saved whole. ``checked``: the last candidate :meth:`check` passed."""
+    walked once per load); ``global_shapes``: their global sizes, for the loader's checks of pieces saved
+    whole. ``checked``: the last candidate :meth:`check` passed."""
 
     state: Any
     names: list
